@@ -1,0 +1,13 @@
+"""Benchmarks: `python -m g2rl_jax.bench NAME [args]`. Each NAME is a module here with `main(argv)`.
+
+Every benchmark measures ratios side by side in one run (these machines are noisy) and prints the
+figures the README quotes, with the command that produced them.
+"""
+
+BENCHMARKS = {
+    "forward": "g2rl_jax.bench.forward",   # model forward vs transformers PyTorch (issue: foundation)
+    "rollout": "g2rl_jax.bench.rollout",   # generate() vs transformers generate (issue: rollout)
+    "score": "g2rl_jax.bench.score",       # fused token_stats vs log-probs alone / naive (issue: G2RL core)
+    "verify": "g2rl_jax.bench.verify",     # answers verified per second per core (issue: rewards)
+    "step": "g2rl_jax.bench.step",         # RL step split: rollout / rewards / scoring / update (issue: training)
+}
