@@ -1,0 +1,114 @@
+"""Policy losses for the update step: per-token KL estimators, PPO-clip with DAPO-style asymmetric clipping and an
+optional dual clip, loss aggregation over [B, L] tokens, the entropy bonus, and per-step diagnostics.
+
+All per-token arrays are [B, L] (B sequences, L response positions) with a 0/1 `mask` marking response tokens;
+advantages are one per sequence, [B] (outcome rewards, eq. grpo-adv in shared/paper/g2rl_paper.tex).
+"""
+import jax.numpy as jnp
+
+KL_KINDS = ("k1", "k2", "k3")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# Clamps as verl applies them to "low_var_kl" (k3): the log-ratio ref − logp is clamped to ±20 before exp,
+# and the estimate to ±10, so one token whose probability collapsed cannot blow up the loss. The same ±20
+# clamp guards the PPO ratio exp(logp − old_logp).
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
+
+
+def kl_penalty(logp, ref_logp, kind):
+    """Per-token estimate of KL(π_θ ‖ π_ref) from sampled-token log-probs (Schulman's k1, k2, k3 estimators).
+
+    k1 = logp − ref; k2 = ½ (logp − ref)²; k3 = exp(ref − logp) − (ref − logp) − 1 ("low_var_kl"), with
+    ref − logp clamped to ±20 and the result to ±10 as verl does.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind must be one of {KL_KINDS}; got {kind!r}")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"logp {logp.shape} and ref_logp {ref_logp.shape} must have the same shape")
+    diff = logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff**2
+    log_r = jnp.clip(-diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return jnp.clip(jnp.exp(log_r) - log_r - 1.0, -K3_CLAMP, K3_CLAMP)
+
+
+def masked_mean(x_BxL, mask_BxL):
+    """Mean of x over the masked tokens of the whole batch (0 when the mask is empty)."""
+    return jnp.sum(x_BxL * mask_BxL) / jnp.maximum(jnp.sum(mask_BxL), 1.0)
+
+
+def aggregate(x_BxL, mask_BxL, mode="token-mean"):
+    """Reduce per-token values to a scalar loss.
+
+    token-mean: Σ x·mask / Σ mask over the batch. seq-mean-token-mean: each sequence's token mean, averaged over
+    the B sequences. seq-mean-token-sum: each sequence's token sum, averaged over the B sequences.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}; got {mode!r}")
+    if mode == "token-mean":
+        return masked_mean(x_BxL, mask_BxL)
+    seq_sum_B = jnp.sum(x_BxL * mask_BxL, axis=-1)
+    if mode == "seq-mean-token-sum":
+        return jnp.mean(seq_sum_B)
+    return jnp.mean(seq_sum_B / jnp.maximum(jnp.sum(mask_BxL, axis=-1), 1.0))
+
+
+def _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, entropy, entropy_coef,
+                    ref_logp, kl_coef, kl_kind):
+    if logp.ndim != 2:
+        raise ValueError(f"logp must be [B, L]; got shape {logp.shape}")
+    for name, x in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy), ("ref_logp", ref_logp)):
+        if x is not None and x.shape != logp.shape:
+            raise ValueError(f"{name} must be [B, L] = {logp.shape} like logp; got shape {x.shape}")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be one per sequence, [B] = {logp.shape[:1]}; got shape {advantages.shape}")
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (it bounds the loss of negative-advantage tokens); got {dual_clip}")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs the per-token entropy (token_stats' second output) as entropy=")
+    if kl_coef != 0.0 and ref_logp is None:
+        raise ValueError("kl_coef != 0 needs the reference model's per-token log-probs as ref_logp=")
+    if kl_kind not in KL_KINDS:
+        raise ValueError(f"kl_kind must be one of {KL_KINDS}; got {kl_kind!r}")
+
+
+def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean",
+             entropy=None, entropy_coef=0.0, ref_logp=None, kl_coef=0.0, kl_kind="k3"):
+    """PPO-clip objective as a loss to minimise (eq. grpo-obj with DAPO's separate ε_low / ε_high), plus
+    kl_coef · KL(π_θ ‖ π_ref) and minus entropy_coef · entropy (the paper's "Entropy Bonus" baseline).
+
+    Per token: ρ = exp(logp − old_logp); ℓ = max(−A ρ, −A clip(ρ, 1 − clip_low, 1 + clip_high)); with dual_clip = c,
+    tokens with A < 0 take min(ℓ, −A c). Returns (loss, diagnostics): pg_loss, clip_frac_low (A < 0 and
+    ρ < 1 − clip_low), clip_frac_high (A > 0 and ρ > 1 + clip_high), dual_clip_frac (A < 0 and ρ > c, if set),
+    approx_kl (k3 estimate of KL(π_old ‖ π_θ) on the sampled tokens), and entropy / kl when given; all token means.
+    """
+    _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, entropy, entropy_coef,
+                    ref_logp, kl_coef, kl_kind)
+    mask = mask.astype(jnp.float32)
+    adv_Bx1 = advantages.astype(jnp.float32)[:, None]
+    log_ratio = jnp.clip(logp.astype(jnp.float32) - old_logp.astype(jnp.float32), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+    per_token = jnp.maximum(-adv_Bx1 * ratio, -adv_Bx1 * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
+    diagnostics = {
+        "clip_frac_low": masked_mean(((adv_Bx1 < 0) & (ratio < 1.0 - clip_low)).astype(jnp.float32), mask),
+        "clip_frac_high": masked_mean(((adv_Bx1 > 0) & (ratio > 1.0 + clip_high)).astype(jnp.float32), mask),
+        "approx_kl": masked_mean(jnp.expm1(log_ratio) - log_ratio, mask),
+    }
+    if dual_clip is not None:
+        per_token = jnp.where(adv_Bx1 < 0, jnp.minimum(per_token, -adv_Bx1 * dual_clip), per_token)
+        diagnostics["dual_clip_frac"] = masked_mean(((adv_Bx1 < 0) & (ratio > dual_clip)).astype(jnp.float32), mask)
+    pg_loss = aggregate(per_token, mask, agg)
+    loss = pg_loss
+    diagnostics["pg_loss"] = pg_loss
+    if entropy is not None:
+        loss = loss - entropy_coef * aggregate(entropy.astype(jnp.float32), mask, agg)
+        diagnostics["entropy"] = masked_mean(entropy.astype(jnp.float32), mask)
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, kl_kind)
+        loss = loss + kl_coef * aggregate(kl, mask, agg)
+        diagnostics["kl"] = masked_mean(kl, mask)
+    return loss, diagnostics
