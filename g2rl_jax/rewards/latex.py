@@ -1,0 +1,475 @@
+"""A safe LaTeX -> sympy parser for answers: a tokenizer and a recursive-descent parser that builds sympy objects
+directly. No string ever reaches `eval`, `sympify` or `parse_expr`; unknown syntax raises `LatexError`.
+
+Supported: numbers (exact Integer/Rational, `204_5` base subscripts), symbols with subscripts, `\\frac`,
+`\\sqrt[n]{}`, `^`, `\\cdot`/`\\times`/`\\div`/`:`, implicit multiplication, `!`, `\\binom`, `|x|`,
+`\\lfloor`/`\\lceil`, trig/log/exp functions, `\\pi`, `\\infty`, `e`, `i`, `\\pm`/`\\mp`, `\\sum`/`\\prod`,
+tuples and intervals `(a,b]`, sets `\\{..\\}`, `\\cup`/`\\cap`/`\\setminus`, matrices (`pmatrix`, `bmatrix`,
+`array`, ...), equations and (chained) inequalities, `\\in`, `\\approx`. Input is a canonical string from
+`normalize_answer`.
+
+Size guards run before sympy evaluates anything: nesting depth, literal digits, power and factorial
+magnitudes. They raise `TooBig` (scored not equivalent).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import sympy
+
+MAX_DEPTH = 60            # nesting of brackets / braces / sub-expressions
+MAX_LITERAL_DIGITS = 300  # digits in one number literal
+MAX_POWER_DIGITS = 2_000  # digits of an evaluated numeric power
+MAX_EXPONENT = 1_000      # |integer exponent| on a symbolic base
+MAX_FACTORIAL = 500
+
+PM = sympy.Symbol("__pm__")  # a \pm b is parsed as a + PM*b and expanded into two answers afterwards
+
+
+class LatexError(ValueError):
+    """The answer is not LaTeX this parser understands (the caller falls back to string comparison)."""
+
+
+class TooBig(LatexError):
+    """The answer would make sympy build an enormous object (scored not equivalent)."""
+
+
+@dataclass(frozen=True)
+class Bracket:
+    """`(a, b)`, `[a, b)`, ...: a tuple, or an interval when it has two items."""
+    open: str
+    close: str
+    items: tuple
+
+
+@dataclass(frozen=True)
+class SetOf:
+    """`\\{a, b\\}`: an unordered set of answers."""
+    items: tuple
+
+
+@dataclass(frozen=True)
+class ListOf:
+    """`a, b` at top level (or `{a, b}`): several answers, unordered."""
+    items: tuple
+
+
+@dataclass(frozen=True)
+class SetOp:
+    """`A \\cup B`, `A \\cap B`, `A \\setminus B` over intervals and sets."""
+    op: str
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A chain `t0 op0 t1 op1 t2 ...` with ops among = < > <= >= != in. `label` marks `x = 3`-style chains
+    (a name on the left of `=`/`\\in`) whose value is the last term."""
+    terms: tuple
+    ops: tuple
+    label: bool
+
+
+_TOKEN_RE = re.compile(r"\s*(?:(\d+(?:\.\d+)?|\.\d+)|(\\[a-zA-Z]+|\\\\|\\[{}|])|([a-zA-Z])|"
+                       r"(<=|>=|!=|[-+*/^_()\[\]{}=<>,;:|!&']))")
+_RELOPS = {"=": "=", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!=", r"\leq": "<=", r"\geq": ">=",
+           r"\lt": "<", r"\gt": ">", r"\neq": "!=", r"\in": "in", r"\approx": "~", r"\equiv": "="}
+_FUNCS = {r"\sin": sympy.sin, r"\cos": sympy.cos, r"\tan": sympy.tan, r"\sec": sympy.sec, r"\csc": sympy.csc,
+          r"\cot": sympy.cot, r"\arcsin": sympy.asin, r"\arccos": sympy.acos, r"\arctan": sympy.atan,
+          r"\sinh": sympy.sinh, r"\cosh": sympy.cosh, r"\tanh": sympy.tanh, r"\ln": sympy.log,
+          r"\log": sympy.log, r"\exp": sympy.exp}
+_CONSTS = {r"\pi": sympy.pi, r"\infty": sympy.oo, r"\emptyset": sympy.S.EmptySet,
+           r"\varnothing": sympy.S.EmptySet}
+_GREEK = set(r"\alpha \beta \gamma \delta \epsilon \varepsilon \zeta \eta \theta \vartheta \iota \kappa \lambda \mu "
+             r"\nu \xi \rho \sigma \tau \upsilon \phi \varphi \chi \psi \omega \Gamma \Delta \Theta \Lambda \Xi \Pi "
+             r"\Sigma \Phi \Psi \Omega".split())
+_MATRIX_ENVS = {"pmatrix", "bmatrix", "matrix", "vmatrix", "Bmatrix", "smallmatrix", "array"}
+_SETOPS = {r"\cup": "cup", r"\cap": "cap", r"\setminus": "setminus"}
+_NOT_SYMBOLS = {r"\dots", r"\cdots", r"\ldots", r"\vdots", r"\ddots", r"\end", r"\rfloor", r"\rceil",
+                r"\text", r"\over", r"\choose", r"\mod", r"\pmod", r"\bmod", r"\to", r"\infty", r"\rightarrow",
+                r"\Rightarrow", r"\implies", r"\iff", r"\forall", r"\exists", r"\subset", r"\subseteq"}
+_ATOM_CMDS = {r"\frac", r"\sqrt", r"\binom", r"\lfloor", r"\lceil", r"\begin", r"\sum", r"\prod", r"\{"}
+
+
+def tokenize(s: str) -> list[str]:
+    tokens, pos = [], 0
+    s = s.rstrip()
+    while pos < len(s):
+        m = _TOKEN_RE.match(s, pos)
+        if m is None or m.end() == pos:
+            raise LatexError(f"cannot tokenize {s[pos:pos + 10]!r}")
+        tokens.append(m.group(m.lastindex))
+        pos = m.end()
+    return tokens
+
+
+def _number(text: str) -> sympy.Expr:
+    if len(text) > MAX_LITERAL_DIGITS:
+        raise TooBig(f"number literal with {len(text)} digits")
+    return sympy.Rational(text) if "." in text else sympy.Integer(text)
+
+
+def _digits(x: sympy.Expr) -> float:
+    """Decimal digits of a numeric sympy value (for the power guard)."""
+    if x.is_Rational:
+        return max(len(str(abs(x.p))), len(str(x.q)))
+    return 1.0
+
+
+def _power(base, exp):
+    """base**exp, refusing results that would be enormous."""
+    if isinstance(base, sympy.MatrixBase):
+        if not (exp.is_Integer and 0 <= exp <= 20):
+            raise LatexError("matrix power must be a small non-negative integer")
+        return base ** int(exp)
+    if exp.is_Number and abs(exp) > MAX_EXPONENT and not (base.is_Number and abs(base) in (0, 1)):
+        raise TooBig(f"exponent {exp} too large")
+    if base.is_Number and exp.is_Number and _digits(base) * float(abs(exp)) > MAX_POWER_DIGITS:
+        raise TooBig(f"power {base}^{exp} too large")
+    return base ** exp
+
+
+def is_label(value) -> bool:
+    """A name-like term (`x`, `f(x)`, `|AB|`, `a_{37}`, `(p, q)`, `A:B`): symbols, no numbers, no sums."""
+    if isinstance(value, Bracket):
+        return all(isinstance(v, sympy.Symbol) for v in value.items)
+    if not isinstance(value, sympy.Expr) or not value.free_symbols or PM in value.free_symbols:
+        return False
+    nodes = list(sympy.preorder_traversal(value))
+    return not any(isinstance(n, sympy.Add) for n in nodes) and all(
+        abs(n) == 1 for n in nodes if isinstance(n, sympy.Number))
+
+
+class _Parser:
+    def __init__(self, tokens: list[str]):
+        self.toks, self.i, self.depth, self.abs_depth = tokens, 0, 0, 0
+
+    # -- token helpers
+    def peek(self, k: int = 0) -> str | None:
+        return self.toks[self.i + k] if self.i + k < len(self.toks) else None
+
+    def take(self) -> str:
+        if self.i >= len(self.toks):
+            raise LatexError("unexpected end of answer")
+        self.i += 1
+        return self.toks[self.i - 1]
+
+    def expect(self, tok: str) -> None:
+        got = self.take()
+        if got != tok:
+            raise LatexError(f"expected {tok!r}, got {got!r}")
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise TooBig(f"nesting deeper than {MAX_DEPTH}")
+
+    # -- answers
+    def answer(self):
+        groups = [self.comma_list()]
+        while self.peek() == ";":
+            self.take()
+            groups.append(self.comma_list())
+        if self.peek() is not None:
+            raise LatexError(f"unexpected {self.peek()!r}")
+        if len(groups) > 1:  # `p=5,q=2;p=7,q=2`: each group is one ordered answer
+            return ListOf(tuple(g[0] if len(g) == 1 else Bracket("(", ")", tuple(g)) for g in groups))
+        return groups[0][0] if len(groups[0]) == 1 else ListOf(tuple(groups[0]))
+
+    def comma_list(self) -> list:
+        items = [self.item()]
+        while self.peek() == ",":
+            self.take()
+            items.append(self.item())
+        return items
+
+    def item(self):
+        terms, ops = [self.union()], []
+        while self.peek() in _RELOPS:
+            op = _RELOPS[self.take()]
+            if op == "~" and "=" in ops:  # `x = 1/3 \approx 0.33`: the approximation is commentary
+                self.union()
+                continue
+            ops.append("=" if op == "~" else op)
+            terms.append(self.union())
+        if not ops:
+            return terms[0]
+        label = all(o in ("=", "in") for o in ops) and (any(is_label(t) for t in terms[:-1]) or (
+            set(ops) == {"="} and all(isinstance(t, sympy.Expr) and not t.free_symbols for t in terms)))
+        return Relation(tuple(terms), tuple(ops), label)
+
+    def union(self):
+        parts, op = [self.expr()], None
+        while self.peek() in _SETOPS:
+            this = _SETOPS[self.take()]
+            if op is not None and this != op:
+                parts, op = [SetOp(op, tuple(parts))], None
+            op = this
+            parts.append(self.expr())
+        return parts[0] if op is None else SetOp(op, tuple(parts))
+
+    # -- arithmetic
+    def expr(self):
+        self.enter()
+        value = self.term()
+        while self.peek() in ("+", "-", r"\pm", r"\mp"):
+            op = self.take()
+            rhs = self.term()
+            value = _arith(value, rhs, op)
+        self.depth -= 1
+        return value
+
+    def term(self):
+        value = self.unary()
+        while True:
+            tok = self.peek()
+            if tok in ("*", r"\cdot", r"\times"):
+                self.take()
+                value = _arith(value, self.unary(), "*")
+            elif tok in ("/", r"\div", ":"):
+                self.take()
+                value = _arith(value, self.unary(), "/")
+            elif self.starts_atom(tok):
+                value = _arith(value, self.power(), "*")
+            else:
+                return value
+
+    def unary(self):
+        tok = self.peek()
+        if tok in ("-", "+", r"\pm", r"\mp"):
+            self.take()
+            self.enter()
+            inner = self.unary()
+            self.depth -= 1
+            return _arith(sympy.Integer(0), inner, tok)
+        return self.power()
+
+    def starts_atom(self, tok: str | None) -> bool:
+        if tok is None:
+            return False
+        if tok == "|":
+            return self.abs_depth == 0
+        return (tok[0].isdigit() or tok[0] == "." or tok.isalpha() or tok in ("(", "[", "{")
+                or tok in _ATOM_CMDS or tok in _FUNCS or tok in _CONSTS or tok in _GREEK)
+
+    def power(self):
+        base = self.atom()
+        while self.peek() in ("!", "'"):
+            if self.take() == "!":
+                if not (base.is_Integer and 0 <= base <= MAX_FACTORIAL):
+                    raise TooBig("factorial of a large or non-integer value")
+                base = sympy.factorial(base)
+        if self.peek() == "^":
+            self.take()
+            self.enter()
+            exp = self.single_arg()
+            self.depth -= 1
+            _need_sympy(base, exp)
+            base = _power(base, exp)
+        return base
+
+    def single_arg(self):
+        """A `{group}` or one token: `\\frac94`, `x^23` -> x^2 * 3, `\\sqrt 2`."""
+        tok = self.peek()
+        if tok == "{":
+            self.take()
+            value = self.expr()
+            self.expect("}")
+            return value
+        if tok is not None and tok[0].isdigit() and len(tok) > 1:
+            self.toks[self.i] = tok[1:]
+            return sympy.Integer(tok[0])
+        if tok == "-":  # x^-1
+            self.take()
+            return -self.single_arg()
+        return self.atom()
+
+    def atom(self):
+        tok = self.take()
+        self.enter()
+        try:
+            return self._atom(tok)
+        finally:
+            self.depth -= 1
+
+    def _atom(self, tok: str):
+        if tok[0].isdigit() or tok[0] == ".":
+            value = _number(tok)
+            if self.peek() == "_":  # 204_5: a numeral in base 5
+                self.take()
+                base = self.single_arg()
+                try:
+                    return sympy.Integer(int(tok, int(base)))
+                except (ValueError, TypeError) as err:
+                    raise LatexError(f"bad base numeral {tok}_{base}") from err
+            return value
+        if tok.isalpha() or tok in _GREEK:
+            return self.symbol(tok.lstrip("\\"))
+        if tok in _CONSTS:
+            return _CONSTS[tok]
+        if tok in ("(", "["):
+            return self.bracket(tok)
+        if tok == "{":
+            items = self.comma_list()
+            self.expect("}")
+            return items[0] if len(items) == 1 else ListOf(tuple(items))
+        if tok == r"\{":
+            items = [] if self.peek() == r"\}" else self.comma_list()
+            self.expect(r"\}")
+            return SetOf(tuple(items))
+        if tok == "|":
+            self.abs_depth += 1
+            inner = self.expr()
+            self.abs_depth -= 1
+            self.expect("|")
+            return sympy.Abs(_need_sympy(inner))
+        if tok == r"\frac":
+            num = self.single_arg()
+            den = self.single_arg()
+            return _arith(num, den, "/")
+        if tok == r"\sqrt":
+            if self.peek() == "[":
+                self.take()
+                n = self.expr()
+                self.expect("]")
+                return _power(_need_sympy(self.single_arg()), 1 / _need_sympy(n))
+            return sympy.sqrt(_need_sympy(self.single_arg()))
+        if tok == r"\binom":
+            n, k = self.single_arg(), self.single_arg()
+            if not (n.is_Number and abs(n) <= MAX_FACTORIAL or not n.is_Number):
+                raise TooBig("binomial too large")
+            return sympy.binomial(n, k)
+        if tok in (r"\lfloor", r"\lceil"):
+            inner = self.expr()
+            self.expect(r"\rfloor" if tok == r"\lfloor" else r"\rceil")
+            return (sympy.floor if tok == r"\lfloor" else sympy.ceiling)(_need_sympy(inner))
+        if tok in _FUNCS:
+            return self.function(tok)
+        if tok in (r"\sum", r"\prod"):
+            return self.big_operator(tok)
+        if tok == r"\begin":
+            return self.matrix()
+        if re.fullmatch(r"\\[a-zA-Z]+", tok) and tok not in _NOT_SYMBOLS:
+            return self.symbol(tok[1:])  # an unknown command such as `\zeta` or `\zzz` names a symbol
+        raise LatexError(f"unsupported token {tok!r}")
+
+    def symbol(self, name: str):
+        if self.peek() == "_":
+            self.take()
+            start = self.i
+            self.single_arg()
+            name = f"{name}_{{{''.join(self.toks[start:self.i]).strip('{}')}}}"
+        elif name == "e":
+            return sympy.E
+        elif name == "i":
+            return sympy.I
+        return sympy.Symbol(name)
+
+    def bracket(self, opening: str):
+        items = self.comma_list()
+        while self.peek() == ";":
+            self.take()
+            items += self.comma_list()
+        closing = self.take()
+        if closing not in (")", "]"):
+            raise LatexError(f"unclosed {opening!r}")
+        if len(items) == 1 and not (opening == "(" and closing == "]" or opening == "[" and closing == ")"):
+            return items[0]
+        return Bracket(opening, closing, tuple(items))
+
+    def function(self, tok: str):
+        exponent, base = None, None
+        if tok == r"\log" and self.peek() == "_":
+            self.take()
+            base = self.single_arg()
+        if self.peek() == "^":
+            self.take()
+            exponent = self.single_arg()
+        if self.peek() == "(":
+            self.take()
+            arg = self.expr()
+            self.expect(")")
+        else:
+            arg = self.power()
+        value = _FUNCS[tok](_need_sympy(arg)) if base is None else sympy.log(arg, base)
+        return value if exponent is None else _power(value, exponent)
+
+    def big_operator(self, tok: str):
+        self.expect("_")
+        self.expect("{")
+        var = self.symbol(self.take())
+        self.expect("=")
+        lower = self.expr()
+        self.expect("}")
+        self.expect("^")
+        upper = self.single_arg()
+        body = self.term()
+        cls = sympy.Sum if tok == r"\sum" else sympy.Product
+        return cls(_need_sympy(body), (var, lower, upper))
+
+    def matrix(self):
+        self.expect("{")
+        env = "".join(iter(self.take, "}"))
+        if env not in _MATRIX_ENVS:
+            raise LatexError(f"unsupported environment {env!r}")
+        if env == "array" and self.peek() == "{":
+            while self.take() != "}":
+                pass
+        rows, row = [], [self.expr()]
+        while True:
+            tok = self.take()
+            if tok == "&":
+                row.append(self.expr())
+            elif tok == "\\\\":
+                rows.append(row)
+                if self.peek() == r"\end":
+                    row = []
+                    continue
+                row = [self.expr()]
+            elif tok == r"\end":
+                if row:
+                    rows.append(row)
+                self.expect("{")
+                while self.take() != "}":
+                    pass
+                break
+            else:
+                raise LatexError(f"unexpected {tok!r} in matrix")
+        if len({len(r) for r in rows}) != 1:
+            raise LatexError("ragged matrix")
+        return sympy.ImmutableMatrix([[_need_sympy(x) for x in r] for r in rows])
+
+
+def _need_sympy(*values):
+    for v in values:
+        if not isinstance(v, (sympy.Basic, sympy.MatrixBase)):
+            raise LatexError(f"{type(v).__name__} used in arithmetic")
+    return values[0]
+
+
+def _arith(a, b, op: str):
+    _need_sympy(a, b)
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op in (r"\pm", r"\mp"):
+        return a + (PM if op == r"\pm" else -PM) * b
+    if op == "*":
+        return a * b
+    if isinstance(b, sympy.MatrixBase) or b == 0:
+        raise LatexError("division by zero or by a matrix")
+    return a / b
+
+
+def parse_answer(canonical: str):
+    """Parse a canonical answer string into a sympy object or one of the answer containers above."""
+    return _Parser(tokenize(canonical)).answer()
+
+
+def expand_pm(value) -> list:
+    """The answers a value stands for: `a \\pm b` gives two, anything else one."""
+    if isinstance(value, sympy.Expr) and PM in value.free_symbols:
+        return [value.subs(PM, 1), value.subs(PM, -1)]
+    return [value]

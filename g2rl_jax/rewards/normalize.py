@@ -1,0 +1,93 @@
+"""MATH-style string normalization of an answer, and the in-process fast path for plain numbers.
+
+`normalize_answer` turns an answer string into a canonical LaTeX string: delimiters (`$`, `\\boxed`), sizing
+(`\\left`, `\\right`), `\\dfrac`/`\\tfrac`, spacing commands, degrees, percent, currency, text units, thousands
+separators and trailing periods are removed. Two answers with the same canonical string are equivalent without
+any parsing; `maj_at_k` groups answers by it. It never evaluates anything.
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+MAX_ANSWER_CHARS = 10_000  # longer answers are rejected up front (scored not equivalent)
+
+_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textnormal|textrm|mbox|mathrm|mathbf|mathit|operatorname|"
+                          r"mathsf|textup|hbox)\s*\{([^{}]*)\}(\s*\^\s*\{?\d\}?)?")
+_UNIT_WORDS = ("units?|sq\\.?|square|cubic|cm|mm|km|meters?|metres?|miles?|mph|inch(?:es)?|feet|foot|ft|yards?|"
+               "hours?|minutes?|seconds?|days?|weeks?|months?|years?|degrees?|dollars?|cents?|euros?|yuan|pounds?|"
+               "grams?|kg|liters?|gallons?|ways|values|people|students|points?")
+_UNIT_RE = re.compile(rf"(?<=[\d}}\s])\s*\b(?:{_UNIT_WORDS})\b(?:\s*\^\s*\{{?\d\}}?)?\.?", re.IGNORECASE)
+_DELETE = [
+    (re.compile(r"\\\\(?=(?:le|ge|leq|geq|lt|gt|neq|frac|dfrac|tfrac|left|right|sqrt|boxed|text|pi|cdot|times|"
+                r"infty|pm|in|cup|cap|mathrm)(?![a-zA-Z]))"), "\\\\"),
+    (re.compile(r",\\!\s*"), ","),
+    (re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle)(?![a-zA-Z])\s*"), ""),
+    (re.compile(r"\\(?:left|right)\."), ""),
+    (re.compile(r"\\[dtc]frac(?![a-zA-Z])"), r"\\frac"),
+    (re.compile(r"\\[dt]binom(?![a-zA-Z])"), r"\\binom"),
+    (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])"), ""),
+    (re.compile(r"\\%|%|\\(?:percent)(?![a-zA-Z])|\b(?:percentage|percent|pct)\b"), ""),
+    (re.compile(r"\\\$|\$|€|£|¥"), ""),
+    (re.compile(r"\\q?quad|(?<!\\)\\[,;:! ]|~"), " "),
+    (re.compile(r"\s*\{,\s*\}\s*"), ""),
+    (re.compile(r"\\(?:le|leqslant)(?![a-zA-Z])"), r"\\leq"),
+    (re.compile(r"\\(?:ge|geqslant)(?![a-zA-Z])"), r"\\geq"),
+    (re.compile(r"\\ne(?![a-zA-Z])"), r"\\neq"),
+]
+_THOUSANDS_RE = re.compile(r"(?:(?<=^)|(?<=[\s={]))(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?=$|[\s.}])")
+_SEPARATOR_RE = re.compile(r"\s*,?\s*\b(?:and|or)\b\s*,?\s*|(?<=[0-9)\]}])or(?=[A-Za-z(\[{\\])")
+_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/(?:\d+))?")
+
+
+def _strip_box(s: str) -> str:
+    """Unwrap `\\boxed{...}` when it is the whole answer."""
+    m = re.fullmatch(r"\\(?:boxed|fbox)\s*\{(.*)\}", s, re.DOTALL)
+    return m.group(1) if m else s
+
+
+def _unwrap_text(s: str) -> str:
+    """`\\text{...}`: separators become commas, units after other content are dropped, the rest is unwrapped."""
+    def repl(m: re.Match) -> str:
+        inner = m.group(1).strip()
+        if re.fullmatch(r",?\s*(?:and|or)\s*,?", inner):
+            return ", "
+        rest = (s[:m.start()] + s[m.end():]).strip(" .,")
+        if re.fullmatch(r"[A-Za-z. ]{2,}", inner) and rest and re.search(r"[\d}]", s[:m.start()]):
+            return " "
+        power = m.group(2) or ""
+        return (" " + inner + " " if len(inner) > 1 else inner) + power
+    for _ in range(3):  # nested \text{\textbf{..}}
+        s = _TEXT_CMD_RE.sub(repl, s)
+    return s
+
+
+def normalize_answer(answer: str | None) -> str | None:
+    """Canonical string of an answer (see module docstring); None for a missing or over-long answer."""
+    if answer is None or len(answer) > MAX_ANSWER_CHARS:
+        return None
+    s = re.sub(r"\s+", " ", answer).strip()
+    s = re.sub(r"^(?:\$\$|\$|\\\[|\\\()|(?:\$\$|\$|\\\]|\\\))$", "", s.strip()).strip()
+    s = _strip_box(s.strip())
+    for pattern, repl in _DELETE:
+        s = pattern.sub(repl, s)
+    s = _unwrap_text(s)
+    s = _UNIT_RE.sub(" ", s)
+    s = _SEPARATOR_RE.sub(", ", s)
+    s = _THOUSANDS_RE.sub(lambda m: m.group(1).replace(",", ""), s.strip())
+    s = re.sub(r"\s+", " ", s).strip().rstrip(".,;").strip()
+    s = re.sub(r"(?:\s*,\s*)+", ",", s).strip(",")
+    s = re.sub(r"^\((?:[A-Z])\)$", lambda m: m.group(0)[1], s)  # "(C)" -> "C"
+    # Spaces only matter between a command and a following letter (`\sin b`).
+    s = re.sub(r"(?<![a-zA-Z])\s+|\s+(?![a-zA-Z])", "", s)
+    return s
+
+
+def fast_number(canonical: str) -> Fraction | None:
+    """Exact value of a canonical answer that is a plain number or a/b fraction, else None (no sympy)."""
+    if not _NUMBER_RE.fullmatch(canonical) or len(canonical) > 60:
+        return None
+    num, _, den = canonical.partition("/")
+    if den and int(den) == 0:
+        return None
+    return Fraction(num) / (Fraction(den) if den else 1)
