@@ -1,0 +1,201 @@
+"""pass@k, maj@k and verl's bootstrap metrics against independent transcriptions; the table; resume bookkeeping."""
+
+import itertools
+import json
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from g2rl_jax import eval as ev
+
+
+def _fraction_equal(a: str, b: str) -> bool:
+    return Fraction(a) == Fraction(b)
+
+
+# ---- pass@k ---------------------------------------------------------------------------------------------------
+
+def test_pass_at_k_closed_form():
+    for n in range(1, 41):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                expected = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+                assert ev.pass_at_k(n, c, k) == pytest.approx(float(expected), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_brute_force_enumeration():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                expected = sum(any(s) for s in subsets) / len(subsets)
+                assert ev.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_large_n_is_stable_and_checked():
+    assert ev.pass_at_k(1024, 1, 1) == pytest.approx(1 / 1024, rel=1e-12)
+    assert ev.pass_at_k(1024, 0, 512) == 0.0 and ev.pass_at_k(16, 16, 1) == 1.0
+    with pytest.raises(ValueError, match="n=4, c=5"):
+        ev.pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError, match="k=0"):
+        ev.pass_at_k(4, 1, 0)
+
+
+# ---- maj@k ----------------------------------------------------------------------------------------------------
+
+def test_equivalent_answers_vote_together():
+    answers = ["1/2", "0.5", "2/4", "3", "3"]
+    correct = [True, True, True, False, False]
+    assert ev.answer_classes(answers, _fraction_equal) == [0, 0, 0, 1, 1]
+    assert ev.maj_at_k(answers, correct, 5, equivalent=_fraction_equal) == 1.0
+    assert ev.maj_at_k(answers, correct, 5, equivalent=str.__eq__) == 0.0  # exact strings: "3" wins 2 to 1
+    assert ev.maj_at_k(answers, correct, 3, equivalent=_fraction_equal) == 1.0
+    assert ev.maj_at_k(["3", "3", "1/2", "0.5"], [False, False, True, True], 2, equivalent=_fraction_equal) == 0.0
+
+
+def test_unanswered_samples_do_not_vote():
+    assert ev.maj_at_k([None, None, None, "5"], [False, False, False, True], 4, equivalent=str.__eq__) == 1.0
+    assert ev.maj_at_k([None, None], [False, False], 2, equivalent=str.__eq__) == 0.0
+
+
+def test_ties_are_broken_uniformly_with_a_fixed_seed():
+    answers, correct = ["7", "8", "8", "7", "9"], [True, False, False, True, False]
+    picks = [ev.maj_at_k(answers, correct, 5, equivalent=str.__eq__, seed=s) for s in range(2000)]
+    assert picks == [ev.maj_at_k(answers, correct, 5, equivalent=str.__eq__, seed=s) for s in range(2000)]
+    # two tied classes: Binomial(2000, 1/2) has sd 22; 4.5 sd either side
+    assert 900 < sum(picks) < 1100
+    three_way = ["a", "b", "c"]
+    picks = [ev.maj_at_k(three_way, [True, False, False], 3, equivalent=str.__eq__, seed=s) for s in range(3000)]
+    assert 900 < sum(picks) < 1100  # 1/3 of 3000, sd 26
+
+
+def test_maj_at_k_checks_its_input():
+    with pytest.raises(ValueError, match="k=3, 2 answers"):
+        ev.maj_at_k(["1", "2"], [True, False], 3, equivalent=str.__eq__)
+
+
+# ---- verl's bootstrap metrics ---------------------------------------------------------------------------------
+
+def _verl_maj_exact(values, preds, k):
+    """Expectation over all n^k ordered draws of verl's rule: most common pred, ties to the first drawn; value of
+    that pred's first draw."""
+    n, total = len(values), 0.0
+    for draw in itertools.product(range(n), repeat=k):
+        first_value, counts = {}, {}
+        for i in draw:
+            first_value.setdefault(preds[i], values[i])
+            counts[preds[i]] = counts.get(preds[i], 0) + 1
+        total += first_value[max(counts, key=counts.get)]
+    return total / n**k
+
+
+def test_verl_metrics_deterministic_cases():
+    assert ev.verl_metrics([True] * 4, ["x"] * 4) == {"verl/mean@4": 1.0, "verl/best@2": 1.0, "verl/maj@2": 1.0,
+                                                      "verl/best@4": 1.0, "verl/maj@4": 1.0}
+    m = ev.verl_metrics([False] * 3, ["a", "b", "c"])
+    assert m == {"verl/mean@3": 0.0, "verl/best@2": 0.0, "verl/maj@2": 0.0, "verl/best@3": 0.0, "verl/maj@3": 0.0}
+    assert ev.verl_metrics([True], ["x"]) == {"verl/mean@1": 1.0}
+
+
+def test_verl_metrics_match_exact_expectations():
+    values = [1.0, 0.0, 0.0, 1.0, 0.0]
+    preds = ["4", "5", "5", "4", "6"]
+    m = ev.verl_metrics([bool(v) for v in values], preds, n_bootstrap=20000, seed=3)
+    assert m["verl/mean@5"] == pytest.approx(0.4)
+    for k in (2, 4, 5):
+        best = 1 - (1 - 0.4) ** k  # P(some draw with replacement is correct)
+        assert m[f"verl/best@{k}"] == pytest.approx(best, abs=4 * math.sqrt(best * (1 - best) / 20000))
+        maj = _verl_maj_exact(values, preds, k)
+        assert m[f"verl/maj@{k}"] == pytest.approx(maj, abs=4 * math.sqrt(maj * (1 - maj) / 20000)), k
+
+
+# ---- per-problem and per-dataset metrics, table ---------------------------------------------------------------
+
+RECORDS = [
+    {"dataset": "aime24", "id": "a", "answers": ["1", "1", "2", "2"], "correct": [True, True, False, False],
+     "classes": [0, 0, 1, 1]},
+    {"dataset": "aime24", "id": "b", "answers": ["5", None, "5", "6"], "correct": [True, False, True, False],
+     "classes": [0, None, 0, 1]},
+]
+
+
+def test_sample_ks():
+    assert ev.sample_ks(16) == [1, 2, 4, 8, 16] and ev.sample_ks(12) == [1, 2, 4, 8, 12] and ev.sample_ks(1) == [1]
+
+
+def test_dataset_metrics():
+    m = ev.dataset_metrics(RECORDS)
+    assert m["problems"] == 2
+    assert m["pass@1"] == pytest.approx(0.5) and m["verl/mean@4"] == pytest.approx(0.5)
+    assert m["pass@2"] == pytest.approx(1 - 1 / 6) and m["pass@4"] == 1.0
+    assert m["maj@1"] == 1.0 and m["maj@2"] == 1.0  # first samples are right in both problems
+    assert m["maj@4"] in (0.5, 1.0)  # problem a is a tie, b is a clear win
+    assert ev.dataset_metrics(RECORDS) == m, "seeded"
+
+
+def test_results_table_layout():
+    rows = {"GRPO": {"math500": {"pass@1": 0.5, "maj@16": 0.6, "pass@16": 0.9},
+                     "gpqa_diamond": {"pass@1": 0.25, "maj@16": 0.3, "pass@16": 0.8, "pass@32": 0.875}},
+            "G2RL": {"math500": {"pass@1": 0.55, "maj@16": 0.65, "pass@16": 0.925}}}
+    assert ev.results_table(rows, ["math500", "gpqa_diamond"]) == (
+        "| Model | MATH500 pass@1 | MATH500 maj@16 | MATH500 pass@16 | GPQA pass@1 | GPQA maj@16 | GPQA pass@16 | "
+        "GPQA pass@32 |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        "| GRPO | 50.0 | 60.0 | 90.0 | 25.0 | 30.0 | 80.0 | 87.5 |\n"
+        "| G2RL | 55.0 | 65.0 | 92.5 | – | – | – | – |\n"
+    )
+    few = ev.results_table({"m": {"aime24": ev.dataset_metrics(RECORDS)}}, ["aime24"])
+    assert "AIME24 maj@4 | AIME24 pass@4 |" in few and "| m | 50.0 |" in few
+
+
+# ---- resume bookkeeping and the command's pure parts ----------------------------------------------------------
+
+def test_records_survive_a_torn_last_line(tmp_path):
+    path = tmp_path / "records.jsonl"
+    for r in RECORDS:
+        ev.append_record(path, r)
+    with path.open("a") as f:
+        f.write('{"dataset": "aime24", "id": "c", "ans')  # crash mid-write
+    assert ev.read_records(path) == RECORDS
+    ev.append_record(path, {**RECORDS[0], "id": "c"})
+    assert [r["id"] for r in ev.read_records(path)] == ["a", "b", "c"]
+
+
+def test_settings_mismatch_refuses_to_resume(tmp_path):
+    settings = ev.RunSettings(model="/m", samples=16, temperature=0.8, top_p=1.0, top_k=0, max_new_tokens=64,
+                              template="chat", seed=0)
+    ev.check_settings(tmp_path, settings)
+    ev.check_settings(tmp_path, settings)
+    with pytest.raises(ValueError, match=r"other settings.*'samples': \(16, 8\).*another --out"):
+        ev.check_settings(tmp_path, ev.RunSettings(**{**settings.__dict__, "samples": 8}))
+
+
+def test_parse_args():
+    args = ev.parse_args(["--model-path", "m", "--datasets", "aime24", "--samples", "4"])
+    assert (args.samples, args.temperature, args.max_new_tokens, args.template) == (4, 0.8, 8192, "chat")
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--model-path", "m", "--checkpoint", "c"])
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--model-path", "m", "--samples", "0"])
+
+
+def test_main_resumes_from_records_without_a_model(tmp_path):
+    """All problems already recorded: main writes results.json/.md and never loads the (absent) model."""
+    out = tmp_path / "out"
+    out.mkdir()
+    model_dir = tmp_path / "no_model_here"
+    settings = ev.RunSettings(model=str(model_dir.resolve()), samples=4, temperature=0.8, top_p=1.0, top_k=0,
+                              max_new_tokens=8192, template="chat", seed=0)
+    ev.check_settings(out, settings)
+    for r, example_id in zip(RECORDS, ["2024-I-1", "2024-I-2"]):
+        ev.append_record(out / "records.jsonl", {**r, "id": example_id})
+    argv = ["--model-path", str(model_dir), "--datasets", "aime24", "--samples", "4", "--limit", "2", "--out", str(out)]
+    assert ev.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == "no_model_here" and results["metrics"]["aime24"]["problems"] == 2
+    assert results["metrics"]["aime24"]["pass@1"] == pytest.approx(0.5)
+    assert [p["id"] for p in results["problems"]["aime24"]] == ["2024-I-1", "2024-I-2"]
+    assert (out / "results.md").read_text().startswith("| Model | AIME24 pass@1 | AIME24 maj@4 | AIME24 pass@4 |")
