@@ -230,14 +230,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | None], list[bool], Equivalence]:
-    """(extracted answers, correctness, answer equivalence) for one problem's responses."""
+    """(extracted answers, correctness, answer equivalence) for one problem's responses, as the training reward."""
     from g2rl_jax import rewards
 
     if example.kind == "choice":
         answers = [rewards.extract_choice(t, num_choices=len(example.choices)) for t in texts]
         return answers, [a == example.answer for a in answers], str.__eq__
-    answers = [rewards.extract_boxed(t) for t in texts]
-    return answers, [rewards.math_reward(t, example.answer) > 0 for t in texts], rewards.is_equivalent
+    answers = [rewards.extract_answer(t) for t in texts]
+    scores = rewards.score_batch(list(texts), [example.answer] * len(texts), "math")
+    return answers, [bool(s > 0) for s in scores], rewards.is_equivalent
 
 
 def load_policy(args: argparse.Namespace):

@@ -199,3 +199,20 @@ def test_main_resumes_from_records_without_a_model(tmp_path):
     assert results["metrics"]["aime24"]["pass@1"] == pytest.approx(0.5)
     assert [p["id"] for p in results["problems"]["aime24"]] == ["2024-I-1", "2024-I-2"]
     assert (out / "results.md").read_text().startswith("| Model | AIME24 pass@1 | AIME24 maj@4 | AIME24 pass@4 |")
+
+
+def test_maj_at_k_with_the_real_verifier():
+    answers = ["\\frac{1}{2}", "0.5", "\\dfrac12", "3", "3"]
+    correct = [True, True, True, False, False]
+    assert ev.maj_at_k(answers, correct, 5) == 1.0  # default equivalence: g2rl_jax.rewards.is_equivalent
+
+
+def test_score_responses_like_the_training_reward():
+    from g2rl_jax.data import Example
+
+    math = Example(id="m", problem="1/2?", answer="\\frac{1}{2}")
+    answers, correct, _ = ev.score_responses(math, ["so \\boxed{0.5}", "\\boxed{3}", "no idea"])
+    assert answers[:2] == ["0.5", "3"] and correct == [True, False, False]
+    choice = Example(id="c", problem="Pick", answer="B", kind="choice", choices=("x", "y", "z"))
+    answers, correct, _ = ev.score_responses(choice, ["\\boxed{B}", "The answer is (C)", "\\boxed{E}"])
+    assert answers == ["B", "C", None] and correct == [True, False, False]
