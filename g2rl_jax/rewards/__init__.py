@@ -1,0 +1,104 @@
+"""Rewards: the verifier whose +-1 is the only supervision signal in training.
+
+Pipeline for a math response:
+  extract (`extract.py`: last `\\boxed{}` run, "final answer is ...", math spans, plain numbers)
+  -> normalize (`normalize.py`: MATH-style canonical string; equal strings are equivalent at once)
+  -> fast path in this process (plain numbers and fractions compared exactly with `fractions.Fraction`)
+  -> bounded path (`bounded.py`): a persistent worker subprocess parses both answers with our own LaTeX parser
+     (`latex.py`, builds sympy objects directly; nothing reaches `eval`/`sympify`/`parse_expr`) and compares
+     them (`compare.py`: numbers, tuples, intervals, sets, matrices, equations, inequalities, sympy identity).
+     A check that exceeds its timeout (2 s by default) kills its worker and scores False. This works from any
+     thread and inside other worker processes, because workers are plain subprocesses, not signal alarms.
+
+Guards: answers over 10,000 characters are not equivalent; the parser refuses nesting deeper than 60, number
+literals over 300 digits, powers over 2,000 digits, exponents over 1,000 and factorials over 500, before sympy
+evaluates them; workers run with a 4 GiB address-space cap.
+
+Public API: `extract_boxed`, `extract_answer`, `normalize_answer`, `is_equivalent`, `math_reward`,
+`extract_choice`, `choice_reward`, `score_batch`. For maj@k, group responses by
+`normalize_answer(extract_answer(response))` (or merge groups with `is_equivalent`).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from g2rl_jax.rewards.bounded import get_pool
+from g2rl_jax.rewards.extract import extract_answer, extract_boxed, extract_choice
+from g2rl_jax.rewards.normalize import fast_number, normalize_answer
+
+__all__ = ["extract_boxed", "extract_answer", "normalize_answer", "is_equivalent", "math_reward",
+           "extract_choice", "choice_reward", "score_batch"]
+
+DEFAULT_TIMEOUT_S = 2.0
+
+
+def _fast_verdict(pred: str, gold: str) -> bool | None:
+    """Verdict without sympy for canonical strings, or None when the bounded path must decide."""
+    if not pred or not gold:
+        return False
+    if pred == gold:
+        return True
+    a, b = fast_number(pred), fast_number(gold)
+    if a is not None and b is not None:
+        if a == b:
+            return True
+        if "/" not in pred and "/" not in gold:  # two terminating decimals: exact comparison is final
+            return False
+    return None
+
+
+def is_equivalent(pred: str | None, gold: str | None, *, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether answer strings pred and gold are mathematically equivalent (bounded by timeout seconds)."""
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    p, g = normalize_answer(pred), normalize_answer(gold)
+    if p is None or g is None:
+        return False
+    verdict = _fast_verdict(p, g)
+    return verdict if verdict is not None else get_pool().check(p, g, timeout)
+
+
+def math_reward(response: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> float:
+    """The paper's +-1: 1.0 if the response's final answer is equivalent to gold, else -1.0."""
+    return 1.0 if is_equivalent(extract_answer(response), gold, timeout=timeout) else -1.0
+
+
+def _check_letter(gold_letter: str) -> str:
+    if not (isinstance(gold_letter, str) and len(gold_letter.strip()) == 1 and gold_letter.strip().isalpha()):
+        raise ValueError(f"gold_letter must be one letter A-Z, got {gold_letter!r}")
+    return gold_letter.strip().upper()
+
+
+def choice_reward(response: str, gold_letter: str) -> float:
+    """+-1 for multiple choice (GPQA, MMLU-Pro): 1.0 if the extracted letter is gold_letter."""
+    gold = _check_letter(gold_letter)
+    num_choices = max(10, ord(gold) - ord("A") + 1)
+    return 1.0 if extract_choice(response, num_choices=num_choices) == gold else -1.0
+
+
+def score_batch(responses: list[str], golds: list[str], kind: str = "math", *,
+                timeout: float = DEFAULT_TIMEOUT_S, num_workers: int | None = None) -> np.ndarray:
+    """Rewards (+-1, float32, order preserved) for a batch; math checks run in parallel worker processes.
+
+    A pathological answer costs at most `timeout` seconds and scores -1; it never raises or stalls.
+    """
+    if len(responses) != len(golds):
+        raise ValueError(f"score_batch: {len(responses)} responses but {len(golds)} golds; pass one gold each")
+    if kind == "choice":
+        return np.array([choice_reward(r, g) for r, g in zip(responses, golds)], dtype=np.float32)
+    if kind != "math":
+        raise ValueError(f"score_batch: kind must be 'math' or 'choice', got {kind!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    pairs = [(normalize_answer(extract_answer(r)), normalize_answer(g)) for r, g in zip(responses, golds)]
+    verdicts = [False if p is None or g is None else _fast_verdict(p, g) for p, g in pairs]
+    pending = [k for k, v in enumerate(verdicts) if v is None]
+    if pending:
+        pool = get_pool()
+        with ThreadPoolExecutor(max_workers=max(1, min(num_workers or 64, len(pending)))) as ex:
+            results = ex.map(lambda k: pool.check(pairs[k][0], pairs[k][1], timeout), pending)
+            for k, ok in zip(pending, results):
+                verdicts[k] = ok
+    return np.where(np.array(verdicts, dtype=bool), 1.0, -1.0).astype(np.float32)
