@@ -3,6 +3,8 @@ command that samples a model on benchmarks and writes them.
 
     python -m g2rl_jax.eval --model-path DIR --datasets math500,aime24 --samples 16 --temperature 0.8 --out DIR
 
+    python -m g2rl_jax.eval --table runA/results.json runB/results.json   # one table, a row per run
+
 Per problem it samples `--samples` responses, extracts and verifies their answers, and appends one record to
 `OUT/records.jsonl` (a rerun with the same settings skips the problems already there). At the end it writes
 `OUT/results.json` (records and per-dataset metrics) and `OUT/results.md` (one row per model; columns are benchmarks
@@ -210,6 +212,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path", help="Hugging Face model folder (config.json, safetensors, tokenizer)")
     source.add_argument("--checkpoint", help="a g2rl_jax training checkpoint folder")
+    source.add_argument("--table", nargs="+", metavar="RESULTS_JSON",
+                        help="only print one table, a row per file, from earlier runs' results.json")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     p.add_argument("--datasets", default="math500,amc23,aime24,aime25", help="comma-separated names or jsonl paths")
     p.add_argument("--samples", type=int, default=16)
@@ -279,8 +283,20 @@ def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path)
                 bar.update()
 
 
+def merged_table(paths: Sequence[str]) -> str:
+    """One results table from several runs' results.json, a row per run, the benchmarks of the first run first."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    names = Counter(run["model"] for run in runs)
+    rows = {run["model"] if names[run["model"]] == 1 else f"{run['model']} ({path})": run["metrics"]
+            for run, path in zip(runs, paths)}
+    return results_table(rows, list(dict.fromkeys(name for run in runs for name in run["metrics"])))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.table:
+        print(merged_table(args.table), end="")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_path or args.checkpoint

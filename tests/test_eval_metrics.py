@@ -199,6 +199,9 @@ def test_main_resumes_from_records_without_a_model(tmp_path):
     assert results["metrics"]["aime24"]["pass@1"] == pytest.approx(0.5)
     assert [p["id"] for p in results["problems"]["aime24"]] == ["2024-I-1", "2024-I-2"]
     assert (out / "results.md").read_text().startswith("| Model | AIME24 pass@1 | AIME24 maj@4 | AIME24 pass@4 |")
+    (tmp_path / "copy.json").write_text((out / "results.json").read_text())
+    table = ev.merged_table([out / "results.json", tmp_path / "copy.json"])
+    assert table.count("| no_model_here (") == 2 and table.count(" | 50.0 |") == 2
 
 
 def test_maj_at_k_with_the_real_verifier():
