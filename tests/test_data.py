@@ -108,6 +108,8 @@ def test_bad_input_errors(tmp_path):
     register_dataset("test_empty_dataset", lambda: [], overwrite=True)
     with pytest.raises(ValueError, match="'test_empty_dataset' has no usable rows"):
         load_dataset("test_empty_dataset")
+    with pytest.raises(ValueError, match="apply to jsonl files only"):
+        load_dataset("math500", kind="choice")
     with pytest.raises(ValueError, match="already registered"):
         register_dataset("math500", lambda: [])
 

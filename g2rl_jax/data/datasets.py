@@ -65,22 +65,24 @@ def dataset_names() -> list[str]:
 
 
 def load_dataset(
-    name_or_path: str | Path, *, fields: Mapping[str, str] | None = None, kind: Kind = "math", limit: int | None = None
+    name_or_path: str | Path, *, fields: Mapping[str, str] | None = None, kind: Kind | None = None,
+    limit: int | None = None,
 ) -> list[Example]:
-    """Examples of a registered dataset, or of a local .jsonl / .jsonl.gz file read with `fields`.
+    """Examples of a registered dataset, or of a local .jsonl / .jsonl.gz file read with `fields` and `kind`.
 
-    `fields` maps Example field names (id, problem, answer, choices) to the file's keys; only for files.
+    For files only: `fields` maps Example field names (id, problem, answer, choices) to the file's keys (defaults:
+    the same names; a missing id becomes "file:line"), `kind` is "math" (default) or "choice" (answer = a letter).
     `limit` keeps the first `limit` examples.
     """
     key = str(name_or_path)
     if key in _REGISTRY:
-        if fields is not None:
-            raise ValueError(f"fields= applies to jsonl files only; {key!r} is a registered dataset")
+        if fields is not None or kind is not None:
+            raise ValueError(f"fields= and kind= apply to jsonl files only; {key!r} is a registered dataset")
         examples = list(_REGISTRY[key]())
         if not examples:
             raise ValueError(f"dataset {key!r} has no usable rows (its loader returned nothing)")
     elif Path(key).is_file():
-        examples = read_jsonl_examples(Path(key), fields=fields or {}, kind=kind)
+        examples = read_jsonl_examples(Path(key), fields=fields or {}, kind=kind or "math")
     else:
         raise ValueError(
             f"unknown dataset {key!r}: it is neither a registered name ({', '.join(dataset_names())}) "
