@@ -97,22 +97,34 @@ def _boxed_run(text: str) -> tuple[str, int] | None:
 
 def math_spans(text: str) -> list[tuple[str, int, int]]:
     """LaTeX math spans `$..$`, `$$..$$`, `\\(..\\)`, `\\[..\\]` as (content, start, end); inline ones end at a
-    newline. Escaped `\\$` is not a delimiter."""
+    newline. Escaped `\\$` is not a delimiter. Linear time: the next closer of each kind is found once and reused."""
     spans, i, n = [], 0, len(text)
     closers = {"$$": "$$", "$": "$", "\\(": "\\)", "\\[": "\\]"}
+    next_at: dict[str, int] = {}
+
+    def find(token: str, pos: int) -> int:
+        cached = next_at.get(token, -2)
+        if cached == -1 or cached >= pos:
+            return cached
+        j = text.find(token, pos)
+        while token.startswith("$") and j > 0 and text[j - 1] == "\\":
+            j = text.find(token, j + 1)
+        next_at[token] = j
+        return j
+
     while i < n:
         opener = next((o for o in ("$$", "$", "\\(", "\\[") if text.startswith(o, i)), None)
         if opener is None:
             i += 2 if text[i] == "\\" else 1
             continue
-        j, close, inline = i + len(opener), closers[opener], opener in ("$", "\\(")
-        while j < n and not text.startswith(close, j) and not (inline and text[j] == "\n"):
-            j += 2 if text[j] == "\\" and not text.startswith(close, j) else 1
-        if j < n and text.startswith(close, j):
-            spans.append((text[i + len(opener):j], i, j + len(close)))
-            i = j + len(close)
-        else:
+        close = closers[opener]
+        j = find(close, i + len(opener))
+        newline = find("\n", i) if opener in ("$", "\\(") else -1
+        if j == -1 or (newline != -1 and newline < j):
             i += len(opener)
+            continue
+        spans.append((text[i + len(opener):j], i, j + len(close)))
+        i = j + len(close)
     return spans
 
 
