@@ -1,0 +1,246 @@
+"""One RL step, stage by stage. Each stage is a pure function a user can call on its own (Colab, IPython):
+
+    batch   = build_batch(rollout, rewards, correct)             # padded arrays for scoring and the update
+    scores  = score(graphdef, params, batch, temperature=T)      # behaviour log-probs, entropy, Φ (token_stats)
+    ref     = ref_logprobs(graphdef, ref_params, batch, ...)     # reference-model log-probs (KL term)
+    signal  = advantages(batch, scores, algorithm, embeddings)   # ν, shaped rewards r̃, group advantages A
+    params, opt_state, info = update(graphdef, params, opt_state, batch, scores, ref, signal, ...)
+
+Arrays follow the layout of `Batch`: B = G·m responses, group-major (the m samples of prompt g are rows
+g·m … g·m+m−1); S prompt positions (left-padded), T response positions (right-padded). hidden[:, S−1+t]
+predicts response token t. A failing stage raises `StageError` naming the stage, the array and its shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from g2rl_jax import g2rl, losses
+from g2rl_jax.config import AlgorithmConfig, OptimConfig
+
+
+class StageError(RuntimeError):
+    """A stage of the RL step failed; the message names the stage and the offending array and shape."""
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["input_ids", "attention_mask", "response_mask", "rewards", "correct"],
+                   meta_fields=["group_size"])
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One step's responses, padded. input_ids/attention_mask [B, S+T]; response_mask [B, T] (1 on the
+    response tokens, the stop token included); rewards, correct [B] (base ±1 reward and its correctness)."""
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    response_mask: jax.Array
+    rewards: jax.Array
+    correct: jax.Array
+    group_size: int
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+
+def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_mask_BxT, rewards_B, correct_B,
+                group_size: int) -> Batch:
+    """Join left-padded prompts and right-padded completions into one [B, S+T] batch (host numpy in, arrays out)."""
+    arrays = {"prompt_ids": prompt_ids_BxS, "prompt_mask": prompt_mask_BxS, "completion_ids": completion_ids_BxT,
+              "completion_mask": completion_mask_BxT, "rewards": rewards_B, "correct": correct_B}
+    b = np.shape(prompt_ids_BxS)[0]
+    for name, x in arrays.items():
+        if np.shape(x)[0] != b:
+            raise StageError(f"build_batch: {name} has shape {np.shape(x)}, expected {b} rows like prompt_ids")
+    if b % group_size:
+        raise StageError(f"build_batch: {b} responses is not a multiple of the group size {group_size}")
+    return Batch(
+        input_ids=jnp.asarray(np.concatenate([prompt_ids_BxS, completion_ids_BxT], axis=1), jnp.int32),
+        attention_mask=jnp.asarray(np.concatenate([prompt_mask_BxS, completion_mask_BxT], axis=1), jnp.int32),
+        response_mask=jnp.asarray(completion_mask_BxT, jnp.float32),
+        rewards=jnp.asarray(rewards_B, jnp.float32),
+        correct=jnp.asarray(correct_B, bool),
+        group_size=group_size,
+    )
+
+
+def _response_hidden(model, batch: Batch):
+    """Hidden states that predict the response tokens: hidden[:, S−1 : S−1+T] of the joined sequence."""
+    h_BxNxD = model.hidden_states(batch.input_ids, batch.attention_mask)
+    s, t = batch.prompt_len, batch.response_mask.shape[1]
+    return h_BxNxD[:, s - 1:s - 1 + t], batch.input_ids[:, s:]
+
+
+def _head(model, h_BxTxD):
+    return model.lm_head_weight().astype(h_BxTxD.dtype)
+
+
+def _micro_map(fn, batch: Batch, micro: int):
+    """Apply fn to `micro`-row slices of the batch one after another (lax.map), so memory follows `micro`."""
+    b = batch.input_ids.shape[0]
+    if b % micro:
+        raise StageError(f"scoring: batch of {b} responses is not a multiple of micro_batch_size={micro}")
+    split = jax.tree.map(lambda x: x.reshape(b // micro, micro, *x.shape[1:]), batch)
+    out = jax.lax.map(fn, split)
+    return jax.tree.map(lambda x: x.reshape(b, *x.shape[2:]), out)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "micro", "chunk"))
+def score(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK):
+    """Behaviour-policy pass: (logp [B, T], entropy [B, T], phi [B, D]) via g2rl.token_stats (eq. seq-feature)."""
+    model = nnx.merge(graphdef, params)
+
+    def one(mb: Batch):
+        h, targets = _response_hidden(model, mb)
+        return g2rl.token_stats(h, _head(model, h), targets, mb.response_mask, temperature=temperature,
+                                chunk_size=chunk)
+
+    return _micro_map(one, batch, micro)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "micro", "chunk"))
+def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK):
+    """Reference-model log-probs [B, T] of the response tokens (for the KL term)."""
+    model = nnx.merge(graphdef, params)
+
+    def one(mb: Batch):
+        h, targets = _response_hidden(model, mb)
+        return g2rl.token_logprobs(h, _head(model, h), targets, temperature=temperature, chunk_size=chunk)
+
+    return _micro_map(one, batch, micro)
+
+
+def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None) -> dict[str, jax.Array]:
+    """ν, shaped rewards and group advantages [B] for the configured exploration signal (eqs. novelty,
+    shaped-reward, grpo-adv); rewards are regrouped [G, m] and the group functions are vmapped over G."""
+    m = batch.group_size
+    r_Gxm = batch.rewards.reshape(-1, m)
+    if algo.exploration == "g2rl":
+        nu_Gxm = g2rl.novelty(phi_BxD.reshape(-1, m, phi_BxD.shape[-1]), r_Gxm)
+        shaped_Gxm = g2rl.shape_rewards(r_Gxm, nu_Gxm, lam=algo.lam, clip=algo.reward_clip, mode=algo.shaping_mode)
+    elif algo.exploration == "evol":
+        if embeddings_BxE is None:
+            raise StageError("advantages: exploration=evol needs embeddings_BxE from the embedding model")
+        nu_Gxm = jnp.full_like(r_Gxm, jnp.nan)
+        correct_Gxm = batch.correct.reshape(-1, m)
+        shaped_Gxm = g2rl.embedding_novelty(embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]), correct_Gxm,
+                                            jnp.ones_like(correct_Gxm))
+    else:  # grpo and entropy_bonus shape nothing; the bonus lives in the loss
+        nu_Gxm = jnp.full_like(r_Gxm, jnp.nan)
+        shaped_Gxm = r_Gxm
+    adv_Gxm = g2rl.group_advantages(shaped_Gxm)
+    return {"nu": nu_Gxm.reshape(-1), "shaped_rewards": shaped_Gxm.reshape(-1), "advantages": adv_Gxm.reshape(-1)}
+
+
+def group_keep_mask(correct_B, group_size: int) -> np.ndarray:
+    """Optional filter (algorithm.filter_equal_groups): keep groups whose BASE correctness is mixed.
+    Keyed on correctness, not on the shaped reward, so G2RL's within-class signal cannot rescue a group."""
+    c_Gxm = np.asarray(correct_B, bool).reshape(-1, group_size)
+    keep_G = c_Gxm.any(axis=1) & ~c_Gxm.all(axis=1)
+    return np.repeat(keep_G, group_size)
+
+
+def make_optimizer(optim: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+    """AdamW with linear warmup and cosine decay to min_lr_ratio·peak, after global-norm clipping."""
+    schedule = learning_rate_schedule(optim, total_updates)
+    return optax.chain(
+        optax.clip_by_global_norm(optim.max_grad_norm),
+        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
+    )
+
+
+def learning_rate_schedule(optim: OptimConfig, total_updates: int) -> optax.Schedule:
+    decay_steps = max(total_updates - optim.warmup_steps, 1)
+    cosine = optax.cosine_decay_schedule(optim.learning_rate, decay_steps, alpha=optim.min_lr_ratio)
+    if optim.warmup_steps == 0:
+        return cosine
+    warmup = optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps)
+    return optax.join_schedules([warmup, cosine], [optim.warmup_steps])
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The static knobs of the policy loss (from AlgorithmConfig and the rollout temperature)."""
+
+    temperature: float
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    agg: str
+    entropy_coef: float
+    kl_coef: float
+    kl_kind: str
+    chunk: int = g2rl.DEFAULT_CHUNK
+
+    @classmethod
+    def from_config(cls, algo: AlgorithmConfig, temperature: float) -> "LossSettings":
+        return cls(temperature=temperature if temperature > 0 else 1.0, clip_low=algo.clip_low,
+                   clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.loss_agg,
+                   entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_kind=algo.kl_kind)
+
+
+def policy_loss(params, graphdef, mb: dict[str, Any], s: LossSettings):
+    """PPO-clip + β·KL − entropy bonus on one micro-batch (eq. grpo-obj), f32 loss; returns (loss, diagnostics)."""
+    model = nnx.merge(graphdef, params)
+    batch: Batch = mb["batch"]
+    h, targets = _response_hidden(model, batch)
+    head = _head(model, h)
+    if s.entropy_coef:
+        logp, ent, _ = g2rl.token_stats(h, head, targets, batch.response_mask, temperature=s.temperature,
+                                        chunk_size=s.chunk)
+    else:
+        logp, ent = g2rl.token_logprobs(h, head, targets, temperature=s.temperature, chunk_size=s.chunk), None
+    return losses.ppo_loss(
+        logp, mb["old_logp"], mb["advantages"], batch.response_mask, clip_low=s.clip_low, clip_high=s.clip_high,
+        dual_clip=s.dual_clip, agg=s.agg, entropy=ent, entropy_coef=s.entropy_coef,
+        ref_logp=mb["ref_logp"] if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind)
+
+
+def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
+    """Share of one micro-batch in the mini-batch mean, so accumulated micro losses equal the mini-batch loss."""
+    if agg == "token-mean":
+        return jnp.sum(mask_BxT) / jnp.maximum(total_tokens, 1.0)
+    return mask_BxT.shape[0] / total_rows
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "settings", "micro"),
+                   donate_argnames=("params", "opt_state"))
+def update(graphdef, params, opt_state, mini: dict[str, Any], *, optimizer: optax.GradientTransformation,
+           settings: LossSettings, micro: int):
+    """One optimizer update on a mini-batch, gradients accumulated over `micro`-row micro-batches.
+
+    A non-finite loss or gradient skips the update: params and optimizer state come back unchanged and
+    info["skipped"] is 1. mini holds batch (Batch), old_logp, ref_logp [B, T] and advantages [B].
+    """
+    rows = mini["advantages"].shape[0]
+    total_tokens = jnp.sum(mini["batch"].response_mask)
+    split = jax.tree.map(lambda x: x.reshape(rows // micro, micro, *x.shape[1:]), mini)
+    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+
+    def accumulate(carry, mb):
+        grads_acc, loss_acc, diag_acc = carry
+        (loss, diag), grads = grad_fn(params, graphdef, mb, settings)
+        w = _micro_weight(mb["batch"].response_mask, settings.agg, total_tokens, rows)
+        grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
+        diag_acc = jax.tree.map(lambda a, d: a + w * d, diag_acc, diag)
+        return (grads_acc, loss_acc + w * loss, diag_acc), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    diag0 = jax.eval_shape(lambda: policy_loss(params, graphdef, jax.tree.map(lambda x: x[0], split), settings)[1])
+    diag0 = jax.tree.map(lambda d: jnp.zeros(d.shape, d.dtype), diag0)
+    (grads, loss, diag), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0), diag0), split)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    info = dict(diag, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
+    return keep(new_params, params), keep(new_opt_state, opt_state), info
