@@ -227,10 +227,10 @@ def _set_equal(x, y) -> bool:
 # -- expressions -----------------------------------------------------------------------------------------------
 
 def _decimal_places(x: sympy.Expr) -> int | None:
-    """Smallest d <= 12 with x * 10^d an integer (x written as a terminating decimal), else None."""
+    """Smallest d <= 40 with x * 10^d an integer (x written as a terminating decimal), else None."""
     if not x.is_Rational:
         return None
-    for d in range(13):
+    for d in range(41):
         if (x * 10 ** d).is_Integer:
             return d
     return None
@@ -240,12 +240,13 @@ def _numbers_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
     va, vb = _value(a, {}), _value(b, {})
     if va is None or vb is None:
         return False
-    if abs(va - vb) <= _REL_TOL * max(1.0, abs(vb)):
+    exact = a.is_Rational and b.is_Rational  # two exact rationals: equal only if identical (or rounded, below)
+    if not exact and abs(va - vb) <= _REL_TOL * max(1.0, abs(vb)):
         return True
-    for x, vy, y in ((a, vb, b), (b, va, a)):  # 0.33 for 1/3: a decimal that is the value rounded
+    for x, vy, y in ((a, vb, b), (b, va, a)):  # 0.33 for 1/3: a decimal that is the value rounded to d places
         d = _decimal_places(x)
         if d is not None and d >= 2 and _decimal_places(y) is None and abs(vy.imag) < 1e-12:
-            if abs(round(vy.real, d) - float(x)) < 10 ** -(d + 3):
+            if abs(sympy.N(y - x, 60)) <= sympy.Rational(1, 2) * sympy.Rational(10) ** -d:
                 return True
     return False
 

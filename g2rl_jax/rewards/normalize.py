@@ -21,7 +21,7 @@ _UNIT_RE = re.compile(rf"(?<=[\d}}\s])\s*\b(?:{_UNIT_WORDS})\b(?:\s*\^\s*\{{?\d\
 _DELETE = [
     (re.compile(r"\\\\(?=(?:le|ge|leq|geq|lt|gt|neq|frac|dfrac|tfrac|left|right|sqrt|boxed|text|pi|cdot|times|"
                 r"infty|pm|in|cup|cap|mathrm)(?![a-zA-Z]))"), "\\\\"),
-    (re.compile(r",\\!\s*"), ","),
+    (re.compile(r",\\!\s*(?=\d{3}(?!\d))"), ""),  # `10,\!080`: LaTeX's thousands separator
     (re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle)(?![a-zA-Z])\s*"), ""),
     (re.compile(r"\\(?:left|right)\."), ""),
     (re.compile(r"\\[dtc]frac(?![a-zA-Z])"), r"\\frac"),
@@ -35,7 +35,8 @@ _DELETE = [
     (re.compile(r"\\(?:ge|geqslant)(?![a-zA-Z])"), r"\\geq"),
     (re.compile(r"\\ne(?![a-zA-Z])"), r"\\neq"),
 ]
-_THOUSANDS_RE = re.compile(r"(?:(?<=^)|(?<=[\s={]))(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?=$|[\s.}])")
+# `31,250`: thousands only for a whole answer, a right-hand side or a brace group (`(1,100)` stays a pair).
+_THOUSANDS_RE = re.compile(r"(?:(?<=^)|(?<==)|(?<=[={] ))(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?=$|[.}]| ?[}])")
 _SEPARATOR_RE = re.compile(r"\s*,?\s*\b(?:and|or)\b\s*,?\s*|(?<=[0-9)\]}])or(?=[A-Za-z(\[{\\])")
 _NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/(?:\d+))?")
 
