@@ -1,0 +1,126 @@
+"""Per-step scalar metrics: `<run_dir>/metrics.jsonl`, TensorBoard events, and a tqdm progress bar.
+
+Only process 0 writes (on other processes every method is a no-op), so multi-host runs produce one file.
+
+    metrics = MetricsWriter(run_dir, start_step=restored_step or 0)   # drops records past start_step
+    bar = ProgressBar(total_steps=cfg.run.total_steps, start_step=restored_step or 0)
+    for step in range(start + 1, total + 1):
+        scalars = {"accuracy": ..., "reward": ..., "kl": ..., "entropy": ..., "tokens_per_s": ...}
+        metrics.write(step, scalars)
+        bar.update(step, scalars)
+    metrics.close(); bar.close()
+
+Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ... again, so MetricsWriter first
+rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
+equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`.
+Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+import jax
+import numpy as np
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+# metric name -> short label shown on the progress bar, in display order
+HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent", "tokens_per_s": "tok/s"}
+
+
+def _is_writer() -> bool:
+    return jax.process_index() == 0
+
+
+def _as_number(name: str, value) -> int | float:
+    """A Python int/float from a Python, NumPy or 0-d JAX scalar; anything else is an error naming the metric."""
+    array = np.asarray(value)
+    if array.shape != () or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+        raise TypeError(f"metric {name!r} must be a real scalar, got {type(value).__name__} "
+                        f"with shape {array.shape} and dtype {array.dtype}")
+    return array.item() if np.issubdtype(array.dtype, np.integer) else float(array)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """All complete records of run_dir/metrics.jsonl (a torn final line from a kill is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != len(lines):
+                raise ValueError(f"{path}:{number} is not valid JSON and is not the last line; "
+                                 "the file was edited or corrupted, fix or delete that line") from None
+    return records
+
+
+def _truncate(run_dir: Path, start_step: int) -> None:
+    """Rewrite metrics.jsonl atomically with only the records of steps <= start_step."""
+    kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step]
+    tmp = run_dir / f".{METRICS_FILE}.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, run_dir / METRICS_FILE)
+
+
+class MetricsWriter:
+    """Append one JSON line and TensorBoard scalars per step; records past `start_step` are dropped on open."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, start_step: int):
+        self._enabled = _is_writer()
+        if not self._enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate(run_dir, start_step)
+        self._file = open(run_dir / METRICS_FILE, "a")
+        # a unique file per writer: tensorboardX names files by the second, so a quick resume would clobber one
+        self._tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1,
+                                 filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+
+    def write(self, step: int, scalars: Mapping[str, object]) -> None:
+        if not self._enabled:
+            return
+        record = {"step": int(step)}
+        for name, value in scalars.items():
+            number = _as_number(name, value)
+            record[name] = number if math.isfinite(number) else None
+            if math.isfinite(number):
+                self._tb.add_scalar(name, number, global_step=int(step))
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._enabled:
+            self._file.close()
+            self._tb.close()
+
+
+class ProgressBar:
+    """tqdm bar over RL steps showing the HEADLINE metrics present in each update (process 0 only)."""
+
+    def __init__(self, *, total_steps: int, start_step: int):
+        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         disable=not _is_writer())
+        self._step = start_step
+
+    def update(self, step: int, scalars: Mapping[str, object]) -> None:
+        shown = {label: f"{_as_number(name, scalars[name]):.4g}" for name, label in HEADLINE.items()
+                 if name in scalars}
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(step - self._step)
+        self._step = step
+
+    def close(self) -> None:
+        self._bar.close()

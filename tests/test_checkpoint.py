@@ -1,0 +1,192 @@
+"""Checkpoints: save/restore equality with the grain iterator position, keep-last-N, sharded restore on a (2,2,2)
+mesh, and real `kill -9` of a saving process at random moments (mid-save included)."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from g2rl_jax.train.checkpoint import Checkpointer, latest_step
+
+
+def _iterator():
+    """A real grain iterator: a shuffled, mapped MapDataset, as the data pipeline builds them."""
+    return iter(grain.MapDataset.range(10_000).shuffle(seed=7).map(lambda i: i * 3 + 1).to_iter_dataset())
+
+
+def _state(step, size=1024):
+    """Deterministic per-step training-state pytree (params, opt state, step, RNG key data)."""
+    rng = np.random.default_rng(step)
+    return {"params": {"w": jnp.asarray(rng.standard_normal((size // 16, 16), dtype=np.float32)),
+                       "b": jnp.asarray(rng.standard_normal(16).astype(jnp.bfloat16))},
+            "opt": {"mu": jnp.full((size // 16, 16), float(step), jnp.float32), "count": jnp.int32(step)},
+            "step": jnp.int32(step),
+            "rng": jax.random.key_data(jax.random.fold_in(jax.random.key(0), step))}
+
+
+def _abstract(state, sharding_fn=lambda x: None):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_fn(x)), state)
+
+
+def _assert_equal(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+
+
+class _BytesIterator:
+    """get_state() returning bytes, as grain's DataLoaderIterator does."""
+
+    def __init__(self, position=0):
+        self.position = position
+
+    def get_state(self):
+        return b'{"pos": %d, "raw": "\xff\x00"}' % self.position
+
+    def set_state(self, state):
+        assert state.endswith(b'"\xff\x00"}')
+        self.position = int(state.split(b",")[0].split(b":")[1])
+
+
+def test_save_restore_equality_with_iterator_state(tmp_path):
+    ckpt = Checkpointer(tmp_path, every=1, keep=3)
+    it = _iterator()
+    consumed = [next(it) for _ in range(5)]
+    state = _state(5)
+    assert ckpt.save(5, state, it)
+    expected_next = [next(it) for _ in range(4)]  # moving on after save must not change what was saved
+    ckpt.save(6, _state(6), _BytesIterator(42))
+    ckpt.close()
+
+    reopened = Checkpointer(tmp_path, every=1, keep=3)
+    assert reopened.latest_step() == latest_step(tmp_path) == 6
+    fresh = _iterator()
+    restored = reopened.restore(5, _abstract(state), fresh)
+    _assert_equal(restored, state)
+    assert restored["params"]["b"].dtype == jnp.bfloat16
+    assert [next(fresh) for _ in range(4)] == expected_next and len(consumed) == 5
+    other = _BytesIterator()
+    _assert_equal(reopened.restore(6, _abstract(state), other), _state(6))
+    assert other.position == 42
+    with pytest.raises(FileNotFoundError, match="no checkpoint for step 4"):
+        reopened.restore(4, _abstract(state), _iterator())
+    reopened.close()
+
+
+def test_interval_keep_last_n_and_forced_final_save(tmp_path):
+    assert latest_step(tmp_path) is None
+    ckpt = Checkpointer(tmp_path, every=2, keep=2)
+    it = _iterator()
+    saved = [step for step in range(1, 10) if ckpt.save(step, _state(step, 64), it)]
+    assert saved == [2, 4, 6, 8]
+    assert ckpt.save(9, _state(9, 64), it, force=True)        # the end of the run
+    assert not ckpt.save(9, _state(9, 64), it, force=True)    # already saved: no error, nothing written
+    ckpt.close()
+    assert Checkpointer(tmp_path, every=2, keep=2).all_steps() == [8, 9]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["8", "9"]
+
+
+def test_typed_key_rejected_with_advice(tmp_path):
+    ckpt = Checkpointer(tmp_path, every=1, keep=1)
+    with pytest.raises(TypeError, match=r"\['rng'\].*key_data"):
+        ckpt.save(1, {"rng": jax.random.key(0)}, _iterator())
+    ckpt.close()
+
+
+def test_sharded_restore_on_2x2x2_mesh(tmp_path):
+    assert jax.device_count() == 8, "conftest sets 8 CPU devices"
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    saved_sharding = NamedSharding(mesh, P("fsdp", "tensor"))
+    state = jax.tree.map(lambda x: jax.device_put(x, saved_sharding) if x.ndim == 2 else x, _state(3, 256))
+    ckpt = Checkpointer(tmp_path, every=1, keep=1)
+    ckpt.save(3, state, _iterator())
+    ckpt.wait()
+
+    target = {2: NamedSharding(mesh, P("tensor", ("data", "fsdp"))), 1: NamedSharding(mesh, P("data")),
+              0: NamedSharding(mesh, P())}
+    abstract = _abstract(state, lambda x: target[x.ndim])
+    restored = ckpt.restore(3, abstract, _iterator())
+    ckpt.close()
+    _assert_equal(restored, _state(3, 256))
+    for leaf, want in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
+        assert leaf.sharding == want.sharding
+    assert restored["params"]["w"].addressable_shards[0].data.shape == (16 // 2, 16 // 4)
+
+
+# The child trains "forever": each step advances the grain iterator by one element and saves a fresh 2 x 16 MB
+# state (interval 1, asynchronous, so a save is nearly always in flight). On start it resumes from the latest
+# checkpoint and checks what it restored, exiting 3 on a mismatch.
+CHILD = textwrap.dedent("""
+    import sys
+    import numpy as np, jax, jax.numpy as jnp
+    sys.path.insert(0, sys.argv[2])
+    from test_checkpoint import _iterator, _state, _abstract, _assert_equal, SIZE
+    from g2rl_jax.train.checkpoint import Checkpointer
+    ckpt = Checkpointer(sys.argv[1], every=1, keep=2)
+    it = _iterator()
+    start = ckpt.latest_step() or 0
+    if start:
+        try:
+            _assert_equal(ckpt.restore(start, _abstract(_state(start, SIZE)), it), _state(start, SIZE))
+        except AssertionError as err:
+            print(f"restore mismatch at {start}: {err}", file=sys.stderr, flush=True)
+            sys.exit(3)
+    print(f"resumed {start}", flush=True)
+    for step in range(start + 1, 10**6):
+        next(it)
+        state = _state(step, SIZE)
+        print(f"saving {step}", flush=True)
+        ckpt.save(step, state, it)
+""")
+SIZE = 4 * 1024 * 1024  # float32 elements per big array: 16 MB each
+
+
+def _expected_next(step):
+    it = _iterator()
+    for _ in range(step):
+        next(it)
+    return next(it)
+
+
+def test_kill_minus_9_never_leaves_latest_unreadable(tmp_path):
+    run_dir = tmp_path / "run"
+    rng = random.Random(1234)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    last, killed_mid_save = 0, 0
+    for round_ in range(3):
+        log = open(tmp_path / f"child{round_}.err", "w+")
+        proc = subprocess.Popen([sys.executable, str(script), str(run_dir), str(Path(__file__).parent)],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        first = proc.stdout.readline()
+        assert first.startswith(f"resumed {last}"), (first, log.seek(0) or log.read())
+        assert proc.stdout.readline().startswith("saving")
+        time.sleep([0.0, rng.uniform(0.3, 1.5), rng.uniform(1.5, 3.0)][round_])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        log.close()
+        names = [p.name for p in (run_dir / "checkpoints").iterdir()]
+        killed_mid_save += any("tmp" in name for name in names)
+        step = latest_step(run_dir)
+        if step is None:  # killed before the first save completed: nothing to check yet
+            continue
+        assert step >= last
+        ckpt = Checkpointer(run_dir, every=1, keep=2)
+        it = _iterator()
+        _assert_equal(ckpt.restore(step, _abstract(_state(step, SIZE)), it), _state(step, SIZE))
+        assert next(it) == _expected_next(step)
+        ckpt.close()
+        last = step
+    assert last > 0, "no checkpoint completed in three rounds"
+    assert killed_mid_save >= 1, "no kill landed mid-save; the test did not exercise what it claims"

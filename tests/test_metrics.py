@@ -1,0 +1,100 @@
+"""Metrics: metrics.jsonl content, truncation on resume, TensorBoard events, process-0-only, progress bar."""
+import json
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from g2rl_jax.train import metrics as M
+
+
+def _scalars(step):
+    return {"accuracy": 0.25 * (step % 4), "reward": np.float32(step) / 2, "kl": jnp.float32(1e-3 * step),
+            "tokens": step * 100, "entropy": np.float64(0.5)}
+
+
+def _run(run_dir, steps, start_step):
+    writer = M.MetricsWriter(run_dir, start_step=start_step)
+    for step in steps:
+        writer.write(step, _scalars(step))
+    writer.close()
+
+
+def _tb_events(run_dir):
+    """(tag, step, value) of every scalar in the TFRecord event files, read with the Event proto."""
+    out = []
+    for path in sorted((run_dir / M.TENSORBOARD_DIR).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+            if event.session_log.status == event_pb2.SessionLog.START:
+                out.append(("purge", event.step, path.name))
+    return out
+
+
+def test_jsonl_content(tmp_path):
+    writer = M.MetricsWriter(tmp_path, start_step=0)
+    writer.write(1, {"accuracy": 0.5, "reward": np.float32(-0.25), "kl": jnp.float32(0.125), "tokens": 1234,
+                     "done": np.int64(3), "bad": float("nan")})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # flushed before close
+    assert json.loads(lines[0]) == {"step": 1, "accuracy": 0.5, "reward": -0.25, "kl": 0.125, "tokens": 1234,
+                                    "done": 3, "bad": None}
+    assert isinstance(json.loads(lines[0])["tokens"], int)
+    with pytest.raises(TypeError, match="metric 'vec' must be a real scalar.*shape \\(2,\\)"):
+        writer.write(2, {"vec": np.zeros(2)})
+    writer.close()
+
+
+def test_truncation_on_resume_equals_uninterrupted_run(tmp_path):
+    _run(tmp_path / "straight", range(1, 9), start_step=0)
+    resumed = tmp_path / "resumed"
+    _run(resumed, range(1, 7), start_step=0)
+    with open(resumed / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 7, "accur')  # torn line from a kill mid-write
+    assert [r["step"] for r in M.read_metrics(resumed)] == [1, 2, 3, 4, 5, 6]
+    _run(resumed, range(5, 9), start_step=4)  # restored from the checkpoint of step 4
+    assert (resumed / "metrics.jsonl").read_text() == (tmp_path / "straight" / "metrics.jsonl").read_text()
+    _run(resumed, [], start_step=0)  # a fresh start in the same directory drops everything
+    assert M.read_metrics(resumed) == []
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not valid JSON"):
+        M.MetricsWriter(tmp_path, start_step=2)
+
+
+def test_tensorboard_events_and_purge(tmp_path):
+    _run(tmp_path, range(1, 4), start_step=0)
+    events = _tb_events(tmp_path)
+    assert ("reward", 2, 1.0) in events and ("tokens", 3, 300.0) in events
+    assert {tag for tag, _, _ in events} == set(_scalars(1)) | {"purge"}
+    kl = [v for tag, step, v in events if tag == "kl" and step == 3]
+    assert kl == [pytest.approx(3e-3)]
+    _run(tmp_path, [3], start_step=2)  # resume at once: a second event file that starts with a purge at step 3
+    assert len(list((tmp_path / M.TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 2
+    purges = [step for tag, step, _ in _tb_events(tmp_path) if tag == "purge"]
+    assert purges == [1, 3]
+    assert len([1 for tag, step, _ in _tb_events(tmp_path) if tag == "reward" and step == 3]) == 2
+
+
+def test_only_process_zero_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(M.jax, "process_index", lambda: 1)
+    _run(tmp_path / "p1", range(1, 3), start_step=0)
+    assert not (tmp_path / "p1").exists()
+
+
+def test_progress_bar_shows_headline(capsys):
+    bar = M.ProgressBar(total_steps=10, start_step=2)
+    bar.update(3, {"accuracy": 0.5, "reward": 0.25, "kl": 1e-3, "entropy": 0.75, "tokens_per_s": 1234.5,
+                   "other": 9})
+    bar.update(5, {"accuracy": 0.625})
+    bar.close()
+    err = capsys.readouterr().err
+    assert "5/10" in err and "acc=0.625" in err and "other" not in err
