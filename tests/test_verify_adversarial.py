@@ -32,6 +32,12 @@ ADVERSARIAL = [
 ]
 
 
+def _warm():
+    """Make sure an idle worker exists: a worker killed by the previous timeout is replaced lazily, and its start-up
+    (importing sympy) is not part of any check's bound."""
+    assert is_equivalent("x+x", "2x")
+
+
 @pytest.fixture
 def marker(tmp_path):
     path = tmp_path / "pwned"
@@ -43,6 +49,7 @@ def marker(tmp_path):
 def test_adversarial_answer_scores_minus_one_within_bound(answer, marker):
     answer = answer.replace("{marker}", marker)
     gold = "(a+b+c+d+2)^{60}" if answer.startswith("(a+b") else "1"
+    _warm()
     start = time.monotonic()
     reward = math_reward(rf"The answer is \boxed{{{answer}}}", gold)
     elapsed = time.monotonic() - start
@@ -58,6 +65,7 @@ def test_one_megabyte_response_is_fast():
 
 
 def test_timeout_is_honoured_and_pool_recovers():
+    _warm()
     start = time.monotonic()
     assert not is_equivalent("(a+b+c+d+1)^{60}", "(a+b+c+d+2)^{60}", timeout=0.5)
     assert time.monotonic() - start < 0.5 + SLACK_S
@@ -67,6 +75,7 @@ def test_timeout_is_honoured_and_pool_recovers():
 def test_batch_with_pathological_answers_keeps_order():
     responses = [r"\boxed{(a+b+c+d+1)^{60}}", r"\boxed{\sqrt{8}}", r"\boxed{10^{10^{10^{10}}}}", r"\boxed{2}"]
     golds = ["(a+b+c+d+2)^{60}", r"2\sqrt{2}", "1", "2"]
+    score_batch([r"\boxed{x+x}"] * 2, ["2x"] * 2, num_workers=2)  # two idle workers
     start = time.monotonic()
     got = score_batch(responses, golds, timeout=1.0, num_workers=2)
     assert got.tolist() == [-1.0, 1.0, -1.0, 1.0]
@@ -77,6 +86,7 @@ def test_bound_from_a_thread():
     out = []
     thread = threading.Thread(target=lambda: out.append(
         (is_equivalent("(a+b+c+d+1)^{60}", "(a+b+c+d+2)^{60}", timeout=0.5), is_equivalent("x+x", "2x"))))
+    _warm()
     start = time.monotonic()
     thread.start()
     thread.join(timeout=30)

@@ -1,4 +1,4 @@
-"""Equivalence of parsed answers (sympy objects and the containers of `latex.py`).
+"""Equivalence of parsed answers (sympy objects and the containers of `values.py`).
 
 Layers, cheapest first: structural equality; numbers (exact, or a decimal of d >= 2 places that equals an
 irrational/non-terminating value rounded to d places); tuples (ordered), lists and sets (unordered, one-to-one),
@@ -15,7 +15,8 @@ import math
 
 import sympy
 
-from g2rl_jax.rewards.latex import Bracket, LatexError, ListOf, Relation, SetOf, SetOp, expand_pm, parse_answer
+from g2rl_jax.rewards.latex import LatexError, parse_answer
+from g2rl_jax.rewards.values import Bracket, ListOf, Relation, SetOf, SetOp, expand_pm
 
 _REL_TOL = 1e-9
 _PROBES = ((0.7312, 1.4213, 0.3857), (1.2917, 0.5531, 2.1173), (2.3719, 1.8837, 0.9431))

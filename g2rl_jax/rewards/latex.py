@@ -6,7 +6,7 @@ Supported: numbers (exact Integer/Rational, `204_5` base subscripts), symbols wi
 `\\lfloor`/`\\lceil`, trig/log/exp functions, `\\pi`, `\\infty`, `e`, `i`, `\\pm`/`\\mp`, `\\sum`/`\\prod`,
 tuples and intervals `(a,b]`, sets `\\{..\\}`, `\\cup`/`\\cap`/`\\setminus`, matrices (`pmatrix`, `bmatrix`,
 `array`, ...), equations and (chained) inequalities, `\\in`, `\\approx`. Input is a canonical string from
-`normalize_answer`.
+`normalize_answer`; results are sympy objects or the containers of `values.py`.
 
 Size guards run before sympy evaluates anything: nesting depth, literal digits, power and factorial
 magnitudes. They raise `TooBig` (scored not equivalent).
@@ -14,9 +14,10 @@ magnitudes. They raise `TooBig` (scored not equivalent).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import sympy
+
+from g2rl_jax.rewards.values import PM, Bracket, ListOf, Relation, SetOf, SetOp, is_label
 
 MAX_DEPTH = 60            # nesting of brackets / braces / sub-expressions
 MAX_LITERAL_DIGITS = 300  # digits in one number literal
@@ -24,7 +25,6 @@ MAX_POWER_DIGITS = 2_000  # digits of an evaluated numeric power
 MAX_EXPONENT = 1_000      # |integer exponent| on a symbolic base
 MAX_FACTORIAL = 500
 
-PM = sympy.Symbol("__pm__")  # a \pm b is parsed as a + PM*b and expanded into two answers afterwards
 
 
 class LatexError(ValueError):
@@ -33,42 +33,6 @@ class LatexError(ValueError):
 
 class TooBig(LatexError):
     """The answer would make sympy build an enormous object (scored not equivalent)."""
-
-
-@dataclass(frozen=True)
-class Bracket:
-    """`(a, b)`, `[a, b)`, ...: a tuple, or an interval when it has two items."""
-    open: str
-    close: str
-    items: tuple
-
-
-@dataclass(frozen=True)
-class SetOf:
-    """`\\{a, b\\}`: an unordered set of answers."""
-    items: tuple
-
-
-@dataclass(frozen=True)
-class ListOf:
-    """`a, b` at top level (or `{a, b}`): several answers, unordered."""
-    items: tuple
-
-
-@dataclass(frozen=True)
-class SetOp:
-    """`A \\cup B`, `A \\cap B`, `A \\setminus B` over intervals and sets."""
-    op: str
-    parts: tuple
-
-
-@dataclass(frozen=True)
-class Relation:
-    """A chain `t0 op0 t1 op1 t2 ...` with ops among = < > <= >= != in. `label` marks `x = 3`-style chains
-    (a name on the left of `=`/`\\in`) whose value is the last term."""
-    terms: tuple
-    ops: tuple
-    label: bool
 
 
 _TOKEN_RE = re.compile(r"\s*(?:(\d+(?:\.\d+)?|\.\d+)|(\\[a-zA-Z]+|\\\\|\\[{}|])|([a-zA-Z])|"
@@ -128,17 +92,6 @@ def _power(base, exp):
     if base.is_Number and exp.is_Number and _digits(base) * float(abs(exp)) > MAX_POWER_DIGITS:
         raise TooBig(f"power {base}^{exp} too large")
     return base ** exp
-
-
-def is_label(value) -> bool:
-    """A name-like term (`x`, `f(x)`, `|AB|`, `a_{37}`, `(p, q)`, `A:B`): symbols, no numbers, no sums."""
-    if isinstance(value, Bracket):
-        return all(isinstance(v, sympy.Symbol) for v in value.items)
-    if not isinstance(value, sympy.Expr) or not value.free_symbols or PM in value.free_symbols:
-        return False
-    nodes = list(sympy.preorder_traversal(value))
-    return not any(isinstance(n, sympy.Add) for n in nodes) and all(
-        abs(n) == 1 for n in nodes if isinstance(n, sympy.Number))
 
 
 class _Parser:
@@ -466,10 +419,3 @@ def _arith(a, b, op: str):
 def parse_answer(canonical: str):
     """Parse a canonical answer string into a sympy object or one of the answer containers above."""
     return _Parser(tokenize(canonical)).answer()
-
-
-def expand_pm(value) -> list:
-    """The answers a value stands for: `a \\pm b` gives two, anything else one."""
-    if isinstance(value, sympy.Expr) and PM in value.free_symbols:
-        return [value.subs(PM, 1), value.subs(PM, -1)]
-    return [value]
