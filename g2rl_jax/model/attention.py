@@ -1,0 +1,130 @@
+"""Attention: one causal self-attention call with three backends, and the grouped decode attention.
+
+`attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend)` is the only entry point for full-sequence
+(training / scoring / prefill) attention. H query heads share G key/value heads (GQA); K/V are never repeated,
+the query heads are viewed as [G, R = H/G] instead. `mask_BxL` marks real tokens (False = padding); the mask is
+causal AND key-is-real. Backends:
+  "xla"    plain einsum + float32 softmax; runs everywhere and is the reference for the others.
+  "cudnn"  `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
+  "splash" the Pallas TPU splash-attention kernel (causal mask + segment ids = padding mask).
+"cudnn" / "splash" fall back to "xla" with one logged warning when `jax.default_backend()` is not gpu / tpu.
+
+`decode_attention` is the one-token step used with the KV cache: the queries of sample b = p*m + j attend
+jointly (one softmax) to the shared prefix K/V of prompt p and to their own suffix K/V, without copying the
+prefix m times.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+_LOG = logging.getLogger(__name__)
+_NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay NaN-free
+_HARDWARE = {"cudnn": "gpu", "splash": "tpu"}
+_warned: set[str] = set()
+
+
+def resolve_backend(backend: str) -> str:
+    """`backend` if its hardware is present, else "xla" (warning once per backend)."""
+    if backend == "xla" or jax.default_backend() == _HARDWARE[backend]:
+        return backend
+    if backend not in _warned:
+        _warned.add(backend)
+        _LOG.warning("attention backend %r needs a %s but jax runs on %s; using 'xla' instead",
+                     backend, _HARDWARE[backend], jax.default_backend())
+    return "xla"
+
+
+def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla"):
+    """Causal GQA self-attention with a key padding mask; returns [B, L, H, K] in q's dtype."""
+    backend = resolve_backend(backend)
+    if backend == "cudnn":
+        return _cudnn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
+    if backend == "splash":
+        return splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
+    return xla(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
+
+
+def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
+    """Reference attention: scores and softmax in float32, causal over positions i >= j."""
+    B, L, H, K = q_BxLxHxK.shape
+    G = k_BxSxGxK.shape[2]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
+    s_BxGxRxLxS = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK,
+                             preferred_element_type=jnp.float32) * K ** -0.5
+    S = k_BxSxGxK.shape[1]
+    causal_LxS = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
+    allowed_Bx1x1xLxS = (causal_LxS[None] & mask_BxS[:, None, :].astype(bool))[:, None, None]
+    s_BxGxRxLxS = jnp.where(allowed_Bx1x1xLxS, s_BxGxRxLxS, _NEG)
+    p_BxGxRxLxS = jax.nn.softmax(s_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
+    out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", p_BxGxRxLxS, v_BxSxGxK)
+    return out_BxLxGxRxK.reshape(B, L, H, K)
+
+
+def _cudnn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL):
+    """cuDNN fused attention (GPU); GQA is native there, the mask is causal AND key-is-real."""
+    key_mask_Bx1x1xL = mask_BxL.astype(bool)[:, None, None, :]
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=key_mask_Bx1x1xL,
+                                        is_causal=True, implementation="cudnn")
+
+
+def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool = False, block: int = 128):
+    """TPU splash attention, one MQA kernel per KV head (vmapped over batch and KV heads).
+
+    The sequence is right-padded to a multiple of `block`; padding tokens get segment id 0 and real ones 1, so
+    real queries see only real keys and every query row has at least itself (no empty softmax).
+    `interpret=True` runs the Pallas kernel in the interpreter (CPU tests).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    B, L, H, K = q_BxLxHxK.shape
+    G = k_BxLxGxK.shape[2]
+    Lp = -(-L // block) * block
+    pad = ((0, 0), (0, Lp - L), (0, 0), (0, 0))
+    q_BxGxRxLxK = jnp.pad(q_BxLxHxK * K ** -0.5, pad).reshape(B, Lp, G, H // G, K).transpose(0, 2, 3, 1, 4)
+    k_BxGxLxK = jnp.pad(k_BxLxGxK, pad).transpose(0, 2, 1, 3)
+    v_BxGxLxK = jnp.pad(v_BxLxGxK, pad).transpose(0, 2, 1, 3)
+    seg_BxL = jnp.pad(mask_BxL.astype(jnp.int32), ((0, 0), (0, Lp - L)))
+    sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mask = sa.MultiHeadMask([sa.CausalMask((Lp, Lp))] * (H // G))
+    kernel = sa.make_splash_mqa_single_device(mask=mask, block_sizes=sizes, interpret=interpret)
+
+    def one(q_RxLxK, k_LxK, v_LxK, seg_L):
+        return kernel(q_RxLxK, k_LxK, v_LxK, segment_ids=sa.SegmentIds(q=seg_L, kv=seg_L))
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+    out_BxGxRxLxK = jax.vmap(per_head)(q_BxGxRxLxK, k_BxGxLxK, v_BxGxLxK, seg_BxL)
+    return out_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(B, Lp, H, K)[:, :L].astype(q_BxLxHxK.dtype)
+
+
+@functools.partial(jax.named_call, name="decode_attention")
+def decode_attention(q_BxHxK, prefix_k_PxSxGxK, prefix_v_PxSxGxK, prefix_mask_PxS,
+                     suffix_k_BxTxGxK, suffix_v_BxTxGxK, num_valid_suffix):
+    """One decode step for B = P*m samples: a joint softmax over prompt p's prefix and sample b's own suffix.
+
+    Suffix slots t < num_valid_suffix are attended (the caller has already written the current token's K/V).
+    """
+    B, H, K = q_BxHxK.shape
+    P, S, G, _ = prefix_k_PxSxGxK.shape
+    m, T = B // P, suffix_k_BxTxGxK.shape[1]
+    q_PxMxGxRxK = q_BxHxK.reshape(P, m, G, H // G, K)
+    suf_k_PxMxTxGxK = suffix_k_BxTxGxK.reshape(P, m, T, G, K)
+    suf_v_PxMxTxGxK = suffix_v_BxTxGxK.reshape(P, m, T, G, K)
+    scale = K ** -0.5
+    s_pre = jnp.einsum("pmgrk,psgk->pmgrs", q_PxMxGxRxK, prefix_k_PxSxGxK.astype(q_BxHxK.dtype),
+                       preferred_element_type=jnp.float32) * scale
+    s_suf = jnp.einsum("pmgrk,pmtgk->pmgrt", q_PxMxGxRxK, suf_k_PxMxTxGxK.astype(q_BxHxK.dtype),
+                       preferred_element_type=jnp.float32) * scale
+    s_pre = jnp.where(prefix_mask_PxS.astype(bool)[:, None, None, None, :], s_pre, _NEG)
+    s_suf = jnp.where(jnp.arange(T) < num_valid_suffix, s_suf, _NEG)
+    top = jnp.maximum(s_pre.max(-1, keepdims=True), s_suf.max(-1, keepdims=True))
+    e_pre, e_suf = jnp.exp(s_pre - top), jnp.exp(s_suf - top)
+    denom = e_pre.sum(-1, keepdims=True) + e_suf.sum(-1, keepdims=True)
+    dt = q_BxHxK.dtype
+    out = (jnp.einsum("pmgrs,psgk->pmgrk", (e_pre / denom).astype(dt), prefix_v_PxSxGxK.astype(dt))
+           + jnp.einsum("pmgrt,pmtgk->pmgrk", (e_suf / denom).astype(dt), suf_v_PxMxTxGxK.astype(dt)))
+    return out.reshape(B, H, K)

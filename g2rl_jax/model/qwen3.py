@@ -1,0 +1,232 @@
+"""Qwen3 decoder in Flax NNX: scanned layers, GQA, per-head q/k RMSNorm, rotate-half RoPE, SwiGLU, no biases.
+
+Public API (B batch, L length, D hidden, V vocab; masks are 1/True for real tokens, 0 for padding):
+
+    model = Qwen3(config, RuntimeConfig(...), rngs=nnx.Rngs(0))
+    model(input_ids_BxL, attention_mask_BxL=None) -> logits_BxLxV (float32)
+    model.hidden_states(input_ids_BxL, attention_mask_BxL=None) -> h_BxLxD (after the final norm)
+    model.lm_head_weight() -> W_VxD (the embedding table when tie_word_embeddings)
+
+Positions are cumsum(mask) - 1 (clipped at 0), so a left-padded row computes exactly what it would unpadded.
+
+KV cache for group sampling (a prompt is prefilled once, its m samples decode against the shared prefix):
+
+    logits_PxV, prefix = model.prefill(prompt_ids_PxS, prompt_mask_PxS)   # prompts LEFT-padded
+    suffix = model.init_suffix(prefix, num_samples=m, max_new_tokens=T)
+    for t in range(T):                                                  # B = P*m, sample b = p*m + j
+        logits_BxV, suffix = model.decode_step(tokens_B, prefix, suffix, step=t)
+
+`prefill` returns the logits of each prompt's last token (position S-1, hence left padding). `decode_step`
+feeds token t of every sample at position len(prompt p) + t, stores its K/V in suffix slot t and attends to the
+prefix of its prompt plus suffix slots 0..t in one softmax. `PrefixCache` holds K/V [layers, P, S, KVH, Dh]
+once per prompt; `SuffixCache` holds K/V [layers, B, T, KVH, Dh] per sample, in `RuntimeConfig.kv_cache_dtype`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from g2rl_jax.model import attention as attn
+from g2rl_jax.model.config import Qwen3Config, RuntimeConfig
+
+# Per-layer parameters (HF names), each stacked with a leading layers axis: logical axes of one layer.
+LAYER_AXES = {
+    "q_proj": ("embed", "heads", "head_dim"),
+    "k_proj": ("embed", "kv_heads", "head_dim"),
+    "v_proj": ("embed", "kv_heads", "head_dim"),
+    "o_proj": ("heads", "head_dim", "embed"),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "input_layernorm": ("embed",),
+    "post_attention_layernorm": ("embed",),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+_NORMS = ("q_norm", "k_norm", "input_layernorm", "post_attention_layernorm")
+
+
+def layer_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Shape of each per-layer parameter of one layer (without the layers axis)."""
+    D, F, H, G, K = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                     cfg.num_key_value_heads, cfg.head_dim)
+    return {"q_proj": (D, H, K), "k_proj": (D, G, K), "v_proj": (D, G, K), "o_proj": (H, K, D),
+            "q_norm": (K,), "k_norm": (K,), "input_layernorm": (D,), "post_attention_layernorm": (D,),
+            "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, ones: bool = False) -> nnx.Param:
+    """A parameter tagged with its logical axes (mapped to mesh axes by g2rl_jax.parallel)."""
+    value = jnp.ones(shape, dtype) if ones else 0.02 * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' parameters, stacked as [num_layers, ...] for `lax.scan`."""
+
+    def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
+        for name, shape in layer_shapes(cfg).items():
+            setattr(self, name, _param(rngs, (cfg.num_hidden_layers, *shape), ("layers", *LAYER_AXES[name]),
+                                       dtype, ones=name in _NORMS))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in LAYER_AXES}
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "mask", "lengths"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PrefixCache:
+    """Prompt K/V, once per prompt: k, v [layers, P, S, KVH, Dh]; mask [P, S] bool; lengths [P] int32."""
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SuffixCache:
+    """Generated-token K/V, one row per sample b = p*m + j: k, v [layers, P*m, T, KVH, Dh]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm as Qwen3: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope(x_BxLxNxK, positions_BxL, theta: float):
+    """Rotary embedding, rotate-half convention: x*cos + [-x2, x1]*sin with angles pos * theta^(-2i/K)."""
+    K = x_BxLxNxK.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K)
+    angles_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
+    angles_BxLx1xK = jnp.concatenate([angles_BxLxK2, angles_BxLxK2], axis=-1)[:, :, None, :]
+    x32 = x_BxLxNxK.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * jnp.cos(angles_BxLx1xK) + rotated * jnp.sin(angles_BxLx1xK)).astype(x_BxLxNxK.dtype)
+
+
+def positions_from_mask(mask_BxL):
+    """Per-token positions that ignore left padding: cumsum(mask) - 1, clipped at 0."""
+    return jnp.maximum(jnp.cumsum(mask_BxL.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _qkv(x_BxLxD, p, positions_BxL, cfg: Qwen3Config):
+    """Pre-norm, q/k/v projections, per-head q/k RMSNorm, then RoPE."""
+    dt = x_BxLxD.dtype
+    h = rms_norm(x_BxLxD, p["input_layernorm"], cfg.rms_norm_eps)
+    q = jnp.einsum("bld,dhk->blhk", h, p["q_proj"].astype(dt))
+    k = jnp.einsum("bld,dgk->blgk", h, p["k_proj"].astype(dt))
+    v = jnp.einsum("bld,dgk->blgk", h, p["v_proj"].astype(dt))
+    q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions_BxL, cfg.rope_theta)
+    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions_BxL, cfg.rope_theta)
+    return q, k, v
+
+
+def _out_and_mlp(x_BxLxD, a_BxLxHxK, p, cfg: Qwen3Config):
+    """Attention output projection + residual, then SwiGLU MLP + residual."""
+    dt = x_BxLxD.dtype
+    x = x_BxLxD + jnp.einsum("blhk,hkd->bld", a_BxLxHxK, p["o_proj"].astype(dt))
+    h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("bld,df->blf", h, p["gate_proj"].astype(dt))
+    up = jnp.einsum("bld,df->blf", h, p["up_proj"].astype(dt))
+    return x + jnp.einsum("blf,fd->bld", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
+
+
+_REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
+          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 causal LM (see the module docstring for the API)."""
+
+    def __init__(self, config: Qwen3Config, runtime: RuntimeConfig = RuntimeConfig(), *, rngs: nnx.Rngs):
+        self.config, self.runtime = config, runtime
+        pd = runtime.param_jnp
+        V, D = config.vocab_size, config.hidden_size
+        self.embed_tokens = _param(rngs, (V, D), ("vocab", "embed"), pd)
+        self.layers = DecoderLayers(config, pd, rngs)
+        self.norm = _param(rngs, (D,), ("embed",), pd, ones=True)
+        self.lm_head = None if config.tie_word_embeddings else _param(rngs, (V, D), ("vocab", "embed"), pd)
+
+    def lm_head_weight(self) -> jax.Array:
+        """The output projection [V, D] (the embedding table when tied)."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
+
+    def __call__(self, input_ids_BxL, attention_mask_BxL=None) -> jax.Array:
+        return self.logits(self.hidden_states(input_ids_BxL, attention_mask_BxL))
+
+    def logits(self, h_BxLxD) -> jax.Array:
+        """float32 logits from final hidden states."""
+        W_VxD = self.lm_head_weight().astype(h_BxLxD.dtype)
+        return jnp.einsum("bld,vd->blv", h_BxLxD, W_VxD, preferred_element_type=jnp.float32)
+
+    def hidden_states(self, input_ids_BxL, attention_mask_BxL=None) -> jax.Array:
+        """Final-norm hidden states [B, L, D] in the compute dtype."""
+        h, _ = self._forward(input_ids_BxL, attention_mask_BxL, keep_kv=False)
+        return h
+
+    def _forward(self, input_ids_BxL, mask_BxL, keep_kv: bool):
+        cfg, rt = self.config, self.runtime
+        if mask_BxL is None:
+            mask_BxL = jnp.ones(input_ids_BxL.shape, jnp.bool_)
+        positions_BxL = positions_from_mask(mask_BxL)
+        x = jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0).astype(rt.compute_jnp)
+
+        def body(x_BxLxD, p):
+            q, k, v = _qkv(x_BxLxD, p, positions_BxL, cfg)
+            a = attn.attention(q, k, v, mask_BxL, rt.attention)
+            kv = (k.astype(rt.kv_cache_jnp), v.astype(rt.kv_cache_jnp)) if keep_kv else None
+            return _out_and_mlp(x_BxLxD, a, p, cfg), kv
+
+        if rt.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT[rt.remat])
+        x, kv = jax.lax.scan(body, x, self.layers.stacked())
+        return rms_norm(x, self.norm[...], cfg.rms_norm_eps), kv
+
+    def prefill(self, input_ids_PxS, attention_mask_PxS) -> tuple[jax.Array, PrefixCache]:
+        """Run LEFT-padded prompts once: last-token logits [P, V] (float32) and their K/V cache."""
+        h, (k, v) = self._forward(input_ids_PxS, attention_mask_PxS, keep_kv=True)
+        mask = attention_mask_PxS.astype(bool)
+        cache = PrefixCache(k=k, v=v, mask=mask, lengths=mask.sum(-1).astype(jnp.int32))
+        return self.logits(h[:, -1:])[:, 0], cache
+
+    def init_suffix(self, prefix: PrefixCache, num_samples: int, max_new_tokens: int) -> SuffixCache:
+        """An empty per-sample cache for `num_samples` samples of each prompt and `max_new_tokens` steps."""
+        N, P, _, G, K = prefix.k.shape
+        shape = (N, P * num_samples, max_new_tokens, G, K)
+        zeros = jnp.zeros(shape, self.runtime.kv_cache_jnp)
+        return SuffixCache(k=zeros, v=zeros)
+
+    def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step) -> tuple[jax.Array, SuffixCache]:
+        """Feed token `step` of every sample; logits [B, V] (float32) and the suffix with slot `step` written."""
+        cfg, rt = self.config, self.runtime
+        P, B = prefix.mask.shape[0], tokens_B.shape[0]
+        if B % P:
+            raise ValueError(f"decode_step: batch {B} is not a multiple of the {P} prompts in the prefix cache")
+        positions_Bx1 = (jnp.repeat(prefix.lengths, B // P) + step)[:, None]
+        x = jnp.take(self.embed_tokens[...], tokens_B[:, None], axis=0).astype(rt.compute_jnp)
+
+        def body(carry, xs):
+            x_Bx1xD, suf_k, suf_v = carry
+            p, pre_k, pre_v, i = xs
+            q, k, v = _qkv(x_Bx1xD, p, positions_Bx1, cfg)
+            suf_k = jax.lax.dynamic_update_slice(suf_k, k[None].astype(suf_k.dtype), (i, 0, step, 0, 0))
+            suf_v = jax.lax.dynamic_update_slice(suf_v, v[None].astype(suf_v.dtype), (i, 0, step, 0, 0))
+            a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, suf_k[i], suf_v[i], step + 1)
+            return (_out_and_mlp(x_Bx1xD, a[:, None], p, cfg), suf_k, suf_v), None
+
+        xs = (self.layers.stacked(), prefix.k, prefix.v, jnp.arange(cfg.num_hidden_layers))
+        (x, suf_k, suf_v), _ = jax.lax.scan(body, (x, suffix.k, suffix.v), xs)
+        h = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+        return self.logits(h)[:, 0], SuffixCache(k=suf_k, v=suf_v)
