@@ -409,9 +409,8 @@ def format_help() -> str:
 
 
 def parse_cli(argv: list[str]) -> Config | None:
-    """`--config FILE [key=value ...]` to a Config; prints format_help() and returns None for -h/--help."""
+    """`--config FILE [key=value ...]` to a Config; None for -h/--help or no arguments (print format_help())."""
     if not argv or "-h" in argv or "--help" in argv:
-        print(format_help())
         return None
     if argv[0] != "--config" or len(argv) < 2:
         raise ConfigError(f"expected '--config FILE.yaml [group.key=value ...]', got {' '.join(argv)!r}")

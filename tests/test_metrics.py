@@ -40,7 +40,7 @@ def _tb_events(run_dir):
 
 def test_jsonl_content(tmp_path):
     writer = M.MetricsWriter(tmp_path, start_step=0)
-    writer.write(1, {"accuracy": 0.5, "reward": np.float32(-0.25), "kl": jnp.float32(0.125), "tokens": 1234,
+    writer.write(1, {"step": 1, "accuracy": 0.5, "reward": np.float32(-0.25), "kl": jnp.float32(0.125), "tokens": 1234,
                      "done": np.int64(3), "bad": float("nan")})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # flushed before close
     assert json.loads(lines[0]) == {"step": 1, "accuracy": 0.5, "reward": -0.25, "kl": 0.125, "tokens": 1234,
@@ -48,6 +48,8 @@ def test_jsonl_content(tmp_path):
     assert isinstance(json.loads(lines[0])["tokens"], int)
     with pytest.raises(TypeError, match="metric 'vec' must be a real scalar.*shape \\(2,\\)"):
         writer.write(2, {"vec": np.zeros(2)})
+    with pytest.raises(ValueError, match="step=3 but are written for step 2"):
+        writer.write(2, {"step": 3})
     writer.close()
 
 
@@ -92,7 +94,7 @@ def test_only_process_zero_writes(tmp_path, monkeypatch):
 
 def test_progress_bar_shows_headline(capsys):
     bar = M.ProgressBar(total_steps=10, start_step=2)
-    bar.update(3, {"accuracy": 0.5, "reward": 0.25, "kl": 1e-3, "entropy": 0.75, "tokens_per_s": 1234.5,
+    bar.update(3, {"accuracy": 0.5, "reward": 0.25, "kl": 1e-3, "entropy": 0.75, "tokens_per_second": 1234.5,
                    "other": 9})
     bar.update(5, {"accuracy": 0.625})
     bar.close()

@@ -5,7 +5,7 @@ Only process 0 writes (on other processes every method is a no-op), so multi-hos
     metrics = MetricsWriter(run_dir, start_step=restored_step or 0)   # drops records past start_step
     bar = ProgressBar(total_steps=cfg.run.total_steps, start_step=restored_step or 0)
     for step in range(start + 1, total + 1):
-        scalars = {"accuracy": ..., "reward": ..., "kl": ..., "entropy": ..., "tokens_per_s": ...}
+        scalars = {"accuracy": ..., "reward": ..., "kl": ..., "entropy": ..., "tokens_per_second": ...}
         metrics.write(step, scalars)
         bar.update(step, scalars)
     metrics.close(); bar.close()
@@ -32,7 +32,7 @@ from tqdm import tqdm
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 # metric name -> short label shown on the progress bar, in display order
-HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent", "tokens_per_s": "tok/s"}
+HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent", "tokens_per_second": "tok/s"}
 
 
 def _is_writer() -> bool:
@@ -92,7 +92,9 @@ class MetricsWriter:
         if not self._enabled:
             return
         record = {"step": int(step)}
-        for name, value in scalars.items():
+        if "step" in scalars and _as_number("step", scalars["step"]) != step:
+            raise ValueError(f"metrics carry step={scalars['step']} but are written for step {step}")
+        for name, value in ((k, v) for k, v in scalars.items() if k != "step"):
             number = _as_number(name, value)
             record[name] = number if math.isfinite(number) else None
             if math.isfinite(number):
