@@ -1,0 +1,113 @@
+"""`generate`: group sampling from a Qwen3 model, and the `Rollout` it returns.
+
+    rollout = generate(model, prompts, max_new_tokens=512, temperature=1.0, num_samples=16,
+                       stop_token_ids=(eos,), seed=step)
+
+Each prompt is prefilled once; its KV cache is shared by its `num_samples` samples (see engine.py). Sharding: pass
+`mesh=` or call inside `with jax.set_mesh(mesh):`; the batch is then split over the mesh's ("data", "fsdp") axes
+and KV heads over "tensor". The model's parameters are used where they live (place them with g2rl_jax.parallel
+first); without a mesh everything runs on the default device. The KV-cache dtype is the model's
+`RuntimeConfig.kv_cache_dtype` (e.g. "bfloat16").
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from g2rl_jax.rollout import batching, engine
+from g2rl_jax.rollout.sampling import spec_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """The samples of one `generate` call, group-major: sample b = i*num_samples + j is sample j of prompt i.
+
+    completion_ids[b]: generated token ids, trimmed just after the first stop token (included).
+    logprobs[b]: float32 [len(completion_ids[b])], log softmax(logits / T)[token] over the full vocabulary
+      (top-k / top-p do not change it); greedy (T = 0) gives log softmax(logits)[token] at T = 1.
+    finish_reasons[b]: "stop" (ended on a stop token) or "length" (reached max_new_tokens).
+    Padded host arrays for the scoring pass, B = len(prompts) * num_samples; S and T are the bucketed prompt
+    length and max_new_tokens (powers of two), so downstream jitted passes see few distinct shapes:
+      prompt_ids_BxS / prompt_mask_BxS: each sample's prompt, LEFT-padded with 0.
+      completion_ids_BxT / completion_mask_BxT / logprobs_BxT: RIGHT-padded with 0.
+      completion_lengths: int32 [B].
+    """
+
+    completion_ids: list[list[int]]
+    logprobs: list[np.ndarray]
+    finish_reasons: list[str]
+    num_samples: int
+    prompt_ids_BxS: np.ndarray
+    prompt_mask_BxS: np.ndarray
+    completion_ids_BxT: np.ndarray
+    completion_mask_BxT: np.ndarray
+    logprobs_BxT: np.ndarray
+    completion_lengths: np.ndarray
+
+    @property
+    def input_ids_BxL(self) -> np.ndarray:
+        """Prompt and completion side by side, L = S + T (padding on both ends; positions come from the mask)."""
+        return np.concatenate([self.prompt_ids_BxS, self.completion_ids_BxT], axis=1)
+
+    @property
+    def attention_mask_BxL(self) -> np.ndarray:
+        return np.concatenate([self.prompt_mask_BxS, self.completion_mask_BxT], axis=1)
+
+
+def _active_mesh(mesh):
+    """The explicit `mesh`, else the one set by `jax.set_mesh`, else None (single device)."""
+    if mesh is not None:
+        return mesh
+    current = jax.sharding.get_mesh()
+    return None if current.empty else current
+
+
+def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_samples=1,
+             stop_token_ids=(), seed=0, mesh=None) -> Rollout:
+    """Sample `num_samples` completions of each prompt (a list of token-id lists); see `Rollout`.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 are off. Raises ValueError on bad input (empty prompt,
+    prompt + max_new_tokens beyond max_position_embeddings, max_new_tokens <= 0, top_p outside (0, 1],
+    negative temperature, ...).
+    """
+    cfg = model.config
+    prompts = batching.validate(
+        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        num_samples=num_samples, stop_token_ids=stop_token_ids, seed=seed, vocab_size=cfg.vocab_size,
+        max_positions=cfg.max_position_embeddings)
+    mesh = _active_mesh(mesh)
+    sizes = batching.buckets_for(prompts, max_new_tokens, engine.batch_shards(mesh))
+    ids_PxS, mask_PxS = batching.left_pad(prompts, sizes.num_prompts, sizes.prompt_len)
+    if mesh is not None:
+        ids_PxS = jax.device_put(ids_PxS, engine.batch_sharding(mesh, 2))
+        mask_PxS = jax.device_put(mask_PxS, engine.batch_sharding(mesh, 2))
+    graphdef, state = nnx.split(model)
+    logits_PxV, prefix, suffix = engine.prefill_fn(mesh, cfg.num_key_value_heads)(
+        graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, new_tokens=sizes.new_tokens)
+    spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
+    outs, _ = engine.decode_fn(mesh, cfg.num_key_value_heads)(
+        graphdef, state, logits_PxV, prefix, suffix, jax.random.key(seed), jnp.float32(temperature),
+        jnp.float32(top_p), batching.stop_array(stop_token_ids), jnp.int32(max_new_tokens),
+        num_samples=num_samples, spec=spec)
+    B = len(prompts) * num_samples
+    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (np.asarray(x)[:B] for x in outs)
+    return _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B)
+
+
+def _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B) -> Rollout:
+    """Host-side Rollout from the decode outputs of the real (non-dummy) samples."""
+    rows = np.repeat(np.arange(len(prompts)), num_samples)
+    mask_BxT = np.arange(tokens_BxT.shape[1])[None, :] < lengths_B[:, None]
+    return Rollout(
+        completion_ids=[tokens_BxT[b, :n].tolist() for b, n in enumerate(lengths_B)],
+        logprobs=[logprobs_BxT[b, :n].copy() for b, n in enumerate(lengths_B)],
+        finish_reasons=["stop" if s else "length" for s in stopped_B],
+        num_samples=num_samples,
+        prompt_ids_BxS=np.asarray(ids_PxS)[rows], prompt_mask_BxS=np.asarray(mask_PxS)[rows],
+        completion_ids_BxT=np.where(mask_BxT, tokens_BxT, 0).astype(np.int32), completion_mask_BxT=mask_BxT,
+        logprobs_BxT=np.where(mask_BxT, logprobs_BxT, 0.0).astype(np.float32),
+        completion_lengths=lengths_B.astype(np.int32))

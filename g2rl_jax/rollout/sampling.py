@@ -1,0 +1,83 @@
+"""Token sampling from one step's logits: temperature, top-k, top-p (nucleus), greedy, and behaviour log-probs.
+
+`sample_tokens(logits_BxV, keys_B, temperature, top_p, spec)` returns one token per row and its log-prob.
+Order of operations (as transformers' samplers): scale by 1/T, keep the k largest logits (top-k), renormalise over
+the kept tokens, keep the smallest prefix of them (by descending probability) whose mass reaches top_p, sample
+from the renormalised remainder with the Gumbel-max trick (argmax of logits + Gumbel noise is an exact sample
+from softmax(logits)).
+
+Log-prob convention (what the PPO ratio and the G2RL features need):
+  * sampling (T > 0): log softmax(logits / T)[token] over the FULL vocabulary. top-k / top-p only restrict what
+    can be drawn; they do not renormalise the returned log-prob, so it equals what a scoring forward pass
+    computes at the same temperature.
+  * greedy (T = 0): the argmax token (lowest index on ties) and its log softmax(logits)[token] at T = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+    """The static (compile-time) part of the sampling choice; temperature and top_p stay dynamic.
+
+    greedy: temperature == 0 (argmax).
+    top_k: keep only the k most likely tokens (0 = off); a static shape, hence part of the compile key.
+    use_top_p: whether top_p < 1 (nucleus filtering needs a sort, skipped when off).
+    """
+
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+
+
+def spec_for(temperature: float, top_p: float, top_k: int, vocab_size: int) -> SamplerSpec:
+    """The static sampler spec of one `generate` call (top_k >= vocab is the same as off)."""
+    greedy = temperature == 0
+    k = 0 if greedy or top_k >= vocab_size else top_k
+    return SamplerSpec(greedy=greedy, top_k=k, use_top_p=not greedy and top_p < 1.0)
+
+
+def full_logprob(logits_BxV, tokens_B, temperature):
+    """log softmax(logits / T)[token] over the whole vocabulary, in float32."""
+    logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def nucleus_keep(sorted_logits_BxC, top_p):
+    """Mask of the smallest descending-probability prefix whose mass reaches top_p (the first always kept)."""
+    probs_BxC = jax.nn.softmax(sorted_logits_BxC, axis=-1)
+    mass_before_BxC = jnp.cumsum(probs_BxC, axis=-1) - probs_BxC
+    return mass_before_BxC < top_p
+
+
+def _gumbel_argmax(logits_BxC, keys_B):
+    """One exact draw per row from softmax(logits) (Gumbel-max); -inf logits are never drawn."""
+    C = logits_BxC.shape[-1]
+    gumbel_BxC = jax.vmap(lambda key: jax.random.gumbel(key, (C,), jnp.float32))(keys_B)
+    return jnp.argmax(logits_BxC + gumbel_BxC, axis=-1)
+
+
+def sample_tokens(logits_BxV, keys_B, temperature, top_p, spec: SamplerSpec):
+    """One token per row and its log-prob (see the module docstring for the convention)."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    if spec.greedy:
+        tokens_B = jnp.argmax(logits_BxV, axis=-1)
+        return tokens_B.astype(jnp.int32), full_logprob(logits_BxV, tokens_B, 1.0)
+    scaled_BxV = logits_BxV / temperature
+    if spec.top_k == 0 and not spec.use_top_p:
+        tokens_B = _gumbel_argmax(scaled_BxV, keys_B)
+    else:
+        # Candidates in descending order: the top k, or the whole vocabulary sorted when only top-p is on.
+        C = spec.top_k or logits_BxV.shape[-1]
+        cand_BxC, cand_ids_BxC = jax.lax.top_k(scaled_BxV, C)
+        if spec.use_top_p:
+            cand_BxC = jnp.where(nucleus_keep(cand_BxC, top_p), cand_BxC, _NEG_INF)
+        picked_B = _gumbel_argmax(cand_BxC, keys_B)
+        tokens_B = jnp.take_along_axis(cand_ids_BxC, picked_B[:, None], axis=-1)[:, 0]
+    return tokens_B.astype(jnp.int32), full_logprob(logits_BxV, tokens_B, temperature)
