@@ -5,14 +5,12 @@ import json
 import re
 from collections import Counter
 
-import orbax.checkpoint as ocp
+import jax.numpy as jnp
 import pytest
 
 from g2rl_jax.data import (
     Example,
     dataset_names,
-    iterator_restore_args,
-    iterator_save_args,
     load_dataset,
     make_prompt_loader,
     register_dataset,
@@ -168,18 +166,23 @@ def test_finite_epochs_drop_incomplete_batch():
 
 
 def test_orbax_save_restore_gives_same_next_batches(tmp_path):
+    """Through the training checkpointer (Orbax), as a resumed run uses it."""
+    from g2rl_jax.train.checkpoint import Checkpointer
+
     def loader():
         return make_prompt_loader(EXAMPLES, batch_size=4, seed=11, shard_index=0, shard_count=1)
 
+    state = {"w": jnp.arange(3.0)}
     iterator = loader()
     _ids(iterator, 7)  # cross an epoch boundary before saving
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.save(3, args=ocp.args.Composite(data=iterator_save_args(iterator)))
-        manager.wait_until_finished()
+    ckpt = Checkpointer(tmp_path, every=1, keep=2)
+    assert ckpt.save(3, state, iterator)
+    ckpt.close()
     expected = _ids(iterator, 6)
 
     restored = loader()
     _ids(restored, 2)  # a stale position that restore must overwrite
-    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.restore(3, args=ocp.args.Composite(data=iterator_restore_args(restored)))
+    ckpt = Checkpointer(tmp_path, every=1, keep=2)
+    ckpt.restore(3, state, restored)
+    ckpt.close()
     assert _ids(restored, 6) == expected

@@ -3,12 +3,12 @@
 - datasets.py: `Example`, `load_dataset(name_or_path)`, `register_dataset(name, loader)`; vendored files in files/
   (sources and licenses in files/LICENSES.md).
 - prompts.py: the paper's system prompt through the chat template, a plain-text template, lettered choices.
-- pipeline.py: `make_prompt_loader` (shuffled, repeated, batched, sharded by process) and the Orbax glue
-  `iterator_save_args` / `iterator_restore_args` for its state.
+- pipeline.py: `make_prompt_loader` (shuffled, repeated, batched, sharded by process; get_state/set_state,
+  checkpointed by g2rl_jax.train.checkpoint).
 """
 
 from g2rl_jax.data.datasets import Example, dataset_names, load_dataset, register_dataset
-from g2rl_jax.data.pipeline import iterator_restore_args, iterator_save_args, make_prompt_loader
+from g2rl_jax.data.pipeline import make_prompt_loader
 from g2rl_jax.data.prompts import SYSTEM_PROMPT, encode_prompts, render_prompt
 
 __all__ = [
@@ -16,8 +16,6 @@ __all__ = [
     "Example",
     "dataset_names",
     "encode_prompts",
-    "iterator_restore_args",
-    "iterator_save_args",
     "load_dataset",
     "make_prompt_loader",
     "register_dataset",

@@ -1,16 +1,13 @@
-"""grain pipeline of prompt batches, with its iterator state checkpointed through Orbax.
+"""grain pipeline of prompt batches whose position is checkpointed with the training state.
 
 `make_prompt_loader(examples, batch_size=..., seed=...)` gives an endless (or `num_epochs`-long) iterator of
 `list[Example]` batches: this process's shard of the examples, reshuffled every epoch with a seed derived from
 `seed` and the epoch, batches running across epoch boundaries. Same seed and shard, same batches.
 
-Checkpointing, next to the train state in one Orbax CheckpointManager step:
-
-    manager.save(step, args=ocp.args.Composite(state=..., data=iterator_save_args(it)))
-    manager.restore(step, args=ocp.args.Composite(state=..., data=iterator_restore_args(it)))
-
-Restore sets the state of `it` (a freshly made iterator over the same examples, seed and shard) in place, so its
-next batches are those the saved iterator would have produced. grain writes one small JSON file per process.
+Its position is `it.get_state()` (a small JSON-able dict) and `it.set_state(state)`; the training checkpointer
+(g2rl_jax.train.checkpoint.Checkpointer) saves it through Orbax next to the train state, one JSON file per
+process. A freshly made iterator over the same examples, seed and shard, given a saved state, yields the batches
+the saved iterator would have yielded next.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grain
-import grain.checkpoint
 import jax
 
 from g2rl_jax.data.datasets import Example
@@ -58,13 +54,3 @@ def make_prompt_loader(
     read_options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2 * batch_size)
     batches = dataset.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True, batch_fn=list)
     return iter(batches)
-
-
-def iterator_save_args(iterator: grain.DatasetIterator) -> grain.checkpoint.CheckpointSave:
-    """Orbax save args for the iterator's state (an item of ocp.args.Composite)."""
-    return grain.checkpoint.CheckpointSave(iterator)
-
-
-def iterator_restore_args(iterator: grain.DatasetIterator) -> grain.checkpoint.CheckpointRestore:
-    """Orbax restore args that set the saved state into `iterator` (made with the same examples/seed/shard)."""
-    return grain.checkpoint.CheckpointRestore(iterator)
