@@ -76,13 +76,14 @@ def _onehot(y_BxC, vocab):
 
 
 def _chunk_softmax(u_BxCxV, y_BxC):
-    """What every pass shares: e = exp(u − max) once, its sum s, lse = max + log s, and log p(y) = u_y − lse."""
+    """What every pass shares: t = u − max, e = exp(t) once, s = Σ e, lse = max + log s, log p(y) = u_y − lse."""
     m_BxC = jnp.max(u_BxCxV, axis=-1)
-    e_BxCxV = jnp.exp(u_BxCxV - m_BxC[..., None])
+    t_BxCxV = u_BxCxV - m_BxC[..., None]
+    e_BxCxV = jnp.exp(t_BxCxV)
     s_BxC = jnp.sum(e_BxCxV, axis=-1)
     lse_BxC = m_BxC + jnp.log(s_BxC)
-    u_y_BxC = jnp.sum(jnp.where(_onehot(y_BxC, u_BxCxV.shape[-1]), u_BxCxV, 0.0), axis=-1)
-    return m_BxC, e_BxCxV, s_BxC, lse_BxC, u_y_BxC - lse_BxC
+    u_y_BxC = jnp.take_along_axis(u_BxCxV, y_BxC[..., None], axis=-1)[..., 0]
+    return t_BxCxV, e_BxCxV, s_BxC, lse_BxC, u_y_BxC - lse_BxC
 
 
 def _logprobs_scan(hidden_BxLxD, w_VxD, targets_BxL, temperature, chunk):
@@ -96,20 +97,20 @@ def _logprobs_scan(hidden_BxLxD, w_VxD, targets_BxL, temperature, chunk):
 
 
 def _stats_scan(hidden_BxLxD, w_VxD, targets_BxL, alpha_BxL, temperature, chunk):
-    vocab = w_VxD.shape[0]
-
-    def body(r_BxV, xs):  # r accumulates Σ_t α̃_t (e(y_t) − p_t) in vocab space (eqs. seq-feature, efficient)
+    def body(q_BxV, xs):  # q accumulates Σ_t α̃_t p_t in vocab space (eqs. seq-feature, efficient)
         h_BxCxD, y_BxC, a_BxC = xs
-        u_BxCxV = _chunk_logits(h_BxCxD, w_VxD, temperature)
-        m_BxC, e_BxCxV, s_BxC, lse_BxC, logp_BxC = _chunk_softmax(u_BxCxV, y_BxC)
-        ent_BxC = jnp.log(s_BxC) - jnp.sum(e_BxCxV * (u_BxCxV - m_BxC[..., None]), axis=-1) / s_BxC
-        resid_BxCxV = jnp.where(_onehot(y_BxC, vocab), a_BxC[..., None], 0.0) - (a_BxC / s_BxC)[..., None] * e_BxCxV
-        return r_BxV + jnp.sum(resid_BxCxV, axis=1), (logp_BxC, ent_BxC, lse_BxC)
+        t_BxCxV, e_BxCxV, s_BxC, lse_BxC, logp_BxC = _chunk_softmax(_chunk_logits(h_BxCxD, w_VxD, temperature), y_BxC)
+        ent_BxC = jnp.log(s_BxC) - jnp.sum(e_BxCxV * t_BxCxV, axis=-1) / s_BxC  # H = lse − Σ p u
+        q_BxV = q_BxV + jnp.einsum("bc,bcv->bv", a_BxC / s_BxC, e_BxCxV, preferred_element_type=jnp.float32)
+        return q_BxV, (logp_BxC, ent_BxC, lse_BxC)
 
+    b, vocab = hidden_BxLxD.shape[0], w_VxD.shape[0]
     xs = (_to_chunks(hidden_BxLxD, chunk), _to_chunks(targets_BxL, chunk), _to_chunks(alpha_BxL, chunk))
-    r0_BxV = jnp.zeros((hidden_BxLxD.shape[0], vocab), jnp.float32)
-    r_BxV, (logp, ent, lse) = jax.lax.scan(body, r0_BxV, xs)
-    # eq. token-feature summed with α̃: Φ = W^T r (the residual is rounded to W's dtype, f32 accumulation)
+    q_BxV, (logp, ent, lse) = jax.lax.scan(body, jnp.zeros((b, vocab), jnp.float32), xs)
+    # Σ_t α̃_t e(y_t): one scatter of the weights into vocab space
+    onehots_BxV = jnp.zeros((b, vocab), jnp.float32).at[jnp.arange(b)[:, None], targets_BxL].add(alpha_BxL)
+    # eq. token-feature summed with α̃: Φ = Wᵀ r, r = Σ_t α̃_t (e(y_t) − p_t), rounded to W's dtype, f32 accumulation
+    r_BxV = onehots_BxV - q_BxV
     phi_BxD = jnp.einsum("bv,vd->bd", r_BxV.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
     return _from_chunks(logp), _from_chunks(ent), _from_chunks(lse), phi_BxD
 

@@ -1,0 +1,128 @@
+"""g2rl_jax.losses against float64 NumPy transcriptions (PPO clip, DAPO clip-higher, dual clip, KL estimators)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from g2rl_jax import losses
+
+B, L = 5, 9
+
+
+def np_kl(logp, ref, kind):
+    logp, ref = np.float64(logp), np.float64(ref)
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref) ** 2
+    x = np.clip(ref - logp, -20, 20)  # verl's low_var_kl clamps
+    return np.clip(np.exp(x) - x - 1, -10, 10)
+
+
+def np_agg(x, mask, mode):
+    if mode == "token-mean":
+        return (x * mask).sum() / max(mask.sum(), 1)
+    if mode == "seq-mean-token-sum":
+        return (x * mask).sum(-1).mean()
+    return ((x * mask).sum(-1) / np.maximum(mask.sum(-1), 1)).mean()
+
+
+def np_ppo(logp, old, adv, mask, clip_low, clip_high, dual_clip, agg, entropy, entropy_coef, ref, kl_coef, kind):
+    logp, old, adv, mask = (np.float64(x) for x in (logp, old, adv, mask))
+    loss_tok = np.zeros((B, L))
+    low = np.zeros((B, L))
+    high = np.zeros((B, L))
+    for b in range(B):
+        a = adv[b]
+        for t in range(L):
+            rho = np.exp(logp[b, t] - old[b, t])
+            ell = max(-a * rho, -a * min(max(rho, 1 - clip_low), 1 + clip_high))  # eq. grpo-obj, negated
+            if dual_clip is not None and a < 0:
+                ell = min(ell, -a * dual_clip)
+            loss_tok[b, t] = ell
+            low[b, t] = a < 0 and rho < 1 - clip_low
+            high[b, t] = a > 0 and rho > 1 + clip_high
+    kl = np_kl(logp, ref, kind)
+    loss = np_agg(loss_tok, mask, agg) - entropy_coef * np_agg(entropy, mask, agg) + kl_coef * np_agg(kl, mask, agg)
+    mean = lambda x: (x * mask).sum() / mask.sum()
+    log_r = logp - old
+    diag = {"pg_loss": np_agg(loss_tok, mask, agg), "clip_frac_low": mean(low), "clip_frac_high": mean(high),
+            "approx_kl": mean(np.exp(log_r) - 1 - log_r), "entropy": mean(entropy), "kl": mean(kl)}
+    return loss, diag
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    old = rng.uniform(-4, -0.05, size=(B, L)).astype(np.float32)
+    logp = (old + rng.normal(scale=0.3, size=(B, L))).astype(np.float32)  # ratios well outside [0.8, 1.28]
+    ref = (old + rng.normal(scale=0.5, size=(B, L))).astype(np.float32)
+    adv = rng.normal(size=B).astype(np.float32)
+    mask = (rng.uniform(size=(B, L)) < 0.8).astype(np.float32)
+    entropy = rng.uniform(0, 3, size=(B, L)).astype(np.float32)
+    return logp, old, adv, mask, entropy, ref
+
+
+@pytest.mark.parametrize("kind", losses.KL_KINDS)
+def test_kl_penalty_matches_numpy(batch, kind):
+    logp, _, _, _, _, ref = batch
+    np.testing.assert_allclose(jax.jit(losses.kl_penalty, static_argnums=2)(logp, ref, kind), np_kl(logp, ref, kind),
+                               atol=1e-5, rtol=1e-5)
+    extreme_ref = np.array([[-30.0, 0.0, -1.0]], np.float32)  # ref − logp = 30: both clamps engage for k3
+    extreme = np.array([[0.0, -30.0, -1.0]], np.float32)
+    np.testing.assert_allclose(losses.kl_penalty(extreme, extreme_ref, kind), np_kl(extreme, extreme_ref, kind),
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_loss_matches_numpy(batch, agg, dual_clip):
+    logp, old, adv, mask, entropy, ref = batch
+    kwargs = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, agg=agg, entropy_coef=0.01, kl_coef=0.1)
+    fn = jax.jit(lambda *a: losses.ppo_loss(*a[:4], entropy=a[4], ref_logp=a[5], kl_kind="k3", **kwargs))
+    loss, diag = fn(logp, old, adv, mask, entropy, ref)
+    want_loss, want_diag = np_ppo(logp, old, adv, mask, 0.2, 0.28, dual_clip, agg, entropy, 0.01, ref, 0.1, "k3")
+    np.testing.assert_allclose(loss, want_loss, atol=1e-5, rtol=1e-5)
+    for key, value in want_diag.items():
+        np.testing.assert_allclose(diag[key], value, atol=1e-5, rtol=1e-5, err_msg=key)
+    assert 0 < float(diag["clip_frac_low"]) < 1 and 0 < float(diag["clip_frac_high"]) < 1
+    assert ("dual_clip_frac" in diag) == (dual_clip is not None)
+
+
+def test_ppo_loss_bfloat16_inputs(batch):
+    """bf16 log-probs are upcast before any arithmetic: f32 tolerance against float64 on the rounded values."""
+    logp, old, adv, mask, entropy, ref = batch
+    r16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    loss, _ = losses.ppo_loss(jnp.asarray(logp, jnp.bfloat16), jnp.asarray(old, jnp.bfloat16), adv, mask)
+    want, _ = np_ppo(r16(logp), r16(old), adv, mask, 0.2, 0.2, None, "token-mean", entropy, 0.0, ref, 0.0, "k1")
+    np.testing.assert_allclose(loss, want, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_gradient_zero_on_clipped_tokens(batch):
+    logp, old, adv, mask, _, _ = batch
+    grad = np.asarray(jax.grad(lambda lp: losses.ppo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)[0])(logp))
+    ratio = np.exp(np.float64(logp) - old)
+    clipped = ((adv[:, None] > 0) & (ratio > 1.28)) | ((adv[:, None] < 0) & (ratio < 0.8))
+    assert clipped.any() and np.all(grad[clipped] == 0.0)
+    live = ~clipped & (mask > 0)
+    assert np.all(grad[live] != 0.0)
+
+
+def test_ppo_loss_errors(batch):
+    logp, old, adv, mask, entropy, ref = batch
+    with pytest.raises(ValueError, match="agg must be one of"):
+        losses.ppo_loss(logp, old, adv, mask, agg="sum")
+    with pytest.raises(ValueError, match="advantages must be one per sequence"):
+        losses.ppo_loss(logp, old, np.ones((B, L)), mask)
+    with pytest.raises(ValueError, match="old_logp must be"):
+        jax.jit(losses.ppo_loss)(logp, old[:, :-1], adv, mask)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        losses.ppo_loss(logp, old, adv, mask, dual_clip=0.5)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        losses.ppo_loss(logp, old, adv, mask, entropy_coef=0.01)
+    with pytest.raises(ValueError, match="kl_coef"):
+        losses.ppo_loss(logp, old, adv, mask, kl_coef=0.001)
+    with pytest.raises(ValueError, match="kl_kind must be one of"):
+        losses.ppo_loss(logp, old, adv, mask, ref_logp=ref, kl_kind="k4")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        losses.kl_penalty(logp, ref, "full")
