@@ -20,21 +20,19 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
+from g2rl_jax import parallel
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
+from g2rl_jax.parallel import DEFAULT_RULES
 from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
-BATCH_AXES = ("data", "fsdp")
-HEADS_AXIS = "tensor"
 
 
 def batch_shards(mesh) -> int:
     """How many ways the batch is split on `mesh` (1 without a mesh)."""
-    if mesh is None:
-        return 1
-    return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in DEFAULT_RULES.mesh_axes("batch"))
 
 
 def _prefill(graphdef, state, ids_PxS, mask_PxS, *, num_samples: int, new_tokens: int):
@@ -88,16 +86,18 @@ def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCach
     return (tokens_BxT, logprobs_BxT, lengths_B, stopped_B), suffix
 
 
-def _kv_spec(mesh, num_kv_heads: int) -> P:
-    """[layers, batch, length, kv_heads, head_dim]: batch over data/fsdp, KV heads over tensor when they divide."""
-    batch = tuple(a for a in BATCH_AXES if a in mesh.shape)
-    heads = HEADS_AXIS if HEADS_AXIS in mesh.shape and num_kv_heads % mesh.shape[HEADS_AXIS] == 0 else None
-    return P(None, batch, None, heads, None)
+def _kv_sharding(mesh, num_kv_heads: int) -> NamedSharding:
+    """[layers, batch, length, kv_heads, head_dim]: batch over data/fsdp, KV heads over tensor (parallel's rules).
+
+    Errors if the model's KV heads do not divide the tensor axis (the batch is bucketed to divide its axes)."""
+    check_shape = (1, batch_shards(mesh), 1, num_kv_heads, 1)
+    spec = DEFAULT_RULES.spec(("layers", "batch", "seq", "kv_heads", "head_dim"), check_shape, mesh, "KV cache")
+    return NamedSharding(mesh, spec)
 
 
 def batch_sharding(mesh, ndim: int) -> NamedSharding:
-    """Leading axis over data/fsdp, the rest replicated."""
-    return NamedSharding(mesh, P(tuple(a for a in BATCH_AXES if a in mesh.shape), *([None] * (ndim - 1))))
+    """Leading (batch) axis over data/fsdp, the rest replicated."""
+    return parallel.batch_sharding(mesh, ndim=ndim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +106,7 @@ def prefill_fn(mesh, num_kv_heads: int):
     static = ("graphdef", "num_samples", "new_tokens")
     if mesh is None:
         return jax.jit(_prefill, static_argnames=static)
-    kv = NamedSharding(mesh, _kv_spec(mesh, num_kv_heads))
+    kv = _kv_sharding(mesh, num_kv_heads)
     prefix = PrefixCache(k=kv, v=kv, mask=batch_sharding(mesh, 2), lengths=batch_sharding(mesh, 1))
     return jax.jit(_prefill, static_argnames=static,
                    out_shardings=(batch_sharding(mesh, 2), prefix, SuffixCache(k=kv, v=kv)))
@@ -118,7 +118,7 @@ def decode_fn(mesh, num_kv_heads: int):
     static = ("graphdef", "num_samples", "spec")
     if mesh is None:
         return jax.jit(_decode, static_argnames=static, donate_argnames=("suffix",))
-    kv = NamedSharding(mesh, _kv_spec(mesh, num_kv_heads))
+    kv = _kv_sharding(mesh, num_kv_heads)
     out = (batch_sharding(mesh, 2), batch_sharding(mesh, 2), batch_sharding(mesh, 1), batch_sharding(mesh, 1))
     return jax.jit(_decode, static_argnames=static, donate_argnames=("suffix",),
                    out_shardings=(out, SuffixCache(k=kv, v=kv)))

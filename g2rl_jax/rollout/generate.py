@@ -5,8 +5,9 @@
 
 Each prompt is prefilled once; its KV cache is shared by its `num_samples` samples (see engine.py). Sharding: pass
 `mesh=` or call inside `with jax.set_mesh(mesh):`; the batch is then split over the mesh's ("data", "fsdp") axes
-and KV heads over "tensor". The model's parameters are used where they live (place them with g2rl_jax.parallel
-first); without a mesh everything runs on the default device. The KV-cache dtype is the model's
+and KV heads over "tensor"; the parameters are placed by `g2rl_jax.parallel`'s rules on that mesh (a zero-copy
+no-op when they already are, e.g. after `load_pretrained(..., mesh=mesh)`). Without a mesh everything runs where
+the parameters are (the default device). The KV-cache dtype is the model's
 `RuntimeConfig.kv_cache_dtype` (e.g. "bfloat16").
 """
 from __future__ import annotations
@@ -17,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType, Mesh
 
+from g2rl_jax import parallel
 from g2rl_jax.rollout import batching, engine
 from g2rl_jax.rollout.sampling import spec_for
 
@@ -59,11 +62,15 @@ class Rollout:
 
 
 def _active_mesh(mesh):
-    """The explicit `mesh`, else the one set by `jax.set_mesh`, else None (single device)."""
-    if mesh is not None:
-        return mesh
-    current = jax.sharding.get_mesh()
-    return None if current.empty else current
+    """The given `mesh`, else the one set by `jax.set_mesh`, else None (single device); with Auto axis types.
+
+    The model's ops carry no sharding annotations, so they need GSPMD propagation (Auto axes); an Explicit mesh
+    (jax.make_mesh's default) is rebuilt with the same devices and names (see /work/notes/rollout_needs.md).
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_mesh()
+    if mesh.empty:
+        return None
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_samples=1,
@@ -80,12 +87,14 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
         num_samples=num_samples, stop_token_ids=stop_token_ids, seed=seed, vocab_size=cfg.vocab_size,
         max_positions=cfg.max_position_embeddings)
     mesh = _active_mesh(mesh)
+    graphdef, state = nnx.split(model)
+    if mesh is not None:  # a no-op (zero-copy) when the parameters already sit on these shardings
+        state = jax.device_put(state, parallel.state_shardings(state, mesh))
     sizes = batching.buckets_for(prompts, max_new_tokens, engine.batch_shards(mesh))
     ids_PxS, mask_PxS = batching.left_pad(prompts, sizes.num_prompts, sizes.prompt_len)
     if mesh is not None:
         ids_PxS = jax.device_put(ids_PxS, engine.batch_sharding(mesh, 2))
         mask_PxS = jax.device_put(mask_PxS, engine.batch_sharding(mesh, 2))
-    graphdef, state = nnx.split(model)
     logits_PxV, prefix, suffix = engine.prefill_fn(mesh, cfg.num_key_value_heads)(
         graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, new_tokens=sizes.new_tokens)
     spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
