@@ -260,9 +260,9 @@ def load_policy(args: argparse.Namespace):
 def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path) -> None:
     """Sample, score and append a record for every example not in `done`, `--batch-size` prompts at a time."""
     from g2rl_jax.rollout import generate
+    from g2rl_jax.train.loop import stop_token_ids
 
-    stop_ids = sorted({tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])}
-                      - {None, tokenizer.unk_token_id})
+    stop_ids = stop_token_ids(tokenizer)
     pending = [e for e in examples if e.id not in done]
     with tqdm(total=len(examples), initial=len(examples) - len(pending), desc=name, unit="problem") as bar:
         for start in range(0, len(pending), args.batch_size):
@@ -270,7 +270,7 @@ def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path)
             seed = zlib.crc32(f"{args.seed}:{name}:{chunk[0].id}".encode()) & 0x7FFFFFFF
             rollout = generate(model, encode_prompts(chunk, tokenizer, args.template),
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                               top_k=args.top_k, num_samples=args.samples, stop_token_ids=tuple(stop_ids), seed=seed)
+                               top_k=args.top_k, num_samples=args.samples, stop_token_ids=stop_ids, seed=seed)
             for i, example in enumerate(chunk):
                 group = slice(i * args.samples, (i + 1) * args.samples)  # completions are group-major
                 ids = rollout.completion_ids[group]
