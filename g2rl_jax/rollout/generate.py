@@ -12,6 +12,7 @@ the parameters are (the default device). The KV-cache dtype is the model's
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -87,24 +88,34 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
         num_samples=num_samples, stop_token_ids=stop_token_ids, seed=seed, vocab_size=cfg.vocab_size,
         max_positions=cfg.max_position_embeddings)
     mesh = _active_mesh(mesh)
+    sizes = batching.buckets_for(prompts, max_new_tokens, engine.batch_shards(mesh))
+    ids_PxS, mask_PxS = batching.left_pad(prompts, sizes.num_prompts, sizes.prompt_len)
+    spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
+    # Inside the (Auto-axes) mesh's context: an Explicit mesh set by the caller would clash with it.
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_samples=num_samples,
+                          temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
+                          max_new_tokens=max_new_tokens)
+    B = len(prompts) * num_samples
+    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (np.asarray(x)[:B] for x in outs)
+    return _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B)
+
+
+def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_samples, temperature,
+               top_p, stop_token_ids, seed, max_new_tokens):
+    """Place parameters and prompts on `mesh`, prefill once, decode; the decode outputs (device arrays)."""
+    cfg = model.config
     graphdef, state = nnx.split(model)
     if mesh is not None:  # a no-op (zero-copy) when the parameters already sit on these shardings
         state = jax.device_put(state, parallel.state_shardings(state, mesh))
-    sizes = batching.buckets_for(prompts, max_new_tokens, engine.batch_shards(mesh))
-    ids_PxS, mask_PxS = batching.left_pad(prompts, sizes.num_prompts, sizes.prompt_len)
-    if mesh is not None:
-        ids_PxS = jax.device_put(ids_PxS, engine.batch_sharding(mesh, 2))
-        mask_PxS = jax.device_put(mask_PxS, engine.batch_sharding(mesh, 2))
+        ids_PxS, mask_PxS = jax.device_put((ids_PxS, mask_PxS), engine.batch_sharding(mesh, 2))
     logits_PxV, prefix, suffix = engine.prefill_fn(mesh, cfg.num_key_value_heads)(
         graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, new_tokens=sizes.new_tokens)
-    spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
     outs, _ = engine.decode_fn(mesh, cfg.num_key_value_heads)(
         graphdef, state, logits_PxV, prefix, suffix, jax.random.key(seed), jnp.float32(temperature),
         jnp.float32(top_p), batching.stop_array(stop_token_ids), jnp.int32(max_new_tokens),
         num_samples=num_samples, spec=spec)
-    B = len(prompts) * num_samples
-    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (np.asarray(x)[:B] for x in outs)
-    return _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B)
+    return outs
 
 
 def _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B) -> Rollout:
