@@ -61,7 +61,7 @@ def layer_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, ones: bool = False) -> nnx.Param:
     """A parameter tagged with its logical axes (mapped to mesh axes by g2rl_jax.parallel)."""
-    value = jnp.ones(shape, dtype) if ones else 0.02 * jax.random.normal(rngs.params(), shape, dtype)
+    value = jnp.ones(shape, dtype) if ones else (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
