@@ -1,0 +1,374 @@
+"""The training loop: `python -m g2rl_jax.train --config FILE [key=value ...]`.
+
+    trainer = Trainer(cfg)         # checks everything cheap first, then loads models, data, optimizer
+    trainer.resume()               # from the newest checkpoint of run.output_dir, if any
+    trainer.run()                  # rollout → rewards → score → novelty/advantages → update → metrics/ckpt
+
+`Trainer.step_stages(step)` runs one step and returns every intermediate (rollout, batch, scores, signal, info),
+which is what the Colab notebook shows. One mesh serves the policy, the reference model and the sampler: the
+sampler reads the very arrays the optimizer updates, so no weights are copied or synchronised between them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from g2rl_jax import parallel
+from g2rl_jax.config import Config, ConfigError, save_resolved
+from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
+from g2rl_jax.model import load_pretrained
+from g2rl_jax.model.config import RuntimeConfig
+from g2rl_jax.rewards import score_batch
+from g2rl_jax.rollout import generate
+from g2rl_jax.train import step as S
+from g2rl_jax.train.checkpoint import Checkpointer
+from g2rl_jax.train.metrics import MetricsWriter, ProgressBar
+
+
+def preflight(cfg: Config) -> None:
+    """Cheap checks before anything heavy: model and embedding dirs, output_dir writable. Raises ConfigError."""
+    for key, path in (("model.path", cfg.model.path), ("algorithm.embedding_model", cfg.algorithm.embedding_model)):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{key}: {path!r} is not a local Hugging Face model directory (no config.json there); "
+                              "download the checkpoint first and point the key at its directory")
+    out = Path(cfg.run.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({err}); choose a writable directory") from err
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's end-of-sequence ids (eos, and the chat turn end `<|im_end|>` where the vocab has it)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return tuple(sorted(ids))
+
+
+def usable_examples(cfg: Config, tokenizer) -> list:
+    """The training examples whose prompt fits data.max_prompt_tokens; a clear error when none do."""
+    examples = load_dataset(cfg.data.train_dataset)
+    lengths = [len(p) for p in encode_prompts(examples, tokenizer, cfg.data.prompt_template)]
+    kept = [ex for ex, n in zip(examples, lengths) if n <= cfg.data.max_prompt_tokens]
+    if len(kept) < cfg.data.prompts_per_step:
+        raise ConfigError(f"data.train_dataset: {cfg.data.train_dataset!r} has {len(kept)} usable rows (prompt ≤ "
+                          f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}) but data.prompts_per_step="
+                          f"{cfg.data.prompts_per_step}; use more data or raise max_prompt_tokens")
+    return kept
+
+
+def _embed_texts(embedder, tokenizer, texts: list[str], mesh) -> jax.Array:
+    """Last-token pooling of a Qwen3-Embedding-architecture encoder: L2-normalised hidden state of the final token."""
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-1023:] + [tokenizer.eos_token_id] for t in texts]
+    width = max(len(x) for x in ids)
+    width = 1 << (width - 1).bit_length()
+    ids_BxL = np.zeros((len(ids), width), np.int32)
+    mask_BxL = np.zeros((len(ids), width), np.int32)
+    for row, x in enumerate(ids):  # left padding: the last position is every row's final token
+        ids_BxL[row, width - len(x):] = x
+        mask_BxL[row, width - len(x):] = 1
+    h = embedder.hidden_states(shard_rows(ids_BxL, mesh), shard_rows(mask_BxL, mesh))[:, -1]
+    h = h.astype(jnp.float32)
+    return h / jnp.maximum(jnp.linalg.norm(h, axis=-1, keepdims=True), 1e-8)
+
+
+def build_mesh(mesh_cfg):
+    """The (data, fsdp, tensor) mesh of config `mesh`, an axis of -1 taking all remaining devices."""
+    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
+    fixed = int(np.prod([v for v in sizes.values() if v != -1]))
+    n = jax.device_count()
+    if n % fixed:
+        raise ConfigError(f"mesh: the fixed axes {sizes} multiply to {fixed}, which does not divide the {n} devices")
+    sizes = {k: (n // fixed if v == -1 else v) for k, v in sizes.items()}
+    try:
+        mesh = parallel.make_mesh(parallel.MeshConfig(**sizes))
+    except ValueError as err:
+        raise ConfigError(f"mesh: {err}") from err
+    # the model's einsums rely on GSPMD propagation: Auto axes, same devices and names
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def shard_rows(tree, mesh):
+    """Place every array of `tree` with its leading (row) axis split over the data-parallel mesh axes."""
+    return jax.tree.map(lambda x: jax.device_put(x, parallel.batch_sharding(mesh, ndim=np.ndim(x))), tree)
+
+
+@contextlib.contextmanager
+def stage(name: str, **arrays):
+    """Re-raise any failure inside a stage as StageError naming the stage and its input arrays' shapes."""
+    try:
+        yield
+    except S.StageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
+        shapes = ", ".join(f"{k}={_shape_of(v)}" for k, v in arrays.items())
+        raise S.StageError(f"stage {name!r} failed on inputs [{shapes}]: {type(err).__name__}: {err}") from err
+
+
+def _shape_of(x) -> str:
+    leaves = jax.tree.leaves(x)
+    if len(leaves) == 1 and hasattr(leaves[0], "shape"):
+        return f"{tuple(leaves[0].shape)}"
+    if isinstance(x, (list, tuple)):
+        return f"list[{len(x)}]"
+    return "{" + ", ".join(f"{tuple(np.shape(l))}" for l in leaves[:6]) + ("…}" if len(leaves) > 6 else "}")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Everything one step produced, for interactive inspection."""
+
+    rollout: Any
+    texts: list[str]
+    batch: S.Batch
+    scores: tuple[jax.Array, jax.Array, jax.Array]
+    ref_logp: jax.Array | None
+    signal: dict[str, jax.Array]
+    info: dict[str, float]
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """Holds the run: mesh, policy (graphdef, params), reference params, optimizer, data iterator, checkpoints."""
+
+    def __init__(self, cfg: Config):
+        from transformers import AutoTokenizer  # heavy import, after the config has been checked
+
+        preflight(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.output_dir)
+        save_resolved(cfg, self.run_dir)
+        self.mesh = build_mesh(cfg.mesh)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        examples = usable_examples(cfg, self.tokenizer)
+        self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step // jax.process_count(),
+                                         seed=cfg.data.shuffle_seed)
+        runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
+                                remat=cfg.model.remat, attention=cfg.model.attention,
+                                kv_cache_dtype=cfg.model.kv_cache_dtype)
+        model = load_pretrained(cfg.model.path, cfg.model.param_dtype, runtime=runtime, mesh=self.mesh)
+        self.graphdef, self.params = nnx.split(model)
+        self.ref_params = None
+        if cfg.algorithm.kl_coef > 0:  # frozen, sharded like the policy
+            self.ref_params = jax.tree.map(jnp.copy, self.params)
+        self.embedder = self.embed_tokenizer = None
+        if cfg.algorithm.exploration == "evol":
+            self.embedder = load_pretrained(cfg.algorithm.embedding_model, cfg.model.param_dtype, mesh=self.mesh,
+                                            runtime=dataclasses.replace(runtime, remat="none"))
+            self.embed_tokenizer = AutoTokenizer.from_pretrained(cfg.algorithm.embedding_model)
+        responses = cfg.data.prompts_per_step * cfg.rollout.num_samples
+        if responses % cfg.algorithm.mini_batch_size:
+            raise ConfigError(f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide the "
+                              f"{responses} responses of a step (data.prompts_per_step × rollout.num_samples)")
+        self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
+        self.optimizer = S.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
+        self.schedule = S.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
+        self.opt_state = jax.jit(self.optimizer.init)(self.params)
+        self.settings = S.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
+        self.rng_key_data = jax.random.key_data(jax.random.key(cfg.run.seed))
+        self.step = 0
+        self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------------------- state
+    def state(self) -> dict[str, Any]:
+        return {"params": self.params, "opt_state": self.opt_state, "step": jnp.int32(self.step),
+                "rng": self.rng_key_data}
+
+    def resume(self) -> int:
+        """Restore the newest checkpoint, if any; returns the step to continue from."""
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                    self.state())
+            restored = self.ckpt.restore(latest, abstract, self.loader)
+            self.params, self.opt_state = restored["params"], restored["opt_state"]
+            self.rng_key_data, self.step = restored["rng"], int(restored["step"])
+        return self.step
+
+    @property
+    def model(self):
+        """The policy as an NNX module over the live (sharded) params; no copy is made."""
+        return nnx.merge(self.graphdef, self.params)
+
+    # ------------------------------------------------------------------------------------------- one step
+    def _step_seed(self, step: int) -> int:
+        key = jax.random.fold_in(jax.random.wrap_key_data(self.rng_key_data), step)
+        return int(jax.random.randint(key, (), 0, 2**31 - 1))
+
+    def step_stages(self, step: int) -> StepResult:
+        """Run step `step` stage by stage and return every intermediate; the params are updated in place."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        m, micro, temp = cfg.rollout.num_samples, algo.micro_batch_size, self.settings.temperature
+        examples = next(self.loader)
+        t0 = time.perf_counter()
+        prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
+        with stage("rollout", prompts=prompts):
+            rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                               top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
+                               seed=self._step_seed(step), mesh=self.mesh)
+        t1 = time.perf_counter()
+        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        golds = [ex.answer for ex in examples for _ in range(m)]
+        with stage("rewards", texts=texts, golds=golds):
+            rewards = score_batch(texts, golds, kind=examples[0].kind)
+        t2 = time.perf_counter()
+        with stage("batch", prompt_ids=rollout.prompt_ids_BxS, completion_ids=rollout.completion_ids_BxT,
+                   rewards=rewards):
+            batch = S.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
+                                  rollout.completion_mask_BxT, rewards, rewards > 0, m)
+            batch = shard_rows(batch, self.mesh)
+        with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
+            scores = S.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
+        ref = None
+        if self.ref_params is not None:
+            with stage("reference", input_ids=batch.input_ids):
+                ref = S.ref_logprobs(self.graphdef, self.ref_params, batch, temperature=temp, micro=micro)
+        embeddings = None
+        if algo.exploration == "evol":
+            with stage("embed", texts=texts):
+                embeddings = _embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh)
+        with stage("advantages", phi=scores[2], rewards=batch.rewards):
+            signal = jax.block_until_ready(S.advantages(batch, scores[2], algo, embeddings))
+        t3 = time.perf_counter()
+        with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
+            info = self._update(batch, scores[0], ref, signal["advantages"])
+        t4 = time.perf_counter()
+        metrics = self._metrics(step, rollout, batch, scores, signal, info, (t0, t1, t2, t3, t4))
+        return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
+
+    def _update(self, batch: S.Batch, old_logp, ref_logp, adv_B) -> dict[str, float]:
+        algo = self.cfg.algorithm
+        keep_B = np.ones(adv_B.shape[0], bool)
+        if algo.filter_equal_groups:
+            keep_B = S.group_keep_mask(np.asarray(batch.correct), batch.group_size)
+        # dropped responses stay in the batch (static shapes) with their response mask zeroed
+        batch = dataclasses.replace(batch, response_mask=batch.response_mask * jnp.asarray(keep_B, jnp.float32)[:, None])
+        ref_logp = old_logp if ref_logp is None else ref_logp
+        infos = []
+        n, mb = adv_B.shape[0], algo.mini_batch_size
+        for _ in range(algo.ppo_epochs):
+            for start in range(0, n, mb):
+                rows = slice(start, start + mb)
+                mini = {"batch": jax.tree.map(lambda x: x[rows], batch), "old_logp": old_logp[rows],
+                        "ref_logp": ref_logp[rows], "advantages": adv_B[rows]}
+                self.params, self.opt_state, info = S.update(
+                    self.graphdef, self.params, self.opt_state, mini, optimizer=self.optimizer,
+                    settings=self.settings, micro=algo.micro_batch_size)
+                infos.append(info)
+        infos = jax.device_get(infos)
+        out = {k: float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "skipped"}
+        out["skipped_updates"] = int(sum(int(i["skipped"]) for i in infos))
+        out["groups_kept"] = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
+        return out
+
+    def _metrics(self, step, rollout, batch, scores, signal, info, times) -> dict[str, float]:
+        t0, t1, t2, t3, t4 = times
+        mask = np.asarray(batch.response_mask)
+        lengths = np.asarray(rollout.completion_mask_BxT).sum(-1)
+        entropy = np.asarray(scores[1])
+        nu = np.asarray(signal["nu"])
+        updates_done = (step + 1) * self.updates_per_step
+        return {
+            "step": step + 1,
+            "accuracy": float(np.mean(np.asarray(batch.correct))),
+            "reward": float(np.mean(np.asarray(signal["shaped_rewards"]))),
+            "loss": info["loss"], "kl": info.get("kl", 0.0),
+            "entropy": float((entropy * mask).sum() / max(mask.sum(), 1.0)),
+            "response_length": float(lengths.mean()),
+            "novelty": float(np.nanmean(nu)) if np.isfinite(nu).any() else float("nan"),
+            "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
+            "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],
+            "learning_rate": float(self.schedule(updates_done - 1)),
+            "skipped_updates": info["skipped_updates"], "groups_kept": info["groups_kept"],
+            "rollout_seconds": t1 - t0, "reward_seconds": t2 - t1, "score_seconds": t3 - t2,
+            "update_seconds": t4 - t3,
+            "tokens_per_second": float(lengths.sum()) / max(t4 - t0, 1e-9),
+        }
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def validate(self) -> dict[str, float]:
+        """mean@k accuracy on data.eval_datasets under the evaluation sampling settings (k = data.eval_samples)."""
+        cfg = self.cfg.data
+        out = {}
+        for name in cfg.eval_datasets:
+            examples = load_dataset(name)
+            prompts = encode_prompts(examples, self.tokenizer, cfg.prompt_template)
+            rewards = []
+            for start in range(0, len(prompts), cfg.prompts_per_step):
+                chunk = examples[start:start + cfg.prompts_per_step]
+                with stage("validate", dataset=name, prompts=prompts[start:start + len(chunk)]):
+                    rollout = generate(self.model, prompts[start:start + len(chunk)],
+                                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature,
+                                       num_samples=cfg.eval_samples, stop_token_ids=self.stop_ids,
+                                       seed=self.cfg.run.seed + start, mesh=self.mesh)
+                    texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+                    golds = [ex.answer for ex in chunk for _ in range(cfg.eval_samples)]
+                    rewards.append(score_batch(texts, golds, kind=chunk[0].kind))
+            out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(rewards) > 0))
+        return out
+
+    def run(self) -> list[dict[str, float]]:
+        cfg = self.cfg.run
+        writer = MetricsWriter(self.run_dir, start_step=self.step)
+        bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
+        history = []
+        try:
+            while self.step < cfg.total_steps:
+                result = self.step_stages(self.step)
+                self.step += 1
+                metrics = result.metrics
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    metrics.update(self.validate())
+                writer.write(self.step, metrics)
+                bar.update(self.step, metrics)
+                history.append(metrics)
+                self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
+        finally:
+            bar.close()
+            writer.close()
+            self.ckpt.close()
+        return history
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from g2rl_jax.config import format_help, parse_cli
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_cli(argv)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if cfg is None:  # --help
+        print(format_help())
+        return 0
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    trainer.resume()
+    trainer.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
