@@ -52,7 +52,8 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
     if size != len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, config.shape))} needs {size} devices, but there are "
                          f"{len(devices)}; choose data*fsdp*tensor = {len(devices)}")
-    return jax.make_mesh(config.shape, MESH_AXES, devices=devices)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagates shardings from params/inputs
+    return jax.make_mesh(config.shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
 
     def one(path, var):
         logical = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
-        what = "parameter " + ".".join(str(p) for p in path)
+        what = "parameter " + jax.tree_util.keystr(path, simple=True, separator=".")
         return var.replace(NamedSharding(mesh, rules.spec(tuple(logical), var.shape, mesh, what)))
 
     return jax.tree.map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
