@@ -347,7 +347,8 @@ def _construct(cls: type, kwargs: dict[str, Any], flat: dict[str, tuple[Any, str
     except ConfigError as err:
         key = str(err).split(":", 1)[0]
         group = key.split(".", 1)[0] + "."
-        related = [flat[key][1]] if key in flat else sorted({src for k, (_, src) in flat.items() if k.startswith(group)})
+        set_in_group = sorted({src for k, (_, src) in flat.items() if k.startswith(group)})
+        related = [flat[key][1]] if key in flat else set_in_group
         raise ConfigError(f"{'; '.join(related) or 'default values'}: {err}") from None
 
 

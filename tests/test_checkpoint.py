@@ -95,6 +95,17 @@ def test_interval_keep_last_n_and_forced_final_save(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["8", "9"]
 
 
+def test_save_survives_donation_of_saved_arrays(tmp_path):
+    """save() copies device arrays before returning, so the next jitted step may donate (delete) them."""
+    ckpt = Checkpointer(tmp_path, every=1, keep=1)
+    state = _state(2, 4096)
+    ckpt.save(2, state, _iterator())
+    jax.tree.map(lambda x: x.delete(), state)
+    ckpt.wait()
+    _assert_equal(ckpt.restore(2, _abstract(_state(2, 4096)), _iterator()), _state(2, 4096))
+    ckpt.close()
+
+
 def test_typed_key_rejected_with_advice(tmp_path):
     ckpt = Checkpointer(tmp_path, every=1, keep=1)
     with pytest.raises(TypeError, match=r"\['rng'\].*key_data"):
@@ -170,8 +181,15 @@ def test_kill_minus_9_never_leaves_latest_unreadable(tmp_path):
                                 stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         first = proc.stdout.readline()
         assert first.startswith(f"resumed {last}"), (first, log.seek(0) or log.read())
-        assert proc.stdout.readline().startswith("saving")
-        time.sleep([0.0, rng.uniform(0.3, 1.5), rng.uniform(1.5, 3.0)][round_])
+        # round 0: kill as the first save starts; later rounds: once "saving last+3" shows (Orbax waits for the
+        # previous save before starting the next, so step last+1 is then complete), after a random delay, mid-save.
+        wait_for = 1 if round_ == 0 else last + 3
+        while (line := proc.stdout.readline()) != f"saving {wait_for}\n":
+            assert line.startswith("saving"), (line, log.seek(0) or log.read())
+        time.sleep(0.0 if round_ == 0 else rng.uniform(0.0, 1.0))
+        if round_:  # then strike as soon as a save is in flight (a temporary step directory exists)
+            while not any("tmp" in p.name for p in (run_dir / "checkpoints").iterdir()):
+                time.sleep(0.001)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
@@ -179,14 +197,14 @@ def test_kill_minus_9_never_leaves_latest_unreadable(tmp_path):
         names = [p.name for p in (run_dir / "checkpoints").iterdir()]
         killed_mid_save += any("tmp" in name for name in names)
         step = latest_step(run_dir)
-        if step is None:  # killed before the first save completed: nothing to check yet
+        if step is None:  # round 0, killed before the first save completed: nothing to check yet
+            assert round_ == 0
             continue
-        assert step >= last
+        assert step >= (last + 1 if round_ else 0)
         ckpt = Checkpointer(run_dir, every=1, keep=2)
         it = _iterator()
         _assert_equal(ckpt.restore(step, _abstract(_state(step, SIZE)), it), _state(step, SIZE))
         assert next(it) == _expected_next(step)
         ckpt.close()
         last = step
-    assert last > 0, "no checkpoint completed in three rounds"
     assert killed_mid_save >= 1, "no kill landed mid-save; the test did not exercise what it claims"
