@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Cloud TPU VM launcher for g2rl_jax: a thin, printable layer over `gcloud compute tpus`.
+
+    launch/tpu.sh create --name g2rl --zone us-east5-a --accelerator-type v5p-32 [--spot]
+    launch/tpu.sh setup  --name g2rl --zone us-east5-a --repo https://github.com/ORG/g2rl_jax.git [--branch main]
+    launch/tpu.sh train  --name g2rl --zone us-east5-a --config configs/qwen3_1p7b_g2rl.yaml [key=value ...]
+    launch/tpu.sh logs   --name g2rl --zone us-east5-a [--follow | --collect DIR]
+    launch/tpu.sh ssh    --name g2rl --zone us-east5-a [--worker 0] [--command CMD]
+    launch/tpu.sh delete --name g2rl --zone us-east5-a
+
+Every subcommand takes --dry-run (print the exact gcloud command lines, run nothing) and --project. A TPU slice
+of several hosts runs the same command on every worker (`--worker=all`); JAX then finds its peers itself on TPU
+VMs. `train` starts the run under nohup on each worker with its output in <dir>/logs/worker-<ID>.log, ID being the
+worker number from the TPU VM metadata server. Standard library only: this runs on your laptop, not on the TPU.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+DEFAULT_DIR = "~/g2rl_jax"  # checkout location on every worker
+# Runtime (software) version per TPU generation, from the Cloud TPU docs; --runtime-version overrides.
+RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
+                    "v6e": "v2-alpha-tpuv6e"}
+# The worker's index inside its slice, from the TPU VM metadata server (TPU_WORKER_ID wins where the image sets it).
+WORKER_ID = ("${TPU_WORKER_ID:-$(curl -s -H 'Metadata-Flavor: Google' "
+             "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)}")
+
+
+def _target(args) -> list[str]:
+    """The flags naming the TPU: --zone, and --project when given."""
+    return ["--zone", args.zone] + (["--project", args.project] if args.project else [])
+
+
+def _ssh(args, command: str | None, worker: str) -> list[str]:
+    cmd = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.name, *_target(args), f"--worker={worker}"]
+    return cmd + ([f"--command={command}"] if command is not None else [])
+
+
+def runtime_version(accelerator_type: str) -> str:
+    """The default runtime for an accelerator type such as v5p-32 (its family is the part before '-')."""
+    family = accelerator_type.split("-", 1)[0]
+    if family not in RUNTIME_VERSIONS:
+        raise SystemExit(f"tpu.py create: no default --runtime-version for accelerator type {accelerator_type!r} "
+                         f"(known families: {', '.join(RUNTIME_VERSIONS)}); pass --runtime-version explicitly")
+    return RUNTIME_VERSIONS[family]
+
+
+def create(args) -> list[list[str]]:
+    version = args.runtime_version or runtime_version(args.accelerator_type)
+    cmd = ["gcloud", "compute", "tpus", "queued-resources", "create", args.name, "--node-id", args.name,
+           *_target(args), "--accelerator-type", args.accelerator_type, "--runtime-version", version]
+    return [cmd + (["--spot"] if args.spot else [])]
+
+
+def setup(args) -> list[list[str]]:
+    """Clone (or fast-forward) the repository on every worker and install it with the TPU extra."""
+    d, branch, repo = args.dir, shlex.quote(args.branch), shlex.quote(args.repo)
+    script = (f"set -e; if [ -d {d}/.git ]; then git -C {d} fetch origin {branch} && git -C {d} checkout {branch} "
+              f"&& git -C {d} pull --ff-only origin {branch}; else git clone --branch {branch} {repo} {d}; fi; "
+              f"cd {d} && python3 -m pip install -e '.[tpu]'")
+    return [_ssh(args, script, "all")]
+
+
+def train_script(args) -> str:
+    """The shell line each worker runs: nohup python -m g2rl_jax.train, one log file per worker."""
+    train = shlex.join(["python3", "-m", "g2rl_jax.train", "--config", args.config, *args.overrides])
+    env = shlex.join(["PYTHONUNBUFFERED=1", *args.env])
+    log = f"{args.log_dir}/worker-$WORKER.log"
+    # JAX_PLATFORMS is unset so JAX picks the TPU; TPU_* variables set by the VM image are left alone.
+    return (f"set -e; cd {args.dir}; mkdir -p {args.log_dir}; WORKER={WORKER_ID}; "
+            f"nohup env -u JAX_PLATFORMS {env} {train} > {log} 2>&1 < /dev/null & "
+            f"echo \"worker $WORKER: started, log $PWD/{log}\"")
+
+
+def train(args) -> list[list[str]]:
+    return [_ssh(args, train_script(args), "all")]
+
+
+def logs(args) -> list[list[str]]:
+    pattern = f"{args.dir}/{args.log_dir}/worker-*.log"
+    if args.collect:  # file names carry the worker id, so every worker's log lands side by side
+        src = f"{args.name}:{pattern}"
+        return [["mkdir", "-p", args.collect],
+                ["gcloud", "compute", "tpus", "tpu-vm", "scp", src, args.collect, *_target(args),
+                 f"--worker={args.worker}"]]
+    tail = f"tail -n {args.lines}" + (" -f" if args.follow else "")
+    return [_ssh(args, f"{tail} {pattern}", args.worker)]
+
+
+def ssh(args) -> list[list[str]]:
+    return [_ssh(args, args.command, args.worker)]
+
+
+def delete(args) -> list[list[str]]:
+    """Delete the queued resource and (--force) the TPU VMs it holds."""
+    return [["gcloud", "compute", "tpus", "queued-resources", "delete", args.name, *_target(args), "--force",
+             "--quiet"]]
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="launch/tpu.sh", description=__doc__.split("\n\n")[0],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    subs = top.add_subparsers(dest="subcommand", metavar="{create,setup,train,logs,ssh,delete}", required=True)
+
+    def sub(name: str, fn, help: str) -> argparse.ArgumentParser:
+        p = subs.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        p.add_argument("--name", required=True, help="queued resource and TPU VM name")
+        p.add_argument("--zone", required=True, help="Cloud zone, e.g. us-east5-a")
+        p.add_argument("--project", help="Cloud project (default: gcloud's configured project)")
+        p.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
+        return p
+
+    p = sub("create", create, "request a TPU slice as a queued resource")
+    p.add_argument("--accelerator-type", required=True, help="e.g. v5p-32, v5litepod-16, v6e-8")
+    p.add_argument("--runtime-version", help=f"TPU software version (default per family: {RUNTIME_VERSIONS})")
+    p.add_argument("--spot", action="store_true", help="spot (preemptible) capacity")
+
+    p = sub("setup", setup, "clone the repository and pip install -e '.[tpu]' on every worker")
+    p.add_argument("--repo", required=True, help="git URL of the g2rl_jax repository")
+    p.add_argument("--branch", default="main", help="branch or tag to check out (default: main)")
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
+
+    p = sub("train", train, "start python -m g2rl_jax.train on every worker under nohup")
+    p.add_argument("--config", required=True, help="config YAML, relative to --dir on the workers")
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
+    p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the run, e.g. --env HF_HOME=/mnt/hf (repeatable)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.total_steps=10")
+
+    p = sub("logs", logs, "show (tail) or --collect the per-worker training logs")
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
+    p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
+    p.add_argument("--worker", default="all", help="worker index or 'all' (default: all)")
+    p.add_argument("--lines", type=int, default=50, help="lines per log to show (default: 50)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--follow", action="store_true", help="keep following the logs (tail -f)")
+    mode.add_argument("--collect", metavar="LOCAL_DIR", help="copy every worker's log into LOCAL_DIR")
+
+    p = sub("ssh", ssh, "open a shell on a worker, or run --command there")
+    p.add_argument("--worker", default="0", help="worker index or 'all' (default: 0)")
+    p.add_argument("--command", help="command to run instead of an interactive shell")
+
+    sub("delete", delete, "delete the queued resource and its TPU VMs")
+    return top
+
+
+def _check(args, top: argparse.ArgumentParser) -> None:
+    """Checks argparse cannot express; a failure is a usage error (exit 2) naming the flag."""
+    for item in getattr(args, "env", []):
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            top.error(f"--env {item!r}: expected KEY=VALUE")
+    for item in getattr(args, "overrides", []):
+        if "=" not in item or item.startswith("-"):
+            top.error(f"train: {item!r} is not a config override; expected group.key=value, e.g. run.total_steps=10")
+    for flag in ("dir", "log_dir"):  # pasted into remote shell lines unquoted, so that ~ expands there
+        value = getattr(args, flag, "")
+        if any(c.isspace() or c in "'\"$`;&|<>" for c in value):
+            top.error(f"--{flag.replace('_', '-')} {value!r}: use a path without spaces or shell characters")
+    if getattr(args, "lines", 1) < 1:
+        top.error(f"logs --lines must be >= 1, got {args.lines}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    top = parser()
+    args = top.parse_args(argv)
+    _check(args, top)
+    for cmd in args.fn(args):
+        print(("" if args.dry_run else "+ ") + shlex.join(cmd), flush=True)
+        if not args.dry_run:
+            rc = subprocess.call(cmd)
+            if rc:
+                print(f"tpu.py {args.subcommand}: {cmd[0]} exited with status {rc}", file=sys.stderr)
+                return rc
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,309 @@
+"""launch/: tpu.sh, gpu.sh and the SLURM example, driven with fake `gcloud` / `python` / `srun` executables placed
+first on PATH. Each fake appends its argv (shell-quoted, one line per call) and the environment variables a test
+asks about to a record file, so the tests assert the exact commands the scripts run."""
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TPU, GPU, SLURM = ROOT / "launch" / "tpu.sh", ROOT / "launch" / "gpu.sh", ROOT / "launch" / "slurm_example.sbatch"
+WORKER_SOURCE = ("${TPU_WORKER_ID:-$(curl -s -H 'Metadata-Flavor: Google' "
+                 "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)}")
+
+FAKE = """#!{python}
+import json, os, shlex, sys
+with open({record!r}, "a") as fh:
+    fh.write(json.dumps({{"argv": shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                          "env": {{k: os.environ.get(k) for k in {keys!r}}},
+                          "cwd": os.getcwd()}}) + "\\n")
+print("fake", os.path.basename(sys.argv[0]), "ran")
+sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+"""
+ENV_KEYS = ["JAX_PLATFORMS", "PYTHONUNBUFFERED", "TPU_ACCELERATOR_TYPE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+            "CUDA_VISIBLE_DEVICES", "XLA_FLAGS", "HF_HOME", "SLURM_PROCID"]
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """A bin/ dir with fake gcloud, python, python3; returns (env, read_calls)."""
+    bindir, record = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bindir.mkdir()
+    for name in ("gcloud", "python", "python3"):
+        exe = bindir / name
+        exe.write_text(FAKE.format(python=sys.executable, record=str(record), keys=ENV_KEYS))
+        exe.chmod(0o755)
+    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+
+    def calls() -> list[dict]:
+        return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+    return env, calls
+
+
+def run(script, args, env, **kw):
+    # tpu.sh execs python3, which is faked on PATH: run tpu.py with the real interpreter instead.
+    cmd = [sys.executable, str(ROOT / "launch" / "tpu.py"), *args] if script == TPU else [str(script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_tpu_sh_wrapper_runs_tpu_py():
+    out = subprocess.run([str(TPU), "delete", "--name", "n", "--zone", "z", "--dry-run"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["gcloud compute tpus queued-resources delete n --zone z --force --quiet"]
+
+
+@pytest.mark.parametrize("spot,project", [(True, None), (False, "my-proj")])
+def test_create_queued_resource(fakes, spot, project):
+    env, calls = fakes
+    args = ["create", "--name", "g2rl", "--zone", "us-east5-a", "--accelerator-type", "v5p-32"]
+    args += (["--spot"] if spot else []) + (["--project", project] if project else [])
+    out = run(TPU, args, env)
+    assert out.returncode == 0, out.stderr
+    expected = ("gcloud compute tpus queued-resources create g2rl --node-id g2rl --zone us-east5-a"
+                + (f" --project {project}" if project else "")
+                + " --accelerator-type v5p-32 --runtime-version v2-alpha-tpuv5" + (" --spot" if spot else ""))
+    assert [c["argv"] for c in calls()] == [expected]
+
+
+def test_create_runtime_version_default_and_override(fakes):
+    env, calls = fakes
+    assert run(TPU, ["create", "--name", "a", "--zone", "z", "--accelerator-type", "v6e-8"], env).returncode == 0
+    assert run(TPU, ["create", "--name", "b", "--zone", "z", "--accelerator-type", "v5litepod-16",
+                     "--runtime-version", "custom-rt"], env).returncode == 0
+    argv = [shlex.split(c["argv"]) for c in calls()]
+    assert argv[0][argv[0].index("--runtime-version") + 1] == "v2-alpha-tpuv6e"
+    assert argv[1][argv[1].index("--runtime-version") + 1] == "custom-rt"
+    out = run(TPU, ["create", "--name", "c", "--zone", "z", "--accelerator-type", "v9x-8"], env)
+    assert out.returncode != 0 and "--runtime-version" in out.stderr and "v9x-8" in out.stderr
+    assert len(calls()) == 2
+
+
+def test_dry_run_prints_exact_commands_and_runs_nothing(fakes):
+    env, calls = fakes
+    out = run(TPU, ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8", "--dry-run"], env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "gcloud compute tpus queued-resources create g --node-id g --zone z --accelerator-type v5p-8 "
+        "--runtime-version v2-alpha-tpuv5"]
+    out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--dry-run"], env)
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 1
+    assert shlex.split(out.stdout)[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z"]
+    assert calls() == []
+
+
+def _ssh_command(argv: str) -> tuple[list[str], str]:
+    """Split a recorded `gcloud ... ssh` call into its gcloud flags and the --command text."""
+    words = shlex.split(argv)
+    command = [w for w in words if w.startswith("--command=")]
+    assert len(command) == 1, argv
+    return [w for w in words if not w.startswith("--command=")], command[0][len("--command="):]
+
+
+def test_setup_clones_and_installs_on_all_workers(fakes):
+    env, calls = fakes
+    out = run(TPU, ["setup", "--name", "g", "--zone", "z", "--repo", "https://example.com/g2rl_jax.git",
+                    "--branch", "dev"], env)
+    assert out.returncode == 0, out.stderr
+    (call,) = calls()
+    flags, command = _ssh_command(call["argv"])
+    assert flags == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z", "--worker=all"]
+    assert "git clone --branch dev https://example.com/g2rl_jax.git ~/g2rl_jax" in command
+    assert "git -C ~/g2rl_jax pull --ff-only origin dev" in command
+    assert command.endswith("cd ~/g2rl_jax && python3 -m pip install -e '.[tpu]'")
+
+
+def test_setup_script_really_clones_and_installs(fakes, tmp_path):
+    """Run the remote setup line with bash against a local git repository (python3 is the fake: records pip)."""
+    env, calls = fakes
+    src = tmp_path / "src"
+    src.mkdir()
+    git_env = {**env, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run(cmd, cwd=src, env=git_env, check=True)
+    dest = tmp_path / "checkout"
+    out = run(TPU, ["setup", "--name", "g", "--zone", "z", "--repo", str(src), "--dir", str(dest), "--dry-run"], env)
+    _, command = _ssh_command(out.stdout.strip())
+    for _ in range(2):  # first a clone, then an update of the existing checkout
+        done = subprocess.run(["bash", "-c", command], env=git_env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert (dest / ".git").is_dir()
+    pips = [c for c in calls() if c["argv"].startswith("python3 -m pip")]
+    assert [c["argv"] for c in pips] == ["python3 -m pip install -e '.[tpu]'"] * 2
+    assert all(c["cwd"] == str(dest) for c in pips)
+
+
+def test_train_command_on_all_workers(fakes):
+    env, calls = fakes
+    out = run(TPU, ["train", "--name", "g", "--zone", "z", "--project", "p", "--config", "configs/qwen3_4b_g2rl.yaml",
+                    "--env", "HF_HOME=/mnt/hf", "run.total_steps=3", "mesh.tensor=2"], env)
+    assert out.returncode == 0, out.stderr
+    (call,) = calls()
+    flags, command = _ssh_command(call["argv"])
+    assert flags == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z", "--project", "p",
+                     "--worker=all"]
+    assert command == (
+        f"set -e; cd ~/g2rl_jax; mkdir -p logs; WORKER={WORKER_SOURCE}; "
+        "nohup env -u JAX_PLATFORMS PYTHONUNBUFFERED=1 HF_HOME=/mnt/hf python3 -m g2rl_jax.train "
+        "--config configs/qwen3_4b_g2rl.yaml run.total_steps=3 mesh.tensor=2 > logs/worker-$WORKER.log 2>&1 "
+        "< /dev/null & echo \"worker $WORKER: started, log $PWD/logs/worker-$WORKER.log\"")
+
+
+def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
+    """Execute the remote train line with bash as workers 0 and 3 would: one log each, JAX_PLATFORMS unset,
+    TPU_* untouched, PYTHONUNBUFFERED=1 (python3 is the fake and writes to the log)."""
+    env, calls = fakes
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--dir", str(workdir),
+                    "--dry-run", "run.seed=1"], env)
+    _, command = _ssh_command(out.stdout.strip())
+    for worker in ("0", "3"):
+        worker_env = {**env, "TPU_WORKER_ID": worker, "JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5p-32"}
+        done = subprocess.run(["bash", "-c", command], env=worker_env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert f"worker {worker}: started, log {workdir}/logs/worker-{worker}.log" in done.stdout
+    deadline = time.time() + 30
+    while len(calls()) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    runs = calls()
+    assert len(runs) == 2
+    for c in runs:
+        assert c["argv"] == "python3 -m g2rl_jax.train --config c.yaml run.seed=1"
+        assert c["env"]["JAX_PLATFORMS"] is None and c["env"]["PYTHONUNBUFFERED"] == "1"
+        assert c["env"]["TPU_ACCELERATOR_TYPE"] == "v5p-32" and c["cwd"] == str(workdir)
+    for worker in ("0", "3"):
+        log = workdir / "logs" / f"worker-{worker}.log"
+        while "ran" not in log.read_text() and time.time() < deadline:
+            time.sleep(0.1)
+        assert log.read_text() == "fake python3 ran\n"
+
+
+def test_logs_tail_follow_and_collect(fakes, tmp_path):
+    env, calls = fakes
+    base = ["--name", "g", "--zone", "z"]
+    assert run(TPU, ["logs", *base], env).returncode == 0
+    assert run(TPU, ["logs", *base, "--worker", "2", "--lines", "10", "--follow"], env).returncode == 0
+    dest = tmp_path / "collected"
+    assert run(TPU, ["logs", *base, "--collect", str(dest)], env).returncode == 0
+    argv = [c["argv"] for c in calls()]
+    assert argv == [
+        "gcloud compute tpus tpu-vm ssh g --zone z --worker=all '--command=tail -n 50 ~/g2rl_jax/logs/worker-*.log'",
+        "gcloud compute tpus tpu-vm ssh g --zone z --worker=2 '--command=tail -n 10 -f ~/g2rl_jax/logs/worker-*.log'",
+        f"gcloud compute tpus tpu-vm scp 'g:~/g2rl_jax/logs/worker-*.log' {dest} --zone z --worker=all",
+    ]
+    assert dest.is_dir()  # made by the (real) mkdir -p before the scp
+    out = run(TPU, ["logs", *base, "--follow", "--collect", str(dest)], env)
+    assert out.returncode == 2 and "not allowed with" in out.stderr
+
+
+def test_ssh_and_delete(fakes):
+    env, calls = fakes
+    base = ["--name", "g", "--zone", "z"]
+    assert run(TPU, ["ssh", *base], env).returncode == 0
+    assert run(TPU, ["ssh", *base, "--worker", "all", "--command", "pkill -f g2rl_jax.train"], env).returncode == 0
+    assert run(TPU, ["delete", *base], env).returncode == 0
+    assert [c["argv"] for c in calls()] == [
+        "gcloud compute tpus tpu-vm ssh g --zone z --worker=0",
+        "gcloud compute tpus tpu-vm ssh g --zone z --worker=all '--command=pkill -f g2rl_jax.train'",
+        "gcloud compute tpus queued-resources delete g --zone z --force --quiet",
+    ]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["frobnicate", "--name", "g", "--zone", "z"], "invalid choice: 'frobnicate'"),
+    ([], "required: {create,setup,train,logs,ssh,delete}"),
+    (["create", "--zone", "z", "--accelerator-type", "v5p-8"], "the following arguments are required: --name"),
+    (["delete", "--name", "g"], "the following arguments are required: --zone"),
+    (["train", "--name", "g", "--zone", "z"], "required: --config"),
+    (["train", "--name", "g", "--zone", "z", "--config", "c", "steps10"], "'steps10' is not a config override"),
+    (["train", "--name", "g", "--zone", "z", "--config", "c", "--env", "NOVALUE"], "expected KEY=VALUE"),
+    (["train", "--name", "g", "--zone", "z", "--config", "c", "--dir", "my dir"], "without spaces"),
+    (["setup", "--name", "g", "--zone", "z"], "required: --repo"),
+    (["logs", "--name", "g", "--zone", "z", "--lines", "0"], "--lines must be >= 1"),
+])
+def test_bad_input_is_a_usage_error(fakes, args, message):
+    env, calls = fakes
+    out = run(TPU, args, env)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr and "usage:" in out.stderr
+    assert calls() == []
+
+
+def test_gcloud_failure_stops_and_propagates(fakes):
+    env, calls = fakes
+    out = run(TPU, ["delete", "--name", "g", "--zone", "z"], {**env, "FAKE_EXIT": "7"})
+    assert out.returncode == 7 and "gcloud exited with status 7" in out.stderr
+
+
+# ----------------------------------------------------------------------------------------------------- gpu.sh
+def test_gpu_sh_runs_one_process_over_the_chosen_gpus(fakes, tmp_path):
+    env, calls = fakes
+    log = tmp_path / "out" / "train.log"
+    out = run(GPU, ["--gpus", "0,1,2,3", "--mem-fraction", "0.85", "--log", str(log), "--config", "cfg.yaml",
+                    "mesh.tensor=2", "run.total_steps=5"], {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--foo"})
+    assert out.returncode == 0, out.stderr
+    (call,) = calls()
+    assert call["argv"] == "python -m g2rl_jax.train --config cfg.yaml mesh.tensor=2 run.total_steps=5"
+    assert call["env"] == {**dict.fromkeys(ENV_KEYS), "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+                           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.85",
+                           "XLA_FLAGS": "--foo --xla_gpu_enable_latency_hiding_scheduler=true"}
+    assert log.read_text() == "fake python ran\n"
+
+
+def test_gpu_sh_dry_run_and_exit_status(fakes):
+    env, calls = fakes
+    out = run(GPU, ["--dry-run", "--config", "c.yaml"], env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("env -u JAX_PLATFORMS XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 PYTHONUNBUFFERED=1 "
+                                  "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
+                                  "python -m g2rl_jax.train --config c.yaml")
+    assert calls() == []
+    assert run(GPU, ["--config", "c.yaml"], {**env, "FAKE_EXIT": "3"}).returncode == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run.total_steps=1"], "--config FILE is required"),
+    (["--config", "c", "--gpus", "a,b"], "expected indices like 0,1,2,3"),
+    (["--config", "c", "--mem-fraction", "1.5"], "expected a number in (0, 1]"),
+    (["--config", "c", "--bogus"], "unknown option '--bogus'"),
+    (["--config", "c", "notanoverride"], "'notanoverride' is not a config override"),
+    (["--config"], "--config needs a YAML file"),
+])
+def test_gpu_sh_bad_input(fakes, args, message):
+    env, calls = fakes
+    out = run(GPU, args, env)
+    assert out.returncode == 2 and message in out.stderr and "usage" not in out.stdout
+    assert calls() == []
+
+
+# ----------------------------------------------------------------------------------------------------- SLURM
+def test_slurm_example_passes_distributed_overrides_per_task(fakes, tmp_path):
+    """Fake scontrol/srun: srun runs its command once per task with SLURM_PROCID set, like SLURM does."""
+    env, calls = fakes
+    bindir = Path(env["PATH"].split(":")[0])
+    (bindir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-7\\ngpu-node-8\\n'\n")
+    (bindir / "srun").write_text(
+        "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+        "for i in 0 1; do SLURM_PROCID=$i SLURM_NTASKS=2 \"$@\" || exit $?; done\n")
+    for name in ("scontrol", "srun"):
+        (bindir / name).chmod(0o755)
+    slurm_env = {**env, "SLURM_JOB_NODELIST": "gpu-node-[7-8]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42",
+                 "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(["bash", str(SLURM), "run.total_steps=2"], env=slurm_env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    runs = calls()
+    assert [c["argv"] for c in runs] == [
+        f"python -m g2rl_jax.train --config configs/qwen3_4b_g2rl.yaml distributed.coordinator_address="
+        f"gpu-node-7:12355 distributed.num_processes=2 distributed.process_id={i} run.total_steps=2" for i in (0, 1)]
+    assert all(c["env"]["JAX_PLATFORMS"] is None and c["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"
+               for c in runs)
+    assert (tmp_path / "logs" / "slurm-42-host1.log").read_text() == "fake python ran\n"
