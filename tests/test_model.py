@@ -136,6 +136,15 @@ def test_xla_attention_matches_numpy():
     np.testing.assert_allclose(np.asarray(out)[real], _np_attention(q, k, v, mask)[real], rtol=1e-5, atol=1e-5)
 
 
+def test_fused_attention_masking_matches_numpy():
+    """The mask handed to cuDNN, checked through jax.nn.dot_product_attention's XLA implementation."""
+    q, k, v, mask = _qkv_mask()
+    out = np.asarray(attn.fused(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), jnp.asarray(mask), "xla"))
+    real = mask.astype(bool)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[real], _np_attention(q, k, v, mask)[real], rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_matches_numpy():
     """One joint softmax over the prompt's prefix and the sample's own suffix, prefix shared by m samples."""
     rng = np.random.RandomState(5)
@@ -257,6 +266,7 @@ def test_config_validation(bad, match):
     (dict(param_dtype="float16"), "unknown RuntimeConfig.param_dtype 'float16'"),
     (dict(remat="some"), "RuntimeConfig.remat='some'"),
     (dict(attention="flash"), "RuntimeConfig.attention='flash'"),
+    (dict(attention="cudnn"), "needs compute_dtype='bfloat16'"),
 ])
 def test_runtime_validation(bad, match):
     with pytest.raises(ValueError, match=match):

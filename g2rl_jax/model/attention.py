@@ -42,7 +42,7 @@ def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla"):
     """Causal GQA self-attention with a key padding mask; returns [B, L, H, K] in q's dtype."""
     backend = resolve_backend(backend)
     if backend == "cudnn":
-        return _cudnn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
+        return fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
     if backend == "splash":
         return splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
     return xla(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
@@ -64,11 +64,16 @@ def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
     return out_BxLxGxRxK.reshape(B, L, H, K)
 
 
-def _cudnn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL):
-    """cuDNN fused attention (GPU); GQA is native there, the mask is causal AND key-is-real."""
-    key_mask_Bx1x1xL = mask_BxL.astype(bool)[:, None, None, :]
-    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=key_mask_Bx1x1xL,
-                                        is_causal=True, implementation="cudnn")
+def fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, implementation: str = "cudnn"):
+    """`jax.nn.dot_product_attention` (cuDNN on GPU, bf16; "xla" lets CPU tests check the masking); native GQA.
+
+    Real queries see causal real keys; padding queries see causal padding keys, so no row is empty (an empty
+    row could put NaN into padding K/V, and 0 * NaN would reach real tokens).
+    """
+    real_BxL = mask_BxL.astype(bool)
+    allowed_Bx1xLxL = (real_BxL[:, None, :] == real_BxL[:, :, None])[:, None]
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=allowed_Bx1xLxL,
+                                        is_causal=True, implementation=implementation)
 
 
 def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool = False, block: int = 128):

@@ -129,7 +129,8 @@ class RuntimeConfig:
     kv_cache_dtype: dtype of the decode KV cache; None means compute_dtype.
     remat: "none" (keep activations), "full" (recompute each layer in the backward pass), "dots" (save
       matmul outputs without batch dims, recompute the rest).
-    attention: "xla" (einsum softmax, any device), "cudnn" (GPU fused kernel), "splash" (TPU Pallas kernel);
+    attention: "xla" (einsum softmax, any device), "cudnn" (GPU fused kernel, bf16 compute only), "splash"
+      (TPU Pallas kernel);
       the last two fall back to "xla" with one logged warning where their hardware is absent.
     """
 
@@ -148,6 +149,9 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"RuntimeConfig.attention={self.attention!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ValueError("RuntimeConfig.attention='cudnn' needs compute_dtype='bfloat16' (cuDNN fused "
+                             f"attention has no float32 kernel), got {self.compute_dtype!r}")
 
     @property
     def param_jnp(self):
