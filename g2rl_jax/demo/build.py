@@ -1,0 +1,166 @@
+"""Build (or reuse) the demo's model directories: the warm-started policy and a Qwen3Model embedder.
+
+    build_demo_model("runs/demo/model")                          # tokenizer + tiny Qwen3 + supervised warm start
+    build_demo_embedder("runs/demo/embedder", "runs/demo/model")  # its backbone as a Qwen3Model (for `evol`)
+    resolve_demo_paths("demo:runs/demo/model", None)             # the same, driven by config values
+
+Both are cached: a directory holds `demo_build.json` with the hash of everything that determines its contents
+(architecture, warm-start settings, task, tokenizer recipe, `BUILD_VERSION`); a complete directory with the
+same hash is reused as is, anything else is rebuilt. A build is written to a temporary sibling directory and
+renamed into place, so an interrupted build never leaves a directory that looks complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from g2rl_jax.demo import task, tokenizer as demo_tokenizer
+from g2rl_jax.demo.sft import SFTConfig, encode_sft, train_sft
+from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig, save_pretrained
+
+BUILD_VERSION = 1  # bump when the build changes in a way the spec below does not capture
+MARKER = "demo_build.json"
+SCHEME = "demo:"
+POLICY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER)
+EMBEDDER_FILES = POLICY_FILES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicySpec:
+    """The tiny policy's architecture (vocab_size is the tokenizer's size rounded up to a multiple of 64)."""
+
+    hidden_size: int = 96
+    intermediate_size: int = 288
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 256
+
+    def qwen3_config(self, tokenizer_size: int) -> Qwen3Config:
+        return Qwen3Config(vocab_size=-(-tokenizer_size // 64) * 64, tie_word_embeddings=True,
+                           **dataclasses.asdict(self))
+
+
+def _spec_hash(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def policy_spec(seed: int, sft_steps: int) -> dict:
+    """Everything that determines the policy directory's contents."""
+    return {
+        "kind": "policy", "version": BUILD_VERSION, "architecture": dataclasses.asdict(PolicySpec()),
+        "sft": dataclasses.asdict(SFTConfig(steps=sft_steps, seed=seed)), "init_seed": seed,
+        "task": {"operands": [task.OPERANDS.start, task.OPERANDS.stop], "shuffle_seed": task.SHUFFLE_SEED,
+                 "test_size": task.TEST_SIZE, "teacher_errors": list(task.TEACHER_ERRORS)},
+        "tokenizer": {"characters": demo_tokenizer.CHARACTERS, "max_vocab": demo_tokenizer.MAX_VOCAB,
+                      "corpus_examples": demo_tokenizer.CORPUS_EXAMPLES},
+    }
+
+
+def _built_hash(out: Path, files: tuple[str, ...]) -> str | None:
+    """The spec hash of the complete build at `out`, or None when `out` is not one."""
+    if not all((out / f).is_file() for f in files):
+        return None
+    return json.loads((out / MARKER).read_text()).get("spec_hash")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished build `tmp` to `out`, replacing an earlier demo build there (never anything else)."""
+    if out.exists():
+        if not (out / MARKER).is_file() and any(out.iterdir()):
+            shutil.rmtree(tmp)
+            raise FileExistsError(f"{out} exists and is not a demo build (no {MARKER}); "
+                                  "remove it or point the demo at another directory")
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _staging_dir(out: Path) -> Path:
+    """An empty sibling of `out`, private to this process, for the build to be written into."""
+    tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
+    if tmp.exists():  # left by a crashed earlier process that had the same pid
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, sft_steps: int = SFTConfig.steps) -> Path:
+    """The warm-started demo policy as an HF directory at `out_dir` (reused when already built the same way)."""
+    out = Path(out_dir)
+    spec = policy_spec(seed, sft_steps)
+    spec_hash = _spec_hash(spec)
+    if _built_hash(out, POLICY_FILES) == spec_hash:
+        return out
+    start = time.perf_counter()
+    tokenizer = demo_tokenizer.make_tokenizer()
+    cfg = PolicySpec().qwen3_config(len(tokenizer))
+    model = Qwen3(cfg, RuntimeConfig(), rngs=nnx.Rngs(seed))
+    ids_NxKxL, mask_NxKxL = encode_sft(task.examples("train"), tokenizer)
+    losses = train_sft(model, ids_NxKxL, mask_NxKxL, SFTConfig(steps=sft_steps, seed=seed))
+    tmp = _staging_dir(out)
+    save_pretrained(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {"spec_hash": spec_hash, "spec": spec, "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
+              "build_seconds": round(time.perf_counter() - start, 1)}
+    (tmp / MARKER).write_text(json.dumps(record, indent=2))
+    _publish(tmp, out)
+    return out
+
+
+def build_demo_embedder(out_dir: str | os.PathLike, policy_dir: str | os.PathLike) -> Path:
+    """The backbone of the demo policy at `policy_dir` as a Qwen3Model directory (architectures ["Qwen3Model"],
+    unprefixed tensor names, no LM head, same tokenizer), for `algorithm.exploration: evol`. Reused when built
+    from the same policy build."""
+    out, policy = Path(out_dir), Path(policy_dir)
+    policy_hash = _built_hash(policy, POLICY_FILES)
+    if policy_hash is None:
+        raise ValueError(f"{policy} is not a complete demo policy build; run build_demo_model({str(policy)!r}) first")
+    spec_hash = _spec_hash({"kind": "embedder", "version": BUILD_VERSION, "policy": policy_hash})
+    if _built_hash(out, EMBEDDER_FILES) == spec_hash:
+        return out
+    tmp = _staging_dir(out)
+    tensors = load_file(str(policy / "model.safetensors"))
+    backbone = {name.removeprefix("model."): np.ascontiguousarray(x) for name, x in tensors.items()
+                if name.startswith("model.")}
+    save_file(backbone, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((policy / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3Model"]}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(policy / name, tmp / name)
+    (tmp / MARKER).write_text(json.dumps({"spec_hash": spec_hash, "policy": str(policy)}, indent=2))
+    _publish(tmp, out)
+    return out
+
+
+def resolve_demo_paths(model_path: str, embedding_model: str | None) -> tuple[str, str | None]:
+    """`model.path` and `algorithm.embedding_model` config values with "demo:DIR" built (or reused) at DIR.
+
+    "demo:DIR" as model.path is the warm-started demo policy; as embedding_model, that policy's backbone
+    (which needs model.path to be a demo policy too). Any other value is returned unchanged.
+    """
+    def target(value: str, key: str) -> str:
+        directory = value[len(SCHEME):]
+        if not directory:
+            raise ValueError(f"{key}: {value!r} names no directory; write e.g. '{SCHEME}runs/demo/model'")
+        return directory
+
+    if model_path.startswith(SCHEME):
+        model_path = str(build_demo_model(target(model_path, "model.path")))
+    if embedding_model is not None and embedding_model.startswith(SCHEME):
+        directory = target(embedding_model, "algorithm.embedding_model")
+        if _built_hash(Path(model_path), POLICY_FILES) is None:
+            raise ValueError(f"algorithm.embedding_model: {embedding_model!r} is the demo policy's backbone, so "
+                             f"model.path must be a demo policy ('{SCHEME}DIR'), got {model_path!r}")
+        embedding_model = str(build_demo_embedder(directory, model_path))
+    return model_path, embedding_model

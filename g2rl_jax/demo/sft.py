@@ -1,0 +1,120 @@
+"""Supervised warm start for the demo policy: imitate a noisy teacher, cross-entropy, AdamW, one jitted step.
+
+The teacher answers each problem correctly with probability `teacher_accuracy` and otherwise makes one of the
+carry slips `task.TEACHER_ERRORS` (uniformly), drawn afresh every time a row is used. A model that fits the teacher
+is right about `teacher_accuracy` of the time when sampling at temperature 1 while the correct answer stays its
+most likely one: the regime RL with a verifiable reward improves on (the paper's base models are unreliable, not
+ignorant). Why not simply stop a clean warm start early: small models learn addition in a sudden jump, so the
+accuracy of an early stop depends on the exact step count and floating-point details of the machine.
+
+Each row is the prompt exactly as RL shows it (`plain` template), then the response and `<|endoftext|>`; only
+the response tokens (eos included) carry loss.
+
+    ids_NxKxL, mask_NxKxL = encode_sft(examples, tokenizer)     # K = 1 + len(TEACHER_ERRORS) variants per row
+    losses = train_sft(model, ids_NxKxL, mask_NxKxL, SFTConfig(steps=600))   # updates `model` in place
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from g2rl_jax.data.datasets import Example
+from g2rl_jax.data.prompts import plain_prompt
+from g2rl_jax.demo.task import TEACHER_ERRORS, solution
+from g2rl_jax.model import Qwen3
+
+ERRORS = (0, *TEACHER_ERRORS)  # variant k of a row answers with sum + ERRORS[k]; variant 0 is correct
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    steps: int = 600
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    teacher_accuracy: float = 0.4
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SFTConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"SFTConfig.warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"SFTConfig.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 < self.teacher_accuracy <= 1:
+            raise ValueError(f"SFTConfig.teacher_accuracy must be in (0, 1], got {self.teacher_accuracy}")
+
+    def variant_probs(self) -> np.ndarray:
+        """Probability of each response variant (ERRORS order): correct, then the slips uniformly."""
+        slip = (1.0 - self.teacher_accuracy) / len(TEACHER_ERRORS)
+        return np.array([self.teacher_accuracy] + [slip] * len(TEACHER_ERRORS))
+
+
+def encode_sft(examples: Sequence[Example], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ids [N, K, L] of prompt + response variant k + eos, and the mask [N, K, L] of loss tokens."""
+    prompts = tokenizer([plain_prompt(ex) for ex in examples], add_special_tokens=False)["input_ids"]
+    rows = []
+    for prompt, ex in zip(prompts, examples):
+        replies = tokenizer([solution(ex, e) for e in ERRORS], add_special_tokens=False)["input_ids"]
+        rows.append([(prompt, reply + [tokenizer.eos_token_id]) for reply in replies])
+    width = max(len(p) + len(r) for variants in rows for p, r in variants)
+    ids_NxKxL = np.full((len(rows), len(ERRORS), width), tokenizer.pad_token_id, np.int32)
+    mask_NxKxL = np.zeros((len(rows), len(ERRORS), width), np.float32)
+    for i, variants in enumerate(rows):
+        for k, (p, r) in enumerate(variants):
+            ids_NxKxL[i, k, : len(p) + len(r)] = p + r
+            mask_NxKxL[i, k, len(p): len(p) + len(r)] = 1.0
+    return ids_NxKxL, mask_NxKxL
+
+
+def sft_loss(model: Qwen3, ids_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
+    """Mean negative log-likelihood of the masked tokens, each predicted from the tokens before it."""
+    logits_BxLxV = model(ids_BxL[:, :-1])
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
+    nll_BxL = -jnp.take_along_axis(logp_BxLxV, ids_BxL[:, 1:, None], axis=-1)[..., 0]
+    weights_BxL = mask_BxL[:, 1:]
+    return jnp.sum(nll_BxL * weights_BxL) / jnp.maximum(jnp.sum(weights_BxL), 1.0)
+
+
+def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps,
+                                                  end_value=0.1 * cfg.learning_rate)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+def train_sft(model: Qwen3, ids_NxKxL: np.ndarray, mask_NxKxL: np.ndarray, cfg: SFTConfig) -> list[float]:
+    """Run `cfg.steps` AdamW steps on random rows with teacher-drawn variants; `model` ends trained."""
+    if ids_NxKxL.shape != mask_NxKxL.shape or ids_NxKxL.shape[1:2] != (len(ERRORS),):
+        raise ValueError(f"ids {ids_NxKxL.shape} and mask {mask_NxKxL.shape} must both be [N, {len(ERRORS)}, L]")
+    if len(ids_NxKxL) < cfg.batch_size:
+        raise ValueError(f"{len(ids_NxKxL)} training rows are fewer than SFTConfig.batch_size={cfg.batch_size}")
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(cfg)
+    opt_state = tx.init(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, ids_BxL, mask_BxL):
+        loss, grads = jax.value_and_grad(lambda p: sft_loss(nnx.merge(graphdef, p), ids_BxL, mask_BxL))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(cfg.seed)
+    probs = cfg.variant_probs()
+    losses = []
+    for _ in range(cfg.steps):
+        rows = rng.choice(len(ids_NxKxL), size=cfg.batch_size, replace=False)
+        variants = rng.choice(len(ERRORS), size=cfg.batch_size, p=probs)
+        params, opt_state, loss = step(params, opt_state, ids_NxKxL[rows, variants], mask_NxKxL[rows, variants])
+        losses.append(loss)
+    nnx.update(model, params)
+    return [float(x) for x in jax.device_get(losses)]
