@@ -16,7 +16,7 @@ from g2rl_jax.model import RuntimeConfig, load_pretrained
 from g2rl_jax.parallel import MeshConfig, make_mesh
 from g2rl_jax.rollout import engine, generate
 from g2rl_jax.rollout.batching import bucket
-from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
+from g2rl_jax.rollout.sampling import SamplerSpec, categorical, sample_tokens
 
 PROMPTS = [[5, 17, 99, 3], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [42], [100, 3, 64, 2, 9, 88, 31]]
 NEW = 12
@@ -172,6 +172,19 @@ def test_sample_tokens_matches_truncated_distribution(temperature, top_k, top_p)
     assert stats.chisquare(counts[allowed], expected[allowed] * n).pvalue > 1e-3
     full = log_softmax64(LOGITS_V.astype(np.float64) / temperature)
     np.testing.assert_allclose(np.asarray(logprobs), full[np.asarray(tokens)], atol=1e-5)
+
+
+def test_two_stage_categorical_is_exact():
+    """Blocks of 4 over 14 entries (the last block padded): frequencies match softmax; a 0.8 scaling is rejected."""
+    n, z = 40000, np.linspace(-2.0, 2.5, 14).astype(np.float32)[np.random.default_rng(0).permutation(14)]
+    keys = jax.random.split(jax.random.key(1), n)
+    draws = jax.jit(categorical, static_argnames="block")(jnp.tile(z, (n, 1)), keys, block=4)
+    counts = np.bincount(np.asarray(draws), minlength=14)
+    assert counts.shape == (14,)
+    for scale, accept in ((1.0, True), (0.8, False)):
+        expected = np.exp(log_softmax64(scale * z.astype(np.float64))) * n
+        p = stats.chisquare(counts, expected).pvalue
+        assert (p > 1e-3) if accept else (p < 1e-6), (scale, p)
 
 
 # ---------------------------------------------------------------- stops, seeds, buckets

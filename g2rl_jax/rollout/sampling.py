@@ -4,7 +4,7 @@
 Order of operations (as transformers' samplers): scale by 1/T, keep the k largest logits (top-k), renormalise over
 the kept tokens, keep the smallest prefix of them (by descending probability) whose mass reaches top_p, sample
 from the renormalised remainder with the Gumbel-max trick (argmax of logits + Gumbel noise is an exact sample
-from softmax(logits)).
+from softmax(logits)), in two stages over a large vocabulary (a block, then a token in it; see `categorical`).
 
 Log-prob convention (what the PPO ratio and the G2RL features need):
   * sampling (T > 0): log softmax(logits / T)[token] over the FULL vocabulary. top-k / top-p only restrict what
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -jnp.inf
+BLOCK = 1024  # two-stage sampling block (see `categorical`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,21 @@ def _gumbel_argmax(logits_BxC, keys_B):
     return jnp.argmax(logits_BxC + gumbel_BxC, axis=-1)
 
 
+def categorical(logits_BxC, keys_B, block: int = BLOCK):
+    """One exact draw per row from softmax(logits), in two stages when C > block: draw a block of `block`
+    entries with probability ∝ its mass (Gumbel-max over the blocks' logsumexp), then an entry within it.
+    P(i) = P(block(i)) * P(i | block) = softmax(logits)_i, with C/block + block Gumbel draws instead of C."""
+    B, C = logits_BxC.shape
+    if C <= block:
+        return _gumbel_argmax(logits_BxC, keys_B)
+    nb = -(-C // block)
+    padded_BxNxK = jnp.pad(logits_BxC, ((0, 0), (0, nb * block - C)), constant_values=_NEG_INF).reshape(B, nb, block)
+    keys_Bx2 = jax.vmap(jax.random.split)(keys_B)
+    block_B = _gumbel_argmax(jax.nn.logsumexp(padded_BxNxK, axis=-1), keys_Bx2[:, 0])
+    within_BxK = jnp.take_along_axis(padded_BxNxK, block_B[:, None, None], axis=1)[:, 0]
+    return block_B * block + _gumbel_argmax(within_BxK, keys_Bx2[:, 1])
+
+
 def sample_tokens(logits_BxV, keys_B, temperature, top_p, spec: SamplerSpec):
     """One token per row and its log-prob (see the module docstring for the convention)."""
     logits_BxV = logits_BxV.astype(jnp.float32)
@@ -71,13 +87,13 @@ def sample_tokens(logits_BxV, keys_B, temperature, top_p, spec: SamplerSpec):
         return tokens_B.astype(jnp.int32), full_logprob(logits_BxV, tokens_B, 1.0)
     scaled_BxV = logits_BxV / temperature
     if spec.top_k == 0 and not spec.use_top_p:
-        tokens_B = _gumbel_argmax(scaled_BxV, keys_B)
+        tokens_B = categorical(scaled_BxV, keys_B)
     else:
         # Candidates in descending order: the top k, or the whole vocabulary sorted when only top-p is on.
         C = spec.top_k or logits_BxV.shape[-1]
         cand_BxC, cand_ids_BxC = jax.lax.top_k(scaled_BxV, C)
         if spec.use_top_p:
             cand_BxC = jnp.where(nucleus_keep(cand_BxC, top_p), cand_BxC, _NEG_INF)
-        picked_B = _gumbel_argmax(cand_BxC, keys_B)
+        picked_B = categorical(cand_BxC, keys_B)
         tokens_B = jnp.take_along_axis(cand_ids_BxC, picked_B[:, None], axis=-1)[:, 0]
     return tokens_B.astype(jnp.int32), full_logprob(logits_BxV, tokens_B, temperature)
