@@ -40,6 +40,12 @@ def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray,
     return np.array([p[0] for p in pts]), np.array([p[1] for p in pts], np.float64)
 
 
+def panel_title(key: str) -> str:
+    """"val/aime25/mean@8" -> "aime25 mean@8 (validation)"; other keys as they are."""
+    parts = key.split("/")
+    return f"{parts[1]} {parts[2]} (validation)" if key.startswith(VAL_PREFIX) and len(parts) == 3 else key
+
+
 def curve_keys(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
     """Panels to draw: accuracy, every validation key any run logged (sorted), then the other CURVES."""
     val = sorted({k for records in runs.values() for r in records for k in r if k.startswith(VAL_PREFIX)})
@@ -60,7 +66,7 @@ def training_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
             if len(steps):
                 ax.plot(steps, values, color=colour, label=label, marker="o" if len(steps) == 1 else None)
     for ax, key in zip(axes.flat, keys):
-        ax.set_title(CURVES.get(key, key))
+        ax.set_title(CURVES.get(key) or panel_title(key))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
