@@ -1,0 +1,365 @@
+"""Memory planner: `python -m g2rl_jax.plan --config FILE [--devices N] [--preset NAME] [key=value ...]`.
+
+Analytic per-device bytes of a training run, from the config alone (nothing is allocated):
+
+    params       the policy's parameters in model.param_dtype, each sharded as g2rl_jax.parallel's DEFAULT_RULES
+                 map its logical axes (embed -> fsdp, heads/kv_heads/mlp/vocab -> tensor)
+    optimizer    AdamW's mu and nu (optax keeps them in the parameters' dtype), sharded like the parameters
+    gradients    the float32 accumulator of train.step.update plus one micro-batch's gradients (param dtype)
+    reference    a frozen copy of the parameters when algorithm.kl_coef > 0
+    kv_cache     rollout K/V: the prompt prefix once per prompt plus the suffix per sample, layers x (P*S + P*m*T)
+                 x kv_heads x head_dim x 2 x kv dtype, batch over (data, fsdp) and kv_heads over tensor
+    rollout_tmp  prefill attention scores (xla backend) and the decode step's [B, V] float32 logits
+    activations  one micro-batch of the update with model.remat: the layer-boundary activations [b, L, D] of every
+                 layer, one layer's recomputed internals and their cotangents (attention scores [b, H, L, L] with
+                 the xla backend), one layer's all-gathered weights, and the chunked [b, 64, V] logits of the loss
+    batch        the update's mini-batch arrays (ids, masks, old/ref log-probs, advantages)
+
+Peak = params + optimizer + reference + max(rollout: kv_cache + rollout_tmp, update: gradients + activations +
+batch). Shapes are the ones the code runs: prompt count, prompt length and max_new_tokens bucketed as in
+g2rl_jax.rollout.batching, L = S + T. `fits()` then tries TPU v5e/v5p/v6e and H100/H200 slices, every chip on the
+fsdp axis (the config's data and tensor sizes kept when they are explicit numbers), and reports the smallest that
+holds the peak within USABLE_FRACTION of each chip's memory. tests/test_plan.py checks the update-phase estimate
+against XLA's compiled memory analysis of the real `train.step.update` on CPU for small configs (within 25%).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from g2rl_jax.config import Config, ConfigError, load_config
+from g2rl_jax.g2rl import DEFAULT_CHUNK
+from g2rl_jax.model.config import DTYPES, PRESETS, Qwen3Config, RuntimeConfig
+from g2rl_jax.parallel import DEFAULT_RULES, MESH_AXES
+from g2rl_jax.rollout.batching import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
+
+GiB = 2**30
+USABLE_FRACTION = 0.90  # share of HBM a run can use (runtime reserve; gpu.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION)
+F32 = 4
+
+
+class PlanError(ValueError):
+    """A config or mesh the planner cannot lay out; the message names both numbers that disagree."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    name: str
+    hbm_gib: float
+    chips: tuple[int, ...]  # slice sizes tried, smallest first
+    slice_name: str  # format of the slice name, {n} = chips, {n2} = TensorCores
+
+    def label(self, n: int) -> str:
+        return self.slice_name.format(n=n, n2=2 * n)
+
+
+_POW2 = tuple(2**i for i in range(13))
+ACCELERATORS = (
+    Accelerator("v5e", 16, (1, 4, 8, 16, 32, 64, 128, 256), "v5litepod-{n}"),
+    Accelerator("v5p", 95, tuple(c for c in _POW2 if 4 <= c <= 4096), "v5p-{n2}"),
+    Accelerator("v6e", 32, (1, 4, 8, 16, 32, 64, 128, 256), "v6e-{n}"),
+    Accelerator("H100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x H100"),
+    Accelerator("H200", 141, tuple(c for c in _POW2 if c <= 1024), "{n} x H200"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-device bytes of each component (see the module docstring) for one config on one mesh."""
+
+    mesh: dict[str, int]
+    params: int
+    optimizer: int
+    gradients: int
+    reference: int
+    kv_cache: int
+    rollout_tmp: int
+    activations: int
+    batch: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.optimizer + self.reference
+
+    @property
+    def rollout_phase(self) -> int:
+        return self.kv_cache + self.rollout_tmp
+
+    @property
+    def update_phase(self) -> int:
+        return self.gradients + self.activations + self.batch
+
+    @property
+    def update_step(self) -> int:
+        """What one compiled `train.step.update` holds: params, optimizer, gradients, activations, batch."""
+        return self.params + self.optimizer + self.update_phase
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + max(self.rollout_phase, self.update_phase)
+
+
+# ------------------------------------------------------------------------------------------------ the mesh
+def resolve_mesh(cfg: Config, devices: int) -> dict[str, int]:
+    """Mesh sizes for `devices` devices (-1 fills); PlanError names both numbers when they do not divide."""
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in MESH_AXES}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if -1 in sizes.values():
+        if devices % fixed:
+            raise PlanError(f"mesh {sizes}: the fixed axes multiply to {fixed}, which does not divide the {devices} "
+                            f"devices; choose axis sizes whose product divides {devices}")
+        sizes = {k: devices // fixed if v == -1 else v for k, v in sizes.items()}
+    elif fixed != devices:
+        raise PlanError(f"mesh {sizes} needs {fixed} devices, but there are {devices}; "
+                        f"choose data*fsdp*tensor = {devices} or set one axis to -1")
+    return sizes
+
+
+def shards(logical: str | None, mesh: dict[str, int]) -> int:
+    """How many ways DEFAULT_RULES split a dimension with this logical name on `mesh`."""
+    return math.prod(mesh[a] for a in DEFAULT_RULES.mesh_axes(logical))
+
+
+def check_divisible(model: Qwen3Config, mesh: dict[str, int]) -> None:
+    """Every sharded model dimension must divide by its mesh axes; the error names both numbers."""
+    dims = {"heads": model.num_attention_heads, "kv_heads": model.num_key_value_heads,
+            "mlp": model.intermediate_size, "vocab": model.vocab_size, "embed": model.hidden_size}
+    for logical, size in dims.items():
+        parts = shards(logical, mesh)
+        if size % parts:
+            axes = DEFAULT_RULES.mesh_axes(logical)
+            raise PlanError(f"model {logical} = {size} is not divisible by mesh axes {axes} of size {parts}; "
+                            f"choose a mesh whose {'*'.join(axes)} divides {size}")
+
+
+# ------------------------------------------------------------------------------------------------ components
+def param_elements(model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int]) -> int:
+    """Parameter elements per device: each Variable's shape divided along its logical axes (DEFAULT_RULES)."""
+    import jax
+    from flax import nnx
+
+    from g2rl_jax.model.qwen3 import Qwen3
+
+    abstract = nnx.state(nnx.eval_shape(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0))))
+    total = 0
+    for var in jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        logical = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+        DEFAULT_RULES.spec(tuple(logical))  # rejects two dims on one mesh axis
+        total += math.prod(-(-n // shards(name, mesh)) for n, name in zip(var.shape, logical))
+    return total
+
+
+def nbytes(name: str) -> int:
+    return np.dtype(DTYPES[name]).itemsize
+
+
+def kv_cache_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> tuple[int, int, int, int]:
+    """(bytes per device, P, S, T): prefix K/V once per prompt + suffix K/V per sample, bucketed as the sampler."""
+    batch_shards = shards("batch", mesh)
+    p = -(-bucket(cfg.data.prompts_per_step, 1) // batch_shards) * batch_shards
+    s = bucket(cfg.data.max_prompt_tokens, MIN_PROMPT_BUCKET)
+    t = bucket(cfg.rollout.max_new_tokens, MIN_NEW_TOKENS_BUCKET)
+    rows = p * s + p * cfg.rollout.num_samples * t
+    per_row = 2 * model.num_key_value_heads * model.head_dim * nbytes(cfg.model.kv_cache_dtype)
+    total = model.num_hidden_layers * rows * per_row // (batch_shards * shards("kv_heads", mesh))
+    return total, p, s, t
+
+
+def layer_internal_elements(model: Qwen3Config, b: int, length: int, tp: int) -> tuple[int, int]:
+    """(compute-dtype, float32) elements one decoder layer materialises for b rows of `length` tokens."""
+    d, f, k = model.hidden_size, model.intermediate_size // tp, model.head_dim
+    h, g = model.num_attention_heads // tp, model.num_key_value_heads // tp
+    compute = b * length * (3 * d + (2 * h + 2 * g) * k + 3 * f)  # x, norms, q/k/v, attn out, gate/up/act
+    f32 = b * length * (2 * d + (h + g) * k)  # rms_norm and rope compute in float32
+    return compute, f32
+
+
+def attention_scores_bytes(runtime: RuntimeConfig, heads: int, b: int, length: int) -> int:
+    """The xla backend's [b, H, L, L] scores in the backward pass: scores, softmax and their cotangent in float32,
+    the probabilities in the compute dtype and the boolean mask (fused kernels keep O(L) instead)."""
+    if runtime.attention != "xla":
+        return 0
+    return b * heads * length * length * (3 * F32 + nbytes(runtime.compute_dtype) + 1)
+
+
+def micro_rows_per_device(cfg: Config, mesh: dict[str, int]) -> int:
+    """Rows of one update micro-batch on each device. train.step.update reshapes the batch-sharded mini-batch
+    [rows] to [rows/micro, micro]; GSPMD gives the leading (micro-batch index) axis gcd(rows/micro, n) of the n
+    batch shards, so a micro-batch is split only n/gcd ways (measured on CPU, see tests/test_plan.py)."""
+    n = shards("batch", mesh)
+    k = cfg.algorithm.mini_batch_size // cfg.algorithm.micro_batch_size
+    return -(-cfg.algorithm.micro_batch_size // (n // math.gcd(k, n)))
+
+
+def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int], length: int,
+                     t: int) -> dict[str, int]:
+    """Bytes of one micro-batch of the update (forward + backward) with the configured rematerialisation."""
+    c = nbytes(cfg.model.compute_dtype)
+    b = micro_rows_per_device(cfg, mesh)
+    tp = shards("heads", mesh)
+    inner_c, inner_f32 = layer_internal_elements(model, b, length, tp)
+    internals = inner_c * c + inner_f32 * F32  # one layer's values (cotangents reuse freed buffers, fused)
+    scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, b, length)
+    layers = model.num_hidden_layers
+    vocab = model.vocab_size // shards("vocab", mesh)
+    per_layer_params = sum(math.prod(s) for s in _layer_shapes(model)) // tp
+    return {
+        # remat: only each layer's input [b, L, D] is kept; none: every layer's internals are kept
+        "saved": layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
+        else (layers - 1) * (internals + scores),
+        "layer": internals + scores,
+        "gathered": per_layer_params * (c + F32),  # one layer's all-gathered weights and their float32 gradient
+        "logits": 3 * b * min(DEFAULT_CHUNK, t) * vocab * F32,  # logits, softmax, cotangent of one chunk
+        "head": vocab * model.hidden_size // shards("embed", mesh) * c,  # lm head cast to the compute dtype
+        "hidden": 2 * b * length * model.hidden_size * (c + F32),  # final hidden states and their cotangent
+    }
+
+
+def _layer_shapes(model: Qwen3Config):
+    from g2rl_jax.model.qwen3 import layer_shapes
+
+    return layer_shapes(model).values()
+
+
+def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
+    """The per-device memory plan of `cfg` with architecture `model` on `devices` devices."""
+    mesh = resolve_mesh(cfg, devices)
+    check_divisible(model, mesh)
+    runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
+                            remat=cfg.model.remat, attention=cfg.model.attention,
+                            kv_cache_dtype=cfg.model.kv_cache_dtype)
+    n_local = param_elements(model, runtime, mesh)
+    pbytes = n_local * nbytes(cfg.model.param_dtype)
+    kv, p, s, t = kv_cache_bytes(cfg, model, mesh)
+    batch_shards, tp = shards("batch", mesh), shards("heads", mesh)
+    length = s + t
+    m = cfg.rollout.num_samples
+    rows_local = -(-p * m // batch_shards)
+    prefill_scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, -(-p // batch_shards), s)
+    rollout_tmp = prefill_scores + 3 * rows_local * model.vocab_size * F32
+    mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
+    notes = []
+    b = micro_rows_per_device(cfg, mesh)
+    if b * batch_shards != cfg.algorithm.micro_batch_size:
+        notes.append(f"update micro-batch rows per device = {b}, not micro_batch_size/batch shards = "
+                     f"{cfg.algorithm.micro_batch_size}/{batch_shards}: the [rows/micro, micro] split or padding "
+                     "spreads a micro-batch over fewer devices")
+    if runtime.attention == "xla":
+        notes.append("model.attention=xla materialises [b, H, L, L] scores; splash (TPU) / cudnn (GPU) do not")
+    return Plan(
+        mesh=mesh,
+        params=pbytes,
+        optimizer=2 * pbytes,
+        gradients=n_local * F32 + pbytes,
+        reference=pbytes if cfg.algorithm.kl_coef > 0 else 0,
+        kv_cache=kv,
+        rollout_tmp=rollout_tmp,
+        activations=sum(activation_parts(cfg, model, runtime, mesh, length, t).values()),
+        batch=mini_local * (2 * length * 4 + 3 * t * F32 + F32),
+        notes=tuple(notes) + (f"shapes: P={p} prompts x S={s} prompt tokens, m={m}, T={t} new tokens, "
+                              f"L=S+T={length}",),
+    )
+
+
+def slice_mesh(cfg: Config, chips: int) -> Config:
+    """The config with the fsdp axis filling a slice of `chips` (explicit data/tensor sizes kept)."""
+    from g2rl_jax.config import MeshConfig
+
+    data = cfg.mesh.data if cfg.mesh.data != -1 else 1
+    tensor = cfg.mesh.tensor if cfg.mesh.tensor != -1 else 1
+    return dataclasses.replace(cfg, mesh=MeshConfig(data=data, fsdp=-1, tensor=tensor))
+
+
+def fits(cfg: Config, model: Qwen3Config) -> list[tuple[Accelerator, int | None, Plan | None]]:
+    """For each accelerator, the smallest slice (chips) whose per-chip peak fits, and its plan (None: none fits)."""
+    out = []
+    for acc in ACCELERATORS:
+        found = (acc, None, None)
+        for chips in acc.chips:
+            try:
+                p = plan(slice_mesh(cfg, chips), model, chips)
+            except PlanError:
+                continue
+            if p.peak <= USABLE_FRACTION * acc.hbm_gib * GiB:
+                found = (acc, chips, p)
+                break
+        out.append(found)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def model_config(cfg: Config, preset: str | None) -> tuple[Qwen3Config, str]:
+    """The architecture: --preset, else model.path/config.json, else a preset named in model.path."""
+    if preset is not None:
+        if preset not in PRESETS:
+            raise PlanError(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        return PRESETS[preset], f"preset {preset}"
+    path = Path(cfg.model.path) / "config.json"
+    if path.is_file():
+        return Qwen3Config.from_hf_dict(json.loads(path.read_text()), str(path)), str(path)
+    name = Path(cfg.model.path).name.lower()
+    matches = sorted((k for k in PRESETS if name.startswith(k)), key=len)
+    if not matches:
+        raise PlanError(f"model.path: no {path} and {name!r} names no preset; download the model or pass "
+                        f"--preset one of {', '.join(PRESETS)}")
+    return PRESETS[matches[-1]], f"preset {matches[-1]} (no {path}; matched by name)"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def report(cfg: Config, model: Qwen3Config, source: str, devices: int) -> str:
+    p = plan(cfg, model, devices)
+    rows = [("params", p.params), ("optimizer (AdamW mu, nu)", p.optimizer),
+            ("gradients (f32 acc + micro)", p.gradients), ("reference model", p.reference),
+            ("rollout KV cache", p.kv_cache), ("rollout temporaries", p.rollout_tmp),
+            ("activations (1 micro-batch)", p.activations), ("update batch arrays", p.batch)]
+    lines = [f"model: {source}: {model.num_params() / 1e9:.2f}B params, {model.num_hidden_layers} layers, "
+             f"D={model.hidden_size}, heads={model.num_attention_heads}/{model.num_key_value_heads} kv",
+             f"dtypes: params {cfg.model.param_dtype}, compute {cfg.model.compute_dtype}, "
+             f"kv cache {cfg.model.kv_cache_dtype}; remat {cfg.model.remat}; attention {cfg.model.attention}",
+             f"mesh on {devices} devices: {p.mesh}", *(f"note: {n}" for n in p.notes), "",
+             f"{'per device':32s}{'GiB':>8s}"]
+    lines += [f"{name:32s}{_gib(b)}" for name, b in rows]
+    lines += [f"{'peak (rollout phase)':32s}{_gib(p.persistent + p.rollout_phase)}",
+              f"{'peak (update phase)':32s}{_gib(p.persistent + p.update_phase)}",
+              f"{'PEAK':32s}{_gib(p.peak)}", "",
+              f"smallest slice that fits (all chips on fsdp, {USABLE_FRACTION:.0%} of HBM usable):"]
+    for acc, chips, fp in fits(cfg, model):
+        need = "does not fit in any slice tried" if chips is None else (
+            f"{acc.label(chips):14s} {_gib(fp.peak).strip()} GiB/chip of {acc.hbm_gib} GiB, mesh {fp.mesh}")
+        lines.append(f"  {acc.name:5s} {need}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cli = argparse.ArgumentParser(prog="python -m g2rl_jax.plan", description=__doc__.split("\n\n")[0],
+                                  epilog="Config keys: python -m g2rl_jax.train --help")
+    cli.add_argument("--config", required=True, help="training config YAML")
+    cli.add_argument("--devices", type=int, default=8, help="devices for the first table (default: 8, the paper's)")
+    cli.add_argument("--preset", help=f"architecture preset instead of model.path/config.json: {', '.join(PRESETS)}")
+    cli.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
+    args = cli.parse_args(argv)
+    if args.devices < 1:
+        cli.error(f"--devices must be >= 1, got {args.devices}")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        model, source = model_config(cfg, args.preset)
+        print(report(cfg, model, source, args.devices))
+    except (ConfigError, PlanError) as err:
+        print(f"plan error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
