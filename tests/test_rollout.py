@@ -81,7 +81,7 @@ def test_greedy_matches_transformers_generate(greedy, hf_model):
         p = b // 2
         assert ids_b == hf_tokens[p].tolist(), f"sample {b} (prompt {p})"
         np.testing.assert_allclose(greedy.logprobs[b], hf_logp[p, np.arange(NEW), hf_tokens[p]], atol=1e-4)
-    assert greedy.finish_reasons == ["length"] * len(greedy.completion_ids)
+    assert greedy.finish_reasons == ["length"] * len(greedy.completion_ids) and greedy.decode_steps == NEW
 
 
 def test_padded_arrays_agree_with_lists(greedy):
@@ -204,6 +204,15 @@ def test_greedy_stop_token_ends_sequence(model, greedy):
     assert r.completion_ids == [e[0] for e in expected]
     assert r.finish_reasons == [e[1] for e in expected]
     assert r.finish_reasons[0] == "stop" and len(r.completion_ids[0]) <= 4
+    assert r.decode_steps == max(map(len, r.completion_ids))
+
+
+def test_loop_ends_when_every_real_sample_stopped(model, greedy):
+    """3 prompts (bucketed to 4: one dummy row that must not keep the loop alive), all stopping early."""
+    firsts = {ids[0] for ids in greedy.completion_ids[:6]}
+    r = generate(model, PROMPTS[:3], max_new_tokens=NEW, temperature=0, num_samples=2, stop_token_ids=firsts)
+    assert r.completion_ids == [ids[:1] for ids in greedy.completion_ids[:6]]
+    assert r.finish_reasons == ["stop"] * 6 and r.decode_steps == 1
 
 
 def test_sampled_stops_trim_and_report(model):

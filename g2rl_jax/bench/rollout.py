@@ -86,7 +86,7 @@ def _hf_tokens_per_s(path, prompts, a) -> float:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     kw = dict(input_ids=ids, attention_mask=mask, do_sample=a.temperature > 0, num_return_sequences=a.samples,
-              pad_token_id=0, eos_token_id=None, top_k=a.top_k or None, top_p=a.top_p)
+              pad_token_id=0, eos_token_id=None, top_k=a.top_k, top_p=a.top_p)
     if a.temperature > 0:
         kw["temperature"] = a.temperature
     with torch.no_grad():
@@ -112,7 +112,8 @@ def _split_timing(model, prompts, a) -> tuple[float, float]:
     mid = time.perf_counter()
     jax.block_until_ready(decode(
         graphdef, state, logits, prefix, suffix, jax.random.key(1), jnp.float32(a.temperature),
-        jnp.float32(a.top_p), batching.stop_array(()), jnp.int32(a.new_tokens), num_samples=a.samples,
+        jnp.float32(a.top_p), batching.stop_array(()), jnp.int32(a.new_tokens), jnp.int32(len(prompts) * a.samples),
+        num_samples=a.samples,
         spec=spec_for(a.temperature, a.top_p, a.top_k, cfg.vocab_size)))
     return mid - start, time.perf_counter() - mid
 
@@ -184,7 +185,7 @@ def main(argv: list[str]) -> int:
         bw = copy_bandwidth()
         step_bytes = decode_bytes_per_step(cfg, jnp.dtype(a.dtype).itemsize, sum(lengths), B, T)
         ideal = step_bytes / bw
-        print(f"roofline: copy bandwidth {bw / 1e9:.0f} GB/s; {step_bytes / 1e9:.2f} GB read per decode step -> "
+        print(f"roofline: copy bandwidth {bw / 1e9:.0f} GB/s; {step_bytes / 1e6:,.1f} MB read per decode step -> "
               f"{ideal * 1e3:.2f} ms ideal vs {decode_s / T * 1e3:.2f} ms measured = {ideal / (decode_s / T):.0%} "
               "of the bandwidth roofline")
     return 0

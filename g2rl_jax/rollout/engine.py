@@ -9,7 +9,8 @@ Decode loop state, B = P*m samples (sample b = p*m + j), T bucketed new-token sl
   token t of sample b is drawn from the logits after token t-1 (token 0 from the prompt's prefill logits, shared
   by its m samples), with the PRNG key fold_in(fold_in(key(seed), b), t): a sample's draws do not depend on the
   batch padding or the sharding. A sample stops after a stop token; stopped samples keep being fed token 0
-  (static batch) but record nothing. The loop ends when every sample has stopped or max_new_tokens is reached.
+  (static batch) but record nothing. Dummy rows (bucket padding) start stopped. The loop ends when every sample
+  has stopped or max_new_tokens is reached.
 """
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ def _is_stop(tokens_B, stops_N):
 
 
 def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCache, key, temperature, top_p,
-            stops_N, max_new_tokens, *, num_samples: int, spec: SamplerSpec):
+            stops_N, max_new_tokens, num_real, *, num_samples: int, spec: SamplerSpec):
     """Sample up to max_new_tokens per sample: (tokens [B, T] (0 after the end), log-probs [B, T], lengths [B],
-    stopped [B]) and the final suffix cache (returned only so the donated input buffer is updated in place)."""
+    stopped [B], steps: tokens generated per sample at most) and the final suffix cache (returned only so the
+    donated input buffer is updated in place). Samples b >= num_real (dummy prompts) count as stopped."""
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     P_, T = logits_PxV.shape[0], suffix.k.shape[2]
@@ -64,7 +66,8 @@ def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCach
     tok0_B, lp0_B = draw(jnp.repeat(logits_PxV, num_samples, axis=0), 0)
     tokens_BxT = jnp.zeros((B, T), jnp.int32).at[:, 0].set(tok0_B)
     logprobs_BxT = jnp.zeros((B, T), jnp.float32).at[:, 0].set(lp0_B)
-    carry = (jnp.int32(1), tokens_BxT, logprobs_BxT, jnp.ones((B,), jnp.int32), _is_stop(tok0_B, stops_N), suffix)
+    stopped_B = _is_stop(tok0_B, stops_N) | (jnp.arange(B) >= num_real)
+    carry = (jnp.int32(1), tokens_BxT, logprobs_BxT, jnp.ones((B,), jnp.int32), stopped_B, suffix)
 
     def cond(c):
         t, *_, stopped_B, _ = c
@@ -82,8 +85,8 @@ def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCach
         stopped_B = stopped_B | (live_B & _is_stop(tok_B, stops_N))
         return t + 1, tokens_BxT, logprobs_BxT, lengths_B + live_B, stopped_B, suffix
 
-    _, tokens_BxT, logprobs_BxT, lengths_B, stopped_B, suffix = jax.lax.while_loop(cond, body, carry)
-    return (tokens_BxT, logprobs_BxT, lengths_B, stopped_B), suffix
+    steps, tokens_BxT, logprobs_BxT, lengths_B, stopped_B, suffix = jax.lax.while_loop(cond, body, carry)
+    return (tokens_BxT, logprobs_BxT, lengths_B, stopped_B, steps), suffix
 
 
 def _kv_sharding(mesh, num_kv_heads: int) -> NamedSharding:
@@ -119,6 +122,7 @@ def decode_fn(mesh, num_kv_heads: int):
     if mesh is None:
         return jax.jit(_decode, static_argnames=static, donate_argnames=("suffix",))
     kv = _kv_sharding(mesh, num_kv_heads)
-    out = (batch_sharding(mesh, 2), batch_sharding(mesh, 2), batch_sharding(mesh, 1), batch_sharding(mesh, 1))
+    out = (batch_sharding(mesh, 2), batch_sharding(mesh, 2), batch_sharding(mesh, 1), batch_sharding(mesh, 1),
+           NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return jax.jit(_decode, static_argnames=static, donate_argnames=("suffix",),
                    out_shardings=(out, SuffixCache(k=kv, v=kv)))

@@ -39,6 +39,8 @@ class Rollout:
       prompt_ids_BxS / prompt_mask_BxS: each sample's prompt, LEFT-padded with 0.
       completion_ids_BxT / completion_mask_BxT / logprobs_BxT: RIGHT-padded with 0.
       completion_lengths: int32 [B].
+    decode_steps: length of the longest completion, i.e. how many tokens the decode loop generated before every
+      sample had stopped (or max_new_tokens).
     """
 
     completion_ids: list[list[int]]
@@ -51,6 +53,7 @@ class Rollout:
     completion_mask_BxT: np.ndarray
     logprobs_BxT: np.ndarray
     completion_lengths: np.ndarray
+    decode_steps: int
 
     @property
     def input_ids_BxL(self) -> np.ndarray:
@@ -93,16 +96,18 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
     # Inside the (Auto-axes) mesh's context: an Explicit mesh set by the caller would clash with it.
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_samples=num_samples,
+        outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=len(prompts),
+                          num_samples=num_samples,
                           temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
                           max_new_tokens=max_new_tokens)
     B = len(prompts) * num_samples
-    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (np.asarray(x)[:B] for x in outs)
-    return _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B)
+    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (np.asarray(x)[:B] for x in outs[:4])
+    return _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,
+                     int(outs[4]))
 
 
-def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_samples, temperature,
-               top_p, stop_token_ids, seed, max_new_tokens):
+def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
+               temperature, top_p, stop_token_ids, seed, max_new_tokens):
     """Place parameters and prompts on `mesh`, prefill once, decode; the decode outputs (device arrays)."""
     cfg = model.config
     graphdef, state = nnx.split(model)
@@ -114,11 +119,12 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     outs, _ = engine.decode_fn(mesh, cfg.num_key_value_heads)(
         graphdef, state, logits_PxV, prefix, suffix, jax.random.key(seed), jnp.float32(temperature),
         jnp.float32(top_p), batching.stop_array(stop_token_ids), jnp.int32(max_new_tokens),
-        num_samples=num_samples, spec=spec)
+        jnp.int32(num_real_prompts * num_samples), num_samples=num_samples, spec=spec)
     return outs
 
 
-def _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B) -> Rollout:
+def _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,
+              decode_steps: int) -> Rollout:
     """Host-side Rollout from the decode outputs of the real (non-dummy) samples."""
     rows = np.repeat(np.arange(len(prompts)), num_samples)
     mask_BxT = np.arange(tokens_BxT.shape[1])[None, :] < lengths_B[:, None]
@@ -130,4 +136,4 @@ def _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT,
         prompt_ids_BxS=np.asarray(ids_PxS)[rows], prompt_mask_BxS=np.asarray(mask_PxS)[rows],
         completion_ids_BxT=np.where(mask_BxT, tokens_BxT, 0).astype(np.int32), completion_mask_BxT=mask_BxT,
         logprobs_BxT=np.where(mask_BxT, logprobs_BxT, 0.0).astype(np.float32),
-        completion_lengths=lengths_B.astype(np.int32))
+        completion_lengths=lengths_B.astype(np.int32), decode_steps=decode_steps)
