@@ -1,0 +1,147 @@
+"""g2rl_jax.plan: the analytic memory plan against hand counts, XLA's compiled memory analysis of the real
+`train.step.update` on CPU (within 25%), the mesh errors, and the CLI."""
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from g2rl_jax import parallel
+from g2rl_jax import plan as P
+from g2rl_jax.config import load_config
+from g2rl_jax.model.config import PRESETS, Qwen3Config, RuntimeConfig
+from g2rl_jax.model.qwen3 import Qwen3
+from g2rl_jax.train import step as S
+
+PAPER_1P7B = "configs/qwen3_1p7b_g2rl.yaml"
+
+
+def _config(tmp_path, model: Qwen3Config, overrides=(), path=PAPER_1P7B):
+    (tmp_path / "config.json").write_text(json.dumps(model.to_hf_dict()))
+    return load_config(path, [f"model.path={tmp_path}", f"run.output_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_params_and_kv_cache_match_hand_counts(tmp_path):
+    model = PRESETS["qwen3-1.7b"]
+    cfg = _config(tmp_path, model)
+    one = P.plan(cfg, model, 1)
+    assert one.params == model.num_params() * 4 and one.optimizer == 2 * one.params
+    assert one.reference == one.params and one.gradients == one.params * 2  # f32 accumulator + f32 micro grads
+    # 8-way fsdp: everything with an embed axis splits 8 ways; q_norm/k_norm [layers, head_dim] stay replicated.
+    eight = P.plan(cfg, model, 8)
+    replicated = 2 * model.num_hidden_layers * model.head_dim
+    assert eight.params == ((model.num_params() - replicated) // 8 + replicated) * 4
+    # KV cache: 28 layers x (16 prompts x 1024 + 256 samples x 8192) x 8 kv heads x 128 x (k, v) x bf16, over 8
+    rows = 16 * 1024 + 16 * 16 * 8192
+    assert eight.kv_cache == 28 * rows * 8 * 128 * 2 * 2 // 8
+    no_kl = P.plan(_config(tmp_path, model, ["algorithm.kl_coef=0"]), model, 8)
+    assert no_kl.reference == 0 and no_kl.peak == eight.peak - eight.reference
+
+
+def test_4b_plan_buckets_the_12k_budget_and_has_no_reference_without_kl(tmp_path):
+    model = PRESETS["qwen3-4b"]
+    cfg = _config(tmp_path, model, path="configs/qwen3_4b_g2rl.yaml")
+    p = P.plan(cfg, model, 8)
+    assert any("T=16384" in n for n in p.notes)  # 12288 new tokens -> the sampler's power-of-two bucket
+    assert p.kv_cache == 36 * (16 * 1024 + 256 * 16384) * 8 * 128 * 2 * 2 // 8
+
+
+@pytest.mark.parametrize("devices,overrides,message", [
+    (8, ["mesh.data=3"], "the fixed axes multiply to 3, which does not divide the 8 devices"),
+    (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=3"], "needs 12 devices, but there are 8"),
+    (6, ["mesh.tensor=3", "mesh.fsdp=-1"], "heads = 16 is not divisible by mesh axes ('tensor',) of size 3"),
+    (16, ["mesh.tensor=16", "mesh.fsdp=-1"], "kv_heads = 8 is not divisible by mesh axes ('tensor',) of size 16"),
+])
+def test_bad_mesh_names_both_numbers(tmp_path, devices, overrides, message):
+    model = PRESETS["qwen3-1.7b"]
+    with pytest.raises(P.PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        P.plan(_config(tmp_path, model, overrides), model, devices)
+
+
+def test_fits_picks_the_smallest_slice(tmp_path):
+    model = PRESETS["qwen3-1.7b"]
+    cfg = _config(tmp_path, model, ["model.attention=splash"])
+    for acc, chips, p in P.fits(cfg, model):
+        limit = P.USABLE_FRACTION * acc.hbm_gib * P.GiB
+        assert chips is not None and p.peak <= limit, acc.name
+        smaller = [c for c in acc.chips if c < chips]
+        for c in smaller:  # every smaller slice either cannot hold the mesh or does not fit
+            try:
+                assert P.plan(P.slice_mesh(cfg, c), model, c).peak > limit
+            except P.PlanError:
+                pass
+
+
+def test_cli_prints_table_and_verdicts(tmp_path, capsys):
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"base: {(P.Path(PAPER_1P7B)).resolve()}\nrun:\n  output_dir: {tmp_path / 'run'}\n")
+    assert P.main(["--config", str(cfg_path), "--preset", "qwen3-1.7b", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("params", "rollout KV cache", "activations", "PEAK", "v5e", "v5p", "v6e", "H100", "H200"):
+        assert needle in out
+    assert P.main(["--config", str(cfg_path), "--preset", "qwen3-1.7b", "mesh.tensor=3", "mesh.fsdp=-1",
+                   "--devices", "6"]) == 2
+    assert "heads = 16 is not divisible" in capsys.readouterr().err
+    assert P.main(["--config", str(cfg_path), "--preset", "nope"]) == 2
+
+
+# ------------------------------------------------------------------------------------------ against XLA
+_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32)
+_STEP = ["algorithm.mini_batch_size=16", "algorithm.micro_batch_size=8", "data.prompts_per_step=2",
+         "rollout.num_samples=8", "model.compute_dtype=float32", "model.kv_cache_dtype=float32"]
+XLA_CASES = {
+    # params/optimizer and the chunked logits matter: short sequences, one device
+    "short-1dev": (1, dict(_TINY, num_hidden_layers=2, tie_word_embeddings=True),
+                   ["data.max_prompt_tokens=16", "rollout.max_new_tokens=48", *_STEP]),
+    # attention scores dominate (xla backend, L = 576), one device
+    "long-1dev": (1, dict(_TINY, vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16,
+                          num_hidden_layers=2, tie_word_embeddings=True),
+                  ["data.max_prompt_tokens=64", "rollout.max_new_tokens=448", *_STEP]),
+    # 8 devices, data 4 x tensor 2 (heads, mlp, vocab split), untied head, 3 layers
+    "data4-tensor2": (8, dict(_TINY, num_hidden_layers=3, tie_word_embeddings=False),
+                      ["data.max_prompt_tokens=32", "rollout.max_new_tokens=224", *_STEP,
+                       "algorithm.mini_batch_size=32", "algorithm.micro_batch_size=16", "data.prompts_per_step=4",
+                       "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]),
+}
+
+
+def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
+    """Per-device bytes XLA assigns to the compiled update: arguments + outputs − donated aliases + temporaries."""
+    sizes = P.resolve_mesh(cfg, devices)
+    mesh = parallel.make_mesh(parallel.MeshConfig(**sizes), jax.devices()[:devices])
+    runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
+                            remat=cfg.model.remat, attention=cfg.model.attention,
+                            kv_cache_dtype=cfg.model.kv_cache_dtype)
+    graphdef, params = nnx.split(parallel.create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0)), mesh))
+    optimizer = S.make_optimizer(cfg.optim, 10)
+    opt_state = jax.jit(optimizer.init)(params)
+    _, _, s, t = P.kv_cache_bytes(cfg, model, sizes)
+    rows = cfg.algorithm.mini_batch_size
+
+    def put(shape, dtype):
+        return jax.device_put(jnp.zeros(shape, dtype), parallel.batch_sharding(mesh, ndim=len(shape)))
+
+    batch = S.Batch(input_ids=put((rows, s + t), jnp.int32), attention_mask=put((rows, s + t), jnp.int32),
+                    response_mask=put((rows, t), jnp.float32), rewards=put((rows,), jnp.float32),
+                    correct=put((rows,), jnp.bool_), group_size=cfg.rollout.num_samples)
+    mini = {"batch": batch, "old_logp": put((rows, t), jnp.float32), "ref_logp": put((rows, t), jnp.float32),
+            "advantages": put((rows,), jnp.float32)}
+    settings = S.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
+    compiled = S.update.lower(graphdef, params, opt_state, mini, optimizer=optimizer, settings=settings,
+                              micro=cfg.algorithm.micro_batch_size).compile()
+    stats = compiled.memory_analysis()
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+            + stats.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("case", list(XLA_CASES))
+def test_update_estimate_within_25_percent_of_xla(tmp_path, case):
+    """compute_dtype float32: XLA:CPU upcasts bfloat16 matmuls to float32, which TPUs and GPUs do not."""
+    devices, model_kwargs, overrides = XLA_CASES[case]
+    model = Qwen3Config(rope_theta=10000.0, max_position_embeddings=1024, **model_kwargs)
+    cfg = _config(tmp_path, model, overrides)
+    estimate = P.plan(cfg, model, devices).update_step
+    measured = _xla_update_bytes(cfg, model, devices)
+    assert abs(estimate / measured - 1) <= 0.25, (case, estimate, measured, estimate / measured)
