@@ -288,6 +288,8 @@ def test_bf16_kv_cache(model_dir, hf_model):
     ([[1]], {"top_k": -1}, "top_k must be an int >= 0"),
     ([[1]], {"num_samples": 0}, "num_samples must be an int >= 1"),
     ([[1, 500]], {}, r"prompts\[0\] holds values that are not token ids in \[0, 128\)"),
+    ([[1], [2, 0.5]], {}, r"prompts\[1\] holds values that are not token ids"),
+    ([[1], [[2, 3]]], {}, r"prompts\[1\] holds values that are not token ids"),
     ([[1]], {"stop_token_ids": (128,)}, r"stop_token_ids \[128\]"),
     ([[1]], {"seed": 1.5}, "seed must be an int"),
 ])

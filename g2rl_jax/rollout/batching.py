@@ -61,17 +61,17 @@ def validate(prompts, *, max_new_tokens, temperature, top_p, top_k, num_samples,
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, (list, tuple, np.ndarray)):
             raise ValueError(f"generate: prompts[{i}] is a {type(prompt).__name__}; give a list of token ids")
-        ids = prompt.reshape(-1).tolist() if isinstance(prompt, np.ndarray) else list(prompt)
-        if not ids:
+        ids = np.asarray(prompt)
+        if ids.size == 0:
             raise ValueError(f"generate: prompts[{i}] is empty; every prompt needs at least one token")
-        if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size:
             raise ValueError(f"generate: prompts[{i}] holds values that are not token ids in [0, {vocab_size})")
         if len(ids) + max_new_tokens > max_positions:
             raise ValueError(
                 f"generate: prompts[{i}] has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that is "
                 f"{len(ids) + max_new_tokens} positions, beyond the model's context of {max_positions} "
                 f"(max_position_embeddings); shorten the prompt or lower max_new_tokens")
-        out.append([int(t) for t in ids])
+        out.append(ids.tolist())
     return out
 
 

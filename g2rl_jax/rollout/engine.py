@@ -1,7 +1,7 @@
 """The jitted halves of `generate`: prefill once per prompt, then a `lax.while_loop` decode over the group.
 
-`prefill_fn(mesh)` / `decode_fn(mesh)` return jitted functions (one pair per mesh, cached), each taking the model
-as (graphdef, state) split at the jit boundary. jax.jit caches one executable per bucket (shapes plus the static
+`prefill_fn(mesh, num_kv_heads)` / `decode_fn(mesh, num_kv_heads)` return jitted functions (one pair per mesh,
+cached), each taking the model as (graphdef, state) split at the jit boundary; decode donates the suffix cache. jax.jit caches one executable per bucket (shapes plus the static
 num_samples / sampler spec), so a training run compiles once per bucket. `TRACE_COUNTS` counts traces per
 function (tests and the benchmark read it to check that a bucket compiles once).
 

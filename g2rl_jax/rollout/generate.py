@@ -97,9 +97,8 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     # Inside the (Auto-axes) mesh's context: an Explicit mesh set by the caller would clash with it.
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=len(prompts),
-                          num_samples=num_samples,
-                          temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids, seed=seed,
-                          max_new_tokens=max_new_tokens)
+                          num_samples=num_samples, temperature=temperature, top_p=top_p,
+                          stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens)
     B = len(prompts) * num_samples
     tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (np.asarray(x)[:B] for x in outs[:4])
     return _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,
