@@ -89,7 +89,7 @@ class DataConfig:
     prompt_template: Literal["chat", "plain"] = _f("chat", "prompt format around the question (paper: SimpleRL-Zoo)")
     prompts_per_step: int = _f(16, "prompts per RL step (paper: train batch size 16)")
     max_prompt_tokens: int = _f(1024, "longer prompts are dropped; paper silent, 1024 chosen (verl default)")
-    eval_datasets: tuple[str, ...] = _f(("math500", "amc2023", "aime2024", "aime2025"),
+    eval_datasets: tuple[str, ...] = _f(("math500", "amc23", "aime24", "aime25"),
                                         "datasets evaluated every run.eval_every steps")
     eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: mean@8)")
     eval_temperature: float = _f(0.8, "sampling temperature for evaluation (paper: 0.8)")
@@ -127,7 +127,8 @@ class AlgorithmConfig:
                                                   "literal = r + λν̄ as its equation (see README)")
     entropy_coef: float = _f(0.0, "entropy_bonus: coefficient of the entropy bonus (> 0 there, 0 otherwise)")
     embedding_model: Optional[str] = _f(None, "evol: local HF dir of a Qwen3-architecture embedding model")
-    filter_equal_groups: bool = _f(False, "drop groups whose shaped rewards are all equal (no signal)")
+    filter_equal_groups: bool = _f(False, "drop groups whose BASE correctness is all equal (all right or all "
+                                   "wrong), keyed on correctness, not on the shaped reward; off by default")
     kl_coef: float = _f(0.001, "β of the KL-to-reference loss (paper: 0.001; 0 = no reference model)")
     kl_kind: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator (paper: low_var_kl = k3)")
     clip_low: float = _f(0.2, "PPO ratio clip below 1 - clip_low; paper silent, 0.2 chosen (verl default)")

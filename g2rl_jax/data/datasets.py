@@ -186,3 +186,16 @@ register_dataset("aime25", _vendored_math("aime2025.jsonl", "id"))
 register_dataset("amc23", _vendored_math("amc2023.jsonl", "id"))
 register_dataset("gpqa_diamond", load_gpqa_diamond)
 register_dataset("mmlu_pro", load_mmlu_pro)
+
+
+def _demo_split(split: str) -> Loader:
+    def load() -> list[Example]:
+        from g2rl_jax.demo.task import examples  # imported on use: the demo task builds on this module
+
+        return examples(split)
+
+    return load
+
+
+register_dataset("demo", _demo_split("train"))  # the embedded demo's synthetic task (g2rl_jax/demo/task.py)
+register_dataset("demo_test", _demo_split("test"))  # its held-out problems

@@ -23,7 +23,7 @@ from flax import nnx
 
 from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError, save_resolved
-from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
+from g2rl_jax.data import dataset_names, encode_prompts, load_dataset, make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.model.config import RuntimeConfig
 from g2rl_jax.rewards import score_batch
@@ -39,6 +39,12 @@ def preflight(cfg: Config) -> None:
         if path is not None and not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key}: {path!r} is not a local Hugging Face model directory (no config.json there); "
                               "download the checkpoint first and point the key at its directory")
+    known = dataset_names()
+    for key, names in (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets)):
+        for name in names:
+            if name not in known and not Path(name).is_file():
+                raise ConfigError(f"{key}: {name!r} is neither a registered dataset ({', '.join(known)}) nor a "
+                                  "local .jsonl file")
     out = Path(cfg.run.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +111,17 @@ def build_mesh(mesh_cfg):
 def shard_rows(tree, mesh):
     """Place every array of `tree` with its leading (row) axis split over the data-parallel mesh axes."""
     return jax.tree.map(lambda x: jax.device_put(x, parallel.batch_sharding(mesh, ndim=np.ndim(x))), tree)
+
+
+def on_mesh(tree, mesh):
+    """Replicate over the mesh every array not already placed on it (scalars such as optimizer counts), so all
+    of the training state lives on one mesh and restores onto it."""
+    def place(x):
+        if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    return jax.tree.map(place, tree)
 
 
 @contextlib.contextmanager
@@ -178,16 +195,16 @@ class Trainer:
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
         self.optimizer = S.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
         self.schedule = S.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.opt_state = jax.jit(self.optimizer.init)(self.params)
+        self.opt_state = on_mesh(jax.jit(self.optimizer.init)(self.params), self.mesh)
         self.settings = S.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
-        self.rng_key_data = jax.random.key_data(jax.random.key(cfg.run.seed))
+        self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
         self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints)
 
     # ------------------------------------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
-        return {"params": self.params, "opt_state": self.opt_state, "step": jnp.int32(self.step),
-                "rng": self.rng_key_data}
+        return {"params": self.params, "opt_state": self.opt_state,
+                "step": on_mesh(jnp.int32(self.step), self.mesh), "rng": self.rng_key_data}
 
     def resume(self) -> int:
         """Restore the newest checkpoint, if any; returns the step to continue from."""
@@ -284,14 +301,14 @@ class Trainer:
         entropy = np.asarray(scores[1])
         nu = np.asarray(signal["nu"])
         updates_done = (step + 1) * self.updates_per_step
-        return {
+        novelty = {"novelty": float(np.mean(nu))} if self.cfg.algorithm.exploration == "g2rl" else {}
+        return novelty | {
             "step": step + 1,
             "accuracy": float(np.mean(np.asarray(batch.correct))),
             "reward": float(np.mean(np.asarray(signal["shaped_rewards"]))),
             "loss": info["loss"], "kl": info.get("kl", 0.0),
             "entropy": float((entropy * mask).sum() / max(mask.sum(), 1.0)),
             "response_length": float(lengths.mean()),
-            "novelty": float(np.nanmean(nu)) if np.isfinite(nu).any() else float("nan"),
             "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
             "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],
             "learning_rate": float(self.schedule(updates_done - 1)),
@@ -323,13 +340,15 @@ class Trainer:
             out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(rewards) > 0))
         return out
 
-    def run(self) -> list[dict[str, float]]:
+    def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
+        """Train until run.total_steps (or, for tests and notebooks, until step `stop_after`)."""
         cfg = self.cfg.run
+        last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         writer = MetricsWriter(self.run_dir, start_step=self.step)
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
         history = []
         try:
-            while self.step < cfg.total_steps:
+            while self.step < last:
                 result = self.step_stages(self.step)
                 self.step += 1
                 metrics = result.metrics

@@ -1,0 +1,283 @@
+"""The training loop end to end on a tiny random Qwen3 with the demo's small tokenizer (CPU, 8 fake devices).
+
+Covers: every exploration mode runs and writes its metrics; resume gives exactly the uninterrupted run's metrics;
+kill -9 mid-run and mid-save, then rerun the same command; a non-finite step is skipped with params unchanged;
+micro-batch accumulation equals one full batch; sharded equals unsharded; bad input fails before any compile.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from g2rl_jax.config import ConfigError, load_config
+from g2rl_jax.demo.tokenizer import make_tokenizer
+from g2rl_jax.train import step as S
+from g2rl_jax.train.loop import Trainer, build_mesh, main
+from g2rl_jax.train.metrics import read_metrics
+from hf_tiny import make_tiny_qwen3_dir
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATASET = "demo"
+VOCAB = 0  # set by the assets fixture
+DETERMINISTIC = ("accuracy", "reward", "loss", "kl", "entropy", "response_length", "novelty", "clip_fraction",
+                 "grad_norm", "learning_rate")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_assets")
+    tok = make_tokenizer()
+    global VOCAB
+    VOCAB = -(-len(tok) // 64) * 64  # padded like real checkpoints, so the vocab axis splits over the mesh
+    policy = make_tiny_qwen3_dir(root / "policy", vocab_size=VOCAB, max_position_embeddings=128,
+                                 num_hidden_layers=1, hidden_size=32, intermediate_size=64, head_dim=16,
+                                 num_attention_heads=2, num_key_value_heads=2)
+    tok.save_pretrained(policy)
+    import torch
+    import transformers
+
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128)
+    embedder = root / "embedder"
+    transformers.Qwen3Model(cfg).save_pretrained(embedder)
+    tok.save_pretrained(embedder)
+    return {"policy": policy, "embedder": embedder, "root": root}
+
+
+def overrides(assets, out, mode="g2rl", steps=2, **extra):
+    ov = {"run.output_dir": str(out), "run.total_steps": steps, "run.checkpoint_every": 1, "run.eval_every": 0,
+          "run.keep_checkpoints": 2, "model.path": str(assets["policy"]), "model.compute_dtype": "float32",
+          "model.kv_cache_dtype": "float32", "model.remat": "none", "data.train_dataset": DATASET,
+          "data.prompt_template": "plain", "data.prompts_per_step": 2, "rollout.num_samples": 4,
+          "rollout.max_new_tokens": 8, "algorithm.mini_batch_size": 4, "algorithm.micro_batch_size": 2,
+          "algorithm.exploration": mode, "optim.learning_rate": 1e-3, "mesh.data": 2, "mesh.fsdp": 2,
+          "mesh.tensor": 2}
+    if mode == "entropy_bonus":
+        ov["algorithm.entropy_coef"] = 0.01
+    if mode == "evol":
+        ov["algorithm.embedding_model"] = str(assets["embedder"])
+    ov.update(extra)
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+def config(assets, out, **kw):
+    return load_config(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml", overrides(assets, out, **kw))
+
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """One uninterrupted g2rl run of STEPS steps: what resumed and killed runs must reproduce."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    trainer = Trainer(config(assets, out, steps=STEPS))
+    trainer.resume()
+    before = jax.tree.map(np.asarray, trainer.params)
+    trainer.run()
+    return {"out": out, "records": read_metrics(out), "before": before, "after": trainer.params}
+
+
+def _check_records(records, mode, steps):
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        for key in ("accuracy", "reward", "loss", "kl", "entropy", "response_length", "clip_fraction", "grad_norm",
+                    "learning_rate", "rollout_seconds", "update_seconds", "tokens_per_second"):
+            assert np.isfinite(r[key]), (mode, key, r[key])
+        assert r["skipped_updates"] == 0
+        if mode == "g2rl":
+            assert 0.0 <= r["novelty"] <= 1.0
+        else:
+            assert "novelty" not in r
+
+
+def _max_change(before, after):
+    return max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - np.asarray(b)))), before, after)))
+
+
+def test_g2rl_trains(reference):
+    _check_records(reference["records"], "g2rl", STEPS)
+    assert _max_change(reference["before"], reference["after"]) > 0, "the update did not change the params"
+    assert (reference["out"] / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("mode", ["grpo", "entropy_bonus", "evol"])
+def test_each_baseline_mode_trains(assets, tmp_path, mode):
+    trainer = Trainer(config(assets, tmp_path / mode, mode=mode, steps=1))
+    trainer.resume()
+    before = jax.tree.map(np.asarray, trainer.params)
+    trainer.run()
+    _check_records(read_metrics(tmp_path / mode), mode, 1)
+    assert _max_change(before, trainer.params) > 0, "the update did not change the params"
+
+
+def _deterministic(records):
+    return [{k: r[k] for k in DETERMINISTIC if k in r} for r in records]
+
+
+def _assert_same_metrics(got, want):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for rg, rw in zip(_deterministic(got), _deterministic(want)):
+        for key in rw:
+            np.testing.assert_allclose(rg[key], rw[key], rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def test_resume_equals_uninterrupted(assets, tmp_path, reference):
+    part = Trainer(config(assets, tmp_path / "part", steps=STEPS))
+    part.resume()
+    part.run(stop_after=2)  # as if the job died right after step 2's checkpoint
+    again = Trainer(config(assets, tmp_path / "part", steps=STEPS))
+    assert again.resume() == 2
+    again.run()
+    _assert_same_metrics(read_metrics(tmp_path / "part"), reference["records"])
+
+
+def _train_cmd(assets, out, steps):
+    return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
+            *overrides(assets, out, steps=steps)]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _kill_when(proc, ready, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    return False
+
+
+def test_kill_9_mid_run_and_mid_save_then_resume(assets, tmp_path, reference):
+    out = tmp_path / "killed"
+    ckpts = out / "checkpoints"
+    env = _env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    cmd = _train_cmd(assets, out, steps=STEPS)
+    # 1) mid-save: kill the moment a temporary (uncommitted) checkpoint directory appears
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    mid_save = lambda: ckpts.is_dir() and any("tmp" in p.name for p in ckpts.iterdir())  # noqa: E731
+    assert _kill_when(proc, mid_save), "no checkpoint save was observed before the run ended"
+    # 2) mid-run: rerun, kill once a later step's checkpoint is committed
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    committed = lambda: ckpts.is_dir() and any(p.name.isdigit() and int(p.name) >= 2 for p in ckpts.iterdir())  # noqa: E731
+    _kill_when(proc, committed)
+    # 3) rerun to the end: the metrics equal an uninterrupted in-process run
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same_metrics(read_metrics(out), reference["records"])
+
+
+# ------------------------------------------------------------------------------------------ the update itself
+@pytest.fixture(scope="module")
+def step_parts(assets, tmp_path_factory):
+    trainer = Trainer(config(assets, tmp_path_factory.mktemp("parts") / "run"))
+    result = trainer.step_stages(0)
+    return trainer, result
+
+
+def _mini(result):
+    return {"batch": result.batch, "old_logp": result.scores[0], "ref_logp": result.scores[0],
+            "advantages": result.signal["advantages"]}
+
+
+def test_nan_step_is_skipped_and_params_unchanged(step_parts):
+    trainer, result = step_parts
+    mini = _mini(result)
+    mini["advantages"] = mini["advantages"].at[0].set(jnp.nan)
+    params = jax.tree.map(jnp.copy, trainer.params)
+    opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
+    before = jax.tree.map(np.asarray, params)
+    new_params, _, info = S.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+                                   settings=trainer.settings, micro=2)
+    assert int(info["skipped"]) == 1
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), before, new_params)
+
+
+def test_micro_batch_accumulation_equals_one_batch(step_parts):
+    trainer, result = step_parts
+    outs = []
+    for micro in (8, 2):
+        params = jax.tree.map(jnp.copy, trainer.params)
+        opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
+        outs.append(S.update(trainer.graphdef, params, opt_state, _mini(result), optimizer=trainer.optimizer,
+                             settings=trainer.settings, micro=micro))
+    (p8, _, i8), (p2, _, i2) = outs
+    np.testing.assert_allclose(float(i2["loss"]), float(i8["loss"]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(i2["grad_norm"]), float(i8["grad_norm"]), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+                 p8, p2)
+
+
+def test_sharded_step_equals_unsharded(step_parts):
+    trainer, result = step_parts
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    outs = []
+    for mesh in (trainer.mesh, one):
+        put = lambda t: jax.tree.map(  # noqa: E731
+            lambda x, s: jax.device_put(np.asarray(x), jax.sharding.NamedSharding(mesh, s.spec)), t,
+            jax.tree.map(lambda x: x.sharding, t))
+        params, opt_state = put(trainer.params), put(trainer.opt_state)
+        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0] if mesh is one else x.sharding),
+                             result.batch)
+        scores = S.score(trainer.graphdef, params, batch, temperature=1.0, micro=2)
+        mini = {"batch": batch, "old_logp": scores[0], "ref_logp": scores[0],
+                "advantages": jnp.asarray(np.asarray(result.signal["advantages"]))}
+        new_params, _, info = S.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+                                       settings=trainer.settings, micro=2)
+        outs.append((scores, new_params, info))
+    (s8, p8, i8), (s1, p1, i1) = outs
+    for a, b in zip(s8, s1):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(i8["loss"]), float(i1["loss"]), rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6), p8, p1)
+
+
+# ------------------------------------------------------------------------------------------ bad input, early
+def test_config_error_exits_2_with_the_key(assets, tmp_path, capsys):
+    code = main(["--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
+                 *overrides(assets, tmp_path / "x"), "algorithm.explorashun=g2rl"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "algorithm.explorashun" in err and "algorithm.exploration" in err
+
+
+@pytest.mark.parametrize("case", ["missing_model", "no_usable_rows", "unwritable_output"])
+def test_bad_input_fails_before_any_compile(assets, tmp_path, case):
+    kw = {}
+    if case == "missing_model":
+        kw["model.path"] = str(tmp_path / "nowhere")
+    if case == "no_usable_rows":
+        kw["data.max_prompt_tokens"] = 1
+    out = tmp_path / "run"
+    if case == "unwritable_output":
+        out = tmp_path / "a_file"
+        out.write_text("not a directory")
+    cfg = load_config(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml", overrides(assets, out / "run", **kw))
+    t0 = time.time()
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    assert time.time() - t0 < 10
+    message = str(err.value)
+    expected = {"missing_model": "model.path", "no_usable_rows": "usable rows",
+                "unwritable_output": "run.output_dir"}[case]
+    assert expected in message, message
