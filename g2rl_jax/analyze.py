@@ -105,35 +105,39 @@ def run_config(run_dir: Path):
 def runtime_of(model_cfg):
     """The RuntimeConfig the trainer builds from config `model` (no remat: nothing here takes gradients)."""
     from g2rl_jax.model import RuntimeConfig
+    from g2rl_jax.train.loop import attention_backend
 
     return RuntimeConfig(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat="none",
-                         attention=model_cfg.attention, kv_cache_dtype=model_cfg.kv_cache_dtype)
+                         attention=attention_backend(model_cfg), kv_cache_dtype=model_cfg.kv_cache_dtype)
 
 
 def load_policy(run_or_checkpoint_dir: str | Path, *, mesh=None):
     """(model, tokenizer_dir): the policy of a training checkpoint, params restored from its Orbax `state` item
-    onto the structure (and `mesh` shardings) of `load_pretrained(config.yaml's model.path)`."""
+    onto the structure (and `mesh` shardings) of `load_pretrained(config.yaml's model.path)`, in the run's
+    model.param_dtype / compute_dtype. Reusable by eval/export: only the params are read (no optimizer state)."""
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
 
+    from g2rl_jax.demo import resolve_demo_paths
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.train import checkpoint
 
     run_dir, step_dir = resolve_checkpoint(run_or_checkpoint_dir)
     model_cfg = run_config(run_dir).model
-    if not (Path(model_cfg.path) / "config.json").is_file():
+    base_dir = Path(resolve_demo_paths(model_cfg.path, None)[0])  # "demo:DIR" is (re)built at DIR
+    if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {model_cfg.path!r} is not a Hugging Face "
                                 "model directory here; the checkpoint holds only the trained params, so the base "
                                 "model dir (for its config and tokenizer) must exist at that path")
-    base = load_pretrained(model_cfg.path, model_cfg.param_dtype, runtime=runtime_of(model_cfg), mesh=mesh)
+    base = load_pretrained(base_dir, model_cfg.param_dtype, runtime=runtime_of(model_cfg), mesh=mesh)
     graphdef, params = nnx.split(base)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
     with ocp.PyTreeCheckpointer() as reader:  # only "params" of {"params", "opt_state", "step", "rng"}
         restored = reader.restore(step_dir / checkpoint.STATE_ITEM, args=ocp.args.PyTreeRestore(
             item={"params": abstract}, restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
             partial_restore=True))
-    return nnx.merge(graphdef, restored["params"]), Path(model_cfg.path)
+    return nnx.merge(graphdef, restored["params"]), base_dir
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -68,6 +69,7 @@ def training_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
     for ax, key in zip(axes.flat, keys):
         ax.set_title(CURVES.get(key) or panel_title(key))
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
