@@ -64,7 +64,8 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the trained parameters")
     compute_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of activations and matmuls")
     remat: Literal["none", "full"] = _f("full", "rematerialise each decoder layer in the backward pass")
-    attention: Literal["xla", "cudnn", "splash"] = _f("xla", "attention kernel: xla (any), cudnn (GPU), splash (TPU)")
+    attention: Literal["auto", "xla", "cudnn", "splash"] = _f(
+        "auto", "attention kernel: auto (splash on TPU, cudnn on GPU, xla on CPU), xla, cudnn (GPU), splash (TPU)")
     kv_cache_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of the rollout KV cache")
 
 

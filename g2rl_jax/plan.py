@@ -190,12 +190,9 @@ def attention_scores_bytes(runtime: RuntimeConfig, heads: int, b: int, length: i
 
 
 def micro_rows_per_device(cfg: Config, mesh: dict[str, int]) -> int:
-    """Rows of one update micro-batch on each device. train.step.update reshapes the batch-sharded mini-batch
-    [rows] to [rows/micro, micro]; GSPMD gives the leading (micro-batch index) axis gcd(rows/micro, n) of the n
-    batch shards, so a micro-batch is split only n/gcd ways (measured on CPU, see tests/test_plan.py)."""
-    n = shards("batch", mesh)
-    k = cfg.algorithm.mini_batch_size // cfg.algorithm.micro_batch_size
-    return -(-cfg.algorithm.micro_batch_size // (n // math.gcd(k, n)))
+    """Rows of one update micro-batch on each device. train.step.split_micro takes micro-batches by stride, so
+    each spreads over all n batch shards (padding rounds up when micro < n)."""
+    return -(-cfg.algorithm.micro_batch_size // shards("batch", mesh))
 
 
 def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int], length: int,
@@ -233,7 +230,9 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
     mesh = resolve_mesh(cfg, devices)
     check_divisible(model, mesh)
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-                            remat=cfg.model.remat, attention=cfg.model.attention,
+                            remat=cfg.model.remat,
+                            # "auto" picks the fused kernel (splash/cudnn) on the accelerators planned for
+                            attention="splash" if cfg.model.attention == "auto" else cfg.model.attention,
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
     n_local = param_elements(model, runtime, mesh)
     pbytes = n_local * nbytes(cfg.model.param_dtype)
@@ -249,8 +248,8 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
     b = micro_rows_per_device(cfg, mesh)
     if b * batch_shards != cfg.algorithm.micro_batch_size:
         notes.append(f"update micro-batch rows per device = {b}, not micro_batch_size/batch shards = "
-                     f"{cfg.algorithm.micro_batch_size}/{batch_shards}: the [rows/micro, micro] split or padding "
-                     "spreads a micro-batch over fewer devices")
+                     f"{cfg.algorithm.micro_batch_size}/{batch_shards}: a micro-batch smaller than the batch "
+                     "shards leaves devices padded")
     if runtime.attention == "xla":
         notes.append("model.attention=xla materialises [b, H, L, L] scores; splash (TPU) / cudnn (GPU) do not")
     return Plan(

@@ -90,7 +90,8 @@ def test_cli_prints_table_and_verdicts(tmp_path, capsys):
 _TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32)
 _STEP = ["algorithm.mini_batch_size=16", "algorithm.micro_batch_size=8", "data.prompts_per_step=2",
-         "rollout.num_samples=8", "model.compute_dtype=float32", "model.kv_cache_dtype=float32"]
+         "rollout.num_samples=8", "model.compute_dtype=float32", "model.kv_cache_dtype=float32",
+         "model.attention=xla"]
 XLA_CASES = {
     # params/optimizer and the chunked logits matter: short sequences, one device
     "short-1dev": (1, dict(_TINY, num_hidden_layers=2, tie_word_embeddings=True),

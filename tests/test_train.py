@@ -281,3 +281,11 @@ def test_bad_input_fails_before_any_compile(assets, tmp_path, case):
     expected = {"missing_model": "model.path", "no_usable_rows": "usable rows",
                 "unwritable_output": "run.output_dir"}[case]
     assert expected in message, message
+
+
+def test_micro_batches_are_strided_and_merge_back():
+    x = jnp.arange(12)
+    split = S.split_micro({"x": x}, 4)["x"]
+    assert split.shape == (3, 4)
+    np.testing.assert_array_equal(np.asarray(split[0]), [0, 3, 6, 9])  # one row from every block of 3
+    np.testing.assert_array_equal(np.asarray(S.merge_micro({"x": split})["x"]), np.arange(12))

@@ -92,6 +92,14 @@ def _embed_texts(embedder, tokenizer, texts: list[str], mesh) -> jax.Array:
     return h / jnp.maximum(jnp.linalg.norm(h, axis=-1, keepdims=True), 1e-8)
 
 
+def attention_backend(model_cfg) -> str:
+    """model.attention, with "auto" resolved for this platform: the fused kernel where there is one."""
+    if model_cfg.attention != "auto":
+        return model_cfg.attention
+    fused = {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "xla")
+    return "xla" if fused == "cudnn" and model_cfg.compute_dtype != "bfloat16" else fused
+
+
 def build_mesh(mesh_cfg):
     """The (data, fsdp, tensor) mesh of config `mesh`, an axis of -1 taking all remaining devices."""
     sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
@@ -101,11 +109,9 @@ def build_mesh(mesh_cfg):
         raise ConfigError(f"mesh: the fixed axes {sizes} multiply to {fixed}, which does not divide the {n} devices")
     sizes = {k: (n // fixed if v == -1 else v) for k, v in sizes.items()}
     try:
-        mesh = parallel.make_mesh(parallel.MeshConfig(**sizes))
+        return parallel.make_mesh(parallel.MeshConfig(**sizes))
     except ValueError as err:
         raise ConfigError(f"mesh: {err}") from err
-    # the model's einsums rely on GSPMD propagation: Auto axes, same devices and names
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
 def shard_rows(tree, mesh):
@@ -176,7 +182,7 @@ class Trainer:
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step // jax.process_count(),
                                          seed=cfg.data.shuffle_seed)
         runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-                                remat=cfg.model.remat, attention=cfg.model.attention,
+                                remat=cfg.model.remat, attention=attention_backend(cfg.model),
                                 kv_cache_dtype=cfg.model.kv_cache_dtype)
         model = load_pretrained(cfg.model.path, cfg.model.param_dtype, runtime=runtime, mesh=self.mesh)
         self.graphdef, self.params = nnx.split(model)

@@ -82,14 +82,29 @@ def _head(model, h_BxTxD):
     return model.lm_head_weight().astype(h_BxTxD.dtype)
 
 
+def split_micro(tree, micro: int):
+    """[rows, ...] -> [rows/micro, micro, ...] by stride: micro-batch k holds rows k, k + rows/micro, ...
+
+    Rows are sharded in contiguous blocks over the data axes; taking them by stride keeps every micro-batch
+    spread over all devices (a contiguous split would make GSPMD shard the micro-batch index instead)."""
+    def one(x):
+        rows = x.shape[0]
+        return jnp.swapaxes(x.reshape(micro, rows // micro, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(one, tree)
+
+
+def merge_micro(tree):
+    """Inverse of split_micro: [rows/micro, micro, ...] -> [rows, ...] in the original row order."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
 def _micro_map(fn, batch: Batch, micro: int):
     """Apply fn to `micro`-row slices of the batch one after another (lax.map), so memory follows `micro`."""
     b = batch.input_ids.shape[0]
     if b % micro:
         raise StageError(f"scoring: batch of {b} responses is not a multiple of micro_batch_size={micro}")
-    split = jax.tree.map(lambda x: x.reshape(b // micro, micro, *x.shape[1:]), batch)
-    out = jax.lax.map(fn, split)
-    return jax.tree.map(lambda x: x.reshape(b, *x.shape[2:]), out)
+    return merge_micro(jax.lax.map(fn, split_micro(batch, micro)))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "micro", "chunk"))
@@ -222,7 +237,7 @@ def update(graphdef, params, opt_state, mini: dict[str, Any], *, optimizer: opta
     """
     rows = mini["advantages"].shape[0]
     total_tokens = jnp.sum(mini["batch"].response_mask)
-    split = jax.tree.map(lambda x: x.reshape(rows // micro, micro, *x.shape[1:]), mini)
+    split = split_micro(mini, micro)
     grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
 
     def accumulate(carry, mb):
