@@ -3,6 +3,7 @@ trainer-checkpoint restore (load_policy, real Orbax via the training Checkpointe
 models (a HF dir and a run dir compared; greedy duplicates give gradient and semantic cosine 1)."""
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -101,12 +102,11 @@ def tiny(tmp_path_factory):
     checkpoint holds perturbed params, and a jsonl of demo problems."""
     import transformers
 
-    from g2rl_jax.config import Config, DataConfig, ModelConfig, RunConfig, save_resolved
+    from g2rl_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RunConfig, save_resolved
     from g2rl_jax.demo.task import examples
     from g2rl_jax.demo.tokenizer import make_tokenizer
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.train import step as S
-    from g2rl_jax.config import OptimConfig
     from g2rl_jax.train.checkpoint import Checkpointer
 
     root = tmp_path_factory.mktemp("analyze")
@@ -160,15 +160,16 @@ def test_load_policy_restores_the_newest_or_the_named_checkpoint(tiny):
 def test_load_policy_errors_name_the_path(tiny, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a run directory"):
         analyze.load_policy(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not a Hugging Face"):
-        bad = tmp_path / "run"
-        (bad / "checkpoints").mkdir(parents=True)
-        (tiny["run"] / "config.yaml").read_text()
-        (bad / "config.yaml").write_text((tiny["run"] / "config.yaml").read_text()
-                                         .replace(str(tiny["policy"]), str(tmp_path / "gone")))
-        import shutil
-        shutil.copytree(tiny["run"] / "checkpoints" / "3", bad / "checkpoints" / "3")
-        analyze.load_policy(bad)
+    moved = tmp_path / "run"  # a run whose base model dir is gone
+    shutil.copytree(tiny["run"] / "checkpoints" / "3", moved / "checkpoints" / "3")
+    (moved / "config.yaml").write_text((tiny["run"] / "config.yaml").read_text()
+                                       .replace(str(tiny["policy"]), str(tmp_path / "gone")))
+    with pytest.raises(FileNotFoundError, match="is not a Hugging Face model directory"):
+        analyze.load_policy(moved)
+    bare = tmp_path / "bare"  # checkpoints without the run's config.yaml
+    shutil.copytree(tiny["run"] / "checkpoints" / "1", bare / "checkpoints" / "1")
+    with pytest.raises(FileNotFoundError, match="config.yaml not found"):
+        analyze.load_policy(bare)
 
 
 def test_cli_compares_a_model_dir_and_a_checkpoint(tiny):
