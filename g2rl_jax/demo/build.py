@@ -111,8 +111,8 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, sft_steps: in
     tmp = _staging_dir(out)
     save_pretrained(model, tmp)
     tokenizer.save_pretrained(tmp)
-    record = {"spec_hash": spec_hash, "spec": spec, "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
-              "build_seconds": round(time.perf_counter() - start, 1)}
+    record = {"spec_hash": spec_hash, "spec": spec, "build_seconds": round(time.perf_counter() - start, 1),
+              "sft_losses": [round(x, 4) for x in losses]}
     (tmp / MARKER).write_text(json.dumps(record, indent=2))
     _publish(tmp, out)
     return out

@@ -38,7 +38,7 @@ class SFTConfig:
     steps: int = 600
     batch_size: int = 64
     learning_rate: float = 3e-3
-    warmup_steps: int = 20
+    warmup_fraction: float = 0.05  # of the steps, linear from 0 to learning_rate; then cosine to 10%
     weight_decay: float = 0.01
     teacher_accuracy: float = 0.4
     seed: int = 0
@@ -47,8 +47,8 @@ class SFTConfig:
         for name in ("steps", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SFTConfig.{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"SFTConfig.warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"SFTConfig.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.learning_rate <= 0:
             raise ValueError(f"SFTConfig.learning_rate must be > 0, got {self.learning_rate}")
         if not 0 < self.teacher_accuracy <= 1:
@@ -87,7 +87,8 @@ def sft_loss(model: Qwen3, ids_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array
 
 
 def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps,
+    warmup = int(cfg.warmup_fraction * cfg.steps)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, cfg.steps,
                                                   end_value=0.1 * cfg.learning_rate)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
