@@ -218,3 +218,38 @@ def test_models_keep_command_line_order_and_labels(tiny):
     args = analyze.parse_args(["--checkpoint", str(tiny["run"]), "--model-path", "m", "--label", "G2RL",
                                "--label", "base"])
     assert [s.label for s in analyze.model_sources(args)] == ["G2RL", "base"]
+
+
+# ------------------------------------------------------------------------------------------ export (uses load_policy)
+def test_export_writes_a_dir_transformers_loads_with_the_trained_weights(tiny, tmp_path):
+    import torch
+    import transformers
+
+    from g2rl_jax import export
+
+    out = tmp_path / "hf"
+    assert export.main(["--checkpoint", str(tiny["run"]), "--out", str(out)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert transformers.AutoTokenizer.from_pretrained(out).encode("12+34") == \
+        transformers.AutoTokenizer.from_pretrained(tiny["policy"]).encode("12+34")
+    ids = np.array([[5, 9, 17, 3, 40, 2]])
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    from g2rl_jax.model import load_pretrained
+
+    exported = load_pretrained(out, "float32")
+    _assert_params_equal(exported, tiny["trained"])  # the newest checkpoint's params, bit for bit
+    got = np.asarray(exported(jnp.asarray(ids)))
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny["policy"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert np.abs(base(torch.tensor(ids)).logits.numpy() - want).max() > 1e-3  # the trained weights, not the base
+
+
+def test_export_refuses_a_non_empty_out_dir(tiny, tmp_path, capsys):
+    from g2rl_jax import export
+
+    (tmp_path / "keep.txt").write_text("mine")
+    assert export.main(["--checkpoint", str(tiny["run"]), "--out", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (tmp_path / "keep.txt").read_text() == "mine"
