@@ -249,9 +249,11 @@ def load_policy(args: argparse.Namespace):
     """(model, tokenizer) from --model-path or --checkpoint."""
     from transformers import AutoTokenizer
 
-    if args.checkpoint is not None:
-        raise NotImplementedError("--checkpoint is not wired yet: export the policy to a Hugging Face folder and "
-                                  "pass --model-path")
+    if args.checkpoint is not None:  # trained params restored onto the run's base model
+        from g2rl_jax.analyze import load_policy as load_checkpoint
+
+        model, tokenizer_dir = load_checkpoint(args.checkpoint)
+        return model, AutoTokenizer.from_pretrained(args.tokenizer or tokenizer_dir)
     from g2rl_jax.model import load_pretrained
 
     return load_pretrained(args.model_path), AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
