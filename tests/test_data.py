@@ -147,17 +147,28 @@ def test_same_seed_same_order_and_epochs_reshuffle():
     assert flat[:22] != flat[23:45], "second epoch is reshuffled"
 
 
-def test_shards_disjoint_and_covering():
+def test_shards_are_contiguous_slices_of_the_global_batch():
+    """Every shard walks the same global order; shard i keeps rows [i*local, (i+1)*local) of each global batch,
+    so the shards are disjoint, together cover the global batch, and the global batches match one process."""
+    whole = _ids(make_prompt_loader(EXAMPLES, batch_size=6, seed=1, shard_index=0, shard_count=1), 8)
+    shards = [_ids(make_prompt_loader(EXAMPLES, batch_size=6, seed=1, shard_index=i, shard_count=3), 8)
+              for i in range(3)]
+    for step, batch in enumerate(whole):
+        parts = [s[step] for s in shards]
+        assert [len(p) for p in parts] == [2, 2, 2]
+        assert sum(parts, []) == batch
     seen = []
-    for shard in range(3):
-        it = make_prompt_loader(EXAMPLES, batch_size=1, seed=1, shard_index=shard, shard_count=3, num_epochs=1)
+    for shard in range(3):  # one epoch: 23 examples in global batches of 3, the incomplete last one dropped
+        it = make_prompt_loader(EXAMPLES, batch_size=3, seed=1, shard_index=shard, shard_count=3, num_epochs=1)
         seen.append([e.id for batch in it for e in batch])
-    assert [len(s) for s in seen] == [8, 8, 7]
-    assert sorted(sum(seen, [])) == sorted(e.id for e in EXAMPLES)
+    assert [len(s) for s in seen] == [7, 7, 7]
+    assert len(set(sum(seen, []))) == 21 and set(sum(seen, [])) <= {e.id for e in EXAMPLES}
     with pytest.raises(ValueError, match="shard_index"):
-        make_prompt_loader(EXAMPLES, batch_size=1, seed=1, shard_index=3, shard_count=3)
+        make_prompt_loader(EXAMPLES, batch_size=3, seed=1, shard_index=3, shard_count=3)
+    with pytest.raises(ValueError, match="multiple of shard_count"):
+        make_prompt_loader(EXAMPLES, batch_size=4, seed=1, shard_index=0, shard_count=3)
     with pytest.raises(ValueError, match="fewer than batch_size"):
-        make_prompt_loader(EXAMPLES, batch_size=9, seed=1, shard_index=0, shard_count=3)
+        make_prompt_loader(EXAMPLES, batch_size=24, seed=1, shard_index=0, shard_count=3)
 
 
 def test_finite_epochs_drop_incomplete_batch():
