@@ -49,11 +49,10 @@ class RunConfig:
     checkpoint_every: int = _f(50, "save a checkpoint every this many steps (and always at the end)")
     keep_checkpoints: int = _f(3, "keep only the newest this many checkpoints")
     eval_every: int = _f(50, "evaluate on data.eval_datasets every this many steps (0 = never)")
-    log_every: int = _f(1, "write metrics every this many steps")
     seed: int = _f(0, "seed of the sampling and initialisation RNG")
 
     def __post_init__(self):
-        for name in ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every"):
+        for name in ("total_steps", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
 
