@@ -11,7 +11,7 @@ Each row is the prompt exactly as RL shows it (`plain` template), then the respo
 the response tokens (eos included) carry loss.
 
     ids_NxKxL, mask_NxKxL = encode_sft(examples, tokenizer)     # K = 1 + len(TEACHER_ERRORS) variants per row
-    losses = train_sft(model, ids_NxKxL, mask_NxKxL, SFTConfig(steps=600))   # updates `model` in place
+    losses = train_sft(model, ids_NxKxL, mask_NxKxL, SFTConfig(steps=1000))   # updates `model` in place
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ ERRORS = (0, *TEACHER_ERRORS)  # variant k of a row answers with sum + ERRORS[k]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-    steps: int = 600
+    steps: int = 1000
     batch_size: int = 64
     learning_rate: float = 3e-3
     warmup_fraction: float = 0.05  # of the steps, linear from 0 to learning_rate; then cosine to 10%
