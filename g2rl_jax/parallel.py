@@ -10,17 +10,30 @@ from that one table:
 
 Checks, each with both numbers in the message: the mesh must use exactly the available devices; a sharded
 parameter dimension (heads, kv_heads, vocab, mlp, embed, ...) must be divisible by its mesh axes' size; two
-dimensions of one array must not map to the same mesh axis. Multi-host start-up (jax.distributed) belongs to the
-scale-out work and is not here yet.
+dimensions of one array must not map to the same mesh axis.
+
+Multi-host: `initialize_distributed(cfg.distributed)` starts `jax.distributed` (explicit coordinator/num_processes/
+process_id, or auto-detected on a Cloud TPU VM) before anything touches the devices. A batch is then a global
+array whose rows are split over the processes in contiguous blocks:
+
+    rows = process_rows(mesh, 64)                      # slice of the 64 global rows this process holds
+    x = global_rows(mesh, x_local, 64)                 # jax.Array [64, ...] from this process's rows
+    x_all = gather(x)                                  # host numpy of the whole array, on every process
+    y_all = gather_blocks(mesh, y_local)               # every process's host rows, in order, on every process
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
+from pathlib import Path
 from typing import Callable
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -146,3 +159,93 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: ShardingRules = DEFAULT_
 def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, seq, ...] input: batch over its mesh axes, the rest replicated."""
     return NamedSharding(mesh, rules.spec(("batch",) + (None,) * (ndim - 1)))
+
+
+# ------------------------------------------------------------------------------------------- multi-host
+def on_tpu_vm() -> bool:
+    """A Cloud TPU VM (libtpu installed and TPU chips present, or GKE's TPU worker list set), where
+    `jax.distributed.initialize()` finds the coordinator, process count and id by itself."""
+    if os.environ.get("TPU_WORKER_HOSTNAMES"):
+        return True
+    chips = list(Path("/dev").glob("accel[0-9]*")) + list(Path("/dev/vfio").glob("[0-9]*"))
+    return importlib.util.find_spec("libtpu") is not None and bool(chips)
+
+
+def initialize_distributed(dist) -> bool:
+    """Start jax.distributed from a DistributedConfig before any device is touched; True if it was started.
+
+    All three of coordinator_address / num_processes / process_id set: explicit (GPUs, SLURM, CPU + gloo);
+    none set on a Cloud TPU VM: auto-detected; none set elsewhere: one process, nothing to do."""
+    given = {"coordinator_address": dist.coordinator_address, "num_processes": dist.num_processes,
+             "process_id": dist.process_id}
+    missing = [f"distributed.{k}" for k, v in given.items() if v is None]
+    if len(missing) == 3:
+        if not on_tpu_vm():
+            return False
+        jax.distributed.initialize()
+        return True
+    if missing:
+        named = ", ".join(f"distributed.{k}" for k, v in given.items() if v is not None)
+        raise ValueError(f"{named} set but {', '.join(missing)} not: give all three of distributed."
+                         "coordinator_address (host:port of process 0), distributed.num_processes and "
+                         "distributed.process_id, or none of them (one process, or auto-detection on a TPU VM)")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-backend collectives across processes
+    jax.distributed.initialize(coordinator_address=dist.coordinator_address, num_processes=dist.num_processes,
+                               process_id=dist.process_id)
+    return True
+
+
+def batch_block(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> tuple[int, int]:
+    """(i, n): this process holds block i of the n equal contiguous blocks into which the processes split a
+    batch's rows (n = 1 when the batch axes do not span processes: every process then holds all rows)."""
+    axes = rules.mesh_axes("batch")
+    order = [mesh.axis_names.index(a) for a in axes]
+    devices = np.moveaxis(mesh.devices, order, range(len(axes)))
+    shards_SxR = devices.reshape(math.prod(mesh.shape[a] for a in axes), -1)  # [batch shard, replicas]
+    owned: dict[int, set[int]] = {}
+    for shard, replicas in enumerate(shards_SxR):
+        for device in replicas:
+            owned.setdefault(device.process_index, set()).add(shard)
+    blocks = sorted({tuple(sorted(v)) for v in owned.values()})
+    flat = [s for block in blocks for s in block]
+    if flat != list(range(len(shards_SxR))) or any(b != tuple(range(b[0], b[0] + len(blocks[0]))) for b in blocks):
+        raise ValueError(f"the processes hold batch shards {blocks} of {len(shards_SxR)}, not equal contiguous "
+                         "blocks; order the mesh devices so each process's devices are adjacent on the batch axes")
+    return blocks.index(tuple(sorted(owned[jax.process_index()]))), len(blocks)
+
+
+def process_rows(mesh: Mesh, num_rows: int) -> slice:
+    """The contiguous block of rows of a [num_rows, ...] batch-sharded array that this process's devices hold."""
+    i, n = batch_block(mesh)
+    if num_rows % n:
+        raise ValueError(f"a batch of {num_rows} rows does not split over the {n} process blocks of the mesh; "
+                         f"make it a multiple of {n}")
+    return slice(i * num_rows // n, (i + 1) * num_rows // n)
+
+
+def global_rows(mesh: Mesh, local, num_rows: int, rules: ShardingRules = DEFAULT_RULES) -> jax.Array:
+    """A [num_rows, ...] array, rows over the batch mesh axes, from this process's rows `local` (host numpy)."""
+    local = np.asarray(local)
+    rows = process_rows(mesh, num_rows)
+    if local.shape[0] != rows.stop - rows.start:
+        raise ValueError(f"this process holds rows [{rows.start}, {rows.stop}) of {num_rows}, i.e. "
+                         f"{rows.stop - rows.start} rows, but was given an array of shape {local.shape}")
+    sharding = batch_sharding(mesh, rules, ndim=local.ndim)
+    return jax.make_array_from_process_local_data(sharding, local, (num_rows, *local.shape[1:]))
+
+
+def gather_blocks(mesh: Mesh, local) -> np.ndarray:
+    """Every process block's rows `local` concatenated in block order (each block once), on every process: the
+    inverse of each process taking rows `process_rows(mesh, n)`. Every process passes an array of one shape."""
+    block, _ = batch_block(mesh)
+    blocks_N = np.asarray(multihost_utils.process_allgather(np.int32(block))).reshape(-1).tolist()
+    every_NxRx_ = np.asarray(multihost_utils.process_allgather(np.asarray(local))).reshape(len(blocks_N), *np.shape(local))
+    first = {b: k for k, b in reversed(list(enumerate(blocks_N)))}
+    return np.concatenate([every_NxRx_[first[b]] for b in sorted(first)], axis=0)
+
+
+def gather(x) -> np.ndarray:
+    """Host numpy of the whole of x on every process (an all-gather when x spans several processes)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -9,6 +9,12 @@ and KV heads over "tensor"; the parameters are placed by `g2rl_jax.parallel`'s r
 no-op when they already are, e.g. after `load_pretrained(..., mesh=mesh)`). Without a mesh everything runs where
 the parameters are (the default device). The KV-cache dtype is the model's
 `RuntimeConfig.kv_cache_dtype` (e.g. "bfloat16").
+
+Multi-host (a mesh spanning several jax.distributed processes): every process calls `generate` with its own
+prompts, block i of the global prompt batch (see `parallel.batch_block`). The prompts are all-gathered, so every
+process pads and buckets the same global batch and samples exactly what one process would with all the prompts
+(same per-sample keys); the returned `Rollout` holds this process's samples only (rows
+`parallel.process_rows(mesh, P*num_samples)` of the global group-major order).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
 from g2rl_jax import parallel
@@ -91,6 +98,7 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
         num_samples=num_samples, stop_token_ids=stop_token_ids, seed=seed, vocab_size=cfg.vocab_size,
         max_positions=cfg.max_position_embeddings)
     mesh = _active_mesh(mesh)
+    prompts = _global_prompts(prompts, mesh)
     sizes = batching.buckets_for(prompts, max_new_tokens, engine.batch_shards(mesh))
     ids_PxS, mask_PxS = batching.left_pad(prompts, sizes.num_prompts, sizes.prompt_len)
     spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
@@ -100,9 +108,30 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
                           num_samples=num_samples, temperature=temperature, top_p=top_p,
                           stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens)
     B = len(prompts) * num_samples
-    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (np.asarray(x)[:B] for x in outs[:4])
-    return _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,
-                     int(outs[4]))
+    rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
+    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (parallel.gather(x)[rows] for x in outs[:4])
+    sample_prompt_B = np.repeat(np.arange(len(prompts)), num_samples)[rows]
+    return _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
+                     lengths_B, stopped_B, int(outs[4]))
+
+
+def _spans_processes(mesh) -> bool:
+    return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
+    """All processes' prompts in batch-block order, the same list on every process (`prompts` itself when the
+    mesh lives in one process)."""
+    if not _spans_processes(mesh):
+        return prompts
+    info_Nx2 = np.asarray(multihost_utils.process_allgather(np.array([len(prompts), max(map(len, prompts))])))
+    if len(set(info_Nx2[:, 0].tolist())) != 1:
+        raise ValueError(f"generate: the processes passed {info_Nx2[:, 0].tolist()} prompts; every process must "
+                         "pass the same number (its equal block of the global batch)")
+    ids_PxW = np.zeros((len(prompts), 1 + int(info_Nx2[:, 1].max())), np.int32)  # column 0: the prompt's length
+    for p, prompt in enumerate(prompts):
+        ids_PxW[p, 0], ids_PxW[p, 1:1 + len(prompt)] = len(prompt), prompt
+    return [row[1:1 + row[0]].tolist() for row in parallel.gather_blocks(mesh, ids_PxW)]
 
 
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
@@ -122,17 +151,16 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     return outs
 
 
-def _assemble(prompts, num_samples, ids_PxS, mask_PxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,
+def _assemble(num_samples, ids_BxS, mask_BxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,
               decode_steps: int) -> Rollout:
-    """Host-side Rollout from the decode outputs of the real (non-dummy) samples."""
-    rows = np.repeat(np.arange(len(prompts)), num_samples)
+    """Host-side Rollout from the decode outputs of the real (non-dummy) samples and each one's prompt row."""
     mask_BxT = np.arange(tokens_BxT.shape[1])[None, :] < lengths_B[:, None]
     return Rollout(
         completion_ids=[tokens_BxT[b, :n].tolist() for b, n in enumerate(lengths_B)],
         logprobs=[logprobs_BxT[b, :n].copy() for b, n in enumerate(lengths_B)],
         finish_reasons=["stop" if s else "length" for s in stopped_B],
         num_samples=num_samples,
-        prompt_ids_BxS=np.asarray(ids_PxS)[rows], prompt_mask_BxS=np.asarray(mask_PxS)[rows],
+        prompt_ids_BxS=ids_BxS, prompt_mask_BxS=mask_BxS,
         completion_ids_BxT=np.where(mask_BxT, tokens_BxT, 0).astype(np.int32), completion_mask_BxT=mask_BxT,
         logprobs_BxT=np.where(mask_BxT, logprobs_BxT, 0.0).astype(np.float32),
         completion_lengths=lengths_B.astype(np.int32), decode_steps=decode_steps)

@@ -7,6 +7,13 @@
 `Trainer.step_stages(step)` runs one step and returns every intermediate (rollout, batch, scores, signal, info),
 which is what the Colab notebook shows. One mesh serves the policy, the reference model and the sampler: the
 sampler reads the very arrays the optimizer updates, so no weights are copied or synchronised between them.
+
+Multi-host (`distributed.*`, see parallel.initialize_distributed): every process runs this same loop. Process
+block i of n (parallel.batch_block) reads rows [i·P/n, (i+1)·P/n) of each global prompt batch, gets its own
+samples back from `generate`, scores their rewards locally, and contributes its rows to the global `Batch`
+(parallel.global_rows); scoring, advantages and the update run on the global arrays, and every metric is a
+reduction over them, so all processes agree and equal a one-process run on the same mesh. Only process 0 writes
+metrics; checkpoints are Orbax multi-host (every process saves its shards and its data-iterator position).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError, save_resolved
@@ -78,9 +86,10 @@ def usable_examples(cfg: Config, tokenizer) -> list:
 
 
 def _embed_texts(embedder, tokenizer, texts: list[str], mesh) -> jax.Array:
-    """Last-token pooling of a Qwen3-Embedding-architecture encoder: L2-normalised hidden state of the final token."""
+    """Last-token pooling of a Qwen3-Embedding-architecture encoder: L2-normalised hidden state of the final token.
+    `texts` are this process's rows; the result is the global [B, E] array."""
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-1023:] + [tokenizer.eos_token_id] for t in texts]
-    width = max(len(x) for x in ids)
+    width = int(np.max(multihost_utils.process_allgather(np.int32(max(len(x) for x in ids)))))  # same on all hosts
     width = 1 << (width - 1).bit_length()
     ids_BxL = np.zeros((len(ids), width), np.int32)
     mask_BxL = np.zeros((len(ids), width), np.int32)
@@ -115,8 +124,10 @@ def build_mesh(mesh_cfg):
 
 
 def shard_rows(tree, mesh):
-    """Place every array of `tree` with its leading (row) axis split over the data-parallel mesh axes."""
-    return jax.tree.map(lambda x: jax.device_put(x, parallel.batch_sharding(mesh, ndim=np.ndim(x))), tree)
+    """Global arrays, rows split over the data-parallel mesh axes, from every leaf's rows held by this process
+    (all of its rows in a one-process run)."""
+    _, blocks = parallel.batch_block(mesh)
+    return jax.tree.map(lambda x: parallel.global_rows(mesh, np.asarray(x), blocks * np.shape(x)[0]), tree)
 
 
 def on_mesh(tree, mesh):
@@ -179,8 +190,12 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         examples = usable_examples(cfg, self.tokenizer)
-        self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step // jax.process_count(),
-                                         seed=cfg.data.shuffle_seed)
+        block, blocks = parallel.batch_block(self.mesh)
+        if cfg.data.prompts_per_step % blocks:
+            raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be a multiple of the {blocks} "
+                              "process blocks the mesh splits the batch into (one per host along data×fsdp)")
+        self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
+                                         shard_index=block, shard_count=blocks)
         runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                                 remat=cfg.model.remat, attention=attention_backend(cfg.model),
                                 kv_cache_dtype=cfg.model.kv_cache_dtype)
@@ -279,7 +294,7 @@ class Trainer:
         algo = self.cfg.algorithm
         keep_B = np.ones(adv_B.shape[0], bool)
         if algo.filter_equal_groups:
-            keep_B = S.group_keep_mask(np.asarray(batch.correct), batch.group_size)
+            keep_B = S.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         batch = dataclasses.replace(batch, response_mask=batch.response_mask * jnp.asarray(keep_B, jnp.float32)[:, None])
         ref_logp = old_logp if ref_logp is None else ref_logp
@@ -301,49 +316,52 @@ class Trainer:
         return out
 
     def _metrics(self, step, rollout, batch, scores, signal, info, times) -> dict[str, float]:
+        """Reductions over the global arrays (every process gets the same numbers)."""
         t0, t1, t2, t3, t4 = times
-        mask = np.asarray(batch.response_mask)
-        lengths = np.asarray(rollout.completion_mask_BxT).sum(-1)
-        entropy = np.asarray(scores[1])
-        nu = np.asarray(signal["nu"])
+        mask_BxT = batch.response_mask
+        tokens = float(jnp.sum(mask_BxT))
         updates_done = (step + 1) * self.updates_per_step
-        novelty = {"novelty": float(np.mean(nu))} if self.cfg.algorithm.exploration == "g2rl" else {}
+        novelty = {"novelty": float(jnp.mean(signal["nu"]))} if self.cfg.algorithm.exploration == "g2rl" else {}
         return novelty | {
             "step": step + 1,
-            "accuracy": float(np.mean(np.asarray(batch.correct))),
-            "reward": float(np.mean(np.asarray(signal["shaped_rewards"]))),
+            "accuracy": float(jnp.mean(batch.correct)),
+            "reward": float(jnp.mean(signal["shaped_rewards"])),
             "loss": info["loss"], "kl": info.get("kl", 0.0),
-            "entropy": float((entropy * mask).sum() / max(mask.sum(), 1.0)),
-            "response_length": float(lengths.mean()),
+            "entropy": float(jnp.sum(scores[1] * mask_BxT)) / max(tokens, 1.0),
+            "response_length": tokens / mask_BxT.shape[0],
             "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
             "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],
             "learning_rate": float(self.schedule(updates_done - 1)),
             "skipped_updates": info["skipped_updates"], "groups_kept": info["groups_kept"],
             "rollout_seconds": t1 - t0, "reward_seconds": t2 - t1, "score_seconds": t3 - t2,
             "update_seconds": t4 - t3,
-            "tokens_per_second": float(lengths.sum()) / max(t4 - t0, 1e-9),
+            "tokens_per_second": tokens / max(t4 - t0, 1e-9),
         }
 
     # ------------------------------------------------------------------------------------------- the loop
     def validate(self) -> dict[str, float]:
         """mean@k accuracy on data.eval_datasets under the evaluation sampling settings (k = data.eval_samples)."""
         cfg = self.cfg.data
+        block, blocks = parallel.batch_block(self.mesh)
         out = {}
         for name in cfg.eval_datasets:
             examples = load_dataset(name)
-            prompts = encode_prompts(examples, self.tokenizer, cfg.prompt_template)
-            rewards = []
-            for start in range(0, len(prompts), cfg.prompts_per_step):
+            correct = []
+            for start in range(0, len(examples), cfg.prompts_per_step):
                 chunk = examples[start:start + cfg.prompts_per_step]
-                with stage("validate", dataset=name, prompts=prompts[start:start + len(chunk)]):
-                    rollout = generate(self.model, prompts[start:start + len(chunk)],
-                                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature,
-                                       num_samples=cfg.eval_samples, stop_token_ids=self.stop_ids,
-                                       seed=self.cfg.run.seed + start, mesh=self.mesh)
+                real = len(chunk) * cfg.eval_samples
+                chunk = chunk + chunk[-1:] * (-len(chunk) % blocks)  # equal blocks per process; copies not counted
+                local = chunk[block * len(chunk) // blocks:(block + 1) * len(chunk) // blocks]
+                prompts = encode_prompts(local, self.tokenizer, cfg.prompt_template)
+                with stage("validate", dataset=name, prompts=prompts):
+                    rollout = generate(self.model, prompts, max_new_tokens=cfg.eval_max_new_tokens,
+                                       temperature=cfg.eval_temperature, num_samples=cfg.eval_samples,
+                                       stop_token_ids=self.stop_ids, seed=self.cfg.run.seed + start, mesh=self.mesh)
                     texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-                    golds = [ex.answer for ex in chunk for _ in range(cfg.eval_samples)]
-                    rewards.append(score_batch(texts, golds, kind=chunk[0].kind))
-            out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(rewards) > 0))
+                    golds = [ex.answer for ex in local for _ in range(cfg.eval_samples)]
+                    rewards = score_batch(texts, golds, kind=local[0].kind)
+                correct.append(parallel.gather_blocks(self.mesh, rewards > 0)[:real])
+            out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(correct)))
         return out
 
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
@@ -385,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:  # --help
         print(format_help())
         return 0
+    try:
+        parallel.initialize_distributed(cfg.distributed)  # before anything touches the devices
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
     try:
         trainer = Trainer(cfg)
     except ConfigError as err:

@@ -1,0 +1,148 @@
+"""Multi-host training for real: two `python -m g2rl_jax.train` processes on localhost joined by jax.distributed
+(CPU, gloo collectives), 4 fake devices each, one (2,2,2) mesh over the 8 global devices; against one process with
+8 devices and the same mesh. Tiny random Qwen3 with the demo tokenizer, as in test_train.py.
+
+Checks: the deterministic metrics (and the validation mean@k, on 5 prompts so the last chunk needs padding) of
+the 2-process run equal the 1-process run; only process 0 wrote metrics; rerunning the 2-process command with
+one more step resumes from its Orbax multi-host checkpoint (both processes' data-iterator states) and its next
+step equals the 1-process run's. Also: start-up errors for partial distributed.* settings.
+"""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from g2rl_jax import parallel
+from g2rl_jax.config import DistributedConfig
+from g2rl_jax.demo.tokenizer import make_tokenizer
+from g2rl_jax.train.metrics import read_metrics
+from hf_tiny import make_tiny_qwen3_dir
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 2
+DETERMINISTIC = ("accuracy", "reward", "loss", "kl", "entropy", "response_length", "novelty", "clip_fraction",
+                 "approx_kl", "grad_norm", "learning_rate", "groups_kept", "skipped_updates")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost_assets")
+    tok = make_tokenizer()
+    vocab = -(-len(tok) // 64) * 64
+    policy = make_tiny_qwen3_dir(root / "policy", vocab_size=vocab, max_position_embeddings=128,
+                                 num_hidden_layers=1, hidden_size=32, intermediate_size=64, head_dim=16,
+                                 num_attention_heads=2, num_key_value_heads=2)
+    tok.save_pretrained(policy)
+    evalset = root / "eval.jsonl"  # 5 prompts: the last validation chunk is padded to split over the 2 hosts
+    evalset.write_text("".join(json.dumps({"problem": f"{a}+{b}", "answer": str(a + b)}) + "\n"
+                               for a, b in ((12, 30), (7, 8), (55, 21), (3, 96), (40, 40))))
+    return {"policy": policy, "eval": evalset}
+
+
+def _cmd(assets, out, steps, extra=()):
+    ov = {"run.output_dir": out, "run.total_steps": steps, "run.checkpoint_every": 1, "run.eval_every": STEPS,
+          "run.keep_checkpoints": 2, "model.path": assets["policy"], "model.compute_dtype": "float32",
+          "model.kv_cache_dtype": "float32", "model.remat": "none", "data.train_dataset": "demo",
+          "data.prompt_template": "plain", "data.prompts_per_step": 4, "rollout.num_samples": 4,
+          "rollout.max_new_tokens": 8, "algorithm.mini_batch_size": 8, "algorithm.micro_batch_size": 2,
+          "algorithm.exploration": "g2rl", "optim.learning_rate": 1e-3, "mesh.data": 2, "mesh.fsdp": 2,
+          "mesh.tensor": 2, "data.eval_datasets": assets["eval"], "data.eval_samples": 2,
+          "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0,
+          "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0}  # a constant LR: total_steps changes nothing
+    return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
+            *[f"{k}={v}" for k, v in ov.items()], *extra]
+
+
+def _env(devices):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_processes(assets, out, steps):
+    port = _free_port()
+    procs = [subprocess.Popen(
+        _cmd(assets, out, steps, [f"distributed.coordinator_address=127.0.0.1:{port}",
+                                  "distributed.num_processes=2", f"distributed.process_id={i}"]),
+        env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost_runs")
+    _run_two_processes(assets, root / "two", STEPS)
+    _run_one_process(assets, root / "one", STEPS + 1)
+    return root
+
+
+def _run_one_process(assets, out, steps):
+    one = subprocess.run(_cmd(assets, out, steps), env=_env(8), capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-4000:]
+
+
+def _assert_same(got, want, keys):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for rg, rw in zip(got, want):
+        for key in keys:
+            assert (key in rg) == (key in rw), key
+            if key in rw:
+                np.testing.assert_allclose(rg[key], rw[key], rtol=1e-5, atol=1e-5, err_msg=f"step {rw['step']} {key}")
+
+
+def test_two_processes_equal_one_process(runs):
+    two, one = read_metrics(runs / "two"), read_metrics(runs / "one")[:STEPS]
+    assert len(two) == STEPS
+    val = [k for k in one[-1] if k.startswith("val/")]
+    assert len(val) == 1 and val[0].endswith("eval.jsonl/mean@2"), one[-1].keys()
+    _assert_same(two, one, DETERMINISTIC + tuple(val))
+
+
+def test_only_process_0_writes_and_both_checkpoint(runs):
+    assert sorted(p.name for p in (runs / "two").glob("metrics*")) == ["metrics.jsonl"]
+    assert len(list((runs / "two" / "tensorboard").iterdir())) == 1
+    data = runs / "two" / "checkpoints" / str(STEPS) / "data"
+    assert sorted(p.name for p in data.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_two_processes_resume(assets, runs):
+    """The 2-process run continues from its step-STEPS checkpoint; with a constant LR its next step must equal
+    step STEPS + 1 of the uninterrupted 1-process run."""
+    _run_two_processes(assets, runs / "two", STEPS + 1)
+    two, one = read_metrics(runs / "two"), read_metrics(runs / "one")
+    assert [r["step"] for r in two] == list(range(1, STEPS + 2))
+    _assert_same(two[STEPS:], one[STEPS:], DETERMINISTIC)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_processes": 2}, r"distributed.num_processes set but distributed.coordinator_address, "
+                           r"distributed.process_id not"),
+    ({"coordinator_address": "127.0.0.1:1", "process_id": 0}, "distributed.num_processes not"),
+])
+def test_partial_distributed_settings_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        parallel.initialize_distributed(DistributedConfig(**kwargs))
+
+
+def test_no_settings_off_tpu_is_one_process():
+    assert not parallel.on_tpu_vm()
+    assert parallel.initialize_distributed(DistributedConfig()) is False
