@@ -146,3 +146,17 @@ def test_partial_distributed_settings_are_rejected(kwargs, match):
 def test_no_settings_off_tpu_is_one_process():
     assert not parallel.on_tpu_vm()
     assert parallel.initialize_distributed(DistributedConfig()) is False
+
+
+def test_start_up_dispatch(monkeypatch):
+    """Which jax.distributed.initialize call each setting makes (the explicit one runs for real above)."""
+    calls = []
+    monkeypatch.setattr(parallel.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1")  # GKE TPU workers: auto-detected, no arguments
+    assert parallel.on_tpu_vm() and parallel.initialize_distributed(DistributedConfig()) is True
+    assert calls == [{}]
+    monkeypatch.setattr(parallel.jax.config, "update", lambda name, value: calls.append({name: value}))
+    explicit = DistributedConfig(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3)
+    assert parallel.initialize_distributed(explicit) is True
+    assert calls[1:] == [{"jax_cpu_collectives_implementation": "gloo"},
+                         {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}]

@@ -56,7 +56,7 @@ def preflight(cfg: Config) -> None:
     out = Path(cfg.run.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test.{jax.process_index()}"  # one per process: hosts may share the directory
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -185,7 +185,8 @@ class Trainer:
         preflight(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.output_dir)
-        save_resolved(cfg, self.run_dir)
+        if jax.process_index() == 0:  # one writer when the hosts share run.output_dir
+            save_resolved(cfg, self.run_dir)
         self.mesh = build_mesh(cfg.mesh)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
