@@ -239,9 +239,9 @@ def gather_blocks(mesh: Mesh, local) -> np.ndarray:
     inverse of each process taking rows `process_rows(mesh, n)`. Every process passes an array of one shape."""
     block, _ = batch_block(mesh)
     blocks_N = np.asarray(multihost_utils.process_allgather(np.int32(block))).reshape(-1).tolist()
-    every_NxRx_ = np.asarray(multihost_utils.process_allgather(np.asarray(local))).reshape(len(blocks_N), *np.shape(local))
-    first = {b: k for k, b in reversed(list(enumerate(blocks_N)))}
-    return np.concatenate([every_NxRx_[first[b]] for b in sorted(first)], axis=0)
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(local))).reshape(len(blocks_N), *np.shape(local))
+    first = {b: k for k, b in reversed(list(enumerate(blocks_N)))}  # process k's rows stand for block b
+    return np.concatenate([every[first[b]] for b in sorted(first)], axis=0)
 
 
 def gather(x) -> np.ndarray:

@@ -288,7 +288,7 @@ class Trainer:
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
             info = self._update(batch, scores[0], ref, signal["advantages"])
         t4 = time.perf_counter()
-        metrics = self._metrics(step, rollout, batch, scores, signal, info, (t0, t1, t2, t3, t4))
+        metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
     def _update(self, batch: S.Batch, old_logp, ref_logp, adv_B) -> dict[str, float]:
@@ -316,7 +316,7 @@ class Trainer:
         out["groups_kept"] = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
         return out
 
-    def _metrics(self, step, rollout, batch, scores, signal, info, times) -> dict[str, float]:
+    def _metrics(self, step, batch, scores, signal, info, times) -> dict[str, float]:
         """Reductions over the global arrays (every process gets the same numbers)."""
         t0, t1, t2, t3, t4 = times
         mask_BxT = batch.response_mask
