@@ -103,12 +103,10 @@ def run_config(run_dir: Path):
 
 
 def runtime_of(model_cfg):
-    """The RuntimeConfig the trainer builds from config `model` (no remat: nothing here takes gradients)."""
-    from g2rl_jax.model import RuntimeConfig
-    from g2rl_jax.train.loop import attention_backend
+    """The RuntimeConfig the trainer builds from config `model`, without remat (nothing here takes gradients)."""
+    from g2rl_jax.train.setup import runtime_config
 
-    return RuntimeConfig(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat="none",
-                         attention=attention_backend(model_cfg), kv_cache_dtype=model_cfg.kv_cache_dtype)
+    return runtime_config(model_cfg, remat="none")
 
 
 def load_policy(run_or_checkpoint_dir: str | Path, *, mesh=None):
@@ -200,7 +198,7 @@ def sample_group_features(model, tokenizer, examples, template: str, sampling: S
     from g2rl_jax.rewards import score_batch
     from g2rl_jax.rollout import generate
     from g2rl_jax.train import step as S
-    from g2rl_jax.train.loop import shard_rows, stop_token_ids
+    from g2rl_jax.train.setup import shard_rows, stop_token_ids
 
     m = sampling.samples
     graphdef, params = nnx.split(model)
@@ -230,13 +228,13 @@ def sample_group_features(model, tokenizer, examples, template: str, sampling: S
 def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: int, mesh) -> np.ndarray:
     """Last-token-pooled, L2-normalised embeddings [G, m, E] of the texts (the trainer's EVOL-RL encoder path:
     left padding, the tokenizer's eos appended, the final position's hidden state), `rows_per_call` at a time."""
-    from g2rl_jax.train.loop import _embed_texts
+    from g2rl_jax.train.setup import embed_texts
 
     out = []
     for start in range(0, len(texts), rows_per_call):
         chunk = texts[start:start + rows_per_call]
         padded = chunk + [chunk[-1]] * (rows_per_call - len(chunk))
-        out.append(np.asarray(_embed_texts(embedder, tokenizer, padded, mesh), np.float64)[:len(chunk)])
+        out.append(np.asarray(embed_texts(embedder, tokenizer, padded, mesh), np.float64)[:len(chunk)])
     e = np.concatenate(out)
     return e.reshape(-1, m, e.shape[-1])
 
@@ -316,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from g2rl_jax.config import MeshConfig, ModelConfig
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.plot import geometry_figure
-    from g2rl_jax.train.loop import build_mesh
+    from g2rl_jax.train.setup import build_mesh
 
     sources = model_sources(args)
     examples = draw_problems(args.dataset, args.problems, args.seed)

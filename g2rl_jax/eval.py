@@ -262,7 +262,7 @@ def load_policy(args: argparse.Namespace):
 def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path) -> None:
     """Sample, score and append a record for every example not in `done`, `--batch-size` prompts at a time."""
     from g2rl_jax.rollout import generate
-    from g2rl_jax.train.loop import stop_token_ids
+    from g2rl_jax.train.setup import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer)
     pending = [e for e in examples if e.id not in done]

@@ -110,8 +110,8 @@ def _assert_same(got, want, keys):
 
 
 def test_two_processes_equal_one_process(runs):
-    two, one = read_metrics(runs / "two"), read_metrics(runs / "one")[:STEPS]
-    assert len(two) == STEPS
+    two, one = read_metrics(runs / "two"), read_metrics(runs / "one")[:STEPS + 1]
+    assert [r["step"] for r in two] == list(range(STEPS + 1))  # step 0: the validation before any update
     val = [k for k in one[-1] if k.startswith("val/")]
     assert len(val) == 1 and val[0].endswith("eval.jsonl/mean@2"), one[-1].keys()
     _assert_same(two, one, DETERMINISTIC + tuple(val))
@@ -129,8 +129,8 @@ def test_two_processes_resume(assets, runs):
     step STEPS + 1 of the uninterrupted 1-process run."""
     _run_two_processes(assets, runs / "two", STEPS + 1)
     two, one = read_metrics(runs / "two"), read_metrics(runs / "one")
-    assert [r["step"] for r in two] == list(range(1, STEPS + 2))
-    _assert_same(two[STEPS:], one[STEPS:], DETERMINISTIC)
+    assert [r["step"] for r in two] == list(range(STEPS + 2))
+    _assert_same(two[STEPS + 1:], one[STEPS + 1:], DETERMINISTIC)
 
 
 @pytest.mark.parametrize("kwargs,match", [

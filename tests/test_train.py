@@ -21,7 +21,7 @@ from flax import nnx
 from g2rl_jax.config import ConfigError, load_config
 from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train import step as S
-from g2rl_jax.train.loop import Trainer, build_mesh, main
+from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
 from hf_tiny import make_tiny_qwen3_dir
 

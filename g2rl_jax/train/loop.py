@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -27,118 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError, save_resolved
-from g2rl_jax.data import dataset_names, encode_prompts, load_dataset, make_prompt_loader
+from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
 from g2rl_jax.model import load_pretrained
-from g2rl_jax.model.config import RuntimeConfig
 from g2rl_jax.rewards import score_batch
 from g2rl_jax.rollout import generate
+from g2rl_jax.train import report
 from g2rl_jax.train import step as S
 from g2rl_jax.train.checkpoint import Checkpointer
-from g2rl_jax.train.metrics import MetricsWriter, ProgressBar
-
-
-def preflight(cfg: Config) -> None:
-    """Cheap checks before anything heavy: model and embedding dirs, output_dir writable. Raises ConfigError."""
-    for key, path in (("model.path", cfg.model.path), ("algorithm.embedding_model", cfg.algorithm.embedding_model)):
-        if path is not None and not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{key}: {path!r} is not a local Hugging Face model directory (no config.json there); "
-                              "download the checkpoint first and point the key at its directory")
-    known = dataset_names()
-    for key, names in (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets)):
-        for name in names:
-            if name not in known and not Path(name).is_file():
-                raise ConfigError(f"{key}: {name!r} is neither a registered dataset ({', '.join(known)}) nor a "
-                                  "local .jsonl file")
-    out = Path(cfg.run.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test.{jax.process_index()}"  # one per process: hosts may share the directory
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({err}); choose a writable directory") from err
-
-
-def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """The tokenizer's end-of-sequence ids (eos, and the chat turn end `<|im_end|>` where the vocab has it)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for tok in ("<|im_end|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return tuple(sorted(ids))
-
-
-def usable_examples(cfg: Config, tokenizer) -> list:
-    """The training examples whose prompt fits data.max_prompt_tokens; a clear error when none do."""
-    examples = load_dataset(cfg.data.train_dataset)
-    lengths = [len(p) for p in encode_prompts(examples, tokenizer, cfg.data.prompt_template)]
-    kept = [ex for ex, n in zip(examples, lengths) if n <= cfg.data.max_prompt_tokens]
-    if len(kept) < cfg.data.prompts_per_step:
-        raise ConfigError(f"data.train_dataset: {cfg.data.train_dataset!r} has {len(kept)} usable rows (prompt ≤ "
-                          f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}) but data.prompts_per_step="
-                          f"{cfg.data.prompts_per_step}; use more data or raise max_prompt_tokens")
-    return kept
-
-
-def _embed_texts(embedder, tokenizer, texts: list[str], mesh) -> jax.Array:
-    """Last-token pooling of a Qwen3-Embedding-architecture encoder: L2-normalised hidden state of the final token.
-    `texts` are this process's rows; the result is the global [B, E] array."""
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-1023:] + [tokenizer.eos_token_id] for t in texts]
-    width = int(np.max(multihost_utils.process_allgather(np.int32(max(len(x) for x in ids)))))  # same on all hosts
-    width = 1 << (width - 1).bit_length()
-    ids_BxL = np.zeros((len(ids), width), np.int32)
-    mask_BxL = np.zeros((len(ids), width), np.int32)
-    for row, x in enumerate(ids):  # left padding: the last position is every row's final token
-        ids_BxL[row, width - len(x):] = x
-        mask_BxL[row, width - len(x):] = 1
-    h = embedder.hidden_states(shard_rows(ids_BxL, mesh), shard_rows(mask_BxL, mesh))[:, -1]
-    h = h.astype(jnp.float32)
-    return h / jnp.maximum(jnp.linalg.norm(h, axis=-1, keepdims=True), 1e-8)
-
-
-def attention_backend(model_cfg) -> str:
-    """model.attention, with "auto" resolved for this platform: the fused kernel where there is one."""
-    if model_cfg.attention != "auto":
-        return model_cfg.attention
-    fused = {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "xla")
-    return "xla" if fused == "cudnn" and model_cfg.compute_dtype != "bfloat16" else fused
-
-
-def build_mesh(mesh_cfg):
-    """The (data, fsdp, tensor) mesh of config `mesh`, an axis of -1 taking all remaining devices."""
-    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
-    fixed = int(np.prod([v for v in sizes.values() if v != -1]))
-    n = jax.device_count()
-    if n % fixed:
-        raise ConfigError(f"mesh: the fixed axes {sizes} multiply to {fixed}, which does not divide the {n} devices")
-    sizes = {k: (n // fixed if v == -1 else v) for k, v in sizes.items()}
-    try:
-        return parallel.make_mesh(parallel.MeshConfig(**sizes))
-    except ValueError as err:
-        raise ConfigError(f"mesh: {err}") from err
-
-
-def shard_rows(tree, mesh):
-    """Global arrays, rows split over the data-parallel mesh axes, from every leaf's rows held by this process
-    (all of its rows in a one-process run)."""
-    _, blocks = parallel.batch_block(mesh)
-    return jax.tree.map(lambda x: parallel.global_rows(mesh, np.asarray(x), blocks * np.shape(x)[0]), tree)
-
-
-def on_mesh(tree, mesh):
-    """Replicate over the mesh every array not already placed on it (scalars such as optimizer counts), so all
-    of the training state lives on one mesh and restores onto it."""
-    def place(x):
-        if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
-            return x
-        return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-
-    return jax.tree.map(place, tree)
+from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
+from g2rl_jax.train.setup import (build_mesh, embed_texts, on_mesh, preflight, resolve_model_paths, runtime_config,
+                                  shard_rows, stop_token_ids, usable_examples)
 
 
 @contextlib.contextmanager
@@ -182,11 +84,14 @@ class Trainer:
     def __init__(self, cfg: Config):
         from transformers import AutoTokenizer  # heavy import, after the config has been checked
 
+        self.started = time.perf_counter()
+        preflight(cfg, model_dirs=False)
+        if jax.process_index() == 0:  # one writer when the hosts share run.output_dir; demo: paths kept as given
+            save_resolved(cfg, Path(cfg.run.output_dir))
+        cfg = resolve_model_paths(cfg)  # builds the demo model on first use
         preflight(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.output_dir)
-        if jax.process_index() == 0:  # one writer when the hosts share run.output_dir
-            save_resolved(cfg, self.run_dir)
         self.mesh = build_mesh(cfg.mesh)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -197,9 +102,7 @@ class Trainer:
                               "process blocks the mesh splits the batch into (one per host along data×fsdp)")
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
                                          shard_index=block, shard_count=blocks)
-        runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-                                remat=cfg.model.remat, attention=attention_backend(cfg.model),
-                                kv_cache_dtype=cfg.model.kv_cache_dtype)
+        runtime = runtime_config(cfg.model)
         model = load_pretrained(cfg.model.path, cfg.model.param_dtype, runtime=runtime, mesh=self.mesh)
         self.graphdef, self.params = nnx.split(model)
         self.ref_params = None
@@ -208,7 +111,7 @@ class Trainer:
         self.embedder = self.embed_tokenizer = None
         if cfg.algorithm.exploration == "evol":
             self.embedder = load_pretrained(cfg.algorithm.embedding_model, cfg.model.param_dtype, mesh=self.mesh,
-                                            runtime=dataclasses.replace(runtime, remat="none"))
+                                            runtime=runtime_config(cfg.model, remat="none"))
             self.embed_tokenizer = AutoTokenizer.from_pretrained(cfg.algorithm.embedding_model)
         responses = cfg.data.prompts_per_step * cfg.rollout.num_samples
         if responses % cfg.algorithm.mini_batch_size:
@@ -281,7 +184,7 @@ class Trainer:
         embeddings = None
         if algo.exploration == "evol":
             with stage("embed", texts=texts):
-                embeddings = _embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh)
+                embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh)
         with stage("advantages", phi=scores[2], rewards=batch.rewards):
             signal = jax.block_until_ready(S.advantages(batch, scores[2], algo, embeddings))
         t3 = time.perf_counter()
@@ -366,19 +269,25 @@ class Trainer:
         return out
 
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
-        """Train until run.total_steps (or, for tests and notebooks, until step `stop_after`)."""
+        """Train until run.total_steps (or, for tests and notebooks, until step `stop_after`). With
+        run.eval_every > 0 it validates before the first update and after the last, and a finished run writes
+        summary.json and curves.png (g2rl_jax/train/report.py)."""
         cfg = self.cfg.run
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         writer = MetricsWriter(self.run_dir, start_step=self.step)
+        if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
+            writer.write(0, self.validate())
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
-        history = []
+        history, validation = [], None
         try:
             while self.step < last:
                 result = self.step_stages(self.step)
                 self.step += 1
                 metrics = result.metrics
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    metrics.update(self.validate())
+                validation = None
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
+                    validation = self.validate()
+                    metrics.update(validation)
                 writer.write(self.step, metrics)
                 bar.update(self.step, metrics)
                 history.append(metrics)
@@ -387,6 +296,12 @@ class Trainer:
             bar.close()
             writer.close()
             self.ckpt.close()
+        if self.step == cfg.total_steps and history:
+            summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
+                                    steps=self.step, seconds=time.perf_counter() - self.started)
+            if summary is not None:
+                print(json.dumps({k: summary[k] for k in ("accuracy_before", "accuracy_after", "steps", "seconds")}))
+                print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
         return history
 
 

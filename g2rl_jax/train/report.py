@@ -1,0 +1,46 @@
+"""What a finished run leaves besides its checkpoints and metrics.jsonl: summary.json and curves.png.
+
+    summary.json  accuracy_before / accuracy_after (mean over data.eval_datasets of the validation mean@k, before
+                  the first update and after the last, under the same sampling), the validation metrics
+                  themselves, steps, and seconds (wall time of the invocation that finished the run, set-up and
+                  compilation included)
+    curves.png    accuracy, validation mean@k, response length, entropy and novelty against step (g2rl_jax.plot)
+
+The "before" validation is metrics.jsonl's step-0 record (written as soon as it is measured, so a resumed run
+still reports it, and the curves start from it). Only process 0 writes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+
+SUMMARY_FILE = "summary.json"
+CURVES_FILE = "curves.png"
+
+
+def accuracy(validation: dict[str, float]) -> float | None:
+    """Mean of the val/<dataset>/mean@k entries (None when nothing was validated)."""
+    values = [v for k, v in validation.items() if k.startswith("val/")]
+    return sum(values) / len(values) if values else None
+
+
+def before(records: list[dict]) -> dict[str, float] | None:
+    """The validation measured before the first update: the step-0 record of metrics.jsonl, if any."""
+    first = [r for r in records if r["step"] == 0]
+    return {k: v for k, v in first[0].items() if k != "step"} if first else None
+
+
+def finish(run_dir: Path, *, before: dict | None, after: dict | None, steps: int, seconds: float) -> dict | None:
+    """Write summary.json and curves.png; returns the summary (None on processes other than 0)."""
+    if jax.process_index() != 0:
+        return None
+    from g2rl_jax.plot import load_runs, training_figure
+
+    summary = {"accuracy_before": accuracy(before or {}), "accuracy_after": accuracy(after or {}),
+               "validation_before": before or {}, "validation_after": after or {},
+               "steps": steps, "seconds": round(seconds, 1)}
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    training_figure(load_runs([run_dir]), run_dir / CURVES_FILE)
+    return summary

@@ -1,0 +1,140 @@
+"""Run set-up, shared by the trainer and the other commands: cheap checks before anything heavy, the mesh, the
+model runtime, placing host rows on the mesh, stop tokens, and the embedding model's last-token pooling."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from g2rl_jax import parallel
+from g2rl_jax.config import Config, ConfigError
+from g2rl_jax.data import dataset_names, encode_prompts, load_dataset
+from g2rl_jax.model.config import RuntimeConfig
+
+
+def resolve_model_paths(cfg: Config) -> Config:
+    """The config with `demo:DIR` model paths built (or reused) at DIR and replaced by DIR (g2rl_jax/demo)."""
+    import dataclasses
+
+    from g2rl_jax.demo import resolve_demo_paths
+
+    try:
+        path, embedder = resolve_demo_paths(cfg.model.path, cfg.algorithm.embedding_model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path),
+                               algorithm=dataclasses.replace(cfg.algorithm, embedding_model=embedder))
+
+
+def runtime_config(model_cfg, *, remat: str | None = None) -> RuntimeConfig:
+    """The model RuntimeConfig of config group `model` (remat overridable: nothing but the update needs it)."""
+    return RuntimeConfig(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype,
+                         remat=model_cfg.remat if remat is None else remat, attention=attention_backend(model_cfg),
+                         kv_cache_dtype=model_cfg.kv_cache_dtype)
+
+
+def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
+    """Cheap checks before anything heavy: model and embedding dirs (`model_dirs`), datasets, output_dir
+    writable. Raises ConfigError."""
+    dirs = (("model.path", cfg.model.path), ("algorithm.embedding_model", cfg.algorithm.embedding_model))
+    for key, path in dirs if model_dirs else ():
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{key}: {path!r} is not a local Hugging Face model directory (no config.json there); "
+                              "download the checkpoint first and point the key at its directory")
+    known = dataset_names()
+    for key, names in (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets)):
+        for name in names:
+            if name not in known and not Path(name).is_file():
+                raise ConfigError(f"{key}: {name!r} is neither a registered dataset ({', '.join(known)}) nor a "
+                                  "local .jsonl file")
+    out = Path(cfg.run.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test.{jax.process_index()}"  # one per process: hosts may share the directory
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({err}); choose a writable directory") from err
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's end-of-sequence ids (eos, and the chat turn end `<|im_end|>` where the vocab has it)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return tuple(sorted(ids))
+
+
+def usable_examples(cfg: Config, tokenizer) -> list:
+    """The training examples whose prompt fits data.max_prompt_tokens; a clear error when none do."""
+    examples = load_dataset(cfg.data.train_dataset)
+    lengths = [len(p) for p in encode_prompts(examples, tokenizer, cfg.data.prompt_template)]
+    kept = [ex for ex, n in zip(examples, lengths) if n <= cfg.data.max_prompt_tokens]
+    if len(kept) < cfg.data.prompts_per_step:
+        raise ConfigError(f"data.train_dataset: {cfg.data.train_dataset!r} has {len(kept)} usable rows (prompt ≤ "
+                          f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}) but data.prompts_per_step="
+                          f"{cfg.data.prompts_per_step}; use more data or raise max_prompt_tokens")
+    return kept
+
+
+def embed_texts(embedder, tokenizer, texts: list[str], mesh) -> jax.Array:
+    """Last-token pooling of a Qwen3-Embedding-architecture encoder: L2-normalised hidden state of the final token.
+    `texts` are this process's rows; the result is the global [B, E] array."""
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-1023:] + [tokenizer.eos_token_id] for t in texts]
+    width = int(np.max(multihost_utils.process_allgather(np.int32(max(len(x) for x in ids)))))  # same on all hosts
+    width = 1 << (width - 1).bit_length()
+    ids_BxL = np.zeros((len(ids), width), np.int32)
+    mask_BxL = np.zeros((len(ids), width), np.int32)
+    for row, x in enumerate(ids):  # left padding: the last position is every row's final token
+        ids_BxL[row, width - len(x):] = x
+        mask_BxL[row, width - len(x):] = 1
+    h = embedder.hidden_states(shard_rows(ids_BxL, mesh), shard_rows(mask_BxL, mesh))[:, -1]
+    h = h.astype(jnp.float32)
+    return h / jnp.maximum(jnp.linalg.norm(h, axis=-1, keepdims=True), 1e-8)
+
+
+def attention_backend(model_cfg) -> str:
+    """model.attention, with "auto" resolved for this platform: the fused kernel where there is one."""
+    if model_cfg.attention != "auto":
+        return model_cfg.attention
+    fused = {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "xla")
+    return "xla" if fused == "cudnn" and model_cfg.compute_dtype != "bfloat16" else fused
+
+
+def build_mesh(mesh_cfg):
+    """The (data, fsdp, tensor) mesh of config `mesh`, an axis of -1 taking all remaining devices."""
+    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
+    fixed = int(np.prod([v for v in sizes.values() if v != -1]))
+    n = jax.device_count()
+    if n % fixed:
+        raise ConfigError(f"mesh: the fixed axes {sizes} multiply to {fixed}, which does not divide the {n} devices")
+    sizes = {k: (n // fixed if v == -1 else v) for k, v in sizes.items()}
+    try:
+        return parallel.make_mesh(parallel.MeshConfig(**sizes))
+    except ValueError as err:
+        raise ConfigError(f"mesh: {err}") from err
+
+
+def shard_rows(tree, mesh):
+    """Global arrays, rows split over the data-parallel mesh axes, from every leaf's rows held by this process
+    (all of its rows in a one-process run)."""
+    _, blocks = parallel.batch_block(mesh)
+    return jax.tree.map(lambda x: parallel.global_rows(mesh, np.asarray(x), blocks * np.shape(x)[0]), tree)
+
+
+def on_mesh(tree, mesh):
+    """Replicate over the mesh every array not already placed on it (scalars such as optimizer counts), so all
+    of the training state lives on one mesh and restores onto it."""
+    def place(x):
+        if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    return jax.tree.map(place, tree)
+
+
