@@ -2,11 +2,13 @@
 model runtime, placing host rows on the mesh, stop tokens, and the embedding model's last-token pooling."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
@@ -93,9 +95,15 @@ def embed_texts(embedder, tokenizer, texts: list[str], mesh) -> jax.Array:
     for row, x in enumerate(ids):  # left padding: the last position is every row's final token
         ids_BxL[row, width - len(x):] = x
         mask_BxL[row, width - len(x):] = 1
-    h = embedder.hidden_states(shard_rows(ids_BxL, mesh), shard_rows(mask_BxL, mesh))[:, -1]
-    h = h.astype(jnp.float32)
-    return h / jnp.maximum(jnp.linalg.norm(h, axis=-1, keepdims=True), 1e-8)
+    graphdef, state = nnx.split(embedder)
+    return _pooled(graphdef, state, shard_rows(ids_BxL, mesh), shard_rows(mask_BxL, mesh))
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _pooled(graphdef, state, ids_BxL, mask_BxL):
+    """L2-normalised final-position hidden state (last-token pooling), float32 [B, E]."""
+    h_BxE = nnx.merge(graphdef, state).hidden_states(ids_BxL, mask_BxL)[:, -1].astype(jnp.float32)
+    return h_BxE / jnp.maximum(jnp.linalg.norm(h_BxE, axis=-1, keepdims=True), 1e-8)
 
 
 def attention_backend(model_cfg) -> str:
