@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from g2rl_jax.config import load_config
-from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,14 +28,19 @@ def model_dir(tmp_path_factory):
     return build_demo_model(tmp_path_factory.mktemp("demo") / "model")
 
 
+def run_demo(out, model_dir, *overrides):
+    """`python -m g2rl_jax.train --config configs/demo.yaml` on one CPU device, as on a laptop."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(DEMO), f"run.output_dir={out}",
+           f"model.path=demo:{model_dir}", *overrides]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done, json.loads((out / "summary.json").read_text())
+
+
 def test_shortened_demo_through_the_cli(model_dir, tmp_path):
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a laptop
-    cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(DEMO), f"run.output_dir={out}",
-           f"model.path=demo:{model_dir}", "run.total_steps=3", "run.eval_every=3", "run.checkpoint_every=3"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
+    done, summary = run_demo(out, model_dir, "run.total_steps=3", "run.eval_every=3", "run.checkpoint_every=3")
     assert summary["steps"] == 3 and summary["seconds"] > 0
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -45,10 +49,6 @@ def test_shortened_demo_through_the_cli(model_dir, tmp_path):
 
 
 def test_full_demo_beats_its_starting_accuracy(model_dir, tmp_path):
-    cfg = load_config(DEMO, [f"run.output_dir={tmp_path / 'run'}", f"model.path=demo:{model_dir}"])
-    trainer = Trainer(cfg)
-    trainer.resume()
-    trainer.run()
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == cfg.run.total_steps
+    _, summary = run_demo(tmp_path / "run", model_dir)
+    assert summary["steps"] == load_config(DEMO, ["run.output_dir=x", "model.path=x"]).run.total_steps
     assert summary["accuracy_after"] - summary["accuracy_before"] >= MARGIN, summary
