@@ -145,6 +145,39 @@ def test_fused_attention_masking_matches_numpy():
     np.testing.assert_allclose(out[real], _np_attention(q, k, v, mask)[real], rtol=1e-5, atol=1e-5)
 
 
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
+                            reason="cuDNN attention needs a GPU (run on the lent H100: README, Performance)")
+
+
+@on_gpu
+def test_cudnn_attention_matches_numpy_on_gpu():
+    """The real cuDNN kernel on bf16 inputs against float64 NumPy on the same bf16-rounded inputs."""
+    q, k, v, mask = _qkv_mask(seed=11, B=2, L=128, H=4, G=2, K=64)
+    mask[1, :40] = 0
+    q, k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (q, k, v))
+    assert attn.resolve_backend("cudnn") == "cudnn"
+    out = attn.attention(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), jnp.asarray(mask), "cudnn")
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out, np.float64)[real], _np_attention(q, k, v, mask)[real],
+                               rtol=2e-2, atol=2e-2)
+
+
+@on_gpu
+def test_cudnn_model_matches_xla_model_on_gpu():
+    """A left-padded bf16 batch through the whole model: cuDNN and XLA attention agree to bf16 rounding."""
+    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    rts = {b: RuntimeConfig(param_dtype="bfloat16", compute_dtype="bfloat16", attention=b) for b in ("xla", "cudnn")}
+    models = {b: Qwen3(cfg, rt, rngs=nnx.Rngs(0)) for b, rt in rts.items()}
+    ids = np.random.RandomState(12).randint(0, 256, (2, 64))
+    mask = np.ones((2, 64), np.int32)
+    mask[0, :17] = 0
+    out = {b: np.asarray(_fwd(m, jnp.asarray(ids), jnp.asarray(mask))) for b, m in models.items()}
+    real = mask.astype(bool)
+    assert np.isfinite(out["cudnn"]).all()
+    _assert_close(out["cudnn"][real], out["xla"][real], rel=3e-2)
+
+
 def test_decode_attention_matches_numpy():
     """One joint softmax over the prompt's prefix and the sample's own suffix, prefix shared by m samples."""
     rng = np.random.RandomState(5)
@@ -154,8 +187,9 @@ def test_decode_attention_matches_numpy():
     sk, sv = rng.randn(P * m, T, G, K), rng.randn(P * m, T, G, K)
     pmask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], bool)
     valid = 2
-    out = attn.decode_attention(*(jnp.asarray(a, jnp.float32) for a in (q, pk, pv)), jnp.asarray(pmask),
-                                jnp.asarray(sk, jnp.float32), jnp.asarray(sv, jnp.float32), valid)
+    heads_first = (lambda a: jnp.asarray(a.swapaxes(1, 2), jnp.float32))  # cache layout [rows, KVH, len, Dh]
+    out = attn.decode_attention(jnp.asarray(q, jnp.float32), heads_first(pk), heads_first(pv), jnp.asarray(pmask),
+                                heads_first(sk), heads_first(sv), valid)
     ref = np.zeros_like(q)
     for b in range(P * m):
         p = b // m
@@ -203,8 +237,8 @@ def test_kv_cache_decode_matches_full_forward(tiny):
     got, prefix, suffix = _decode_all(tiny, ids, mask, gen, m)
     _assert_close(got, ref, rel=1e-5)
     cfg = tiny.config
-    assert prefix.k.shape == (cfg.num_hidden_layers, 3, S, cfg.num_key_value_heads, cfg.head_dim)
-    assert suffix.k.shape == (cfg.num_hidden_layers, 3 * m, T, cfg.num_key_value_heads, cfg.head_dim)
+    assert prefix.k.shape == (cfg.num_hidden_layers, 3, cfg.num_key_value_heads, S, cfg.head_dim)
+    assert suffix.k.shape == (cfg.num_hidden_layers, 3 * m, cfg.num_key_value_heads, T, cfg.head_dim)
 
 
 def test_bf16_kv_cache_close_to_f32(hf_dirs):
@@ -283,11 +317,12 @@ def test_presets_match_published_sizes():
 # ---- attention backends ----
 
 def test_backend_falls_back_to_xla_with_one_warning(caplog):
+    absent = "splash" if jax.default_backend() == "gpu" else "cudnn"  # a backend whose hardware is not here
     attn._warned.clear()
     with caplog.at_level(logging.WARNING, logger=attn.__name__):
-        assert attn.resolve_backend("cudnn") == "xla"
-        assert attn.resolve_backend("cudnn") == "xla"
-    assert len([r for r in caplog.records if "cudnn" in r.getMessage()]) == 1
+        assert attn.resolve_backend(absent) == "xla"
+        assert attn.resolve_backend(absent) == "xla"
+    assert len([r for r in caplog.records if absent in r.getMessage()]) == 1
 
 
 def test_splash_backend_model_falls_back_on_cpu(tiny):

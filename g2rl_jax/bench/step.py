@@ -25,7 +25,7 @@ def parse_args(argv):
     p.add_argument("--preset", help="random weights of a Qwen3 preset (e.g. qwen3-1.7b) instead of model.path")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (e.g. 989 for H100 bf16)")
     p.add_argument("overrides", nargs="*", help="config key=value overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def _random_model_dir(preset: str, tokenizer_dir: str, out: Path) -> Path:

@@ -107,22 +107,22 @@ def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool = False
 
 
 @functools.partial(jax.named_call, name="decode_attention")
-def decode_attention(q_BxHxK, prefix_k_PxSxGxK, prefix_v_PxSxGxK, prefix_mask_PxS,
-                     suffix_k_BxTxGxK, suffix_v_BxTxGxK, num_valid_suffix):
+def decode_attention(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS,
+                     suffix_k_BxGxTxK, suffix_v_BxGxTxK, num_valid_suffix):
     """One decode step for B = P*m samples: a joint softmax over prompt p's prefix and sample b's own suffix.
 
     Suffix slots t < num_valid_suffix are attended (the caller has already written the current token's K/V).
     """
     B, H, K = q_BxHxK.shape
-    P, S, G, _ = prefix_k_PxSxGxK.shape
-    m, T = B // P, suffix_k_BxTxGxK.shape[1]
+    P, G, S, _ = prefix_k_PxGxSxK.shape
+    m, T = B // P, suffix_k_BxGxTxK.shape[2]
     q_PxMxGxRxK = q_BxHxK.reshape(P, m, G, H // G, K)
-    suf_k_PxMxTxGxK = suffix_k_BxTxGxK.reshape(P, m, T, G, K)
-    suf_v_PxMxTxGxK = suffix_v_BxTxGxK.reshape(P, m, T, G, K)
+    suf_k_PxMxGxTxK = suffix_k_BxGxTxK.reshape(P, m, G, T, K)
+    suf_v_PxMxGxTxK = suffix_v_BxGxTxK.reshape(P, m, G, T, K)
     scale = K ** -0.5
-    s_pre = jnp.einsum("pmgrk,psgk->pmgrs", q_PxMxGxRxK, prefix_k_PxSxGxK.astype(q_BxHxK.dtype),
+    s_pre = jnp.einsum("pmgrk,pgsk->pmgrs", q_PxMxGxRxK, prefix_k_PxGxSxK.astype(q_BxHxK.dtype),
                        preferred_element_type=jnp.float32) * scale
-    s_suf = jnp.einsum("pmgrk,pmtgk->pmgrt", q_PxMxGxRxK, suf_k_PxMxTxGxK.astype(q_BxHxK.dtype),
+    s_suf = jnp.einsum("pmgrk,pmgtk->pmgrt", q_PxMxGxRxK, suf_k_PxMxGxTxK.astype(q_BxHxK.dtype),
                        preferred_element_type=jnp.float32) * scale
     s_pre = jnp.where(prefix_mask_PxS.astype(bool)[:, None, None, None, :], s_pre, _NEG)
     s_suf = jnp.where(jnp.arange(T) < num_valid_suffix, s_suf, _NEG)
@@ -130,6 +130,6 @@ def decode_attention(q_BxHxK, prefix_k_PxSxGxK, prefix_v_PxSxGxK, prefix_mask_Px
     e_pre, e_suf = jnp.exp(s_pre - top), jnp.exp(s_suf - top)
     denom = e_pre.sum(-1, keepdims=True) + e_suf.sum(-1, keepdims=True)
     dt = q_BxHxK.dtype
-    out = (jnp.einsum("pmgrs,psgk->pmgrk", (e_pre / denom).astype(dt), prefix_v_PxSxGxK.astype(dt))
-           + jnp.einsum("pmgrt,pmtgk->pmgrk", (e_suf / denom).astype(dt), suf_v_PxMxTxGxK.astype(dt)))
+    out = (jnp.einsum("pmgrs,pgsk->pmgrk", (e_pre / denom).astype(dt), prefix_v_PxGxSxK.astype(dt))
+           + jnp.einsum("pmgrt,pmgtk->pmgrk", (e_suf / denom).astype(dt), suf_v_PxMxGxTxK.astype(dt)))
     return out.reshape(B, H, K)

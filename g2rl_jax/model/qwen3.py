@@ -18,8 +18,10 @@ KV cache for group sampling (a prompt is prefilled once, its m samples decode ag
 
 `prefill` returns the logits of each prompt's last token (position S-1, hence left padding). `decode_step`
 feeds token t of every sample at position len(prompt p) + t, stores its K/V in suffix slot t and attends to the
-prefix of its prompt plus suffix slots 0..t in one softmax. `PrefixCache` holds K/V [layers, P, S, KVH, Dh]
-once per prompt; `SuffixCache` holds K/V [layers, B, T, KVH, Dh] per sample, in `RuntimeConfig.kv_cache_dtype`.
+prefix of its prompt plus suffix slots 0..t in one softmax. `PrefixCache` holds K/V [layers, P, KVH, S, Dh]
+once per prompt; `SuffixCache` holds K/V [layers, B, KVH, T, Dh] per sample, in `RuntimeConfig.kv_cache_dtype`.
+KV heads sit before length so that both attention matmuls read the cache in place (batch dims major, the
+contracted and free dims minor); with length before heads XLA transposed the whole cache on every GPU step.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ class DecoderLayers(nnx.Module):
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "mask", "lengths"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PrefixCache:
-    """Prompt K/V, once per prompt: k, v [layers, P, S, KVH, Dh]; mask [P, S] bool; lengths [P] int32."""
+    """Prompt K/V, once per prompt: k, v [layers, P, KVH, S, Dh]; mask [P, S] bool; lengths [P] int32."""
 
     k: jax.Array
     v: jax.Array
@@ -91,7 +93,7 @@ class PrefixCache:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SuffixCache:
-    """Generated-token K/V, one row per sample b = p*m + j: k, v [layers, P*m, T, KVH, Dh]."""
+    """Generated-token K/V, one row per sample b = p*m + j: k, v [layers, P*m, KVH, T, Dh]."""
 
     k: jax.Array
     v: jax.Array
@@ -196,15 +198,16 @@ class Qwen3(nnx.Module):
 
     def prefill(self, input_ids_PxS, attention_mask_PxS) -> tuple[jax.Array, PrefixCache]:
         """Run LEFT-padded prompts once: last-token logits [P, V] (float32) and their K/V cache."""
-        h, (k, v) = self._forward(input_ids_PxS, attention_mask_PxS, keep_kv=True)
+        h, (k_NxPxSxGxK, v_NxPxSxGxK) = self._forward(input_ids_PxS, attention_mask_PxS, keep_kv=True)
         mask = attention_mask_PxS.astype(bool)
-        cache = PrefixCache(k=k, v=v, mask=mask, lengths=mask.sum(-1).astype(jnp.int32))
+        heads_first = (0, 1, 3, 2, 4)  # -> [layers, P, KVH, S, Dh], the layout decode reads
+        cache = PrefixCache(k=k_NxPxSxGxK.transpose(heads_first), v=v_NxPxSxGxK.transpose(heads_first), mask=mask, lengths=mask.sum(-1).astype(jnp.int32))
         return self.logits(h[:, -1:])[:, 0], cache
 
     def init_suffix(self, prefix: PrefixCache, num_samples: int, max_new_tokens: int) -> SuffixCache:
         """An empty per-sample cache for `num_samples` samples of each prompt and `max_new_tokens` steps."""
-        N, P, _, G, K = prefix.k.shape
-        shape = (N, P * num_samples, max_new_tokens, G, K)
+        N, P, G, _, K = prefix.k.shape
+        shape = (N, P * num_samples, G, max_new_tokens, K)
         zeros = jnp.zeros(shape, self.runtime.kv_cache_jnp)
         return SuffixCache(k=zeros, v=zeros)
 
@@ -220,9 +223,11 @@ class Qwen3(nnx.Module):
         def body(carry, xs):
             x_Bx1xD, suf_k, suf_v = carry
             p, pre_k, pre_v, i = xs
-            q, k, v = _qkv(x_Bx1xD, p, positions_Bx1, cfg)
-            suf_k = jax.lax.dynamic_update_slice(suf_k, k[None].astype(suf_k.dtype), (i, 0, step, 0, 0))
-            suf_v = jax.lax.dynamic_update_slice(suf_v, v[None].astype(suf_v.dtype), (i, 0, step, 0, 0))
+            q, k_Bx1xGxK, v_Bx1xGxK = _qkv(x_Bx1xD, p, positions_Bx1, cfg)
+            k_1xBxGx1xK = k_Bx1xGxK.transpose(0, 2, 1, 3)[None].astype(suf_k.dtype)
+            v_1xBxGx1xK = v_Bx1xGxK.transpose(0, 2, 1, 3)[None].astype(suf_v.dtype)
+            suf_k = jax.lax.dynamic_update_slice(suf_k, k_1xBxGx1xK, (i, 0, 0, step, 0))
+            suf_v = jax.lax.dynamic_update_slice(suf_v, v_1xBxGx1xK, (i, 0, 0, step, 0))
             a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, suf_k[i], suf_v[i], step + 1)
             return (_out_and_mlp(x_Bx1xD, a[:, None], p, cfg), suf_k, suf_v), None
 

@@ -55,7 +55,7 @@ def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCach
     donated input buffer is updated in place). Samples b >= num_real (dummy prompts) count as stopped."""
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
-    P_, T = logits_PxV.shape[0], suffix.k.shape[2]
+    P_, T = logits_PxV.shape[0], suffix.k.shape[3]
     B = P_ * num_samples
     sample_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(B))
 
@@ -90,11 +90,11 @@ def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCach
 
 
 def _kv_sharding(mesh, num_kv_heads: int) -> NamedSharding:
-    """[layers, batch, length, kv_heads, head_dim]: batch over data/fsdp, KV heads over tensor (parallel's rules).
+    """[layers, batch, kv_heads, length, head_dim]: batch over data/fsdp, KV heads over tensor (parallel's rules).
 
     Errors if the model's KV heads do not divide the tensor axis (the batch is bucketed to divide its axes)."""
-    check_shape = (1, batch_shards(mesh), 1, num_kv_heads, 1)
-    spec = DEFAULT_RULES.spec(("layers", "batch", "seq", "kv_heads", "head_dim"), check_shape, mesh, "KV cache")
+    check_shape = (1, batch_shards(mesh), num_kv_heads, 1, 1)
+    spec = DEFAULT_RULES.spec(("layers", "batch", "kv_heads", "seq", "head_dim"), check_shape, mesh, "KV cache")
     return NamedSharding(mesh, spec)
 
 
