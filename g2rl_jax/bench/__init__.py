@@ -10,4 +10,5 @@ BENCHMARKS = {
     "score": "g2rl_jax.bench.score",       # fused token_stats vs log-probs alone / naive (issue: G2RL core)
     "verify": "g2rl_jax.bench.verify",     # answers verified per second per core (issue: rewards)
     "step": "g2rl_jax.bench.step",         # RL step split: rollout / rewards / scoring / update (issue: training)
+    "update": "g2rl_jax.bench.update",     # the PPO update alone: time and MFU per remat / micro / dtype setting
 }
