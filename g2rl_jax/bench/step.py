@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from g2rl_jax.bench.update import train_flops
+
 STAGES = (("rollout", "rollout_seconds"), ("rewards", "reward_seconds"), ("scoring", "score_seconds"),
           ("update", "update_seconds"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,12 +43,18 @@ def _random_model_dir(preset: str, tokenizer_dir: str, out: Path) -> Path:
 
 
 def update_flops(trainer, metrics) -> float:
-    """Model FLOPs of one step's update: 6 · params · trained tokens (forward + backward), per PPO epoch."""
+    """Useful model FLOPs of one step's update: 6 · params · response tokens (forward + backward), per PPO epoch."""
     cfg = trainer.cfg
     n_params = trainer.model.config.num_params()
     responses = cfg.data.prompts_per_step * cfg.rollout.num_samples
     tokens = responses * metrics["response_length"]
     return 6.0 * n_params * tokens * cfg.algorithm.ppo_epochs
+
+
+def processed_update_flops(trainer, input_shape: tuple[int, int]) -> float:
+    """Model FLOPs of the update over every position it runs, prompt padding included (as `bench update`)."""
+    rows, length = input_shape
+    return train_flops(trainer.model.config, rows, length) * trainer.cfg.algorithm.ppo_epochs
 
 
 def main(argv) -> int:
@@ -71,7 +79,10 @@ def main(argv) -> int:
               f"{jax.devices()[0].device_kind}; model {trainer.model.config.num_params() / 1e6:.2f}M params")
         warm = trainer.step_stages(0).metrics
         print(f"warm-up step (compiles): {sum(warm[k] for _, k in STAGES):.2f} s")
-        runs = [trainer.step_stages(step).metrics for step in range(1, args.steps + 1)]
+        results = [trainer.step_stages(step) for step in range(1, args.steps + 1)]
+        runs = [r.metrics for r in results]
+        shapes = [tuple(r.batch.input_ids.shape) for r in results]
+        print(f"batches [rows, prompt + response positions]: {shapes} (response {results[-1].batch.response_mask.shape[1]})")
     means = {name: float(np.mean([m[key] for m in runs])) for name, key in STAGES}
     total = sum(means.values())
     print(f"\nstep time over {args.steps} steps: {total:.3f} s")
@@ -84,5 +95,8 @@ def main(argv) -> int:
         flops = float(np.mean([update_flops(trainer, m) for m in runs]))
         mfu = flops / means["update"] / (args.peak_tflops * 1e12 * jax.device_count())
         print(f"update MFU: {100 * mfu:.1f}% ({flops / 1e12:.2f} TFLOP in {means['update']:.3f} s "
-              f"on {jax.device_count()} devices at {args.peak_tflops} TFLOP/s peak each)")
+              f"on {jax.device_count()} devices at {args.peak_tflops} TFLOP/s peak each), counting response tokens")
+        done = float(np.mean([processed_update_flops(trainer, shape) for shape in shapes]))
+        print(f"update MFU over every position processed (prompt padding included, as `bench update`): "
+              f"{100 * done / means['update'] / (args.peak_tflops * 1e12 * jax.device_count()):.1f}%")
     return 0
