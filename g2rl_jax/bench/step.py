@@ -57,6 +57,23 @@ def processed_update_flops(trainer, input_shape: tuple[int, int]) -> float:
     return train_flops(trainer.model.config, rows, length) * trainer.cfg.algorithm.ppo_epochs
 
 
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring event of one XLA compile
+
+
+def compile_clock() -> list[float]:
+    """A one-element list that accumulates the seconds XLA spends compiling from now on (any thread)."""
+    import jax
+
+    total = [0.0]
+
+    def listen(event: str, duration: float, **_) -> None:
+        if event == COMPILE_EVENT:
+            total[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return total
+
+
 def main(argv) -> int:
     import jax
 
@@ -77,9 +94,16 @@ def main(argv) -> int:
         trainer = Trainer(cfg)
         print(f"config {args.config} {' '.join(args.overrides)}; devices: {jax.device_count()} x "
               f"{jax.devices()[0].device_kind}; model {trainer.model.config.num_params() / 1e6:.2f}M params")
-        warm = trainer.step_stages(0).metrics
-        print(f"warm-up step (compiles): {sum(warm[k] for _, k in STAGES):.2f} s")
+        compiled = compile_clock()
+        warm = trainer.step_stages(0)
+        print(f"warm-up step (compiles): {sum(warm.metrics[k] for _, k in STAGES):.2f} s, "
+              f"batch {tuple(warm.batch.input_ids.shape)}")
+        compiled[0] = 0.0
         results = [trainer.step_stages(step) for step in range(1, args.steps + 1)]
+        if compiled[0] > 0:
+            print(f"WARNING: XLA compiled for {compiled[0]:.1f} s inside the timed steps (a prompt or response "
+                  "length bucket the warm-up step did not see); the stage times below include it. Rerun with "
+                  "more --steps, or prompts of one length bucket, for compile-free figures.")
         runs = [r.metrics for r in results]
         shapes = [tuple(r.batch.input_ids.shape) for r in results]
         print(f"batches [rows, prompt + response positions]: {shapes} (response {results[-1].batch.response_mask.shape[1]})")
