@@ -5,7 +5,8 @@ Every `nnx.Param` carries the logical names of its axes (metadata `out_sharding`
 from that one table:
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    model = create_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)), mesh)      # initialised in place
+    model = create_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), mesh=mesh), mesh)   # initialised in place;
+    # mesh= in the model pins activations to rows over (data, fsdp), so fsdp all-gathers weights per layer
     ids = jax.device_put(ids_BxL, batch_sharding(mesh))
 
 Checks, each with both numbers in the message: the mesh must use exactly the available devices; a sharded

@@ -1,4 +1,6 @@
 """Sharding: a (data, fsdp, tensor) = (2, 2, 2) mesh over 8 fake CPU devices gives the unsharded logits."""
+import re
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,33 @@ def test_create_sharded_equals_plain_init(mesh):
     ref = np.asarray(_fwd(plain, jnp.asarray(ids), jnp.asarray(mask)))
     out = np.asarray(_fwd(sharded, jnp.asarray(ids), jnp.asarray(mask)))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def _collectives(model, ids):
+    """{op: [result shape text, ...]} of the compiled forward + backward of a loss over the hidden states."""
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        return jnp.mean(nnx.merge(graphdef, state).hidden_states(ids).astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    found = {}
+    for op, shape in re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", hlo):
+        found.setdefault(shape, []).append(op)
+    return found
+
+
+def test_fsdp_keeps_rows_sharded_and_gathers_weights():
+    """fsdp=8: with the model's mesh, activations stay split by rows and only weights move (all-gathers).
+    Without it GSPMD follows the weights' fsdp-sharded embed dim: every device computes all 16 rows and
+    all-reduces [16, L, ...] activations."""
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    ids = jax.device_put(jnp.asarray(np.random.RandomState(1).randint(0, CFG.vocab_size, (16, 32))),
+                         batch_sharding(mesh))
+    pinned = _collectives(create_sharded(lambda: Qwen3(CFG, rngs=nnx.Rngs(0), mesh=mesh), mesh), ids)
+    assert "all-reduce" not in pinned and len(pinned["all-gather"]) >= CFG.num_hidden_layers, pinned
+    free = _collectives(create_sharded(lambda: Qwen3(CFG, rngs=nnx.Rngs(0)), mesh), ids)
+    assert any(op.startswith("f32[16,32,") for op in free.get("all-reduce", [])), free
 
 
 def test_mesh_must_match_device_count():

@@ -115,7 +115,8 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat, attention=cfg.model.attention,
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
-    graphdef, params = nnx.split(parallel.create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0)), mesh))
+    graphdef, params = nnx.split(parallel.create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh),
+                                                         mesh))
     optimizer = S.make_optimizer(cfg.optim, 10)
     opt_state = jax.jit(optimizer.init)(params)
     _, _, s, t = P.kv_cache_bytes(cfg, model, sizes)

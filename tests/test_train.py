@@ -239,10 +239,13 @@ def test_sharded_step_equals_unsharded(step_parts):
         params, opt_state = put(trainer.params), put(trainer.opt_state)
         batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0] if mesh is one else x.sharding),
                              result.batch)
-        scores = S.score(trainer.graphdef, params, batch, temperature=1.0, micro=2)
+        model = nnx.merge(trainer.graphdef, params)
+        model.mesh = None if mesh is one else trainer.mesh  # the graphdef carries where activations live
+        graphdef = nnx.graphdef(model)
+        scores = S.score(graphdef, params, batch, temperature=1.0, micro=2)
         mini = {"batch": batch, "old_logp": scores[0], "ref_logp": scores[0],
                 "advantages": jnp.asarray(np.asarray(result.signal["advantages"]))}
-        new_params, _, info = S.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+        new_params, _, info = S.update(graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
                                        settings=trainer.settings, micro=2)
         outs.append((scores, new_params, info))
     (s8, p8, i8), (s1, p1, i1) = outs

@@ -139,7 +139,7 @@ def load_pretrained(path, dtype: str = "float32", *, runtime: RuntimeConfig | No
     tensors = _tensor_files(path)
     cfg, prefix = _read_config(path, tensors)
     names = _hf_names(cfg, prefix)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, runtime, rngs=nnx.Rngs(0))))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, runtime, rngs=nnx.Rngs(0), mesh=mesh)))
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda v: v.replace(device), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))

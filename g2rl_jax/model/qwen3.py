@@ -2,7 +2,7 @@
 
 Public API (B batch, L length, D hidden, V vocab; masks are 1/True for real tokens, 0 for padding):
 
-    model = Qwen3(config, RuntimeConfig(...), rngs=nnx.Rngs(0))
+    model = Qwen3(config, RuntimeConfig(...), rngs=nnx.Rngs(0), mesh=None)  # mesh: rows over (data, fsdp)
     model(input_ids_BxL, attention_mask_BxL=None) -> logits_BxLxV (float32)
     model.hidden_states(input_ids_BxL, attention_mask_BxL=None) -> h_BxLxD (after the final norm)
     model.lm_head_weight() -> W_VxD (the embedding table when tie_word_embeddings)
@@ -34,6 +34,7 @@ from flax import nnx
 
 from g2rl_jax.model import attention as attn
 from g2rl_jax.model.config import Qwen3Config, RuntimeConfig
+from g2rl_jax.parallel import DEFAULT_RULES
 
 # Per-layer parameters (HF names), each stacked with a leading layers axis: logical axes of one layer.
 LAYER_AXES = {
@@ -152,8 +153,10 @@ _REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
 class Qwen3(nnx.Module):
     """Qwen3 causal LM (see the module docstring for the API)."""
 
-    def __init__(self, config: Qwen3Config, runtime: RuntimeConfig = RuntimeConfig(), *, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3Config, runtime: RuntimeConfig = RuntimeConfig(), *, rngs: nnx.Rngs,
+                 mesh: jax.sharding.Mesh | None = None):
         self.config, self.runtime = config, runtime
+        self.mesh = mesh  # where activations live: rows over data x fsdp (None: no constraint, one device)
         pd = runtime.param_jnp
         V, D = config.vocab_size, config.hidden_size
         self.embed_tokens = _param(rngs, (V, D), ("vocab", "embed"), pd)
@@ -178,18 +181,27 @@ class Qwen3(nnx.Module):
         h, _ = self._forward(input_ids_BxL, attention_mask_BxL, keep_kv=False)
         return h
 
+    def _rows_sharded(self, x_Bx___):
+        """Pin an activation's rows to the batch mesh axes (data x fsdp), its other dims replicated. Without it
+        GSPMD follows the fsdp-sharded `embed` dim of the weights: every device then computes on all rows and
+        all-reduces activations; with it, weights are all-gathered per layer (FSDP)."""
+        if self.mesh is None:
+            return x_Bx___
+        spec = DEFAULT_RULES.spec(("batch",) + (None,) * (x_Bx___.ndim - 1))
+        return jax.lax.with_sharding_constraint(x_Bx___, jax.sharding.NamedSharding(self.mesh, spec))
+
     def _forward(self, input_ids_BxL, mask_BxL, keep_kv: bool):
         cfg, rt = self.config, self.runtime
         if mask_BxL is None:
             mask_BxL = jnp.ones(input_ids_BxL.shape, jnp.bool_)
         positions_BxL = positions_from_mask(mask_BxL)
-        x = jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0).astype(rt.compute_jnp)
+        x = self._rows_sharded(jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0).astype(rt.compute_jnp))
 
         def body(x_BxLxD, p):
             q, k, v = _qkv(x_BxLxD, p, positions_BxL, cfg)
             a = attn.attention(q, k, v, mask_BxL, rt.attention)
             kv = (k.astype(rt.kv_cache_jnp), v.astype(rt.kv_cache_jnp)) if keep_kv else None
-            return _out_and_mlp(x_BxLxD, a, p, cfg), kv
+            return self._rows_sharded(_out_and_mlp(x_BxLxD, a, p, cfg)), kv
 
         if rt.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[rt.remat])
@@ -218,7 +230,7 @@ class Qwen3(nnx.Module):
         if B % P:
             raise ValueError(f"decode_step: batch {B} is not a multiple of the {P} prompts in the prefix cache")
         positions_Bx1 = (jnp.repeat(prefix.lengths, B // P) + step)[:, None]
-        x = jnp.take(self.embed_tokens[...], tokens_B[:, None], axis=0).astype(rt.compute_jnp)
+        x = self._rows_sharded(jnp.take(self.embed_tokens[...], tokens_B[:, None], axis=0).astype(rt.compute_jnp))
 
         def body(carry, xs):
             x_Bx1xD, suf_k, suf_v = carry
@@ -229,7 +241,7 @@ class Qwen3(nnx.Module):
             suf_k = jax.lax.dynamic_update_slice(suf_k, k_1xBxGx1xK, (i, 0, 0, step, 0))
             suf_v = jax.lax.dynamic_update_slice(suf_v, v_1xBxGx1xK, (i, 0, 0, step, 0))
             a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, suf_k[i], suf_v[i], step + 1)
-            return (_out_and_mlp(x_Bx1xD, a[:, None], p, cfg), suf_k, suf_v), None
+            return (self._rows_sharded(_out_and_mlp(x_Bx1xD, a[:, None], p, cfg)), suf_k, suf_v), None
 
         xs = (self.layers.stacked(), prefix.k, prefix.v, jnp.arange(cfg.num_hidden_layers))
         (x, suf_k, suf_v), _ = jax.lax.scan(body, (x, suffix.k, suffix.v), xs)
