@@ -17,7 +17,7 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
 
 Peak = params + optimizer + reference + max(rollout: kv_cache + rollout_tmp, update: gradients + activations +
 batch). Shapes are the ones the code runs: prompt count, prompt length and max_new_tokens bucketed as in
-g2rl_jax.rollout.batching, L = S + T. `fits()` then tries TPU v5e/v5p/v6e and H100/H200 slices, every chip on the
+g2rl_jax.rollout.batching (the worst case: every response reaching the budget), L = S + T. `fits()` then tries TPU v5e/v5p/v6e and H100/H200 slices, every chip on the
 fsdp axis (the config's data and tensor sizes kept when they are explicit numbers), and reports the smallest that
 holds the peak within USABLE_FRACTION of each chip's memory. tests/test_plan.py checks the update-phase estimate
 against XLA's compiled memory analysis of the real `train.step.update` on CPU for small configs (within 25%).
@@ -37,7 +37,7 @@ from g2rl_jax.config import Config, ConfigError, load_config
 from g2rl_jax.g2rl import DEFAULT_CHUNK
 from g2rl_jax.model.config import DTYPES, PRESETS, Qwen3Config, RuntimeConfig
 from g2rl_jax.parallel import DEFAULT_RULES, MESH_AXES
-from g2rl_jax.rollout.batching import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket
+from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket, new_tokens_bucket
 
 GiB = 2**30
 USABLE_FRACTION = 0.90  # share of HBM a run can use (runtime reserve; gpu.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -165,7 +165,7 @@ def kv_cache_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> tup
     batch_shards = shards("batch", mesh)
     p = -(-bucket(cfg.data.prompts_per_step, 1) // batch_shards) * batch_shards
     s = bucket(cfg.data.max_prompt_tokens, MIN_PROMPT_BUCKET)
-    t = bucket(cfg.rollout.max_new_tokens, MIN_NEW_TOKENS_BUCKET)
+    t = new_tokens_bucket(cfg.rollout.max_new_tokens)
     rows = p * s + p * cfg.rollout.num_samples * t
     per_row = 2 * model.num_key_value_heads * model.head_dim * nbytes(cfg.model.kv_cache_dtype)
     total = model.num_hidden_layers * rows * per_row // (batch_shards * shards("kv_heads", mesh))

@@ -66,6 +66,15 @@ def test_truncation_on_resume_equals_uninterrupted_run(tmp_path):
     assert M.read_metrics(resumed) == []
 
 
+def test_restart_before_first_checkpoint_keeps_one_step_0_record(tmp_path):
+    """A run killed before its first checkpoint restarts from step 0 and validates step 0 again: one record."""
+    _run(tmp_path, [0, 1, 2], start_step=0)  # step 0 = the validation before the first update
+    _run(tmp_path, [0, 1], start_step=0)
+    assert [r["step"] for r in M.read_metrics(tmp_path)] == [0, 1]
+    _run(tmp_path, [2], start_step=1)  # a resume at step 1 keeps the step-0 record
+    assert [r["step"] for r in M.read_metrics(tmp_path)] == [0, 1, 2]
+
+
 def test_corrupt_middle_line_is_an_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not valid JSON"):
@@ -82,7 +91,7 @@ def test_tensorboard_events_and_purge(tmp_path):
     _run(tmp_path, [3], start_step=2)  # resume at once: a second event file that starts with a purge at step 3
     assert len(list((tmp_path / M.TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 2
     purges = [step for tag, step, _ in _tb_events(tmp_path) if tag == "purge"]
-    assert purges == [1, 3]
+    assert purges == [0, 3]  # a run from step 0 purges everything, step-0 validation included
     assert len([1 for tag, step, _ in _tb_events(tmp_path) if tag == "reward" and step == 3]) == 2
 
 

@@ -43,8 +43,8 @@ def test_4b_plan_buckets_the_12k_budget_and_has_no_reference_without_kl(tmp_path
     model = PRESETS["qwen3-4b"]
     cfg = _config(tmp_path, model, path="configs/qwen3_4b_g2rl.yaml")
     p = P.plan(cfg, model, 8)
-    assert any("T=16384" in n for n in p.notes)  # 12288 new tokens -> the sampler's power-of-two bucket
-    assert p.kv_cache == 36 * (16 * 1024 + 256 * 16384) * 8 * 128 * 2 * 2 // 8
+    assert any("T=12288" in n for n in p.notes)  # 12288 new tokens: a multiple of 1,024 keeps its own size
+    assert p.kv_cache == 36 * (16 * 1024 + 256 * 12288) * 8 * 128 * 2 * 2 // 8
 
 
 @pytest.mark.parametrize("devices,overrides,message", [

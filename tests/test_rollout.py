@@ -15,7 +15,7 @@ from hf_tiny import make_tiny_qwen3_dir
 from g2rl_jax.model import RuntimeConfig, load_pretrained
 from g2rl_jax.parallel import MeshConfig, make_mesh
 from g2rl_jax.rollout import engine, generate
-from g2rl_jax.rollout.batching import bucket
+from g2rl_jax.rollout.batching import bucket, new_tokens_bucket
 from g2rl_jax.rollout.sampling import SamplerSpec, categorical, sample_tokens
 
 PROMPTS = [[5, 17, 99, 3], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [42], [100, 3, 64, 2, 9, 88, 31]]
@@ -213,6 +213,15 @@ def test_loop_ends_when_every_real_sample_stopped(model, greedy):
     r = generate(model, PROMPTS[:3], max_new_tokens=NEW, temperature=0, num_samples=2, stop_token_ids=firsts)
     assert r.completion_ids == [ids[:1] for ids in greedy.completion_ids[:6]]
     assert r.finish_reasons == ["stop"] * 6 and r.decode_steps == 1
+    # the padded arrays are cut to the bucket of the longest completion, not the whole budget
+    assert r.completion_ids_BxT.shape == r.logprobs_BxT.shape == r.completion_mask_BxT.shape == (6, 16)
+
+
+def test_new_token_buckets():
+    """Powers of two (floor 16) up to 1,024, then multiples of 1,024: the 4B run's 12,288 stays 12,288."""
+    got = {n: new_tokens_bucket(n) for n in (1, 9, 16, 17, 1000, 1024, 1025, 8192, 12288, 12289)}
+    assert got == {1: 16, 9: 16, 16: 16, 17: 32, 1000: 1024, 1024: 1024, 1025: 2048, 8192: 8192, 12288: 12288,
+                   12289: 13312}
 
 
 def test_sampled_stops_trim_and_report(model):

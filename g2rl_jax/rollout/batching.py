@@ -1,8 +1,9 @@
 """Host-side batching for `generate`: input validation, shape buckets, and left-padding of prompts.
 
-Shapes are bucketed so that a training run compiles a handful of times: the number of prompts, the prompt length
-and max_new_tokens are each rounded up to a power of two (with a floor). Extra prompt rows are dummies (one token,
-id 0) whose samples are decoded and thrown away.
+Shapes are bucketed so that a training run compiles a handful of times: the number of prompts and the prompt length
+are rounded up to a power of two (with a floor); max_new_tokens (the KV-cache capacity, fixed for a run) is rounded
+to a power of two up to NEW_TOKENS_GRANULE and to a multiple of it above, so a 12,288-token budget reserves 12,288
+slots, not 16,384. Extra prompt rows are dummies (one token, id 0) whose samples are decoded and thrown away.
 """
 from __future__ import annotations
 
@@ -13,11 +14,19 @@ import numpy as np
 
 MIN_PROMPT_BUCKET = 16   # prompt length floor
 MIN_NEW_TOKENS_BUCKET = 16  # max_new_tokens floor
+NEW_TOKENS_GRANULE = 1024  # above this, max_new_tokens is rounded to a multiple of it instead of a power of two
 
 
 def bucket(n: int, floor: int) -> int:
     """The smallest power of two >= n, at least `floor`."""
     return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def new_tokens_bucket(n: int) -> int:
+    """KV-cache slots for a budget of n new tokens: a power of two (floor 16) up to 1,024, then a multiple of 1,024."""
+    if n <= NEW_TOKENS_GRANULE:
+        return bucket(n, MIN_NEW_TOKENS_BUCKET)
+    return -(-n // NEW_TOKENS_GRANULE) * NEW_TOKENS_GRANULE
 
 
 def _is_int(x) -> bool:
@@ -80,7 +89,7 @@ def buckets_for(prompts: list[list[int]], max_new_tokens: int, prompt_multiple: 
     num = bucket(len(prompts), 1)
     num = -(-num // prompt_multiple) * prompt_multiple
     return Buckets(num_prompts=num, prompt_len=bucket(max(map(len, prompts)), MIN_PROMPT_BUCKET),
-                   new_tokens=bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET))
+                   new_tokens=new_tokens_bucket(max_new_tokens))
 
 
 def left_pad(prompts: list[list[int]], num_rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -41,8 +41,10 @@ class Rollout:
     logprobs[b]: float32 [len(completion_ids[b])], log softmax(logits / T)[token] over the full vocabulary
       (top-k / top-p do not change it); greedy (T = 0) gives log softmax(logits)[token] at T = 1.
     finish_reasons[b]: "stop" (ended on a stop token) or "length" (reached max_new_tokens).
-    Padded host arrays for the scoring pass, B = len(prompts) * num_samples; S and T are the bucketed prompt
-    length and max_new_tokens (powers of two), so downstream jitted passes see few distinct shapes:
+    Padded host arrays for the scoring pass, B = len(prompts) * num_samples; S is the bucketed prompt length (a
+    power of two) and T the bucket of the LONGEST completion (`batching.new_tokens_bucket(decode_steps)`, at most
+    that of max_new_tokens), so downstream jitted passes see few distinct shapes and never run over response
+    slots that no sample reached (early in RL training, responses are often far shorter than the budget):
       prompt_ids_BxS / prompt_mask_BxS: each sample's prompt, LEFT-padded with 0.
       completion_ids_BxT / completion_mask_BxT / logprobs_BxT: RIGHT-padded with 0.
       completion_lengths: int32 [B].
@@ -109,10 +111,13 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
                           stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens)
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
-    tokens_BxT, logprobs_BxT, lengths_B, stopped_B = (parallel.gather(x)[rows] for x in outs[:4])
+    decode_steps = int(outs[4])  # the longest completion over the global batch: the same on every process
+    width = min(batching.new_tokens_bucket(max(decode_steps, 1)), sizes.new_tokens)
+    tokens_BxT, logprobs_BxT = (parallel.gather(x)[rows, :width] for x in outs[:2])
+    lengths_B, stopped_B = (parallel.gather(x)[rows] for x in outs[2:4])
     sample_prompt_B = np.repeat(np.arange(len(prompts)), num_samples)[rows]
     return _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
-                     lengths_B, stopped_B, int(outs[4]))
+                     lengths_B, stopped_B, decode_steps)
 
 
 def _spans_processes(mesh) -> bool:

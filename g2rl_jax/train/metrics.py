@@ -66,8 +66,10 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def _truncate(run_dir: Path, start_step: int) -> None:
-    """Rewrite metrics.jsonl atomically with only the records of steps <= start_step."""
-    kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step]
+    """Rewrite metrics.jsonl atomically with only the records of steps <= start_step: a run resumed at step k
+    keeps what steps 1..k wrote (and the step-0 validation); a run that (re)starts from step 0 keeps nothing,
+    since it validates step 0 again."""
+    kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step] if start_step > 0 else []
     tmp = run_dir / f".{METRICS_FILE}.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, run_dir / METRICS_FILE)
@@ -85,7 +87,7 @@ class MetricsWriter:
         _truncate(run_dir, start_step)
         self._file = open(run_dir / METRICS_FILE, "a")
         # a unique file per writer: tensorboardX names files by the second, so a quick resume would clobber one
-        self._tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1,
+        self._tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else 0,
                                  filename_suffix=f".{os.getpid()}.{time.time_ns()}")
 
     def write(self, step: int, scalars: Mapping[str, object]) -> None:
