@@ -68,6 +68,32 @@ def test_extract_answer(text, expected):
     ("(B)", "B"),
     ("The answer is (Z).", None),
     ("nothing to see", None),
+    # accepted forms
+    ("The answer is (C)", "C"),
+    ("the answer is C.", "C"),
+    ("Answer: C", "C"),
+    ("answer is: **C**", "C"),
+    ("**Answer:** D", "D"),
+    ("the answer is (c).", "C"),
+    ("so the answer is **c**", "C"),
+    ("The answer is $B$.", "B"),
+    ("The answer is option (B).", "B"),
+    ("The answer is: C) 42", "C"),
+    ("The answer is A because the sum is 5.", "A"),
+    ("Answer: C\n\nExplanation: the sum is 5.", "C"),
+    ("The answer is I.", "I"),
+    ("ANSWER: E", "E"),
+    ("the choice (d) is correct", "D"),
+    # English words are not choices ("a" the article, "I" the pronoun, a capital starting other words)
+    ("so the answer is a tricky one, let me think", None),
+    ("The answer is a.", None),
+    ("Answer: I think it is 5", None),
+    ("the answer is, I think, unclear", None),
+    ("The answer is A lot harder than it looks", None),
+    ("The answer is $a$ times b", None),
+    ("I think option a is correct", None),
+    ("Answers: maybe later", None),
+    ("the answer is b", None),
 ])
 def test_extract_choice(text, expected):
     assert extract_choice(text, num_choices=10) == expected

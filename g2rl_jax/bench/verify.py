@@ -2,13 +2,18 @@
 
 The MATH500 gold answers are checked against perturbed predictions inside boxed responses, side by side:
   exact        the gold itself                               (string fast path)
-  reformatted  `\\dfrac`, `\\left(`, `$`, spaces, trailing "." (normalization fast path)
+  reformatted  `\\dfrac`, `\\left(`, `$`, spaces, trailing "." (normalization fast path, a few via workers)
   rewritten    `1+(gold)-1`, equal but different              (bounded sympy path)
   wrong        `(gold)+1`                                     (bounded sympy path)
-Throughput runs `score_batch` over each kind with --workers worker processes; per-check latencies (p50, max)
-come from sequential `is_equivalent` calls on the last --latency-n golds, which the batch does not see (sympy's
-cache would otherwise flatter them); the adversarial line times answers that hit the parser's guards and
-one that runs into the time bound.
+Each kind's checks are split by the path `score_batch` takes for them, and each part is timed on its own:
+  fast    decided in the calling process (extraction, normalization, exact numbers), one thread: its per-core
+          rate is per 1 core of the calling process (median of 5 runs; nothing is cached on this path);
+  worker  sent to the worker processes (--workers threads, at most one worker per CPU): its per-core rate is
+          per worker process (the calling process extracts and normalizes alongside); one run, as a repeat
+          would hit sympy's cache.
+Per-check latencies (p50, max) come from sequential `is_equivalent` calls on the last --latency-n golds, which
+the batch does not see (sympy's cache would otherwise flatter them); the adversarial line times answers that hit
+the parser's guards and one that runs into the time bound.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import statistics
 import time
 
 from g2rl_jax.data.datasets import load_dataset
-from g2rl_jax.rewards import extract_answer, is_equivalent, score_batch
+from g2rl_jax.rewards import _canonical_pairs, extract_answer, is_equivalent, score_batch
 from g2rl_jax.rewards.bounded import get_pool
 
 
@@ -31,43 +36,67 @@ PERTURB = {
     "rewritten": lambda g: f"1+({g})-1",
     "wrong": lambda g: f"({g})+1",
 }
+FAST_REPEATS = 5  # fast-path batches take milliseconds: the median of 5 runs (no cache is involved)
 ADVERSARIAL = {"tower 10^10^10^10": (r"10^{10^{10^{10}}}", "1"),
                "4,000 nested braces": ("{" * 4000 + "1" + "}" * 4000, "1"),
                "expand (a+b+c+d+1)^60": ("(a+b+c+d+1)^{60}", "(a+b+c+d+2)^{60}")}
+
+
+def _response(perturbed: str) -> str:
+    return f"So the answer is \\boxed{{{perturbed}}}"
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m g2rl_jax.bench verify", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=500, help="number of MATH500 gold answers (default: all 500)")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes = cores used (default 2)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes for the worker path (default 2)")
     ap.add_argument("--timeout", type=float, default=2.0, help="per-check time bound in seconds")
     ap.add_argument("--latency-n", type=int, default=100, help="golds timed one by one per kind")
     args = ap.parse_args(argv)
+    if args.workers < 1 or args.latency_n < 1 or args.n <= args.latency_n:
+        ap.error(f"need --workers >= 1 and 1 <= --latency-n < --n, got --workers {args.workers} "
+                 f"--latency-n {args.latency_n} --n {args.n}")
     golds = [ex.answer for ex in load_dataset("math500", limit=args.n)]
-    batch_golds, lat_golds = golds[:-args.latency_n] or golds, golds[-args.latency_n:]  # latency on unseen (cold)
-    print(f"verify: {len(golds)} MATH500 golds x {len(PERTURB)} perturbations, {args.workers} worker processes, "
-          f"timeout {args.timeout}s (shared machine: other jobs may be running)")
-    score_batch([r"\boxed{x+1}"] * args.workers, ["1+x"] * args.workers, num_workers=args.workers)  # warm pool
+    batch_golds, lat_golds = golds[:-args.latency_n], golds[-args.latency_n:]  # latency on unseen (cold) golds
+    pool = get_pool()
+    workers = min(args.workers, pool.max_workers)
+    print(f"verify: {len(golds)} MATH500 golds x {len(PERTURB)} perturbations, timeout {args.timeout}s; fast path "
+          f"in the calling process (1 core), worker path on {workers} worker processes "
+          f"(--workers {args.workers}, pool of {pool.max_workers}); shared machine: other jobs may be running")
+    score_batch([r"\boxed{x+1}"] * workers, ["1+x"] * workers, num_workers=workers)  # warm pool
 
-    print(f"{'kind':<12} {'checks':>6} {'accepted':>8} {'checks/s/core':>14} {'p50 ms':>8} {'max ms':>8}")
+    print(f"{'kind':<12} {'path':<7} {'checks':>6} {'accepted':>8} {'checks/s':>9} {'checks/s/core':>14} "
+          f"{'per':<16} {'p50 ms':>7} {'max ms':>7}")
     for kind, perturb in PERTURB.items():
-        responses = [f"So the answer is \\boxed{{{perturb(g)}}}" for g in batch_golds]
-        start = time.perf_counter()
-        rewards = score_batch(responses, batch_golds, timeout=args.timeout, num_workers=args.workers)
-        wall = time.perf_counter() - start
-        lat = []
-        for gold in lat_golds:
-            response = f"So the answer is \\boxed{{{perturb(gold)}}}"
-            t = time.perf_counter()
-            is_equivalent(extract_answer(response), gold, timeout=args.timeout)
-            lat.append((time.perf_counter() - t) * 1e3)
-        print(f"{kind:<12} {len(batch_golds):>6} {(rewards > 0).mean():>8.1%} "
-              f"{len(batch_golds) / wall / args.workers:>14.1f} "
-              f"{statistics.median(lat):>8.2f} {max(lat):>8.1f}")
+        responses = [_response(perturb(g)) for g in batch_golds]
+        _, verdicts = _canonical_pairs(responses, batch_golds)
+        lat_responses = [_response(perturb(g)) for g in lat_golds]
+        _, lat_verdicts = _canonical_pairs(lat_responses, lat_golds)
+        for path, on_workers in (("fast", False), ("worker", True)):
+            idx = [k for k, v in enumerate(verdicts) if (v is None) == on_workers]
+            if not idx:
+                continue
+            walls = []
+            for _ in range(1 if on_workers else FAST_REPEATS):  # a worker-path repeat would hit sympy's cache
+                start = time.perf_counter()
+                rewards = score_batch([responses[k] for k in idx], [batch_golds[k] for k in idx],
+                                      timeout=args.timeout, num_workers=workers)
+                walls.append(time.perf_counter() - start)
+            wall = statistics.median(walls)
+            lat = []
+            for response, gold, v in zip(lat_responses, lat_golds, lat_verdicts):
+                if (v is None) == on_workers:
+                    t = time.perf_counter()
+                    is_equivalent(extract_answer(response), gold, timeout=args.timeout)
+                    lat.append((time.perf_counter() - t) * 1e3)
+            cores, per = (workers, f"worker ({workers})") if on_workers else (1, "caller core (1)")
+            p50, worst = (f"{statistics.median(lat):>7.2f}", f"{max(lat):>7.1f}") if lat else (f"{'-':>7}",) * 2
+            print(f"{kind:<12} {path:<7} {len(idx):>6} {(rewards > 0).mean():>8.1%} {len(idx) / wall:>9.1f} "
+                  f"{len(idx) / wall / cores:>14.1f} {per:<16} {p50} {worst}")
     for name, (pred, gold) in ADVERSARIAL.items():
         t = time.perf_counter()
         ok = is_equivalent(pred, gold, timeout=args.timeout)
         print(f"adversarial {name:<24} verdict={ok} time={time.perf_counter() - t:.3f}s (bound {args.timeout}s)")
-    get_pool().close()
+    pool.close()
     return 0

@@ -8,7 +8,9 @@ Pipeline for a math response:
      (`latex.py`, builds sympy objects directly; nothing reaches `eval`/`sympify`/`parse_expr`) and compares
      them (`compare.py`: numbers, tuples, intervals, sets, matrices, equations, inequalities, sympy identity).
      A check that exceeds its timeout (2 s by default) kills its worker and scores False. This works from any
-     thread and inside other worker processes, because workers are plain subprocesses, not signal alarms.
+     thread and inside other worker processes, because workers are plain subprocesses, not signal alarms. The
+     killed worker's replacement is spawned at once and starts in the background; a worker that cannot start
+     scores False with one warning (a `RuntimeError` only if no worker has ever started: a broken install).
 
 Guards: answers over 10,000 characters are not equivalent; the parser refuses nesting deeper than 60, number
 literals over 300 digits, powers over 2,000 digits, exponents over 1,000 and factorials over 500, before sympy
@@ -78,11 +80,19 @@ def choice_reward(response: str, gold_letter: str) -> float:
     return 1.0 if extract_choice(response, num_choices=num_choices) == gold else -1.0
 
 
+def _canonical_pairs(responses: list[str], golds: list[str]) -> tuple[list, list[bool | None]]:
+    """(canonical answer, canonical gold) per response, and the in-process verdict of each pair (None: the pair
+    goes to a worker process)."""
+    pairs = [(normalize_answer(extract_answer(r)), normalize_answer(g)) for r, g in zip(responses, golds)]
+    return pairs, [False if p is None or g is None else _fast_verdict(p, g) for p, g in pairs]
+
+
 def score_batch(responses: list[str], golds: list[str], kind: str = "math", *,
                 timeout: float = DEFAULT_TIMEOUT_S, num_workers: int | None = None) -> np.ndarray:
     """Rewards (+-1, float32, order preserved) for a batch; math checks run in parallel worker processes.
 
-    A pathological answer costs at most `timeout` seconds and scores -1; it never raises or stalls.
+    A pathological answer costs at most `timeout` seconds and scores -1; it never raises or stalls (a worker
+    that cannot start scores -1 with a warning). RuntimeError only if no worker process can start at all.
     """
     if len(responses) != len(golds):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(golds)} golds; pass one gold each")
@@ -92,8 +102,7 @@ def score_batch(responses: list[str], golds: list[str], kind: str = "math", *,
         raise ValueError(f"score_batch: kind must be 'math' or 'choice', got {kind!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
-    pairs = [(normalize_answer(extract_answer(r)), normalize_answer(g)) for r, g in zip(responses, golds)]
-    verdicts = [False if p is None or g is None else _fast_verdict(p, g) for p, g in pairs]
+    pairs, verdicts = _canonical_pairs(responses, golds)
     pending = [k for k, v in enumerate(verdicts) if v is None]
     if pending:
         pool = get_pool()

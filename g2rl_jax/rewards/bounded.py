@@ -3,8 +3,13 @@
 Each worker is a plain `python` subprocess (not a `multiprocessing` child, so it can be started from any thread,
 from daemonic pool workers and from other worker processes) that imports sympy once, answers one check per line
 on its stdin/stdout pipes, and runs with a capped address space. The parent waits for an answer with
-`select` and a deadline; a worker that misses the deadline is killed (SIGKILL) and the check scores False. A
-replacement is started lazily on the next check, and its start-up time is not counted against any check.
+`select` and a deadline; a worker that misses the deadline is killed (SIGKILL) and the check scores False.
+
+A replacement is spawned right after the kill, without waiting for it: it imports sympy in the background, so the
+next check usually finds it ready. A check that takes a worker still starting waits for its `ready` line (start-up
+is never counted against a check's bound). A worker that does not start within `WORKER_START_TIMEOUT_S` of its
+spawn makes its check score False with one warning, once some worker has started in this process; if none ever
+has, the installation is broken and the check raises `RuntimeError`.
 
 One pool per process (re-created after `fork`), sized to the CPU count; threads share it.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import select
 import subprocess
@@ -22,36 +28,59 @@ from pathlib import Path
 
 WORKER_MEMORY_BYTES = 4 << 30   # address-space cap of one worker
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can take a while
+WORKER_ARGV = [sys.executable, "-c", "from g2rl_jax.rewards.bounded import serve; serve()"]
 _SRC_ROOT = str(Path(__file__).resolve().parents[2])
+_LOG = logging.getLogger(__name__)
 
 
 class _Worker:
-    """One checker subprocess speaking the line protocol of `serve`."""
+    """One checker subprocess speaking the line protocol of `serve`; spawning it does not wait for it to start."""
 
     def __init__(self):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_SRC_ROOT, os.environ.get("PYTHONPATH")])))
+        self.argv = list(WORKER_ARGV)
+        self.start_deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        self.ready = False
+        self.failure = ""  # why it did not start, once known
+        self.closed = False  # its output pipe reached end of file
+        self._buf = b""
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from g2rl_jax.rewards.bounded import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             start_new_session=True)
-        if self._read_line(WORKER_START_TIMEOUT_S) != b"ready":
-            self.kill()
-            raise RuntimeError(
-                f"verifier worker did not start within {WORKER_START_TIMEOUT_S:.0f}s "
-                f"({sys.executable} -c 'from g2rl_jax.rewards.bounded import serve'); check that g2rl_jax and "
-                "sympy import in a fresh interpreter")
 
     def _read_line(self, timeout: float) -> bytes | None:
-        fd, buf, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
-        while not buf.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+        """The next output line, or None if none is complete within timeout seconds (0: poll) or the pipe closed.
+        A partial line is kept for the next call."""
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 return None
             chunk = os.read(fd, 64)
             if not chunk:
+                self.closed = True
                 return None
-            buf += chunk
-        return buf.strip()
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.strip()
+
+    def poll_ready(self, wait: bool) -> bool:
+        """Whether the worker has said `ready`; with wait, waits until its start deadline, and a worker not ready
+        by then (or one that exited or said something else) gets a `failure`."""
+        if self.ready or self.failure:
+            return self.ready
+        line = self._read_line(max(0.0, self.start_deadline - time.monotonic()) if wait else 0.0)
+        if line == b"ready":
+            self.ready = True
+        elif line is not None:
+            self.failure = f"said {line[:80]!r} instead of 'ready'"
+        elif self.closed:
+            try:  # its output closed: it is exiting (start-up time, not a check's)
+                self.failure = f"exited (status {self.proc.wait(timeout=5.0)}) before saying 'ready'"
+            except subprocess.TimeoutExpired:
+                self.failure = "closed its output without saying 'ready'"
+        elif wait:
+            self.failure = f"did not say 'ready' within {WORKER_START_TIMEOUT_S:.0f}s of being spawned"
+        return self.ready
 
     def ask(self, pred: str, gold: str, timeout: float) -> bool | None:
         """The worker's verdict, or None if it missed the deadline or died."""
@@ -70,33 +99,89 @@ class _Worker:
             stream.close()
 
 
+def _command(argv: list[str]) -> str:
+    return " ".join(repr(a) if " " in a else a for a in argv)
+
+
 class BoundedPool:
     """At most `max_workers` concurrent checks, each bounded by its timeout."""
 
     def __init__(self, max_workers: int):
+        self.max_workers = max_workers
         self._slots = threading.BoundedSemaphore(max_workers)
         self._lock = threading.Lock()
-        self._idle: list[_Worker] = []
+        self._idle: list[_Worker] = []  # started or still starting, none busy
         self._all: list[_Worker] = []
+        self._ever_ready = False  # some worker has started: a later failure to start is not a broken install
+        self._warned = False
 
-    def _take(self) -> _Worker:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+    def _spawn(self) -> _Worker:
+        """A new worker process, registered but not waited for; OSError if the process cannot be created."""
         worker = _Worker()
         with self._lock:
             self._all.append(worker)
         return worker
 
+    def _discard(self, worker: _Worker) -> None:
+        worker.kill()
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)
+
+    def _replace(self) -> None:
+        """Spawn a worker now, for a later check; if even that fails, the next check spawns one itself."""
+        try:
+            worker = self._spawn()
+        except OSError:
+            return
+        with self._lock:
+            self._idle.append(worker)
+
+    def _take(self) -> _Worker | None:
+        """A ready worker: an idle ready one, else a starting one (waited for), else a new one. None when the one
+        taken cannot start (the check then scores False); RuntimeError if no worker has ever started."""
+        with self._lock:
+            worker = next((w for w in reversed(self._idle) if w.poll_ready(wait=False)), None)
+            if worker is None and self._idle:
+                worker = min(self._idle, key=lambda w: w.start_deadline)  # the one spawned first
+            if worker is not None:
+                self._idle.remove(worker)
+        try:
+            worker = worker or self._spawn()
+        except OSError as err:
+            return self._start_failed(f"could not be spawned ({err})", _command(WORKER_ARGV))
+        if worker.poll_ready(wait=True):
+            self._ever_ready = True
+            return worker
+        self._discard(worker)
+        result = self._start_failed(worker.failure, _command(worker.argv))
+        self._replace()  # try again in the background for the next check
+        return result
+
+    def _start_failed(self, why: str, command: str) -> None:
+        hint = (f"check that `PYTHONPATH={_SRC_ROOT} {command}` prints 'ready' in a shell (g2rl_jax and sympy must "
+                "import; its error shows there), "
+                f"and that memory ({WORKER_MEMORY_BYTES >> 30} GiB address space per worker) and process limits "
+                "(ulimit -u) allow one worker process per core")
+        if not self._ever_ready:
+            raise RuntimeError(f"no verifier worker process could start: the first one {why}; {hint}")
+        if not self._warned:
+            self._warned = True
+            _LOG.warning("a verifier worker process %s, so its check scores -1 (not verified), as will any later "
+                         "check whose worker cannot start (warned once); %s", why, hint)
+        return None
+
     def check(self, pred: str, gold: str, timeout: float) -> bool:
-        """Whether canonical answers pred and gold are equivalent; False if the check exceeds timeout."""
+        """Whether canonical answers pred and gold are equivalent; False if the check exceeds timeout, or if its
+        worker cannot start (after some worker has; RuntimeError if none ever could)."""
         with self._slots:
             worker = self._take()
+            if worker is None:
+                return False
             verdict = worker.ask(pred, gold, timeout)
             if verdict is None:
-                worker.kill()
-                with self._lock:
-                    self._all.remove(worker)
+                self._discard(worker)
+                self._replace()
                 return False
             with self._lock:
                 self._idle.append(worker)

@@ -204,10 +204,17 @@ def extract_answer(text: str) -> str | None:
     return _candidate(text, first=False)
 
 
+# A choice letter after "answer is" / "Answer:": in parentheses or between `*` (any case: `(c)`, `**c**`), or a
+# bare capital that ends the sentence (`C.`, `C)`, `$C$`, `C` at a line's end) or is followed by "because",
+# "since" or "as". A bare lowercase letter, or a capital followed by other words, is English ("the answer is a
+# tricky one", "the answer is I think ..."), not a choice. After "option"/"choice", "is correct" decides.
+_ENCLOSED_LETTER = r"\(\s*([A-Za-z])\s*\)|(?<=\*)([A-Za-z])(?=\*)"
 _CHOICE_PATTERNS = [
     re.compile(r"\\boxed\{\s*(?:\\text(?:bf)?\{)?\s*\(?([A-Z])\)?\s*\}?\s*\}"),
-    re.compile(r"answer\s*(?:is|:)\s*(?:option\s*)?[\s*:]*\(?\*{0,2}([A-Z])\b\)?", re.IGNORECASE),
-    re.compile(r"(?:option|choice)\s*\(?([A-Z])\)?\s*is\s*(?:the\s*)?correct", re.IGNORECASE),
+    re.compile(r"\banswer\s*(?:is|:)[\s*:$]*(?:(?:option|choice)\s*)?[\s*:$]*(?:" + _ENCLOSED_LETTER +
+               r"|(?-i:([A-Z]))(?=[ \t]*(?:$|[\n.,;:!?)\]*$\-–—])|\s+(?:because|since|as)\b))", re.IGNORECASE),
+    re.compile(r"\b(?:option|choice)\s*(?:" + _ENCLOSED_LETTER + r"|(?-i:([A-Z]))(?!\w))\s*is\s*(?:the\s*)?correct",
+               re.IGNORECASE),
 ]
 
 
@@ -221,7 +228,7 @@ def extract_choice(text: str, num_choices: int = 10) -> str | None:
     text = text[-MAX_RESPONSE_CHARS:]
     valid = {chr(ord("A") + k) for k in range(num_choices)}
     for pattern in _CHOICE_PATTERNS:
-        letters = [m.group(1).upper() for m in pattern.finditer(text)]
+        letters = [next(g for g in m.groups() if g).upper() for m in pattern.finditer(text)]
         letters = [c for c in letters if c in valid]
         if letters:
             return letters[-1]
