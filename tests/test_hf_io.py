@@ -1,5 +1,8 @@
-"""HF interop: export round trip through transformers, Qwen3Model (embedding) layout, bad inputs."""
+"""HF interop: export round trip through transformers, Qwen3Model (embedding) layout, the Qwen3-Embedding
+tokenizer's pooled end token, bad inputs."""
 import json
+import logging
+import pathlib
 import shutil
 
 import numpy as np
@@ -7,11 +10,13 @@ import pytest
 import torch
 import transformers
 from safetensors.numpy import load_file, save_file
+from tokenizers import processors
 
 import jax.numpy as jnp
 from flax import nnx
 
 from g2rl_jax.model import load_pretrained, save_pretrained
+from g2rl_jax.train.setup import EMBED_MAX_TOKENS, embedding_token_ids
 from hf_tiny import make_tiny_qwen3_dir
 
 _fwd = nnx.jit(lambda model, ids: model(ids))
@@ -59,20 +64,58 @@ def test_bf16_load_and_save(untied, tmp_path):
     assert np.abs(np.asarray(_fwd(model, jnp.asarray(IDS))) - ref).max() <= 5e-2 * np.abs(ref).max()
 
 
-def test_qwen3model_layout_without_prefix_or_head(tmp_path):
-    """Qwen3-Embedding style: architecture Qwen3Model, keys without 'model.', no lm_head."""
-    torch.manual_seed(5)
-    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   tie_word_embeddings=False, rope_theta=10000.0)
-    hf = transformers.Qwen3Model(cfg).float().eval()
-    hf.save_pretrained(tmp_path / "emb")
-    assert "embed_tokens.weight" in load_file(tmp_path / "emb" / "model.safetensors")
-    model = load_pretrained(tmp_path / "emb")
+@pytest.mark.parametrize("architectures, tied", [
+    (["Qwen3Model"], False),
+    (["Qwen3ForCausalLM"], False),  # as the Qwen3-Embedding-8B release: a bare Qwen3Model under this name
+    (["Qwen3ForCausalLM"], True),   # as Qwen3-Embedding-0.6B / 4B
+])
+def test_qwen3model_layout_without_prefix_or_head(tmp_path, caplog, architectures, tied):
+    """Qwen3-Embedding style: keys without 'model.', no lm_head; the layout comes from the tensor names, whatever
+    config.json's architectures says. Hidden states match transformers' Qwen3Model read from the same files."""
+    path = make_tiny_qwen3_dir(tmp_path / "emb", seed=5, encoder=True, vocab_size=131, num_key_value_heads=2,
+                               head_dim=16, tie_word_embeddings=tied)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": architectures}))
+    keys = load_file(path / "model.safetensors")
+    assert "embed_tokens.weight" in keys and "norm.weight" in keys and "lm_head.weight" not in keys
+    with caplog.at_level(logging.WARNING, logger="g2rl_jax.model.hf_io"):
+        model = load_pretrained(path)
+    assert model.lm_head is None and model.config.vocab_size == 131
+    assert any("no lm_head" in r.getMessage() for r in caplog.records) == (not tied)
+    hf = transformers.Qwen3Model.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor(IDS)).last_hidden_state.numpy()
     ours = np.asarray(nnx.jit(lambda m, i: m.hidden_states(i))(model, jnp.asarray(IDS)))
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+QWEN3_TOKENIZER = pathlib.Path(__file__).parent / "assets" / "qwen3_tokenizer"
+ENDOFTEXT, IM_END = 151643, 151645
+
+
+def _qwen3_embedding_tokenizer(path):
+    """The vendored Qwen3 tokenizer with Qwen3-Embedding's post-processor (appends <|endoftext|>), from disk."""
+    shutil.copytree(QWEN3_TOKENIZER, path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    spec["post_processor"] = json.loads(processors.TemplateProcessing(
+        single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
+        special_tokens=[("<|endoftext|>", ENDOFTEXT)]).__getstate__())
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def test_embedding_ids_end_with_the_tokenizers_own_end_token(tmp_path):
+    """Qwen3-Embedding pools on the <|endoftext|> its post-processor appends (not its eos <|im_end|>): no second
+    end token after it. A tokenizer that appends nothing (Qwen3 base) gets its eos appended."""
+    emb = _qwen3_embedding_tokenizer(tmp_path / "emb_tok")
+    assert emb.eos_token_id == IM_END and emb.pad_token_id == ENDOFTEXT
+    text_ids = emb("test again", add_special_tokens=False)["input_ids"]
+    assert emb("test again")["input_ids"] == text_ids + [ENDOFTEXT]  # the post-processor is live
+    assert embedding_token_ids(emb, "test again") == text_ids + [ENDOFTEXT]
+    long_ids = embedding_token_ids(emb, "word " * 2000)
+    assert len(long_ids) == EMBED_MAX_TOKENS and long_ids[-1] == ENDOFTEXT and long_ids.count(ENDOFTEXT) == 1
+    base = transformers.AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+    assert embedding_token_ids(base, "test again") == text_ids + [IM_END]
 
 
 def _copy(src, dst):
@@ -98,6 +141,22 @@ def test_rejects_missing_tensor(untied, tmp_path):
     bad = _copy(untied, tmp_path / "missing")
     _rewrite_tensors(bad, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' is missing"):
+        load_pretrained(bad)
+
+
+def test_rejects_causal_lm_without_head(untied, tmp_path):
+    """A `model.`-prefixed (Qwen3ForCausalLM) untied checkpoint without lm_head.weight is broken, not an encoder."""
+    bad = _copy(untied, tmp_path / "headless")
+    _rewrite_tensors(bad, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"tensor 'lm_head\.weight' is missing from the checkpoint"):
+        load_pretrained(bad)
+
+
+def test_rejects_checkpoint_without_embedding(untied, tmp_path):
+    bad = _copy(untied, tmp_path / "noembed")
+    _rewrite_tensors(bad, lambda t: t.pop("model.embed_tokens.weight"))
+    with pytest.raises(ValueError, match=r"neither 'model\.embed_tokens\.weight' \(Qwen3ForCausalLM\) nor "
+                                         r"'embed_tokens\.weight' \(Qwen3Model\)"):
         load_pretrained(bad)
 
 

@@ -7,9 +7,11 @@ Loading reads config.json and model.safetensors (or model.safetensors.index.json
 validated (present, right shape) from the file headers before any array is built. Each parameter is then
 created directly in its target sharding with `jax.make_array_from_callback`; the callback reads only the slice a
 device needs (`safe_open(...).get_slice`), layer by layer into the stacked [layers, ...] layout, so no host ever
-holds the whole model. Both key layouts are read: `model.`-prefixed (Qwen3ForCausalLM) and unprefixed
-(Qwen3Model, e.g. Qwen3-Embedding). A Qwen3Model checkpoint has no LM head: it is loaded with the head tied to
-the embedding table, so its hidden_states are right but its logits carry no meaning.
+holds the whole model. The layout is read from the tensor names in the headers, not from config.json's
+`architectures` (the Qwen3-Embedding releases say Qwen3ForCausalLM but hold a bare Qwen3Model): `model.`-prefixed
+keys (Qwen3ForCausalLM) or unprefixed ones (Qwen3Model, e.g. Qwen3-Embedding). An unprefixed checkpoint without
+`lm_head.weight` is an encoder: it is loaded with the head tied to the embedding table, so its hidden_states are
+right but its logits carry no meaning. A prefixed, untied checkpoint without `lm_head.weight` is an error.
 """
 from __future__ import annotations
 
@@ -97,16 +99,25 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
         return {name: single for name in f.keys()}
 
 
+def _key_prefix(path: pathlib.Path, tensors: dict[str, pathlib.Path]) -> str:
+    """"model." for a Qwen3ForCausalLM layout, "" for a bare Qwen3Model one, from the tensor names present."""
+    for prefix in ("model.", ""):
+        if prefix + "embed_tokens.weight" in tensors:
+            return prefix
+    raise ValueError(f"{path}: the safetensors hold neither 'model.embed_tokens.weight' (Qwen3ForCausalLM) nor "
+                     f"'embed_tokens.weight' (Qwen3Model), so this is not a Qwen3 checkpoint; point at the directory "
+                     f"of a Hugging Face Qwen3 model")
+
+
 def _read_config(path: pathlib.Path, tensors: dict[str, pathlib.Path]) -> tuple[Qwen3Config, str]:
-    """The config and the key prefix; an untied Qwen3Model without lm_head is loaded as tied."""
+    """The config and the key prefix; an untied bare Qwen3Model without lm_head (an encoder) is loaded as tied."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} not found; expected a Hugging Face Qwen3 directory")
-    hf = json.loads(config_file.read_text())
-    cfg = Qwen3Config.from_hf_dict(hf, source=str(config_file))
-    prefix = "model." if "model.embed_tokens.weight" in tensors else ""
-    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "Qwen3Model" in hf.get("architectures", []):
-        _LOG.warning("%s: Qwen3Model checkpoint has no lm_head; tying the head to the embedding table "
+    cfg = Qwen3Config.from_hf_dict(json.loads(config_file.read_text()), source=str(config_file))
+    prefix = _key_prefix(path, tensors)
+    if not cfg.tie_word_embeddings and prefix == "" and "lm_head.weight" not in tensors:
+        _LOG.warning("%s: Qwen3Model (encoder) checkpoint has no lm_head; tying the head to the embedding table "
                      "(hidden_states are exact, logits are not meaningful)", path)
         cfg = Qwen3Config(**{**cfg.__dict__, "tie_word_embeddings": True})
     return cfg, prefix
@@ -118,11 +129,12 @@ def _check_tensors(names, tensors, handles, path):
         want = list(_hf_shape(ours, n_in))
         for name in hf_names:
             if name not in tensors:
-                raise ValueError(f"{path}: tensor {name!r} is missing from the checkpoint")
+                raise ValueError(f"{path}: tensor {name!r} is missing from the checkpoint, which config.json "
+                                 f"requires; the download or export is incomplete, fetch or write it again")
             got = handles[tensors[name]].get_slice(name).get_shape()
             if list(got) != want:
                 raise ValueError(f"{tensors[name]}: tensor {name!r} has shape {list(got)}, expected {want} "
-                                 f"from config.json")
+                                 f"from config.json; config.json and the weights disagree (another model's?)")
 
 
 def load_pretrained(path, dtype: str = "float32", *, runtime: RuntimeConfig | None = None, mesh=None,

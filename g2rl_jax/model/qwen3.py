@@ -3,8 +3,8 @@
 Public API (B batch, L length, D hidden, V vocab; masks are 1/True for real tokens, 0 for padding):
 
     model = Qwen3(config, RuntimeConfig(...), rngs=nnx.Rngs(0), mesh=None)  # mesh: rows over (data, fsdp)
-    model(input_ids_BxL, attention_mask_BxL=None) -> logits_BxLxV (float32)
-    model.hidden_states(input_ids_BxL, attention_mask_BxL=None) -> h_BxLxD (after the final norm)
+    model(input_ids, attention_mask=None) -> logits_BxLxV (float32)   # input_ids [B, L] int, attention_mask [B, L]
+    model.hidden_states(input_ids, attention_mask=None) -> h_BxLxD (after the final norm)
     model.lm_head_weight() -> W_VxD (the embedding table when tie_word_embeddings)
 
 Positions are cumsum(mask) - 1 (clipped at 0), so a left-padded row computes exactly what it would unpadded.
@@ -168,18 +168,19 @@ class Qwen3(nnx.Module):
         """The output projection [V, D] (the embedding table when tied)."""
         return (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
 
-    def __call__(self, input_ids_BxL, attention_mask_BxL=None) -> jax.Array:
-        return self.logits(self.hidden_states(input_ids_BxL, attention_mask_BxL))
+    def __call__(self, input_ids, attention_mask=None) -> jax.Array:
+        """float32 logits [B, L, V] of token ids [B, L]; attention_mask [B, L] (1 real, 0 padding; None: all real)."""
+        return self.logits(self.hidden_states(input_ids, attention_mask))
 
     def logits(self, h_BxLxD) -> jax.Array:
         """float32 logits from final hidden states."""
         W_VxD = self.lm_head_weight().astype(h_BxLxD.dtype)
         return jnp.einsum("bld,vd->blv", h_BxLxD, W_VxD, preferred_element_type=jnp.float32)
 
-    def hidden_states(self, input_ids_BxL, attention_mask_BxL=None) -> jax.Array:
-        """Final-norm hidden states [B, L, D] in the compute dtype."""
-        h, _ = self._forward(input_ids_BxL, attention_mask_BxL, keep_kv=False)
-        return h
+    def hidden_states(self, input_ids, attention_mask=None) -> jax.Array:
+        """Final-norm hidden states [B, L, D] in the compute dtype, of ids [B, L] and mask [B, L] (as __call__)."""
+        h_BxLxD, _ = self._forward(input_ids, attention_mask, keep_kv=False)
+        return h_BxLxD
 
     def _rows_sharded(self, x_Bx___):
         """Pin an activation's rows to the batch mesh axes (data x fsdp), its other dims replicated. Without it
