@@ -4,6 +4,7 @@ Covers: every exploration mode runs and writes its metrics; resume gives exactly
 kill -9 mid-run and mid-save, then rerun the same command; a non-finite step is skipped with params unchanged;
 micro-batch accumulation equals one full batch; sharded equals unsharded; bad input fails before any compile.
 """
+import dataclasses
 import json
 import os
 import pathlib
@@ -181,9 +182,12 @@ def test_kill_9_mid_run_and_mid_save_then_resume(assets, tmp_path, reference):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     committed = lambda: ckpts.is_dir() and any(p.name.isdigit() and int(p.name) >= 2 for p in ckpts.iterdir())  # noqa: E731
     _kill_when(proc, committed)
-    # 3) rerun to the end: the metrics equal an uninterrupted in-process run
+    # 3) rerun to the end: it resumes from a committed checkpoint, and the metrics equal an uninterrupted run
+    committed_steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()]
+    assert committed_steps, "the mid-run kill left no committed checkpoint to resume from"
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from the checkpoint of step {max(committed_steps)}" in done.stdout, done.stdout[-2000:]
     _assert_same_metrics(read_metrics(out), reference["records"])
 
 
@@ -207,10 +211,12 @@ def test_nan_step_is_skipped_and_params_unchanged(step_parts):
     params = jax.tree.map(jnp.copy, trainer.params)
     opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
     before = jax.tree.map(np.asarray, params)
-    new_params, _, info = S.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
-                                   settings=trainer.settings, micro=2)
+    opt_before = jax.tree.map(np.asarray, opt_state)
+    new_params, new_opt_state, info = S.update(trainer.graphdef, params, opt_state, mini,
+                                               optimizer=trainer.optimizer, settings=trainer.settings, micro=2)
     assert int(info["skipped"]) == 1
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), before, new_params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), opt_before, new_opt_state)
 
 
 def test_micro_batch_accumulation_equals_one_batch(step_parts):
@@ -292,3 +298,76 @@ def test_micro_batches_are_strided_and_merge_back():
     assert split.shape == (3, 4)
     np.testing.assert_array_equal(np.asarray(split[0]), [0, 3, 6, 9])  # one row from every block of 3
     np.testing.assert_array_equal(np.asarray(S.merge_micro({"x": split})["x"]), np.arange(12))
+
+
+# ------------------------------------------------------------------------------------------ pieces of the step
+def test_reference_is_frozen_and_sharded_like_the_policy(assets, step_parts):
+    from g2rl_jax.model import load_pretrained
+
+    trainer, _ = step_parts  # one step has updated the policy in place
+    loaded = nnx.state(load_pretrained(str(assets["policy"]), "float32", mesh=trainer.mesh))
+    same_sharding = jax.tree.map(lambda r, p: r.sharding.is_equivalent_to(p.sharding, r.ndim), trainer.ref_params,
+                                 trainer.params)
+    assert all(jax.tree.leaves(same_sharding)), "reference params are not sharded like the policy"
+    jax.tree.map(lambda r, w: np.testing.assert_array_equal(np.asarray(r), np.asarray(w)), trainer.ref_params, loaded)
+    assert _max_change(jax.tree.map(np.asarray, trainer.ref_params), trainer.params) > 0, "the policy did not move"
+
+
+def test_filter_keeps_mixed_groups_keyed_on_correctness():
+    correct = np.array([1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1], bool)  # groups of 3: all right, all wrong, mixed x2
+    keep = S.group_keep_mask(correct, 3)
+    np.testing.assert_array_equal(keep, np.repeat([False, False, True, True], 3))
+
+
+def test_masked_rows_do_not_move_the_params(step_parts):
+    """What filtering relies on: rows whose response mask is zeroed contribute nothing, whatever their advantage."""
+    trainer, result = step_parts
+    outs = []
+    for adv_dropped in (0.0, 5.0):
+        mini = _mini(result)
+        drop_B = jnp.arange(mini["advantages"].shape[0]) < 4  # the first group
+        mini["batch"] = dataclasses.replace(result.batch, response_mask=result.batch.response_mask * ~drop_B[:, None])
+        mini["advantages"] = jnp.where(drop_B, adv_dropped, mini["advantages"])
+        params, opt_state = jax.tree.map(jnp.copy, trainer.params), jax.tree.map(jnp.copy, trainer.opt_state)
+        outs.append(S.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+                             settings=trainer.settings, micro=2)[0])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), *outs)
+
+
+def test_stage_errors_name_the_stage_and_shapes(step_parts):
+    from g2rl_jax.train.loop import stage
+
+    with pytest.raises(S.StageError, match=r"stage 'score' failed on inputs \[input_ids=\(8, 24\), "
+                                           r"rewards=\(8,\)\]: ValueError: boom"):
+        with stage("score", input_ids=np.zeros((8, 24)), rewards=np.zeros(8)):
+            raise ValueError("boom")
+    trainer, result = step_parts
+    with pytest.raises(S.StageError, match="batch of 8 responses is not a multiple of micro_batch_size=3"):
+        S.score(trainer.graphdef, trainer.params, result.batch, temperature=1.0, micro=3)
+    with pytest.raises(S.StageError, match=r"rewards has shape \(7,\), expected 8 rows like prompt_ids"):
+        b = result.batch
+        S.build_batch(np.zeros((8, 4)), np.ones((8, 4)), np.zeros((8, 2)), np.ones((8, 2)), np.zeros(7),
+                      np.zeros(8, bool), b.group_size)
+
+
+def test_learning_rate_schedule_warmup_then_cosine():
+    from g2rl_jax.config import OptimConfig
+
+    lr, w, total, a = 1e-3, 4, 20, 0.1
+    sched = S.learning_rate_schedule(OptimConfig(learning_rate=lr, warmup_steps=w, min_lr_ratio=a), total)
+    for t in range(0, 25):
+        d = min(t - w, total - w) / (total - w)
+        want = lr * t / w if t < w else lr * ((1 - a) * 0.5 * (1 + np.cos(np.pi * d)) + a)
+        np.testing.assert_allclose(float(sched(t)), want, rtol=1e-6, atol=1e-12, err_msg=f"update {t}")
+
+
+def test_gradients_are_clipped_to_max_grad_norm():
+    """b1 = b2 = 0 and eps = 1 make AdamW's step g / (|g| + 1): it sees the clipped gradient's scale."""
+    from g2rl_jax.config import OptimConfig
+
+    lr = 0.1
+    opt = S.make_optimizer(OptimConfig(learning_rate=lr, b1=0.0, b2=0.0, eps=1.0, weight_decay=0.0,
+                                       max_grad_norm=1.0), 10)
+    params = {"w": jnp.zeros(2)}
+    updates, _ = opt.update({"w": jnp.array([30.0, 40.0])}, opt.init(params), params)  # norm 50 -> [0.6, 0.8]
+    np.testing.assert_allclose(np.asarray(updates["w"]), -lr * np.array([0.6 / 1.6, 0.8 / 1.8]), rtol=1e-6)

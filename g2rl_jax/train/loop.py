@@ -37,7 +37,7 @@ from g2rl_jax.rewards import score_batch
 from g2rl_jax.rollout import generate
 from g2rl_jax.train import report
 from g2rl_jax.train import step as S
-from g2rl_jax.train.checkpoint import Checkpointer
+from g2rl_jax.train.checkpoint import Checkpointer, checkpoint_dir
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
 from g2rl_jax.train.setup import (build_mesh, embed_texts, on_mesh, preflight, resolve_model_paths, runtime_config,
                                   shard_rows, stop_token_ids, usable_examples)
@@ -329,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    trainer.resume()
+    start = trainer.resume()
+    if start and jax.process_index() == 0:
+        print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
     trainer.run()
     return 0
 
