@@ -32,6 +32,7 @@ def np_ppo(logp, old, adv, mask, clip_low, clip_high, dual_clip, agg, entropy, e
     loss_tok = np.zeros((B, L))
     low = np.zeros((B, L))
     high = np.zeros((B, L))
+    dual = np.zeros((B, L))
     for b in range(B):
         a = adv[b]
         for t in range(L):
@@ -39,6 +40,7 @@ def np_ppo(logp, old, adv, mask, clip_low, clip_high, dual_clip, agg, entropy, e
             ell = max(-a * rho, -a * min(max(rho, 1 - clip_low), 1 + clip_high))  # eq. grpo-obj, negated
             if dual_clip is not None and a < 0:
                 ell = min(ell, -a * dual_clip)
+                dual[b, t] = rho > dual_clip
             loss_tok[b, t] = ell
             low[b, t] = a < 0 and rho < 1 - clip_low
             high[b, t] = a > 0 and rho > 1 + clip_high
@@ -48,6 +50,8 @@ def np_ppo(logp, old, adv, mask, clip_low, clip_high, dual_clip, agg, entropy, e
     log_r = logp - old
     diag = {"pg_loss": np_agg(loss_tok, mask, agg), "clip_frac_low": mean(low), "clip_frac_high": mean(high),
             "approx_kl": mean(np.exp(log_r) - 1 - log_r), "entropy": mean(entropy), "kl": mean(kl)}
+    if dual_clip is not None:
+        diag["dual_clip_frac"] = mean(dual)
     return loss, diag
 
 
@@ -75,7 +79,7 @@ def test_kl_penalty_matches_numpy(batch, kind):
 
 
 @pytest.mark.parametrize("agg", losses.AGG_MODES)
-@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("dual_clip", [None, 1.5])  # 1.5: some A < 0 tokens of the fixture have ρ > 1.5
 def test_ppo_loss_matches_numpy(batch, agg, dual_clip):
     logp, old, adv, mask, entropy, ref = batch
     kwargs = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, agg=agg, entropy_coef=0.01, kl_coef=0.1)
@@ -87,6 +91,8 @@ def test_ppo_loss_matches_numpy(batch, agg, dual_clip):
         np.testing.assert_allclose(diag[key], value, atol=1e-5, rtol=1e-5, err_msg=key)
     assert 0 < float(diag["clip_frac_low"]) < 1 and 0 < float(diag["clip_frac_high"]) < 1
     assert ("dual_clip_frac" in diag) == (dual_clip is not None)
+    if dual_clip is not None:
+        assert 0 < float(diag["dual_clip_frac"]) < 1, "the dual clip never engaged: the test would not see a bug"
 
 
 def test_ppo_loss_bfloat16_inputs(batch):
