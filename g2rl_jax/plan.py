@@ -9,7 +9,8 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
     reference    a frozen copy of the parameters when algorithm.kl_coef > 0
     kv_cache     rollout K/V: the prompt prefix once per prompt plus the suffix per sample, layers x (P*S + P*m*T)
                  x kv_heads x head_dim x 2 x kv dtype, batch over (data, fsdp) and kv_heads over tensor
-    rollout_tmp  prefill attention scores (xla backend) and the decode step's [B, V] float32 logits
+    rollout_tmp  prefill attention scores (xla backend), the decode step's [B, V] float32 logits, and one layer's
+                 suffix K/V, which the decode attention reads as a slice of the stacked cache (XLA copies it)
     activations  one micro-batch of the update with model.remat: the layer-boundary activations [b, L, D] of every
                  layer, one layer's recomputed internals and their cotangents (attention scores [b, H, L, L] with
                  the xla backend), one layer's all-gathered weights, and the chunked [b, 64, V] logits of the loss
@@ -17,10 +18,12 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
 
 Peak = params + optimizer + reference + max(rollout: kv_cache + rollout_tmp, update: gradients + activations +
 batch). Shapes are the ones the code runs: prompt count, prompt length and max_new_tokens bucketed as in
-g2rl_jax.rollout.batching (the worst case: every response reaching the budget), L = S + T. `fits()` then tries TPU v5e/v5p/v6e and H100/H200 slices, every chip on the
-fsdp axis (the config's data and tensor sizes kept when they are explicit numbers), and reports the smallest that
+g2rl_jax.rollout.batching (the worst case: every response reaching the budget), L = S + T. `fits()` then
+tries TPU v5e/v5p/v6e and H100/H200 slices, fsdp filling each, with tensor-parallel sizes 1/2/4/8 when the config
+leaves mesh.tensor at 1 (its data size and other tensor sizes kept), and reports the smallest slice that
 holds the peak within USABLE_FRACTION of each chip's memory. tests/test_plan.py checks the update-phase estimate
-against XLA's compiled memory analysis of the real `train.step.update` on CPU for small configs (within 25%).
+against XLA's compiled memory analysis of the real `train.step.update`, and the rollout phase against the sampler's
+compiled prefill and decode, on CPU for small configs (within 25%).
 """
 from __future__ import annotations
 
@@ -242,7 +245,9 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
     m = cfg.rollout.num_samples
     rows_local = -(-p * m // batch_shards)
     prefill_scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, -(-p // batch_shards), s)
-    rollout_tmp = prefill_scores + 3 * rows_local * model.vocab_size * F32
+    suffix_kv = 2 * rows_local * t * model.num_key_value_heads * model.head_dim * nbytes(cfg.model.kv_cache_dtype)
+    layer_slice = suffix_kv // shards("kv_heads", mesh)  # one layer's suffix K and V, as decode_attention reads them
+    rollout_tmp = max(prefill_scores, layer_slice + 3 * rows_local * model.vocab_size * F32)
     mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
     notes = []
     b = micro_rows_per_device(cfg, mesh)
@@ -267,27 +272,38 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
     )
 
 
-def slice_mesh(cfg: Config, chips: int) -> Config:
-    """The config with the fsdp axis filling a slice of `chips` (explicit data/tensor sizes kept)."""
+TENSOR_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes fits() tries when the config leaves mesh.tensor at 1
+
+
+def slice_meshes(cfg: Config, chips: int) -> list[Config]:
+    """The config on a slice of `chips`, fsdp filling it: with the config's tensor size, or each of TENSOR_SIZES
+    when that is 1 (tensor parallelism splits the KV cache over KV heads, which fsdp alone cannot)."""
     from g2rl_jax.config import MeshConfig
 
     data = cfg.mesh.data if cfg.mesh.data != -1 else 1
     tensor = cfg.mesh.tensor if cfg.mesh.tensor != -1 else 1
-    return dataclasses.replace(cfg, mesh=MeshConfig(data=data, fsdp=-1, tensor=tensor))
+    tensors = TENSOR_SIZES if tensor == 1 else (tensor,)
+    return [dataclasses.replace(cfg, mesh=MeshConfig(data=data, fsdp=-1, tensor=t)) for t in tensors
+            if chips % (data * t) == 0]
 
 
 def fits(cfg: Config, model: Qwen3Config) -> list[tuple[Accelerator, int | None, Plan | None]]:
-    """For each accelerator, the smallest slice (chips) whose per-chip peak fits, and its plan (None: none fits)."""
+    """For each accelerator, the smallest slice (chips) on which some mesh of `slice_meshes` fits, with the plan of
+    least peak there (None, None: no slice tried fits)."""
     out = []
     for acc in ACCELERATORS:
         found = (acc, None, None)
         for chips in acc.chips:
-            try:
-                p = plan(slice_mesh(cfg, chips), model, chips)
-            except PlanError:
-                continue
-            if p.peak <= USABLE_FRACTION * acc.hbm_gib * GiB:
-                found = (acc, chips, p)
+            fitting = []
+            for candidate in slice_meshes(cfg, chips):
+                try:
+                    p = plan(candidate, model, chips)
+                except PlanError:
+                    continue
+                if p.peak <= USABLE_FRACTION * acc.hbm_gib * GiB:
+                    fitting.append(p)
+            if fitting:
+                found = (acc, chips, min(fitting, key=lambda p: p.peak))
                 break
         out.append(found)
     return out
@@ -331,7 +347,8 @@ def report(cfg: Config, model: Qwen3Config, source: str, devices: int) -> str:
     lines += [f"{'peak (rollout phase)':32s}{_gib(p.persistent + p.rollout_phase)}",
               f"{'peak (update phase)':32s}{_gib(p.persistent + p.update_phase)}",
               f"{'PEAK':32s}{_gib(p.peak)}", "",
-              f"smallest slice that fits (all chips on fsdp, {USABLE_FRACTION:.0%} of HBM usable):"]
+              f"smallest slice that fits ({USABLE_FRACTION:.0%} of HBM usable; fsdp fills the slice, tensor "
+              f"{'/'.join(map(str, TENSOR_SIZES))} tried when mesh.tensor is 1):"]
     for acc, chips, fp in fits(cfg, model):
         need = "does not fit in any slice tried" if chips is None else (
             f"{acc.label(chips):14s} {_gib(fp.peak).strip()} GiB/chip of {acc.hbm_gib} GiB, mesh {fp.mesh}")
