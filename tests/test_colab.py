@@ -23,3 +23,18 @@ def test_colab_notebook_executes(tmp_path, monkeypatch):
     assert "accuracy" in text and "novelty" in text and "grad_norm" in text
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
+
+
+def test_install_cell_in_colab_without_a_repo_says_what_to_set(tmp_path, monkeypatch):
+    """In Colab with no checkout and no REPO, the install cell stops with an error naming REPO / G2RL_REPO."""
+    import sys
+    import types
+
+    import pytest
+
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.delenv("G2RL_REPO", raising=False)
+    monkeypatch.chdir(tmp_path)
+    install = nbformat.read(ROOT / "launch" / "colab.ipynb", as_version=4).cells[1].source
+    with pytest.raises(ValueError, match="set REPO in this cell \\(or G2RL_REPO\\)"):
+        exec(compile(install, "colab install cell", "exec"), {})
