@@ -209,3 +209,14 @@ def test_score_batch_errors_name_the_problem():
         score_batch(["a", "b"], ["a"])
     with pytest.raises(ValueError, match="kind"):
         score_batch(["a"], ["a"], kind="code")
+
+
+def test_answers_found_marks_responses_without_an_answer():
+    from g2rl_jax.rewards import answers_found
+
+    math = answers_found(["so it is \\boxed{12}", "I am not sure what to do here", "the total is 7"], "math")
+    np.testing.assert_array_equal(math, [True, False, True])
+    choice = answers_found(["The answer is (C).", "hmm, the answer is a tricky one"], "choice")
+    np.testing.assert_array_equal(choice, [True, False])
+    with pytest.raises(ValueError, match="kind must be 'math' or 'choice'"):
+        answers_found(["x"], "code")

@@ -371,3 +371,21 @@ def test_gradients_are_clipped_to_max_grad_norm():
     params = {"w": jnp.zeros(2)}
     updates, _ = opt.update({"w": jnp.array([30.0, 40.0])}, opt.init(params), params)  # norm 50 -> [0.6, 0.8]
     np.testing.assert_allclose(np.asarray(updates["w"]), -lr * np.array([0.6 / 1.6, 0.8 / 1.8]), rtol=1e-6)
+
+
+def test_evol_invalid_responses_get_minus_one():
+    """exploration=evol: a response with no extractable answer is invalid, reward −1 whatever its embedding."""
+    from g2rl_jax.config import AlgorithmConfig
+
+    rng = np.random.default_rng(0)
+    correct = np.array([1, 1, 0, 0, 1, 0, 0, 1], bool)
+    batch = S.Batch(input_ids=jnp.zeros((8, 4), jnp.int32), attention_mask=jnp.ones((8, 4), jnp.int32),
+                    response_mask=jnp.ones((8, 2)), rewards=jnp.where(correct, 1.0, -1.0), correct=jnp.asarray(correct),
+                    group_size=4)
+    emb = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
+    valid = np.array([1, 1, 1, 0, 1, 1, 0, 1], bool)
+    algo = AlgorithmConfig(exploration="evol", embedding_model="unused")
+    shaped = np.asarray(S.advantages(batch, jnp.zeros((8, 3)), algo, emb, valid)["shaped_rewards"])
+    assert shaped[3] == -1.0 and shaped[6] == -1.0
+    everyone = np.asarray(S.advantages(batch, jnp.zeros((8, 3)), algo, emb)["shaped_rewards"])
+    assert not np.allclose(shaped, everyone), "the valid mask changed nothing"

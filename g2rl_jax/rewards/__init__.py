@@ -17,7 +17,7 @@ literals over 300 digits, powers over 2,000 digits, exponents over 1,000 and fac
 evaluates them; workers run with a 4 GiB address-space cap.
 
 Public API: `extract_boxed`, `extract_answer`, `normalize_answer`, `is_equivalent`, `math_reward`,
-`extract_choice`, `choice_reward`, `score_batch`. For maj@k, group responses by
+`extract_choice`, `choice_reward`, `score_batch`, `answers_found`. For maj@k, group responses by
 `normalize_answer(extract_answer(response))` (or merge groups with `is_equivalent`).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from g2rl_jax.rewards.bounded import get_pool
 from g2rl_jax.rewards.extract import extract_answer, extract_boxed, extract_choice
 from g2rl_jax.rewards.normalize import fast_number, normalize_answer
 
-__all__ = ["extract_boxed", "extract_answer", "normalize_answer", "is_equivalent", "math_reward",
+__all__ = ["answers_found", "extract_boxed", "extract_answer", "normalize_answer", "is_equivalent", "math_reward",
            "extract_choice", "choice_reward", "score_batch"]
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -78,6 +78,15 @@ def choice_reward(response: str, gold_letter: str) -> float:
     gold = _check_letter(gold_letter)
     num_choices = max(10, ord(gold) - ord("A") + 1)
     return 1.0 if extract_choice(response, num_choices=num_choices) == gold else -1.0
+
+
+def answers_found(responses: list[str], kind: str = "math") -> np.ndarray:
+    """bool [len(responses)]: whether a final answer can be extracted at all (the extraction `score_batch` uses).
+    The EVOL-RL baseline treats responses without one as invalid (reward −1, no novelty)."""
+    if kind not in ("math", "choice"):
+        raise ValueError(f"answers_found: kind must be 'math' or 'choice', got {kind!r}")
+    extract = extract_choice if kind == "choice" else extract_answer
+    return np.array([extract(r) is not None for r in responses], dtype=bool)
 
 
 def _canonical_pairs(responses: list[str], golds: list[str]) -> tuple[list, list[bool | None]]:

@@ -33,7 +33,7 @@ from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError, save_resolved
 from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
 from g2rl_jax.model import load_pretrained
-from g2rl_jax.rewards import score_batch
+from g2rl_jax.rewards import answers_found, score_batch
 from g2rl_jax.rollout import generate
 from g2rl_jax.train import report
 from g2rl_jax.train import step as S
@@ -181,12 +181,13 @@ class Trainer:
         if self.ref_params is not None:
             with stage("reference", input_ids=batch.input_ids):
                 ref = S.ref_logprobs(self.graphdef, self.ref_params, batch, temperature=temp, micro=micro)
-        embeddings = None
+        embeddings = valid = None
         if algo.exploration == "evol":
             with stage("embed", texts=texts):
                 embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh)
+                valid = shard_rows(answers_found(texts, examples[0].kind), self.mesh)
         with stage("advantages", phi=scores[2], rewards=batch.rewards):
-            signal = jax.block_until_ready(S.advantages(batch, scores[2], algo, embeddings))
+            signal = jax.block_until_ready(S.advantages(batch, scores[2], algo, embeddings, valid))
         t3 = time.perf_counter()
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
             info = self._update(batch, scores[0], ref, signal["advantages"])

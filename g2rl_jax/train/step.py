@@ -132,9 +132,11 @@ def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: i
     return _micro_map(one, batch, micro)
 
 
-def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None) -> dict[str, jax.Array]:
+def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None,
+               valid_B=None) -> dict[str, jax.Array]:
     """ν, shaped rewards and group advantages [B] for the configured exploration signal (eqs. novelty,
-    shaped-reward, grpo-adv); rewards are regrouped [G, m] and the group functions are vmapped over G."""
+    shaped-reward, grpo-adv); rewards are regrouped [G, m] and the group functions are vmapped over G.
+    evol only: embeddings_BxE from the embedding model, valid_B (default all) marks responses with an answer."""
     m = batch.group_size
     r_Gxm = batch.rewards.reshape(-1, m)
     if algo.exploration == "g2rl":
@@ -145,8 +147,9 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
             raise StageError("advantages: exploration=evol needs embeddings_BxE from the embedding model")
         nu_Gxm = jnp.full_like(r_Gxm, jnp.nan)
         correct_Gxm = batch.correct.reshape(-1, m)
+        valid_Gxm = jnp.ones_like(correct_Gxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m)
         shaped_Gxm = g2rl.embedding_novelty(embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]), correct_Gxm,
-                                            jnp.ones_like(correct_Gxm))
+                                            valid_Gxm)
     else:  # grpo and entropy_bonus shape nothing; the bonus lives in the loss
         nu_Gxm = jnp.full_like(r_Gxm, jnp.nan)
         shaped_Gxm = r_Gxm
