@@ -179,7 +179,7 @@ def test_cli_compares_a_model_dir_and_a_checkpoint(tiny):
 
     out = tiny["root"] / "out"
     rc = analyze.main(["--model-path", str(tiny["policy"]), "--checkpoint", str(tiny["run"]),
-                       "--dataset", str(tiny["data"]), "--problems", "2", "--samples", "4", "--temperature", "0",
+                       "--dataset", "demo", "--problems", "2", "--samples", "4", "--temperature", "0",
                        "--max-new-tokens", "8", "--batch-size", "2", "--micro-batch", "4", "--template", "plain",
                        "--embedding-model", str(tiny["embedder"]), "--bins", "10", "--out", str(out)])
     assert rc == 0
