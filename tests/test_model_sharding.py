@@ -108,3 +108,25 @@ def test_rules_reject_one_mesh_axis_twice_and_unknown_axes():
         ShardingRules((("heads", ("model",)),))
     with pytest.raises(ValueError, match=r"no rule for logical axis 'experts'"):
         rules.spec(("experts",))
+
+
+def test_load_reads_only_each_devices_slice(tmp_path, monkeypatch):
+    """load_pretrained reads each parameter slice by slice (what keeps a host of a multi-host job from ever holding
+    the whole model): on an 8-way fsdp mesh no read of a tensor with an `embed` axis exceeds 1/8 of it."""
+    from g2rl_jax.model import hf_io
+
+    path = make_tiny_qwen3_dir(tmp_path / "m")
+    reads = []
+    real = hf_io._read_slice
+
+    def spy(handle, name, n_in, ours, slices, dtype):
+        out = real(handle, name, n_in, ours, slices, dtype)
+        reads.append((name, out.size, int(np.prod(ours))))
+        return out
+
+    monkeypatch.setattr(hf_io, "_read_slice", spy)
+    load_pretrained(path, mesh=make_mesh(MeshConfig(data=1, fsdp=8, tensor=1)))
+    embed_sharded = [r for r in reads if not r[0].endswith("norm.weight")]  # norms stay replicated
+    assert embed_sharded and {r[0] for r in reads} >= {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"}
+    for name, got, full in embed_sharded:
+        assert got * 8 <= full, f"{name}: read {got} of {full} elements at once on an 8-way fsdp mesh"
