@@ -68,7 +68,12 @@ def test_run_without_metrics_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("semantic", [True, False])
-def test_geometry_figure(tmp_path, semantic):
+def test_geometry_figure(tmp_path, semantic, monkeypatch):
+    from matplotlib.colors import to_hex
+
+    figures = []
+    save = plot._save
+    monkeypatch.setattr(plot, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
     rng = np.random.default_rng(0)
     models = {}
     for label, shift in (("GRPO", 1.0), ("G2RL", 0.2)):
@@ -77,6 +82,16 @@ def test_geometry_figure(tmp_path, semantic):
         models[label] = geometry_stats(cos, sem)
     out = plot.geometry_figure(models, tmp_path / f"geometry_{semantic}.png", title="test")
     _assert_png(out, 15, 4.2)
+    left, middle, right = figures[0].axes  # the paper's three panels
+    assert "gradient" in left.get_title() and "semantic" in middle.get_title() and "negative" in right.get_title()
+    bar_colours = [to_hex(bar.get_facecolor()) for bar in right.patches]
+    assert len(set(bar_colours)) == 2, "one colour per model"
+    assert [t.get_text() for t in right.get_xticklabels()] == ["GRPO", "G2RL"]
+    np.testing.assert_allclose([bar.get_height() for bar in right.patches],
+                               [100 * models[m]["negative_pair_ratio"] for m in ("GRPO", "G2RL")])
+    for ax in (left, middle) if semantic else (left,):  # each model's histogram in that model's colour
+        lines = {line.get_label(): to_hex(line.get_edgecolor()) for line in ax.patches if line.get_label() in models}
+        assert lines == dict(zip(("GRPO", "G2RL"), bar_colours)), ax.get_title()
 
 
 def test_empty_inputs_are_errors(tmp_path):
