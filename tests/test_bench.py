@@ -1,0 +1,32 @@
+"""`python -m g2rl_jax.bench NAME` smoke runs at tiny sizes: each benchmark the README quotes still runs and prints
+the figures it is quoted for (the figures themselves are measured, never asserted)."""
+import pytest
+
+from g2rl_jax.bench.__main__ import main
+
+CASES = {
+    "score": (["--batch", "2", "--length", "64", "--dim", "32", "--vocab", "512", "--chunk", "16", "--repeats", "1",
+               "--grad-repeats", "1"], ["(a)", "(b)", "(c)"]),
+    "forward": (["--layers", "1", "--hidden", "64", "--vocab", "512", "--batch", "2", "--seq", "16", "--iters", "1"],
+                ["tokens/s", "compile"]),
+    "rollout": (["--vocab", "512", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2",
+                 "--kv-heads", "1", "--head-dim", "32", "--prompts", "2", "--samples", "2", "--prompt-len", "8",
+                 "--new-tokens", "4", "--repeats", "1"], ["tokens/s", "compile", "prefill FLOPs"]),
+    "update": (["--preset", "tiny", "--rows", "4", "--prompt-len", "8", "--response-len", "8", "--iters", "1"],
+               ["update s", "tokens/s", "MFU"]),
+    "verify": (["--n", "12", "--latency-n", "4"], ["checks/s/core", "worst-case time of one check"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_benchmark_runs_and_prints_its_figures(name, capsys):
+    argv, needles = CASES[name]
+    assert main([name, *argv]) == 0
+    out = capsys.readouterr().out
+    for needle in needles:
+        assert needle in out, (name, needle, out[-2000:])
+
+
+def test_unknown_benchmark_lists_the_known_ones(capsys):
+    assert main(["nope"]) == 2
+    assert "choose one of" in capsys.readouterr().err
