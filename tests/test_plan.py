@@ -111,15 +111,20 @@ XLA_CASES = {
 }
 
 
-def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
-    """Per-device bytes XLA assigns to the compiled update: arguments + outputs − donated aliases + temporaries."""
+def _sharded_model(cfg, model: Qwen3Config, devices: int):
+    """(mesh sizes, mesh, graphdef, params) of a randomly initialised model placed as the plan assumes."""
     sizes = P.resolve_mesh(cfg, devices)
     mesh = parallel.make_mesh(parallel.MeshConfig(**sizes), jax.devices()[:devices])
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat, attention=cfg.model.attention,
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
-    graphdef, params = nnx.split(parallel.create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh),
-                                                         mesh))
+    module = parallel.create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh), mesh)
+    return (sizes, mesh, *nnx.split(module))
+
+
+def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
+    """Per-device bytes XLA assigns to the compiled update: arguments + outputs − donated aliases + temporaries."""
+    sizes, mesh, graphdef, params = _sharded_model(cfg, model, devices)
     optimizer = S.make_optimizer(cfg.optim, 10)
     opt_state = jax.jit(optimizer.init)(params)
     _, _, s, t = P.kv_cache_bytes(cfg, model, sizes)
@@ -158,13 +163,7 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     from g2rl_jax.rollout import engine
     from g2rl_jax.rollout.sampling import spec_for
 
-    sizes = P.resolve_mesh(cfg, devices)
-    mesh = parallel.make_mesh(parallel.MeshConfig(**sizes), jax.devices()[:devices])
-    runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-                            remat=cfg.model.remat, attention=cfg.model.attention,
-                            kv_cache_dtype=cfg.model.kv_cache_dtype)
-    graphdef, state = nnx.split(parallel.create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh),
-                                                        mesh))
+    sizes, mesh, graphdef, state = _sharded_model(cfg, model, devices)
     _, p, s, t = P.kv_cache_bytes(cfg, model, sizes)
     m, kvh = cfg.rollout.num_samples, model.num_key_value_heads
     ids = jax.device_put(jnp.ones((p, s), jnp.int32), engine.batch_sharding(mesh, 2))
