@@ -163,6 +163,11 @@ def nbytes(name: str) -> int:
     return np.dtype(DTYPES[name]).itemsize
 
 
+def kv_token_bytes(cfg: Config, model: Qwen3Config) -> int:
+    """K and V of one token in one layer, all KV heads, in the KV-cache dtype."""
+    return 2 * model.num_key_value_heads * model.head_dim * nbytes(cfg.model.kv_cache_dtype)
+
+
 def kv_cache_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> tuple[int, int, int, int]:
     """(bytes per device, P, S, T): prefix K/V once per prompt + suffix K/V per sample, bucketed as the sampler."""
     batch_shards = shards("batch", mesh)
@@ -170,8 +175,7 @@ def kv_cache_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> tup
     s = bucket(cfg.data.max_prompt_tokens, MIN_PROMPT_BUCKET)
     t = new_tokens_bucket(cfg.rollout.max_new_tokens)
     rows = p * s + p * cfg.rollout.num_samples * t
-    per_row = 2 * model.num_key_value_heads * model.head_dim * nbytes(cfg.model.kv_cache_dtype)
-    total = model.num_hidden_layers * rows * per_row // (batch_shards * shards("kv_heads", mesh))
+    total = model.num_hidden_layers * rows * kv_token_bytes(cfg, model) // (batch_shards * shards("kv_heads", mesh))
     return total, p, s, t
 
 
@@ -245,8 +249,8 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
     m = cfg.rollout.num_samples
     rows_local = -(-p * m // batch_shards)
     prefill_scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, -(-p // batch_shards), s)
-    suffix_kv = 2 * rows_local * t * model.num_key_value_heads * model.head_dim * nbytes(cfg.model.kv_cache_dtype)
-    layer_slice = suffix_kv // shards("kv_heads", mesh)  # one layer's suffix K and V, as decode_attention reads them
+    # one layer's suffix K and V, which the decode attention reads as a (copied) slice of the stacked cache
+    layer_slice = rows_local * t * kv_token_bytes(cfg, model) // shards("kv_heads", mesh)
     rollout_tmp = max(prefill_scores, layer_slice + 3 * rows_local * model.vocab_size * F32)
     mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
     notes = []

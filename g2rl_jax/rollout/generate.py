@@ -112,7 +112,7 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
     decode_steps = int(outs[4])  # the longest completion over the global batch: the same on every process
-    width = min(batching.new_tokens_bucket(max(decode_steps, 1)), sizes.new_tokens)
+    width = min(batching.new_tokens_bucket(decode_steps), sizes.new_tokens)  # decode_steps >= 1: token 0 is drawn
     tokens_BxT, logprobs_BxT = (parallel.gather(x)[rows, :width] for x in outs[:2])
     lengths_B, stopped_B = (parallel.gather(x)[rows] for x in outs[2:4])
     sample_prompt_B = np.repeat(np.arange(len(prompts)), num_samples)[rows]
