@@ -12,6 +12,22 @@ Where things live, in the order one RL step uses them:
   parallel.py  device mesh and the logical-axis → mesh-axis table
   eval.py    pass@k, maj@k, the evaluation CLI
   bench/     python -m g2rl_jax.bench NAME: the measured figures the README quotes
+
+Shape letters. An array's name ends in its shape, e.g. `logp_BxT` is [B, T]; einsum strings use the same letters
+in lower case. This is the one legend; every module uses it.
+
+  B  rows of a batch: responses / samples (B = P·m, group-major: prompt p's samples are rows p·m … p·m+m−1)
+  P  prompts; a group is one prompt's m responses, so group arrays are [P, m]
+  m  group size, the samples per prompt (rollout.num_samples)
+  S  prompt positions (left-padded)          T  response positions (right-padded)
+  L  positions of a whole sequence (S + T for a joined prompt and response)
+  C  positions in one chunk of a sequence    Q  chunks of a sequence (L / C)
+  D  model width (hidden size)               V  vocabulary
+  E  embedding width (EVOL-RL's encoder)     F  MLP width
+  H  query heads     G  key/value heads     R  query heads per key/value head (H / G)     K  head dim
+  N  decoder layers                          A  processes (hosts)
+  W  width of a packed host row              Z  stop token ids
+  J  variants of one demo SFT example
 """
 
 __version__ = "0.1.0"

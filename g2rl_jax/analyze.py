@@ -197,7 +197,7 @@ def sample_group_features(model, tokenizer, examples, template: str, sampling: S
     from g2rl_jax.data import encode_prompts
     from g2rl_jax.rewards import score_batch
     from g2rl_jax.rollout import generate
-    from g2rl_jax.train import step as S
+    from g2rl_jax.train import step as train_step
     from g2rl_jax.train.setup import shard_rows, stop_token_ids
 
     m = sampling.samples
@@ -210,11 +210,11 @@ def sample_group_features(model, tokenizer, examples, template: str, sampling: S
                            seed=sampling.seed + start, mesh=mesh)
         chunk_texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rewards = score_batch(chunk_texts, [ex.answer for ex in chunk for _ in range(m)], kind=chunk[0].kind)
-        batch = S.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
-                              rollout.completion_mask_BxT, rewards, rewards > 0, m)
+        batch = train_step.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
+                                       rollout.completion_mask_BxT, rewards, rewards > 0, m)
         batch = batch if mesh is None else shard_rows(batch, mesh)
-        _, _, phi_BxD = S.score(graphdef, params, batch, temperature=sampling.temperature or 1.0,
-                                micro=sampling.micro_batch)  # T = 0 (greedy) scores at T = 1, as the trainer
+        phi_BxD = train_step.score(graphdef, params, batch, temperature=sampling.temperature or 1.0,
+                                   micro=sampling.micro_batch).phi_BxD  # T = 0 (greedy) scores at T = 1, as the trainer
         rows = real * m
         phis.append(np.asarray(phi_BxD, np.float64)[:rows])
         texts += chunk_texts[:rows]
@@ -313,12 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from g2rl_jax.config import MeshConfig, ModelConfig
     from g2rl_jax.model import load_pretrained
+    from g2rl_jax.parallel import make_mesh
     from g2rl_jax.plot import geometry_figure
-    from g2rl_jax.train.setup import build_mesh
 
     sources = model_sources(args)
     examples = draw_problems(args.dataset, args.problems, args.seed)
-    mesh = build_mesh(MeshConfig())  # all devices, fsdp-sharded params, batch split over them (as the trainer)
+    mesh = make_mesh(MeshConfig())  # all devices, fsdp-sharded params, batch split over them (as the trainer)
     rows_per_call = args.batch_size * args.samples
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if rows_per_call % shards:

@@ -62,7 +62,9 @@ class ModelConfig:
     path: str = _f(_REQUIRED, "local Hugging Face directory of the policy (config.json, *.safetensors, tokenizer)")
     param_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the trained parameters")
     compute_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of activations and matmuls")
-    remat: Literal["none", "full"] = _f("full", "rematerialise each decoder layer in the backward pass")
+    remat: Literal["none", "full", "dots"] = _f(
+        "full", "rematerialise each decoder layer in the backward pass: none, full (recompute all), dots (keep "
+        "matmul outputs, recompute the rest)")
     attention: Literal["auto", "xla", "cudnn", "splash"] = _f(
         "auto", "attention kernel: auto (splash on TPU, cudnn on GPU, xla on CPU), xla, cudnn (GPU), splash (TPU)")
     kv_cache_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of the rollout KV cache")

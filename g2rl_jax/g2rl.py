@@ -5,12 +5,13 @@ Token pass (batched over B sequences; one chunked scan, never the full [B, L, V]
   token_stats     log-probs, entropies and the sequence gradient feature Φ in the same pass (eqs.
                   head-softmax, token-grad, token-feature, seq-feature, efficient). Φ is built in vocab space:
                   Φ = (Σ_t α̃_t (e(y_t) − p_t)) · W, one [V]·[V, D] product per sequence (DESIGN.md).
-Group equations (each a `jax.vmap` over groups G of a per-group function on m responses):
+Group equations (each a `jax.vmap` over the P groups, one per prompt, of a per-group function on m responses):
   novelty            eqs. cosine, weights, novelty: ν ∈ [0, 1].
   shape_rewards      eqs. scale, shaped-reward and the clip to ±c ("text" or "literal" reading, see below).
   group_advantages   eq. grpo-adv, population variance.
   embedding_novelty  the EVOL-RL baseline: shaped rewards from an external embedding model's vectors.
 The entropy-bonus baseline lives in `g2rl_jax.losses.ppo_loss(entropy=..., entropy_coef=...)`.
+Shape letters (B, P, m, L, C, Q, V, D, ...) are those of the legend in `g2rl_jax`'s docstring.
 """
 import functools
 
@@ -60,9 +61,9 @@ def _to_chunks(x_BxL, chunk):
     return jnp.moveaxis(x_BxL.reshape(b, l // chunk, chunk, *x_BxL.shape[2:]), 1, 0)
 
 
-def _from_chunks(x_NxBxC):
-    n, b, c = x_NxBxC.shape[:3]
-    return jnp.moveaxis(x_NxBxC, 0, 1).reshape(b, n * c, *x_NxBxC.shape[3:])
+def _from_chunks(x_QxBxC):
+    n, b, c = x_QxBxC.shape[:3]
+    return jnp.moveaxis(x_QxBxC, 0, 1).reshape(b, n * c, *x_QxBxC.shape[3:])
 
 
 def _chunk_logits(h_BxCxD, w_VxD, temperature):
@@ -217,9 +218,9 @@ def token_stats(hidden, lm_head, targets, mask, *, temperature=1.0, chunk_size=D
 # ------------------------------------------------------------------------------------------ group equations
 def _check_group(name, x, ndim, like=None):
     if x.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dims ([G, m{', D' if ndim == 3 else ''}]); got shape {x.shape}")
+        raise ValueError(f"{name} must have {ndim} dims ([P, m{', D' if ndim == 3 else ''}]); got shape {x.shape}")
     if like is not None and x.shape[:2] != like.shape[:2]:
-        raise ValueError(f"{name} must share [G, m] = {like.shape[:2]} with its partner array; got shape {x.shape}")
+        raise ValueError(f"{name} must share [P, m] = {like.shape[:2]} with its partner array; got shape {x.shape}")
 
 
 def _novelty_group(phi_mxD, r_m):
@@ -236,7 +237,7 @@ def _novelty_group(phi_mxD, r_m):
 
 
 def novelty(phi, rewards):
-    """ν [G, m] from sequence features phi [G, m, D] and base rewards [G, m] (eqs. cosine, weights, novelty).
+    """ν [P, m] from sequence features phi [P, m, D] and base rewards [P, m] (eqs. cosine, weights, novelty).
 
     A group of one has no peers and gets ν = 1; a zero feature has Φ̂ = 0, so ν = 1 and no NaN.
     """
@@ -259,7 +260,7 @@ def _shape_group(r_m, nu_m, lam, clip, mode):
 
 
 def shape_rewards(rewards, nu, *, lam=0.5, clip=3.0, mode="text"):
-    """Shaped rewards r̃ [G, m] (eqs. scale, shaped-reward, clip to ±c); ν̄ = min–max of ν within the group.
+    """Shaped rewards r̃ [P, m] (eqs. scale, shaped-reward, clip to ±c); ν̄ = min–max of ν within the group.
 
     mode="text" (default): r̃ = clip(r (1 + λ ν̄), ±c), the paper's prose: novelty boosts a correct answer and
     amplifies the penalty of a wrong one. mode="literal": f = 1 + λ r ν̄ read as written, r̃ = clip(r + λ r² ν̄),
@@ -284,7 +285,7 @@ def _advantages_group(r_m):
 
 
 def group_advantages(rewards):
-    """A [G, m] = (r − mean) / sqrt(var + 1e-6) within each group (eq. grpo-adv)."""
+    """A [P, m] = (r − mean) / sqrt(var + 1e-6) within each group (eq. grpo-adv)."""
     _check_group("rewards", rewards, 2)
     return jax.vmap(_advantages_group)(rewards)
 
@@ -316,7 +317,7 @@ def _embedding_novelty_group(emb_mxE, correct_m, valid_m):
 
 
 def embedding_novelty(embeddings, correct, valid):
-    """EVOL-RL baseline: shaped rewards [G, m] from response embeddings [G, m, E] (external embedding model).
+    """EVOL-RL baseline: shaped rewards [P, m] from response embeddings [P, m, E] (external embedding model).
 
     Among valid responses S_ij = clip(cos(e_i, e_j), 0, 1); u_i = 1 − (½·mean of S_ij over the other members of
     i's correctness set + ½·max_{j≠i} S_ij); ũ = min–max of u within the correctness set; reward 0.5 + 0.5 ũ if

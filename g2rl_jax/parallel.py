@@ -4,14 +4,14 @@ Every `nnx.Param` carries the logical names of its axes (metadata `out_sharding`
 "heads", "head_dim")); `ShardingRules` maps each logical name to mesh axes, so all parameter shardings follow
 from that one table:
 
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))   # config.MeshConfig; an axis of -1 takes the rest
     model = create_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), mesh=mesh), mesh)   # initialised in place;
     # mesh= in the model pins activations to rows over (data, fsdp), so fsdp all-gathers weights per layer
     ids = jax.device_put(ids_BxL, batch_sharding(mesh))
 
-Checks, each with both numbers in the message: the mesh must use exactly the available devices; a sharded
-parameter dimension (heads, kv_heads, vocab, mlp, embed, ...) must be divisible by its mesh axes' size; two
-dimensions of one array must not map to the same mesh axis.
+Checks, each with both numbers in the message: the mesh must use exactly the available devices (ConfigError);
+a sharded parameter dimension (heads, kv_heads, vocab, mlp, embed, ...) must be divisible by its mesh axes' size;
+two dimensions of one array must not map to the same mesh axis.
 
 Multi-host: `initialize_distributed(cfg.distributed)` starts `jax.distributed` (explicit coordinator/num_processes/
 process_id, or auto-detected on a Cloud TPU VM) before anything touches the devices. A batch is then a global
@@ -37,37 +37,33 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from g2rl_jax.config import ConfigError, MeshConfig
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshConfig:
-    """Mesh shape: data parallel x fully-sharded data parallel x tensor parallel."""
-
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-
-    def __post_init__(self):
-        for axis in MESH_AXES:
-            size = getattr(self, axis)
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"MeshConfig.{axis} must be a positive int, got {size!r}")
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+def mesh_sizes(config: MeshConfig, num_devices: int) -> dict[str, int]:
+    """{data, fsdp, tensor} sizes of config `mesh` on `num_devices` devices, an axis of -1 taking all the rest;
+    a ConfigError names both numbers when they do not fit."""
+    sizes = {axis: getattr(config, axis) for axis in MESH_AXES}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if -1 in sizes.values():
+        if num_devices % fixed:
+            raise ConfigError(f"mesh {sizes}: the fixed axes multiply to {fixed}, which does not divide the "
+                              f"{num_devices} devices; choose axis sizes whose product divides {num_devices}")
+        sizes = {k: num_devices // fixed if v == -1 else v for k, v in sizes.items()}
+    elif fixed != num_devices:
+        raise ConfigError(f"mesh {sizes} needs {fixed} devices, but there are {num_devices}; "
+                          f"choose data*fsdp*tensor = {num_devices} or set one axis to -1")
+    return sizes
 
 
 def make_mesh(config: MeshConfig, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all); their number must equal the mesh size."""
+    """A (data, fsdp, tensor) mesh over `devices` (default: all) of config `mesh` (-1 = all remaining devices)."""
     devices = jax.devices() if devices is None else list(devices)
-    size = math.prod(config.shape)
-    if size != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, config.shape))} needs {size} devices, but there are "
-                         f"{len(devices)}; choose data*fsdp*tensor = {len(devices)}")
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagates shardings from params/inputs
-    return jax.make_mesh(config.shape, MESH_AXES, axis_types=auto, devices=devices)
+    shape = tuple(mesh_sizes(config, len(devices)).values())
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
 @dataclasses.dataclass(frozen=True)

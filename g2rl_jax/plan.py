@@ -39,7 +39,7 @@ import numpy as np
 from g2rl_jax.config import Config, ConfigError, load_config
 from g2rl_jax.g2rl import DEFAULT_CHUNK
 from g2rl_jax.model.config import DTYPES, PRESETS, Qwen3Config, RuntimeConfig
-from g2rl_jax.parallel import DEFAULT_RULES, MESH_AXES
+from g2rl_jax.parallel import DEFAULT_RULES, mesh_sizes
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket, new_tokens_bucket
 
 GiB = 2**30
@@ -111,18 +111,11 @@ class Plan:
 
 # ------------------------------------------------------------------------------------------------ the mesh
 def resolve_mesh(cfg: Config, devices: int) -> dict[str, int]:
-    """Mesh sizes for `devices` devices (-1 fills); PlanError names both numbers when they do not divide."""
-    sizes = {axis: getattr(cfg.mesh, axis) for axis in MESH_AXES}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    if -1 in sizes.values():
-        if devices % fixed:
-            raise PlanError(f"mesh {sizes}: the fixed axes multiply to {fixed}, which does not divide the {devices} "
-                            f"devices; choose axis sizes whose product divides {devices}")
-        sizes = {k: devices // fixed if v == -1 else v for k, v in sizes.items()}
-    elif fixed != devices:
-        raise PlanError(f"mesh {sizes} needs {fixed} devices, but there are {devices}; "
-                        f"choose data*fsdp*tensor = {devices} or set one axis to -1")
-    return sizes
+    """Mesh sizes for `devices` devices (parallel.mesh_sizes: -1 fills); PlanError names both numbers."""
+    try:
+        return mesh_sizes(cfg.mesh, devices)
+    except ConfigError as err:
+        raise PlanError(str(err)) from err
 
 
 def shards(logical: str | None, mesh: dict[str, int]) -> int:

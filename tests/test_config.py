@@ -183,3 +183,26 @@ def test_parse_cli(minimal):
     assert cfg.run.total_steps == 10 and cfg.algorithm.exploration == "grpo"
     with pytest.raises(C.ConfigError, match="--config FILE"):
         C.parse_cli(["run.total_steps=10"])
+
+
+def test_model_group_offers_what_the_model_supports():
+    """model.remat and model.attention take exactly the values RuntimeConfig accepts (no more, no fewer)."""
+    import typing
+
+    from g2rl_jax.model.config import ATTENTION_BACKENDS, REMAT_POLICIES
+
+    hints = typing.get_type_hints(C.ModelConfig)
+    assert set(typing.get_args(hints["remat"])) == set(REMAT_POLICIES)
+    assert set(typing.get_args(hints["attention"])) == set(ATTENTION_BACKENDS)
+
+
+def test_mesh_minus_one_fills_and_wrong_sizes_name_both_numbers():
+    from g2rl_jax.parallel import mesh_sizes
+
+    assert C.MeshConfig() == C.MeshConfig(data=1, fsdp=-1, tensor=1)
+    assert mesh_sizes(C.MeshConfig(), 8) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert mesh_sizes(C.MeshConfig(data=2, fsdp=2, tensor=-1), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    with pytest.raises(C.ConfigError, match="the fixed axes multiply to 3, which does not divide the 8 devices"):
+        mesh_sizes(C.MeshConfig(data=3), 8)
+    with pytest.raises(C.ConfigError, match="needs 4 devices, but there are 8"):
+        mesh_sizes(C.MeshConfig(data=2, fsdp=2), 8)

@@ -12,6 +12,8 @@ from flax import nnx
 
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, load_pretrained
 from g2rl_jax.model import attention as attn
+from g2rl_jax.model import config as model_config
+from g2rl_jax.model.config import resolve_attention
 from g2rl_jax.model.qwen3 import positions_from_mask, rms_norm, rope
 from hf_tiny import make_tiny_qwen3_dir
 
@@ -167,7 +169,7 @@ def test_cudnn_attention_matches_numpy_on_gpu():
     q, k, v, mask = _qkv_mask(seed=11, B=2, L=128, H=4, G=2, K=64)
     mask[1, :40] = 0
     q, k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (q, k, v))
-    assert attn.resolve_backend("cudnn") == "cudnn"
+    assert resolve_attention("cudnn", jnp.bfloat16) == "cudnn"
     out = attn.attention(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), jnp.asarray(mask), "cudnn")
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(out, np.float64)[real], _np_attention(q, k, v, mask)[real],
@@ -330,11 +332,28 @@ def test_presets_match_published_sizes():
 
 def test_backend_falls_back_to_xla_with_one_warning(caplog):
     absent = "splash" if jax.default_backend() == "gpu" else "cudnn"  # a backend whose hardware is not here
-    attn._warned.clear()
-    with caplog.at_level(logging.WARNING, logger=attn.__name__):
-        assert attn.resolve_backend(absent) == "xla"
-        assert attn.resolve_backend(absent) == "xla"
+    model_config._warned.clear()
+    with caplog.at_level(logging.WARNING, logger=model_config.__name__):
+        assert resolve_attention(absent, jnp.bfloat16) == "xla"
+        assert resolve_attention(absent, jnp.bfloat16) == "xla"
     assert len([r for r in caplog.records if absent in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("requested, dtype, platform, kernel", [
+    ("auto", "bfloat16", "tpu", "splash"), ("auto", "float32", "tpu", "splash"),
+    ("auto", "bfloat16", "gpu", "cudnn"), ("auto", "float32", "gpu", "xla"),   # cuDNN has no float32 kernel
+    ("auto", "bfloat16", "cpu", "xla"), ("xla", "bfloat16", "tpu", "xla"),
+    ("cudnn", "bfloat16", "gpu", "cudnn"), ("splash", "float32", "tpu", "splash"),
+    ("cudnn", "bfloat16", "tpu", "xla"), ("splash", "bfloat16", "gpu", "xla"),  # hardware absent: fall back
+])
+def test_resolve_attention_decides_every_case(requested, dtype, platform, kernel):
+    assert resolve_attention(requested, dtype, platform) == kernel
+
+
+def test_resolve_attention_rejects_cudnn_without_bfloat16_everywhere():
+    for platform in ("cpu", "gpu", "tpu"):
+        with pytest.raises(ValueError, match="needs compute_dtype='bfloat16'"):
+            resolve_attention("cudnn", jnp.float32, platform)
 
 
 def test_splash_backend_model_falls_back_on_cpu(tiny):

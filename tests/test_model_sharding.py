@@ -10,8 +10,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, load_pretrained
-from g2rl_jax.parallel import (DEFAULT_RULES, MeshConfig, ShardingRules, batch_sharding, create_sharded,
-                               make_mesh, state_shardings)
+from g2rl_jax.config import MeshConfig
+from g2rl_jax.parallel import DEFAULT_RULES, ShardingRules, batch_sharding, create_sharded, make_mesh, state_shardings
 from hf_tiny import make_tiny_qwen3_dir
 
 CFG = PRESETS["tiny"]  # 4 heads, 2 KV heads: both divide tensor=2

@@ -12,7 +12,7 @@ from g2rl_jax import plan as P
 from g2rl_jax.config import load_config
 from g2rl_jax.model.config import PRESETS, Qwen3Config, RuntimeConfig
 from g2rl_jax.model.qwen3 import Qwen3
-from g2rl_jax.train import step as S
+from g2rl_jax.train import step as train_step
 
 PAPER_1P7B = "configs/qwen3_1p7b_g2rl.yaml"
 
@@ -114,7 +114,7 @@ XLA_CASES = {
 def _sharded_model(cfg, model: Qwen3Config, devices: int):
     """(mesh sizes, mesh, graphdef, params) of a randomly initialised model placed as the plan assumes."""
     sizes = P.resolve_mesh(cfg, devices)
-    mesh = parallel.make_mesh(parallel.MeshConfig(**sizes), jax.devices()[:devices])
+    mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:devices])
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat, attention=cfg.model.attention,
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
@@ -125,7 +125,7 @@ def _sharded_model(cfg, model: Qwen3Config, devices: int):
 def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     """Per-device bytes XLA assigns to the compiled update: arguments + outputs − donated aliases + temporaries."""
     sizes, mesh, graphdef, params = _sharded_model(cfg, model, devices)
-    optimizer = S.make_optimizer(cfg.optim, 10)
+    optimizer = train_step.make_optimizer(cfg.optim, 10)
     opt_state = jax.jit(optimizer.init)(params)
     _, _, s, t = P.kv_cache_bytes(cfg, model, sizes)
     rows = cfg.algorithm.mini_batch_size
@@ -133,14 +133,14 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     def put(shape, dtype):
         return jax.device_put(jnp.zeros(shape, dtype), parallel.batch_sharding(mesh, ndim=len(shape)))
 
-    batch = S.Batch(input_ids=put((rows, s + t), jnp.int32), attention_mask=put((rows, s + t), jnp.int32),
-                    response_mask=put((rows, t), jnp.float32), rewards=put((rows,), jnp.float32),
-                    correct=put((rows,), jnp.bool_), group_size=cfg.rollout.num_samples)
-    mini = {"batch": batch, "old_logp": put((rows, t), jnp.float32), "ref_logp": put((rows, t), jnp.float32),
-            "advantages": put((rows,), jnp.float32)}
-    settings = S.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
-    compiled = S.update.lower(graphdef, params, opt_state, mini, optimizer=optimizer, settings=settings,
-                              micro=cfg.algorithm.micro_batch_size).compile()
+    batch = train_step.Batch(input_ids=put((rows, s + t), jnp.int32), attention_mask=put((rows, s + t), jnp.int32),
+                             response_mask=put((rows, t), jnp.float32), rewards=put((rows,), jnp.float32),
+                             correct=put((rows,), jnp.bool_), group_size=cfg.rollout.num_samples)
+    mini = train_step.MiniBatch(batch, old_logp_BxT=put((rows, t), jnp.float32),
+                                ref_logp_BxT=put((rows, t), jnp.float32), advantages_B=put((rows,), jnp.float32))
+    settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
+    compiled = train_step.update.lower(graphdef, params, opt_state, mini, optimizer=optimizer, settings=settings,
+                                       micro=cfg.algorithm.micro_batch_size).compile()
     stats = compiled.memory_analysis()
     return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
             + stats.temp_size_in_bytes)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 from hf_tiny import make_tiny_qwen3_dir
 from g2rl_jax.model import RuntimeConfig, load_pretrained
-from g2rl_jax.parallel import MeshConfig, make_mesh
+from g2rl_jax.config import MeshConfig
+from g2rl_jax.parallel import make_mesh
 from g2rl_jax.rollout import engine, generate
 from g2rl_jax.rollout.batching import bucket, new_tokens_bucket
 from g2rl_jax.rollout.sampling import SamplerSpec, categorical, sample_tokens

@@ -21,7 +21,7 @@ from flax import nnx
 
 from g2rl_jax.config import ConfigError, load_config
 from g2rl_jax.demo.tokenizer import make_tokenizer
-from g2rl_jax.train import step as S
+from g2rl_jax.train import step as train_step
 from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
 from hf_tiny import make_tiny_qwen3_dir
@@ -199,21 +199,21 @@ def step_parts(assets, tmp_path_factory):
     return trainer, result
 
 
-def _mini(result):
-    return {"batch": result.batch, "old_logp": result.scores[0], "ref_logp": result.scores[0],
-            "advantages": result.signal["advantages"]}
+def _mini(result, **changes) -> train_step.MiniBatch:
+    mini = train_step.MiniBatch(result.batch, old_logp_BxT=result.scores.logp_BxT, ref_logp_BxT=result.scores.logp_BxT,
+                                advantages_B=result.signal["advantages"])
+    return dataclasses.replace(mini, **changes)
 
 
 def test_nan_step_is_skipped_and_params_unchanged(step_parts):
     trainer, result = step_parts
-    mini = _mini(result)
-    mini["advantages"] = mini["advantages"].at[0].set(jnp.nan)
+    mini = _mini(result, advantages_B=result.signal["advantages"].at[0].set(jnp.nan))
     params = jax.tree.map(jnp.copy, trainer.params)
     opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
     before = jax.tree.map(np.asarray, params)
     opt_before = jax.tree.map(np.asarray, opt_state)
-    new_params, new_opt_state, info = S.update(trainer.graphdef, params, opt_state, mini,
-                                               optimizer=trainer.optimizer, settings=trainer.settings, micro=2)
+    new_params, new_opt_state, info = train_step.update(trainer.graphdef, params, opt_state, mini,
+                                                        optimizer=trainer.optimizer, settings=trainer.settings, micro=2)
     assert int(info["skipped"]) == 1
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), before, new_params)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), opt_before, new_opt_state)
@@ -225,8 +225,8 @@ def test_micro_batch_accumulation_equals_one_batch(step_parts):
     for micro in (8, 2):
         params = jax.tree.map(jnp.copy, trainer.params)
         opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
-        outs.append(S.update(trainer.graphdef, params, opt_state, _mini(result), optimizer=trainer.optimizer,
-                             settings=trainer.settings, micro=micro))
+        outs.append(train_step.update(trainer.graphdef, params, opt_state, _mini(result), optimizer=trainer.optimizer,
+                                      settings=trainer.settings, micro=micro))
     (p8, _, i8), (p2, _, i2) = outs
     np.testing.assert_allclose(float(i2["loss"]), float(i8["loss"]), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(i2["grad_norm"]), float(i8["grad_norm"]), rtol=1e-5)
@@ -248,14 +248,14 @@ def test_sharded_step_equals_unsharded(step_parts):
         model = nnx.merge(trainer.graphdef, params)
         model.mesh = None if mesh is one else trainer.mesh  # the graphdef carries where activations live
         graphdef = nnx.graphdef(model)
-        scores = S.score(graphdef, params, batch, temperature=1.0, micro=2)
-        mini = {"batch": batch, "old_logp": scores[0], "ref_logp": scores[0],
-                "advantages": jnp.asarray(np.asarray(result.signal["advantages"]))}
-        new_params, _, info = S.update(graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
-                                       settings=trainer.settings, micro=2)
+        scores = train_step.score(graphdef, params, batch, temperature=1.0, micro=2)
+        mini = train_step.MiniBatch(batch, old_logp_BxT=scores.logp_BxT, ref_logp_BxT=scores.logp_BxT,
+                                    advantages_B=jnp.asarray(np.asarray(result.signal["advantages"])))
+        new_params, _, info = train_step.update(graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+                                                settings=trainer.settings, micro=2)
         outs.append((scores, new_params, info))
     (s8, p8, i8), (s1, p1, i1) = outs
-    for a, b in zip(s8, s1):
+    for a, b in zip(jax.tree.leaves(s8), jax.tree.leaves(s1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(i8["loss"]), float(i1["loss"]), rtol=1e-5, atol=1e-7)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6), p8, p1)
@@ -294,10 +294,10 @@ def test_bad_input_fails_before_any_compile(assets, tmp_path, case):
 
 def test_micro_batches_are_strided_and_merge_back():
     x = jnp.arange(12)
-    split = S.split_micro({"x": x}, 4)["x"]
+    split = train_step.split_micro({"x": x}, 4)["x"]
     assert split.shape == (3, 4)
     np.testing.assert_array_equal(np.asarray(split[0]), [0, 3, 6, 9])  # one row from every block of 3
-    np.testing.assert_array_equal(np.asarray(S.merge_micro({"x": split})["x"]), np.arange(12))
+    np.testing.assert_array_equal(np.asarray(train_step.merge_micro({"x": split})["x"]), np.arange(12))
 
 
 # ------------------------------------------------------------------------------------------ pieces of the step
@@ -315,7 +315,7 @@ def test_reference_is_frozen_and_sharded_like_the_policy(assets, step_parts):
 
 def test_filter_keeps_mixed_groups_keyed_on_correctness():
     correct = np.array([1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1], bool)  # groups of 3: all right, all wrong, mixed x2
-    keep = S.group_keep_mask(correct, 3)
+    keep = train_step.group_keep_mask(correct, 3)
     np.testing.assert_array_equal(keep, np.repeat([False, False, True, True], 3))
 
 
@@ -324,37 +324,37 @@ def test_masked_rows_do_not_move_the_params(step_parts):
     trainer, result = step_parts
     outs = []
     for adv_dropped in (0.0, 5.0):
-        mini = _mini(result)
-        drop_B = jnp.arange(mini["advantages"].shape[0]) < 4  # the first group
-        mini["batch"] = dataclasses.replace(result.batch, response_mask=result.batch.response_mask * ~drop_B[:, None])
-        mini["advantages"] = jnp.where(drop_B, adv_dropped, mini["advantages"])
+        drop_B = jnp.arange(result.batch.rewards.shape[0]) < 4  # the first group
+        kept_BxT = result.batch.response_mask * ~drop_B[:, None]
+        mini = _mini(result, advantages_B=jnp.where(drop_B, adv_dropped, result.signal["advantages"]),
+                     batch=dataclasses.replace(result.batch, response_mask=kept_BxT))
         params, opt_state = jax.tree.map(jnp.copy, trainer.params), jax.tree.map(jnp.copy, trainer.opt_state)
-        outs.append(S.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
-                             settings=trainer.settings, micro=2)[0])
+        outs.append(train_step.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+                                      settings=trainer.settings, micro=2)[0])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), *outs)
 
 
 def test_stage_errors_name_the_stage_and_shapes(step_parts):
     from g2rl_jax.train.loop import stage
 
-    with pytest.raises(S.StageError, match=r"stage 'score' failed on inputs \[input_ids=\(8, 24\), "
+    with pytest.raises(train_step.StageError, match=r"stage 'score' failed on inputs \[input_ids=\(8, 24\), "
                                            r"rewards=\(8,\)\]: ValueError: boom"):
         with stage("score", input_ids=np.zeros((8, 24)), rewards=np.zeros(8)):
             raise ValueError("boom")
     trainer, result = step_parts
-    with pytest.raises(S.StageError, match="batch of 8 responses is not a multiple of micro_batch_size=3"):
-        S.score(trainer.graphdef, trainer.params, result.batch, temperature=1.0, micro=3)
-    with pytest.raises(S.StageError, match=r"rewards has shape \(7,\), expected 8 rows like prompt_ids"):
+    with pytest.raises(train_step.StageError, match="batch of 8 responses is not a multiple of micro_batch_size=3"):
+        train_step.score(trainer.graphdef, trainer.params, result.batch, temperature=1.0, micro=3)
+    with pytest.raises(train_step.StageError, match=r"rewards has shape \(7,\), expected 8 rows like prompt_ids"):
         b = result.batch
-        S.build_batch(np.zeros((8, 4)), np.ones((8, 4)), np.zeros((8, 2)), np.ones((8, 2)), np.zeros(7),
-                      np.zeros(8, bool), b.group_size)
+        train_step.build_batch(np.zeros((8, 4)), np.ones((8, 4)), np.zeros((8, 2)), np.ones((8, 2)), np.zeros(7),
+                               np.zeros(8, bool), b.group_size)
 
 
 def test_learning_rate_schedule_warmup_then_cosine():
     from g2rl_jax.config import OptimConfig
 
     lr, w, total, a = 1e-3, 4, 20, 0.1
-    sched = S.learning_rate_schedule(OptimConfig(learning_rate=lr, warmup_steps=w, min_lr_ratio=a), total)
+    sched = train_step.learning_rate_schedule(OptimConfig(learning_rate=lr, warmup_steps=w, min_lr_ratio=a), total)
     for t in range(0, 25):
         d = min(t - w, total - w) / (total - w)
         want = lr * t / w if t < w else lr * ((1 - a) * 0.5 * (1 + np.cos(np.pi * d)) + a)
@@ -366,8 +366,8 @@ def test_gradients_are_clipped_to_max_grad_norm():
     from g2rl_jax.config import OptimConfig
 
     lr = 0.1
-    opt = S.make_optimizer(OptimConfig(learning_rate=lr, b1=0.0, b2=0.0, eps=1.0, weight_decay=0.0,
-                                       max_grad_norm=1.0), 10)
+    opt = train_step.make_optimizer(OptimConfig(learning_rate=lr, b1=0.0, b2=0.0, eps=1.0, weight_decay=0.0,
+                                                max_grad_norm=1.0), 10)
     params = {"w": jnp.zeros(2)}
     updates, _ = opt.update({"w": jnp.array([30.0, 40.0])}, opt.init(params), params)  # norm 50 -> [0.6, 0.8]
     np.testing.assert_allclose(np.asarray(updates["w"]), -lr * np.array([0.6 / 1.6, 0.8 / 1.8]), rtol=1e-6)
@@ -379,13 +379,13 @@ def test_evol_invalid_responses_get_minus_one():
 
     rng = np.random.default_rng(0)
     correct = np.array([1, 1, 0, 0, 1, 0, 0, 1], bool)
-    batch = S.Batch(input_ids=jnp.zeros((8, 4), jnp.int32), attention_mask=jnp.ones((8, 4), jnp.int32),
-                    response_mask=jnp.ones((8, 2)), rewards=jnp.where(correct, 1.0, -1.0), correct=jnp.asarray(correct),
-                    group_size=4)
+    batch = train_step.Batch(input_ids=jnp.zeros((8, 4), jnp.int32), attention_mask=jnp.ones((8, 4), jnp.int32),
+                             response_mask=jnp.ones((8, 2)), rewards=jnp.where(correct, 1.0, -1.0),
+                             correct=jnp.asarray(correct), group_size=4)
     emb = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
     valid = np.array([1, 1, 1, 0, 1, 1, 0, 1], bool)
     algo = AlgorithmConfig(exploration="evol", embedding_model="unused")
-    shaped = np.asarray(S.advantages(batch, jnp.zeros((8, 3)), algo, emb, valid)["shaped_rewards"])
+    shaped = np.asarray(train_step.advantages(batch, jnp.zeros((8, 3)), algo, emb, valid)["shaped_rewards"])
     assert shaped[3] == -1.0 and shaped[6] == -1.0
-    everyone = np.asarray(S.advantages(batch, jnp.zeros((8, 3)), algo, emb)["shaped_rewards"])
+    everyone = np.asarray(train_step.advantages(batch, jnp.zeros((8, 3)), algo, emb)["shaped_rewards"])
     assert not np.allclose(shaped, everyone), "the valid mask changed nothing"

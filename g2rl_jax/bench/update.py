@@ -25,7 +25,7 @@ from flax import nnx
 
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
-from g2rl_jax.train import step as S
+from g2rl_jax.train import step as train_step
 
 _KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str}
 
@@ -62,14 +62,14 @@ def _small() -> Qwen3Config:
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
 
 
-def _mini_batch(cfg: Qwen3Config, rows: int, s: int, t: int) -> dict:
+def _mini_batch(cfg: Qwen3Config, rows: int, s: int, t: int) -> train_step.MiniBatch:
     rng = np.random.default_rng(0)
-    batch = S.build_batch(rng.integers(1, cfg.vocab_size, (rows, s)), np.ones((rows, s), np.int32),
-                          rng.integers(1, cfg.vocab_size, (rows, t)), np.ones((rows, t), np.int32),
-                          rng.choice([-1.0, 1.0], rows), rng.random(rows) < 0.5, group_size=rows)
+    batch = train_step.build_batch(rng.integers(1, cfg.vocab_size, (rows, s)), np.ones((rows, s), np.int32),
+                                   rng.integers(1, cfg.vocab_size, (rows, t)), np.ones((rows, t), np.int32),
+                                   rng.choice([-1.0, 1.0], rows), rng.random(rows) < 0.5, group_size=rows)
     logp = jnp.asarray(-rng.random((rows, t)) * 5, jnp.float32)
-    return dict(batch=batch, old_logp=logp, ref_logp=logp + 0.01, advantages=jnp.asarray(rng.standard_normal(rows),
-                                                                                        jnp.float32))
+    return train_step.MiniBatch(batch, old_logp_BxT=logp, ref_logp_BxT=logp + 0.01,
+                                advantages_B=jnp.asarray(rng.standard_normal(rows), jnp.float32))
 
 
 def train_flops(cfg: Qwen3Config, rows: int, length: int) -> float:
@@ -79,19 +79,19 @@ def train_flops(cfg: Qwen3Config, rows: int, length: int) -> float:
     return 3 * (2.0 * matmul_params * rows * length + attention)
 
 
-def run_variant(cfg: Qwen3Config, v: dict, mini: dict, iters: int) -> tuple[float, float]:
+def run_variant(cfg: Qwen3Config, v: dict, mini: train_step.MiniBatch, iters: int) -> tuple[float, float]:
     """(compile + first call seconds, median warm seconds) of one optimizer update under variant v."""
     rt = RuntimeConfig(param_dtype=v["param_dtype"], compute_dtype="bfloat16", remat=v["remat"],
                        attention=v["attention"])
     graphdef, params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
-    optimizer = S.make_optimizer(OptimConfig(), total_updates=1000)
+    optimizer = train_step.make_optimizer(OptimConfig(), total_updates=1000)
     opt_state = jax.jit(optimizer.init)(params)
-    settings = S.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
+    settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
     times = []
     for _ in range(iters + 1):
         start = time.perf_counter()
-        params, opt_state, info = S.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                           settings=settings, micro=v["micro"])
+        params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
+                                                    settings=settings, micro=v["micro"])
         jax.block_until_ready(info["loss"])
         times.append(time.perf_counter() - start)
     assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info

@@ -10,8 +10,8 @@ accuracy of an early stop depends on the exact step count and floating-point det
 Each row is the prompt exactly as RL shows it (`plain` template), then the response and `<|endoftext|>`; only
 the response tokens (eos included) carry loss.
 
-    ids_NxKxL, mask_NxKxL = encode_sft(examples, tokenizer)     # K = 1 + len(TEACHER_ERRORS) variants per row
-    losses = train_sft(model, ids_NxKxL, mask_NxKxL, SFTConfig(steps=1000))   # updates `model` in place
+    ids_BxJxL, mask_BxJxL = encode_sft(examples, tokenizer)     # J = 1 + len(TEACHER_ERRORS) variants per row
+    losses = train_sft(model, ids_BxJxL, mask_BxJxL, SFTConfig(steps=1000))   # updates `model` in place
 """
 from __future__ import annotations
 
@@ -68,13 +68,13 @@ def encode_sft(examples: Sequence[Example], tokenizer) -> tuple[np.ndarray, np.n
         replies = tokenizer([solution(ex, e) for e in ERRORS], add_special_tokens=False)["input_ids"]
         rows.append([(prompt, reply + [tokenizer.eos_token_id]) for reply in replies])
     width = max(len(p) + len(r) for variants in rows for p, r in variants)
-    ids_NxKxL = np.full((len(rows), len(ERRORS), width), tokenizer.pad_token_id, np.int32)
-    mask_NxKxL = np.zeros((len(rows), len(ERRORS), width), np.float32)
+    ids_BxJxL = np.full((len(rows), len(ERRORS), width), tokenizer.pad_token_id, np.int32)
+    mask_BxJxL = np.zeros((len(rows), len(ERRORS), width), np.float32)
     for i, variants in enumerate(rows):
         for k, (p, r) in enumerate(variants):
-            ids_NxKxL[i, k, : len(p) + len(r)] = p + r
-            mask_NxKxL[i, k, len(p): len(p) + len(r)] = 1.0
-    return ids_NxKxL, mask_NxKxL
+            ids_BxJxL[i, k, : len(p) + len(r)] = p + r
+            mask_BxJxL[i, k, len(p): len(p) + len(r)] = 1.0
+    return ids_BxJxL, mask_BxJxL
 
 
 def sft_loss(model: Qwen3, ids_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
@@ -93,12 +93,12 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-def train_sft(model: Qwen3, ids_NxKxL: np.ndarray, mask_NxKxL: np.ndarray, cfg: SFTConfig) -> list[float]:
+def train_sft(model: Qwen3, ids_BxJxL: np.ndarray, mask_BxJxL: np.ndarray, cfg: SFTConfig) -> list[float]:
     """Run `cfg.steps` AdamW steps on random rows with teacher-drawn variants; `model` ends trained."""
-    if ids_NxKxL.shape != mask_NxKxL.shape or ids_NxKxL.shape[1:2] != (len(ERRORS),):
-        raise ValueError(f"ids {ids_NxKxL.shape} and mask {mask_NxKxL.shape} must both be [N, {len(ERRORS)}, L]")
-    if len(ids_NxKxL) < cfg.batch_size:
-        raise ValueError(f"{len(ids_NxKxL)} training rows are fewer than SFTConfig.batch_size={cfg.batch_size}")
+    if ids_BxJxL.shape != mask_BxJxL.shape or ids_BxJxL.shape[1:2] != (len(ERRORS),):
+        raise ValueError(f"ids {ids_BxJxL.shape} and mask {mask_BxJxL.shape} must both be [N, {len(ERRORS)}, L]")
+    if len(ids_BxJxL) < cfg.batch_size:
+        raise ValueError(f"{len(ids_BxJxL)} training rows are fewer than SFTConfig.batch_size={cfg.batch_size}")
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(cfg)
     opt_state = tx.init(params)
@@ -113,9 +113,9 @@ def train_sft(model: Qwen3, ids_NxKxL: np.ndarray, mask_NxKxL: np.ndarray, cfg: 
     probs = cfg.variant_probs()
     losses = []
     for _ in range(cfg.steps):
-        rows = rng.choice(len(ids_NxKxL), size=cfg.batch_size, replace=False)
+        rows = rng.choice(len(ids_BxJxL), size=cfg.batch_size, replace=False)
         variants = rng.choice(len(ERRORS), size=cfg.batch_size, p=probs)
-        params, opt_state, loss = step(params, opt_state, ids_NxKxL[rows, variants], mask_NxKxL[rows, variants])
+        params, opt_state, loss = step(params, opt_state, ids_BxJxL[rows, variants], mask_BxJxL[rows, variants])
         losses.append(loss)
     nnx.update(model, params)
     return [float(x) for x in jax.device_get(losses)]

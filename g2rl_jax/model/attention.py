@@ -7,7 +7,8 @@ causal AND key-is-real. Backends:
   "xla"    plain einsum + float32 softmax; runs everywhere and is the reference for the others.
   "cudnn"  `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
   "splash" the Pallas TPU splash-attention kernel (causal mask + segment ids = padding mask).
-"cudnn" / "splash" fall back to "xla" with one logged warning when `jax.default_backend()` is not gpu / tpu.
+"auto" picks the platform's fused kernel; "cudnn" / "splash" fall back to "xla" with one logged warning when
+`jax.default_backend()` is not gpu / tpu (all decided by model.config.resolve_attention).
 
 `decode_attention` is the one-token step used with the KV cache: the queries of sample b = p*m + j attend
 jointly (one softmax) to the shared prefix K/V of prompt p and to their own suffix K/V, without copying the
@@ -16,31 +17,18 @@ prefix m times.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 
-_LOG = logging.getLogger(__name__)
+from g2rl_jax.model.config import resolve_attention
+
 _NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay NaN-free
-_HARDWARE = {"cudnn": "gpu", "splash": "tpu"}
-_warned: set[str] = set()
-
-
-def resolve_backend(backend: str) -> str:
-    """`backend` if its hardware is present, else "xla" (warning once per backend)."""
-    if backend == "xla" or jax.default_backend() == _HARDWARE[backend]:
-        return backend
-    if backend not in _warned:
-        _warned.add(backend)
-        _LOG.warning("attention backend %r needs a %s but jax runs on %s; using 'xla' instead",
-                     backend, _HARDWARE[backend], jax.default_backend())
-    return "xla"
 
 
 def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla"):
     """Causal GQA self-attention with a key padding mask; returns [B, L, H, K] in q's dtype."""
-    backend = resolve_backend(backend)
+    backend = resolve_attention(backend, q_BxLxHxK.dtype)
     if backend == "cudnn":
         return fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
     if backend == "splash":

@@ -9,14 +9,20 @@ benchmarks and random-weight runs; a real checkpoint's config.json always wins) 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_BACKENDS = ("xla", "cudnn", "splash")
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "splash")
 HF_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
+_LOG = logging.getLogger(__name__)
+_HARDWARE = {"cudnn": "gpu", "splash": "tpu"}  # the platform each fused kernel needs
+_FUSED = {hw: kernel for kernel, hw in _HARDWARE.items()}  # "auto"'s pick on that platform
+_warned: set[str] = set()
 
 
 def dtype_from_name(name: str, what: str = "dtype"):
@@ -24,6 +30,35 @@ def dtype_from_name(name: str, what: str = "dtype"):
     if name not in DTYPES:
         raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def check_attention(requested: str, compute_dtype) -> None:
+    """The rules of an attention request that hold on every platform; ValueError naming the fix."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"RuntimeConfig.attention={requested!r}; choose one of {ATTENTION_BACKENDS}")
+    if requested == "cudnn" and jnp.dtype(compute_dtype) != jnp.bfloat16:
+        raise ValueError("RuntimeConfig.attention='cudnn' needs compute_dtype='bfloat16' (cuDNN fused attention "
+                         f"has no float32 kernel), got {jnp.dtype(compute_dtype).name!r}")
+
+
+def resolve_attention(requested: str, compute_dtype, platform: str | None = None) -> str:
+    """The attention kernel that runs for `requested` ("auto" | "xla" | "cudnn" | "splash") with this compute
+    dtype on `platform` (default: jax's backend). The one place that decides it:
+      auto      splash on TPU, cudnn on GPU with bfloat16 compute, xla otherwise;
+      cudnn     needs bfloat16 compute (ValueError otherwise);
+      a fused kernel whose hardware is absent falls back to xla, with one logged warning per kernel."""
+    check_attention(requested, compute_dtype)
+    platform = jax.default_backend() if platform is None else platform
+    if requested == "auto":
+        fused = _FUSED.get(platform, "xla")
+        return "xla" if fused == "cudnn" and jnp.dtype(compute_dtype) != jnp.bfloat16 else fused
+    if requested == "xla" or platform == _HARDWARE[requested]:
+        return requested
+    if requested not in _warned:
+        _warned.add(requested)
+        _LOG.warning("attention backend %r needs a %s but jax runs on %s; using 'xla' instead",
+                     requested, _HARDWARE[requested], platform)
+    return "xla"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,11 +95,6 @@ class Qwen3Config:
             raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"Qwen3Config.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-
-    @property
-    def num_groups(self) -> int:
-        """Query heads per key/value head (the GQA ratio)."""
-        return self.num_attention_heads // self.num_key_value_heads
 
     def num_params(self) -> int:
         """Parameter count (the embedding counted once when tied)."""
@@ -129,9 +159,9 @@ class RuntimeConfig:
     kv_cache_dtype: dtype of the decode KV cache; None means compute_dtype.
     remat: "none" (keep activations), "full" (recompute each layer in the backward pass), "dots" (save
       matmul outputs without batch dims, recompute the rest).
-    attention: "xla" (einsum softmax, any device), "cudnn" (GPU fused kernel, bf16 compute only), "splash"
-      (TPU Pallas kernel);
-      the last two fall back to "xla" with one logged warning where their hardware is absent.
+    attention: "auto" (the fused kernel of this platform), "xla" (einsum softmax, any device), "cudnn" (GPU
+      fused kernel, bf16 compute only), "splash" (TPU Pallas kernel); the request is kept as given and decided
+      where it runs by `resolve_attention`.
     """
 
     param_dtype: str = "float32"
@@ -147,11 +177,7 @@ class RuntimeConfig:
             dtype_from_name(self.kv_cache_dtype, "RuntimeConfig.kv_cache_dtype")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"RuntimeConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"RuntimeConfig.attention={self.attention!r}; choose one of {ATTENTION_BACKENDS}")
-        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
-            raise ValueError("RuntimeConfig.attention='cudnn' needs compute_dtype='bfloat16' (cuDNN fused "
-                             f"attention has no float32 kernel), got {self.compute_dtype!r}")
+        check_attention(self.attention, self.compute_dtype)
 
     @property
     def param_jnp(self):

@@ -1,6 +1,6 @@
 """Qwen3 decoder in Flax NNX: scanned layers, GQA, per-head q/k RMSNorm, rotate-half RoPE, SwiGLU, no biases.
 
-Public API (B batch, L length, D hidden, V vocab; masks are 1/True for real tokens, 0 for padding):
+Public API (shape letters of the legend in `g2rl_jax`'s docstring; masks are 1/True for real tokens, 0 for padding):
 
     model = Qwen3(config, RuntimeConfig(...), rngs=nnx.Rngs(0), mesh=None)  # mesh: rows over (data, fsdp)
     model(input_ids, attention_mask=None) -> logits_BxLxV (float32)   # input_ids [B, L] int, attention_mask [B, L]
@@ -107,16 +107,17 @@ def rms_norm(x, weight, eps: float):
     return normed.astype(x.dtype) * weight.astype(x.dtype)
 
 
-def rope(x_BxLxNxK, positions_BxL, theta: float):
-    """Rotary embedding, rotate-half convention: x*cos + [-x2, x1]*sin with angles pos * theta^(-2i/K)."""
-    K = x_BxLxNxK.shape[-1]
+def rope(x_BxLxHxK, positions_BxL, theta: float):
+    """Rotary embedding of H query or G key/value heads, rotate-half: x*cos + [-x2, x1]*sin with angles
+    pos * theta^(-2i/K)."""
+    K = x_BxLxHxK.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K)
     angles_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
     angles_BxLx1xK = jnp.concatenate([angles_BxLxK2, angles_BxLxK2], axis=-1)[:, :, None, :]
-    x32 = x_BxLxNxK.astype(jnp.float32)
+    x32 = x_BxLxHxK.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * jnp.cos(angles_BxLx1xK) + rotated * jnp.sin(angles_BxLx1xK)).astype(x_BxLxNxK.dtype)
+    return (x32 * jnp.cos(angles_BxLx1xK) + rotated * jnp.sin(angles_BxLx1xK)).astype(x_BxLxHxK.dtype)
 
 
 def positions_from_mask(mask_BxL):

@@ -44,12 +44,12 @@ def _prefill(graphdef, state, ids_PxS, mask_PxS, *, num_samples: int, new_tokens
     return logits_PxV, prefix, model.init_suffix(prefix, num_samples=num_samples, max_new_tokens=new_tokens)
 
 
-def _is_stop(tokens_B, stops_N):
-    return (tokens_B[:, None] == stops_N[None, :]).any(-1)
+def _is_stop(tokens_B, stops_Z):
+    return (tokens_B[:, None] == stops_Z[None, :]).any(-1)
 
 
 def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCache, key, temperature, top_p,
-            stops_N, max_new_tokens, num_real, *, num_samples: int, spec: SamplerSpec):
+            stops_Z, max_new_tokens, num_real, *, num_samples: int, spec: SamplerSpec):
     """Sample up to max_new_tokens per sample: (tokens [B, T] (0 after the end), log-probs [B, T], lengths [B],
     stopped [B], steps: tokens generated per sample at most) and the final suffix cache (returned only so the
     donated input buffer is updated in place). Samples b >= num_real (dummy prompts) count as stopped."""
@@ -66,7 +66,7 @@ def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCach
     tok0_B, lp0_B = draw(jnp.repeat(logits_PxV, num_samples, axis=0), 0)
     tokens_BxT = jnp.zeros((B, T), jnp.int32).at[:, 0].set(tok0_B)
     logprobs_BxT = jnp.zeros((B, T), jnp.float32).at[:, 0].set(lp0_B)
-    stopped_B = _is_stop(tok0_B, stops_N) | (jnp.arange(B) >= num_real)
+    stopped_B = _is_stop(tok0_B, stops_Z) | (jnp.arange(B) >= num_real)
     carry = (jnp.int32(1), tokens_BxT, logprobs_BxT, jnp.ones((B,), jnp.int32), stopped_B, suffix)
 
     def cond(c):
@@ -82,7 +82,7 @@ def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCach
         tok_B, lp_B = jnp.where(live_B, tok_B, 0), jnp.where(live_B, lp_B, 0.0)
         tokens_BxT = jax.lax.dynamic_update_index_in_dim(tokens_BxT, tok_B, t, axis=1)
         logprobs_BxT = jax.lax.dynamic_update_index_in_dim(logprobs_BxT, lp_B, t, axis=1)
-        stopped_B = stopped_B | (live_B & _is_stop(tok_B, stops_N))
+        stopped_B = stopped_B | (live_B & _is_stop(tok_B, stops_Z))
         return t + 1, tokens_BxT, logprobs_BxT, lengths_B + live_B, stopped_B, suffix
 
     steps, tokens_BxT, logprobs_BxT, lengths_B, stopped_B, suffix = jax.lax.while_loop(cond, body, carry)

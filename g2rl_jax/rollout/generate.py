@@ -129,11 +129,11 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
     mesh lives in one process)."""
     if not _spans_processes(mesh):
         return prompts
-    info_Nx2 = np.asarray(multihost_utils.process_allgather(np.array([len(prompts), max(map(len, prompts))])))
-    if len(set(info_Nx2[:, 0].tolist())) != 1:
-        raise ValueError(f"generate: the processes passed {info_Nx2[:, 0].tolist()} prompts; every process must "
+    info_Ax2 = np.asarray(multihost_utils.process_allgather(np.array([len(prompts), max(map(len, prompts))])))
+    if len(set(info_Ax2[:, 0].tolist())) != 1:
+        raise ValueError(f"generate: the processes passed {info_Ax2[:, 0].tolist()} prompts; every process must "
                          "pass the same number (its equal block of the global batch)")
-    ids_PxW = np.zeros((len(prompts), 1 + int(info_Nx2[:, 1].max())), np.int32)  # column 0: the prompt's length
+    ids_PxW = np.zeros((len(prompts), 1 + int(info_Ax2[:, 1].max())), np.int32)  # column 0: the prompt's length
     for p, prompt in enumerate(prompts):
         ids_PxW[p, 0], ids_PxW[p, 1:1 + len(prompt)] = len(prompt), prompt
     return [row[1:1 + row[0]].tolist() for row in parallel.gather_blocks(mesh, ids_PxW)]

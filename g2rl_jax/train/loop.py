@@ -34,13 +34,13 @@ from g2rl_jax.config import Config, ConfigError, save_resolved
 from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found, score_batch
-from g2rl_jax.rollout import generate
+from g2rl_jax.rollout import Rollout, generate
 from g2rl_jax.train import report
-from g2rl_jax.train import step as S
+from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, checkpoint_dir
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
-from g2rl_jax.train.setup import (build_mesh, embed_texts, on_mesh, preflight, resolve_model_paths, runtime_config,
-                                  shard_rows, stop_token_ids, usable_examples)
+from g2rl_jax.train.setup import (embed_texts, on_mesh, preflight, resolve_model_paths, runtime_config, shard_rows,
+                                  stop_token_ids, usable_examples)
 
 
 @contextlib.contextmanager
@@ -48,11 +48,11 @@ def stage(name: str, **arrays):
     """Re-raise any failure inside a stage as StageError naming the stage and its input arrays' shapes."""
     try:
         yield
-    except S.StageError:
+    except train_step.StageError:
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
         shapes = ", ".join(f"{k}={_shape_of(v)}" for k, v in arrays.items())
-        raise S.StageError(f"stage {name!r} failed on inputs [{shapes}]: {type(err).__name__}: {err}") from err
+        raise train_step.StageError(f"stage {name!r} failed on inputs [{shapes}]: {type(err).__name__}: {err}") from err
 
 
 def _shape_of(x) -> str:
@@ -68,10 +68,10 @@ def _shape_of(x) -> str:
 class StepResult:
     """Everything one step produced, for interactive inspection."""
 
-    rollout: Any
+    rollout: Rollout
     texts: list[str]
-    batch: S.Batch
-    scores: tuple[jax.Array, jax.Array, jax.Array]
+    batch: train_step.Batch
+    scores: train_step.Scores
     ref_logp: jax.Array | None
     signal: dict[str, jax.Array]
     info: dict[str, float]
@@ -92,7 +92,7 @@ class Trainer:
         preflight(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.run.output_dir)
-        self.mesh = build_mesh(cfg.mesh)
+        self.mesh = parallel.make_mesh(cfg.mesh)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         examples = usable_examples(cfg, self.tokenizer)
@@ -118,10 +118,10 @@ class Trainer:
             raise ConfigError(f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide the "
                               f"{responses} responses of a step (data.prompts_per_step × rollout.num_samples)")
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
-        self.optimizer = S.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.schedule = S.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
+        self.optimizer = train_step.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
+        self.schedule = train_step.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
         self.opt_state = on_mesh(jax.jit(self.optimizer.init)(self.params), self.mesh)
-        self.settings = S.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
+        self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
         self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints)
@@ -172,47 +172,44 @@ class Trainer:
         t2 = time.perf_counter()
         with stage("batch", prompt_ids=rollout.prompt_ids_BxS, completion_ids=rollout.completion_ids_BxT,
                    rewards=rewards):
-            batch = S.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
-                                  rollout.completion_mask_BxT, rewards, rewards > 0, m)
+            batch = train_step.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
+                                           rollout.completion_mask_BxT, rewards, rewards > 0, m)
             batch = shard_rows(batch, self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
-            scores = S.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
+            scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
         ref = None
         if self.ref_params is not None:
             with stage("reference", input_ids=batch.input_ids):
-                ref = S.ref_logprobs(self.graphdef, self.ref_params, batch, temperature=temp, micro=micro)
+                ref = train_step.ref_logprobs(self.graphdef, self.ref_params, batch, temperature=temp, micro=micro)
         embeddings = valid = None
         if algo.exploration == "evol":
             with stage("embed", texts=texts):
                 embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh)
                 valid = shard_rows(answers_found(texts, examples[0].kind), self.mesh)
-        with stage("advantages", phi=scores[2], rewards=batch.rewards):
-            signal = jax.block_until_ready(S.advantages(batch, scores[2], algo, embeddings, valid))
+        with stage("advantages", phi=scores.phi_BxD, rewards=batch.rewards):
+            signal = jax.block_until_ready(train_step.advantages(batch, scores.phi_BxD, algo, embeddings, valid))
         t3 = time.perf_counter()
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
-            info = self._update(batch, scores[0], ref, signal["advantages"])
+            info = self._update(batch, scores.logp_BxT, ref, signal["advantages"])
         t4 = time.perf_counter()
         metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
-    def _update(self, batch: S.Batch, old_logp, ref_logp, adv_B) -> dict[str, float]:
+    def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B) -> dict[str, float]:
         algo = self.cfg.algorithm
         keep_B = np.ones(adv_B.shape[0], bool)
         if algo.filter_equal_groups:
-            keep_B = S.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
+            keep_B = train_step.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         batch = dataclasses.replace(batch, response_mask=batch.response_mask * jnp.asarray(keep_B, jnp.float32)[:, None])
-        ref_logp = old_logp if ref_logp is None else ref_logp
+        step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B)
         infos = []
         n, mb = adv_B.shape[0], algo.mini_batch_size
         for _ in range(algo.ppo_epochs):
             for start in range(0, n, mb):
-                rows = slice(start, start + mb)
-                mini = {"batch": jax.tree.map(lambda x: x[rows], batch), "old_logp": old_logp[rows],
-                        "ref_logp": ref_logp[rows], "advantages": adv_B[rows]}
-                self.params, self.opt_state, info = S.update(
-                    self.graphdef, self.params, self.opt_state, mini, optimizer=self.optimizer,
-                    settings=self.settings, micro=algo.micro_batch_size)
+                self.params, self.opt_state, info = train_step.update(
+                    self.graphdef, self.params, self.opt_state, step_rows.rows(slice(start, start + mb)),
+                    optimizer=self.optimizer, settings=self.settings, micro=algo.micro_batch_size)
                 infos.append(info)
         infos = jax.device_get(infos)
         out = {k: float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "skipped"}
@@ -232,7 +229,7 @@ class Trainer:
             "accuracy": float(jnp.mean(batch.correct)),
             "reward": float(jnp.mean(signal["shaped_rewards"])),
             "loss": info["loss"], "kl": info.get("kl", 0.0),
-            "entropy": float(jnp.sum(scores[1] * mask_BxT)) / max(tokens, 1.0),
+            "entropy": float(jnp.sum(scores.entropy_BxT * mask_BxT)) / max(tokens, 1.0),
             "response_length": tokens / mask_BxT.shape[0],
             "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
             "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],

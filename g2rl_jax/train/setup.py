@@ -34,7 +34,7 @@ def resolve_model_paths(cfg: Config) -> Config:
 def runtime_config(model_cfg, *, remat: str | None = None) -> RuntimeConfig:
     """The model RuntimeConfig of config group `model` (remat overridable: nothing but the update needs it)."""
     return RuntimeConfig(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype,
-                         remat=model_cfg.remat if remat is None else remat, attention=attention_backend(model_cfg),
+                         remat=model_cfg.remat if remat is None else remat, attention=model_cfg.attention,
                          kv_cache_dtype=model_cfg.kv_cache_dtype)
 
 
@@ -128,28 +128,6 @@ def _pooled(graphdef, state, ids_BxL, mask_BxL):
     """L2-normalised final-position hidden state (last-token pooling), float32 [B, E]."""
     h_BxE = nnx.merge(graphdef, state).hidden_states(ids_BxL, mask_BxL)[:, -1].astype(jnp.float32)
     return h_BxE / jnp.maximum(jnp.linalg.norm(h_BxE, axis=-1, keepdims=True), 1e-8)
-
-
-def attention_backend(model_cfg) -> str:
-    """model.attention, with "auto" resolved for this platform: the fused kernel where there is one."""
-    if model_cfg.attention != "auto":
-        return model_cfg.attention
-    fused = {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "xla")
-    return "xla" if fused == "cudnn" and model_cfg.compute_dtype != "bfloat16" else fused
-
-
-def build_mesh(mesh_cfg):
-    """The (data, fsdp, tensor) mesh of config `mesh`, an axis of -1 taking all remaining devices."""
-    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
-    fixed = int(np.prod([v for v in sizes.values() if v != -1]))
-    n = jax.device_count()
-    if n % fixed:
-        raise ConfigError(f"mesh: the fixed axes {sizes} multiply to {fixed}, which does not divide the {n} devices")
-    sizes = {k: (n // fixed if v == -1 else v) for k, v in sizes.items()}
-    try:
-        return parallel.make_mesh(parallel.MeshConfig(**sizes))
-    except ValueError as err:
-        raise ConfigError(f"mesh: {err}") from err
 
 
 def shard_rows(tree, mesh):

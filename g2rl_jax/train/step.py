@@ -1,20 +1,21 @@
 """One RL step, stage by stage. Each stage is a pure function a user can call on its own (Colab, IPython):
 
     batch   = build_batch(rollout, rewards, correct)             # padded arrays for scoring and the update
-    scores  = score(graphdef, params, batch, temperature=T)      # behaviour log-probs, entropy, Φ (token_stats)
+    scores  = score(graphdef, params, batch, temperature=T)      # Scores: logp_BxT, entropy_BxT, phi_BxD
     ref     = ref_logprobs(graphdef, ref_params, batch, ...)     # reference-model log-probs (KL term)
-    signal  = advantages(batch, scores, algorithm, embeddings)   # ν, shaped rewards r̃, group advantages A
-    params, opt_state, info = update(graphdef, params, opt_state, batch, scores, ref, signal, ...)
+    signal  = advantages(batch, scores.phi_BxD, algorithm, ...)  # ν, shaped rewards r̃, group advantages A
+    mini    = MiniBatch(batch, scores.logp_BxT, ref, signal["advantages"])   # rows of one optimizer update
+    params, opt_state, info = update(graphdef, params, opt_state, mini, ...)
 
-Arrays follow the layout of `Batch`: B = G·m responses, group-major (the m samples of prompt g are rows
-g·m … g·m+m−1); S prompt positions (left-padded), T response positions (right-padded). hidden[:, S−1+t]
+Arrays follow the layout of `Batch` and the shape letters of `g2rl_jax` (its docstring): B = P·m responses,
+group-major (the m samples of prompt p are rows p·m … p·m+m−1); S prompt positions (left-padded), T response
+positions (right-padded). hidden[:, S−1+t]
 predicts response token t. A failing stage raises `StageError` naming the stage, the array and its shape.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,34 @@ class Batch:
         return self.input_ids.shape[1] - self.response_mask.shape[1]
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["logp_BxT", "entropy_BxT", "phi_BxD"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """The behaviour-policy scoring pass: log-prob and entropy of every response token, and each response's
+    gradient feature Φ (eq. seq-feature)."""
+
+    logp_BxT: jax.Array
+    entropy_BxT: jax.Array
+    phi_BxD: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["batch", "old_logp_BxT", "ref_logp_BxT", "advantages_B"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MiniBatch:
+    """The rows of one optimizer update: the responses, their behaviour and reference log-probs, advantages."""
+
+    batch: Batch
+    old_logp_BxT: jax.Array
+    ref_logp_BxT: jax.Array
+    advantages_B: jax.Array
+
+    def rows(self, rows: slice) -> MiniBatch:
+        """The mini-batch of rows `rows` (a slice of every array's leading axis)."""
+        return jax.tree.map(lambda x: x[rows], self)
+
+
 def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_mask_BxT, rewards_B, correct_B,
                 group_size: int) -> Batch:
     """Join left-padded prompts and right-padded completions into one [B, S+T] batch (host numpy in, arrays out)."""
@@ -73,9 +102,9 @@ def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_
 
 def _response_hidden(model, batch: Batch):
     """Hidden states that predict the response tokens: hidden[:, S−1 : S−1+T] of the joined sequence."""
-    h_BxNxD = model.hidden_states(batch.input_ids, batch.attention_mask)
+    h_BxLxD = model.hidden_states(batch.input_ids, batch.attention_mask)
     s, t = batch.prompt_len, batch.response_mask.shape[1]
-    return h_BxNxD[:, s - 1:s - 1 + t], batch.input_ids[:, s:]
+    return h_BxLxD[:, s - 1:s - 1 + t], batch.input_ids[:, s:]
 
 
 def _head(model, h_BxTxD):
@@ -108,14 +137,15 @@ def _micro_map(fn, batch: Batch, micro: int):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "micro", "chunk"))
-def score(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK):
-    """Behaviour-policy pass: (logp [B, T], entropy [B, T], phi [B, D]) via g2rl.token_stats (eq. seq-feature)."""
+def score(graphdef, params, batch: Batch, *, temperature: float, micro: int,
+          chunk: int = g2rl.DEFAULT_CHUNK) -> Scores:
+    """Behaviour-policy pass: log-probs, entropy and Φ via g2rl.token_stats (eq. seq-feature)."""
     model = nnx.merge(graphdef, params)
 
-    def one(mb: Batch):
+    def one(mb: Batch) -> Scores:
         h, targets = _response_hidden(model, mb)
-        return g2rl.token_stats(h, _head(model, h), targets, mb.response_mask, temperature=temperature,
-                                chunk_size=chunk)
+        return Scores(*g2rl.token_stats(h, _head(model, h), targets, mb.response_mask, temperature=temperature,
+                                        chunk_size=chunk))
 
     return _micro_map(one, batch, micro)
 
@@ -135,34 +165,34 @@ def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: i
 def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None,
                valid_B=None) -> dict[str, jax.Array]:
     """ν, shaped rewards and group advantages [B] for the configured exploration signal (eqs. novelty,
-    shaped-reward, grpo-adv); rewards are regrouped [G, m] and the group functions are vmapped over G.
+    shaped-reward, grpo-adv); rewards are regrouped [P, m] and the group functions are vmapped over P.
     evol only: embeddings_BxE from the embedding model, valid_B (default all) marks responses with an answer."""
     m = batch.group_size
-    r_Gxm = batch.rewards.reshape(-1, m)
+    r_Pxm = batch.rewards.reshape(-1, m)
     if algo.exploration == "g2rl":
-        nu_Gxm = g2rl.novelty(phi_BxD.reshape(-1, m, phi_BxD.shape[-1]), r_Gxm)
-        shaped_Gxm = g2rl.shape_rewards(r_Gxm, nu_Gxm, lam=algo.lam, clip=algo.reward_clip, mode=algo.shaping_mode)
+        nu_Pxm = g2rl.novelty(phi_BxD.reshape(-1, m, phi_BxD.shape[-1]), r_Pxm)
+        shaped_Pxm = g2rl.shape_rewards(r_Pxm, nu_Pxm, lam=algo.lam, clip=algo.reward_clip, mode=algo.shaping_mode)
     elif algo.exploration == "evol":
         if embeddings_BxE is None:
             raise StageError("advantages: exploration=evol needs embeddings_BxE from the embedding model")
-        nu_Gxm = jnp.full_like(r_Gxm, jnp.nan)
-        correct_Gxm = batch.correct.reshape(-1, m)
-        valid_Gxm = jnp.ones_like(correct_Gxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m)
-        shaped_Gxm = g2rl.embedding_novelty(embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]), correct_Gxm,
-                                            valid_Gxm)
+        nu_Pxm = jnp.full_like(r_Pxm, jnp.nan)
+        correct_Pxm = batch.correct.reshape(-1, m)
+        valid_Pxm = jnp.ones_like(correct_Pxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m)
+        shaped_Pxm = g2rl.embedding_novelty(embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]), correct_Pxm,
+                                            valid_Pxm)
     else:  # grpo and entropy_bonus shape nothing; the bonus lives in the loss
-        nu_Gxm = jnp.full_like(r_Gxm, jnp.nan)
-        shaped_Gxm = r_Gxm
-    adv_Gxm = g2rl.group_advantages(shaped_Gxm)
-    return {"nu": nu_Gxm.reshape(-1), "shaped_rewards": shaped_Gxm.reshape(-1), "advantages": adv_Gxm.reshape(-1)}
+        nu_Pxm = jnp.full_like(r_Pxm, jnp.nan)
+        shaped_Pxm = r_Pxm
+    adv_Pxm = g2rl.group_advantages(shaped_Pxm)
+    return {"nu": nu_Pxm.reshape(-1), "shaped_rewards": shaped_Pxm.reshape(-1), "advantages": adv_Pxm.reshape(-1)}
 
 
 def group_keep_mask(correct_B, group_size: int) -> np.ndarray:
     """Optional filter (algorithm.filter_equal_groups): keep groups whose BASE correctness is mixed.
     Keyed on correctness, not on the shaped reward, so G2RL's within-class signal cannot rescue a group."""
-    c_Gxm = np.asarray(correct_B, bool).reshape(-1, group_size)
-    keep_G = c_Gxm.any(axis=1) & ~c_Gxm.all(axis=1)
-    return np.repeat(keep_G, group_size)
+    c_Pxm = np.asarray(correct_B, bool).reshape(-1, group_size)
+    keep_P = c_Pxm.any(axis=1) & ~c_Pxm.all(axis=1)
+    return np.repeat(keep_P, group_size)
 
 
 @functools.lru_cache(maxsize=8)
@@ -205,10 +235,10 @@ class LossSettings:
                    entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_kind=algo.kl_kind)
 
 
-def policy_loss(params, graphdef, mb: dict[str, Any], s: LossSettings):
+def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
     """PPO-clip + β·KL − entropy bonus on one micro-batch (eq. grpo-obj), f32 loss; returns (loss, diagnostics)."""
     model = nnx.merge(graphdef, params)
-    batch: Batch = mb["batch"]
+    batch = mb.batch
     h, targets = _response_hidden(model, batch)
     head = _head(model, h)
     if s.entropy_coef:
@@ -217,9 +247,9 @@ def policy_loss(params, graphdef, mb: dict[str, Any], s: LossSettings):
     else:
         logp, ent = g2rl.token_logprobs(h, head, targets, temperature=s.temperature, chunk_size=s.chunk), None
     return losses.ppo_loss(
-        logp, mb["old_logp"], mb["advantages"], batch.response_mask, clip_low=s.clip_low, clip_high=s.clip_high,
+        logp, mb.old_logp_BxT, mb.advantages_B, batch.response_mask, clip_low=s.clip_low, clip_high=s.clip_high,
         dual_clip=s.dual_clip, agg=s.agg, entropy=ent, entropy_coef=s.entropy_coef,
-        ref_logp=mb["ref_logp"] if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind)
+        ref_logp=mb.ref_logp_BxT if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind)
 
 
 def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
@@ -231,22 +261,22 @@ def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "settings", "micro"),
                    donate_argnames=("params", "opt_state"))
-def update(graphdef, params, opt_state, mini: dict[str, Any], *, optimizer: optax.GradientTransformation,
+def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
            settings: LossSettings, micro: int):
     """One optimizer update on a mini-batch, gradients accumulated over `micro`-row micro-batches.
 
     A non-finite loss or gradient skips the update: params and optimizer state come back unchanged and
-    info["skipped"] is 1. mini holds batch (Batch), old_logp, ref_logp [B, T] and advantages [B].
+    info["skipped"] is 1.
     """
-    rows = mini["advantages"].shape[0]
-    total_tokens = jnp.sum(mini["batch"].response_mask)
+    rows = mini.advantages_B.shape[0]
+    total_tokens = jnp.sum(mini.batch.response_mask)
     split = split_micro(mini, micro)
     grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
 
     def accumulate(carry, mb):
         grads_acc, loss_acc, diag_acc = carry
         (loss, diag), grads = grad_fn(params, graphdef, mb, settings)
-        w = _micro_weight(mb["batch"].response_mask, settings.agg, total_tokens, rows)
+        w = _micro_weight(mb.batch.response_mask, settings.agg, total_tokens, rows)
         grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
         diag_acc = jax.tree.map(lambda a, d: a + w * d, diag_acc, diag)
         return (grads_acc, loss_acc + w * loss, diag_acc), None
