@@ -7,7 +7,7 @@ For each model, the same problems are sampled `--samples` times; every response 
 from the trainer's own scoring pass (`g2rl_jax.train.step.score`), and within each problem's group the
 pairwise cosines of Φ (and, with `--embedding-model`, of last-token-pooled text embeddings) are collected.
 Writes OUT/analysis.json (per model: gradient_cosine_mean, negative_pair_ratio, semantic_cosine_mean,
-histograms) and OUT/geometry.png (the paper's three panels, drawn by `g2rl_jax.plot.geometry_figure`).
+histograms) and OUT/geometry.png (the paper's three panels, drawn by `g2rl_jax.figures.geometry_figure`).
 
 Pure functions (host NumPy, float64):
     pairwise_cosines(x_GxmxD) -> cos_GxP            upper-triangle cosines per group, P = m(m-1)/2
@@ -298,6 +298,7 @@ def model_sources(args: argparse.Namespace) -> list[ModelSource]:
 
 def draw_problems(dataset: str, count: int, seed: int) -> list:
     """`count` problems drawn without replacement (all of them if fewer), in dataset order; same for every model."""
+    import g2rl_jax.demo  # noqa: F401 - registers the demo's datasets
     from g2rl_jax.data import load_dataset
 
     examples = load_dataset(dataset)
@@ -314,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from g2rl_jax.config import MeshConfig, ModelConfig
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.parallel import make_mesh
-    from g2rl_jax.plot import geometry_figure
+    from g2rl_jax.figures import geometry_figure
 
     sources = model_sources(args)
     examples = draw_problems(args.dataset, args.problems, args.seed)

@@ -306,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            max_new_tokens=args.max_new_tokens, template=args.template, seed=args.seed)
     check_settings(out, settings)
+    import g2rl_jax.demo  # noqa: F401 - registers the demo's datasets
+
     datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
     records_path = out / "records.jsonl"
     records = read_records(records_path)

@@ -28,6 +28,19 @@ def built(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------- task
+def test_the_demo_registers_its_own_datasets():
+    """Imports run one way: `data` knows nothing of the demo; importing the demo registers `demo` and `demo_test`."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from g2rl_jax.data import dataset_names; "
+            "assert not any(m.startswith('g2rl_jax.demo') for m in sys.modules), 'data imported the demo'; "
+            "assert 'demo' not in dataset_names(); import g2rl_jax.demo; "
+            "assert {'demo', 'demo_test'} <= set(dataset_names()), dataset_names()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_splits_are_deterministic_disjoint_and_cover_every_problem():
     train, test = task.examples("train"), task.examples("test")
     assert [e.id for e in train] == [e.id for e in task.examples("train")]

@@ -1,12 +1,13 @@
-"""plot: the training-dynamics figure from real metrics.jsonl files (MetricsWriter), default output paths, and the
-geometry figure from analyze's stats; every figure is checked to be a valid PNG of the expected size."""
+"""figures and the plot CLI: the training-dynamics figure from real metrics.jsonl files (MetricsWriter), default
+output paths, and the geometry figure from analyze's stats; every figure is checked to be a valid PNG of the
+expected size."""
 import math
 
 import matplotlib.image
 import numpy as np
 import pytest
 
-from g2rl_jax import plot
+from g2rl_jax import figures, plot
 from g2rl_jax.analyze import geometry_stats, pairwise_cosines
 from g2rl_jax.train.metrics import MetricsWriter
 
@@ -40,15 +41,15 @@ def runs(tmp_path_factory):
 
 
 def test_training_figure_from_run_dirs(runs, tmp_path):
-    loaded = plot.load_runs([runs / "grpo", runs / "g2rl"])
+    loaded = figures.load_runs([runs / "grpo", runs / "g2rl"])
     assert list(loaded) == ["grpo", "g2rl"]
     assert loaded["grpo"][0]["novelty"] is None  # NaN is stored as null and skipped when drawing
-    assert plot.curve_keys(loaded) == ["accuracy", "val/aime25/mean@8", "response_length", "entropy", "novelty"]
-    assert plot.panel_title("val/aime25/mean@8") == "aime25 mean@8 (validation)"
-    steps, values = plot._series(loaded["g2rl"], "val/aime25/mean@8")
+    assert figures.curve_keys(loaded) == ["accuracy", "val/aime25/mean@8", "response_length", "entropy", "novelty"]
+    assert figures.panel_title("val/aime25/mean@8") == "aime25 mean@8 (validation)"
+    steps, values = figures._series(loaded["g2rl"], "val/aime25/mean@8")
     np.testing.assert_array_equal(steps, [3, 6])
     np.testing.assert_allclose(values, [0.3, 0.6])
-    assert len(plot._series(loaded["grpo"], "novelty")[0]) == 0
+    assert len(figures._series(loaded["grpo"], "novelty")[0]) == 0
     out = tmp_path / "fig" / "curves.png"
     assert plot.main([str(runs / "grpo"), str(runs / "g2rl"), "--out", str(out)]) == 0
     _assert_png(out, 4.6 * 3, 3.4 * 2)  # 5 panels on a 2 x 3 grid
@@ -64,25 +65,25 @@ def test_default_output_paths(runs, tmp_path, monkeypatch):
 
 def test_run_without_metrics_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
-        plot.load_runs([tmp_path])
+        figures.load_runs([tmp_path])
 
 
 @pytest.mark.parametrize("semantic", [True, False])
 def test_geometry_figure(tmp_path, semantic, monkeypatch):
     from matplotlib.colors import to_hex
 
-    figures = []
-    save = plot._save
-    monkeypatch.setattr(plot, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    drawn = []
+    save = figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, path: (drawn.append(fig), save(fig, path))[1])
     rng = np.random.default_rng(0)
     models = {}
     for label, shift in (("GRPO", 1.0), ("G2RL", 0.2)):
         cos = pairwise_cosines(rng.standard_normal((5, 8, 16)) + shift)
         sem = pairwise_cosines(rng.standard_normal((5, 8, 16)) + 2.0) if semantic else None
         models[label] = geometry_stats(cos, sem)
-    out = plot.geometry_figure(models, tmp_path / f"geometry_{semantic}.png", title="test")
+    out = figures.geometry_figure(models, tmp_path / f"geometry_{semantic}.png", title="test")
     _assert_png(out, 15, 4.2)
-    left, middle, right = figures[0].axes  # the paper's three panels
+    left, middle, right = drawn[0].axes  # the paper's three panels
     assert "gradient" in left.get_title() and "semantic" in middle.get_title() and "negative" in right.get_title()
     bar_colours = [to_hex(bar.get_facecolor()) for bar in right.patches]
     assert len(set(bar_colours)) == 2, "one colour per model"
@@ -96,6 +97,6 @@ def test_geometry_figure(tmp_path, semantic, monkeypatch):
 
 def test_empty_inputs_are_errors(tmp_path):
     with pytest.raises(ValueError, match="at least one"):
-        plot.geometry_figure({}, tmp_path / "x.png")
+        figures.geometry_figure({}, tmp_path / "x.png")
     with pytest.raises(ValueError, match="at least one"):
-        plot.training_figure({}, tmp_path / "x.png")
+        figures.training_figure({}, tmp_path / "x.png")

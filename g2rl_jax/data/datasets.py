@@ -2,7 +2,8 @@
 
 `load_dataset("math500")` reads the package's own copy (g2rl_jax/data/files, see LICENSES.md there);
 `load_dataset("path/to/x.jsonl", fields={"problem": "question", "answer": "gold"})` reads a local file whose keys
-differ from the defaults. Other modules add datasets with `register_dataset(name, loader)`.
+differ from the defaults. Other modules add datasets with `register_dataset(name, loader)`: importing
+`g2rl_jax.demo` registers the demo's `demo` and `demo_test`.
 """
 
 from __future__ import annotations
@@ -187,15 +188,3 @@ register_dataset("amc23", _vendored_math("amc2023.jsonl", "id"))
 register_dataset("gpqa_diamond", load_gpqa_diamond)
 register_dataset("mmlu_pro", load_mmlu_pro)
 
-
-def _demo_split(split: str) -> Loader:
-    def load() -> list[Example]:
-        from g2rl_jax.demo.task import examples  # imported on use: the demo task builds on this module
-
-        return examples(split)
-
-    return load
-
-
-register_dataset("demo", _demo_split("train"))  # the embedded demo's synthetic task (g2rl_jax/demo/task.py)
-register_dataset("demo_test", _demo_split("test"))  # its held-out problems

@@ -10,6 +10,7 @@
 Nothing here needs a network or downloaded weights: `python -m g2rl_jax.train --config configs/demo.yaml` builds
 the model on first use (about half a minute of CPU) and then trains it with the real RL loop.
 """
+from g2rl_jax.demo import task  # noqa: F401 - registers the datasets `demo` and `demo_test`
 from g2rl_jax.demo.build import build_demo_embedder, build_demo_model, resolve_demo_paths
 
 __all__ = ["build_demo_embedder", "build_demo_model", "resolve_demo_paths"]

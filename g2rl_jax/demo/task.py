@@ -2,7 +2,8 @@
 
 Every problem "a+b" with 10 <= a, b <= 99 (8,100 of them) is shuffled once with a fixed seed; the first
 `TEST_SIZE` form the held-out split ("test", dataset `demo_test`) and the rest the training split ("train",
-dataset `demo`). The splits are disjoint and the same on every machine (`random.Random` with an int seed).
+dataset `demo`), both registered with `g2rl_jax.data` when this module is imported (`import g2rl_jax.demo`).
+The splits are disjoint and the same on every machine (`random.Random` with an int seed).
 
     examples("train")          # list[Example], e.g. Example(id="demo-37+48", problem="37+48", answer="85")
     solution(example)          # the correct response: "\\boxed{85}"; solution(example, 10) -> "\\boxed{95}"
@@ -17,7 +18,7 @@ import functools
 import random
 from typing import Literal
 
-from g2rl_jax.data.datasets import Example
+from g2rl_jax.data.datasets import Example, register_dataset
 
 Split = Literal["train", "test"]
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -51,3 +52,7 @@ def examples(split: Split) -> list[Example]:
 def solution(example: Example, error: int = 0) -> str:
     """The response answering `example` with its sum + `error` (0: the correct response)."""
     return f"\\boxed{{{int(example.answer) + error}}}"
+
+
+register_dataset("demo", functools.partial(examples, "train"))  # registered here: the demo builds on `data`,
+register_dataset("demo_test", functools.partial(examples, "test"))  # never the other way round

@@ -4,7 +4,7 @@
                   the first update and after the last, under the same sampling), the validation metrics
                   themselves, steps, and seconds (wall time of the invocation that finished the run, set-up and
                   compilation included)
-    curves.png    accuracy, validation mean@k, response length, entropy and novelty against step (g2rl_jax.plot)
+    curves.png    accuracy, validation mean@k, response length, entropy and novelty against step (g2rl_jax.figures)
 
 The "before" validation is metrics.jsonl's step-0 record (written as soon as it is measured, so a resumed run
 still reports it, and the curves start from it). Only process 0 writes.
@@ -36,7 +36,7 @@ def finish(run_dir: Path, *, before: dict | None, after: dict | None, steps: int
     """Write summary.json and curves.png; returns the summary (None on processes other than 0)."""
     if jax.process_index() != 0:
         return None
-    from g2rl_jax.plot import load_runs, training_figure
+    from g2rl_jax.figures import load_runs, training_figure
 
     summary = {"accuracy_before": accuracy(before or {}), "accuracy_after": accuracy(after or {}),
                "validation_before": before or {}, "validation_after": after or {},

@@ -2,6 +2,7 @@
 model runtime, placing host rows on the mesh, stop tokens, and the embedding model's last-token pooling."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -14,15 +15,12 @@ from jax.experimental import multihost_utils
 from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError
 from g2rl_jax.data import dataset_names, encode_prompts, load_dataset
+from g2rl_jax.demo import resolve_demo_paths  # also registers the demo's datasets
 from g2rl_jax.model.config import RuntimeConfig
 
 
 def resolve_model_paths(cfg: Config) -> Config:
     """The config with `demo:DIR` model paths built (or reused) at DIR and replaced by DIR (g2rl_jax/demo)."""
-    import dataclasses
-
-    from g2rl_jax.demo import resolve_demo_paths
-
     try:
         path, embedder = resolve_demo_paths(cfg.model.path, cfg.algorithm.embedding_model)
     except ValueError as err:
