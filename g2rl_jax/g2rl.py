@@ -1,10 +1,11 @@
-"""The G2RL paper's equations (shared/paper/g2rl_paper.tex, section Method) as pure JAX functions.
+"""The equations of "Can LLMs Guide Their Own Exploration? Gradient-Guided Reinforcement Learning for LLM
+Reasoning" (G2RL, arXiv 2512.15687, section Method) as pure JAX functions.
 
 Token pass (batched over B sequences; one chunked scan, never the full [B, L, V] logits):
   token_logprobs  log p_t(y_t), differentiable with a memory-lean custom VJP (recomputes each chunk).
   token_stats     log-probs, entropies and the sequence gradient feature Φ in the same pass (eqs.
                   head-softmax, token-grad, token-feature, seq-feature, efficient). Φ is built in vocab space:
-                  Φ = (Σ_t α̃_t (e(y_t) − p_t)) · W, one [V]·[V, D] product per sequence (DESIGN.md).
+                  Φ = (Σ_t α̃_t (e(y_t) − p_t)) · W, one [V]·[V, D] product per sequence, not one per token.
 Group equations (each a `jax.vmap` over the P groups, one per prompt, of a per-group function on m responses):
   novelty            eqs. cosine, weights, novelty: ν ∈ [0, 1].
   shape_rewards      eqs. scale, shaped-reward and the clip to ±c ("text" or "literal" reading, see below).
@@ -264,7 +265,8 @@ def shape_rewards(rewards, nu, *, lam=0.5, clip=3.0, mode="text"):
 
     mode="text" (default): r̃ = clip(r (1 + λ ν̄), ±c), the paper's prose: novelty boosts a correct answer and
     amplifies the penalty of a wrong one. mode="literal": f = 1 + λ r ν̄ read as written, r̃ = clip(r + λ r² ν̄),
-    which for r = −1 softens the penalty of novel wrong answers, contradicting the prose (see DESIGN.md).
+    which for r = −1 softens the penalty of novel wrong answers, contradicting the prose (README, "How the paper
+    is read").
     """
     _check_group("rewards", rewards, 2)
     _check_group("nu", nu, 2, like=rewards)

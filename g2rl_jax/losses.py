@@ -1,8 +1,9 @@
 """Policy losses for the update step: per-token KL estimators, PPO-clip with DAPO-style asymmetric clipping and an
-optional dual clip, loss aggregation over [B, L] tokens, the entropy bonus, and per-step diagnostics.
+optional dual clip, loss aggregation over [B, T] tokens, the entropy bonus, and per-step diagnostics.
 
-All per-token arrays are [B, L] (B sequences, L response positions) with a 0/1 `mask` marking response tokens;
-advantages are one per sequence, [B] (outcome rewards, eq. grpo-adv in shared/paper/g2rl_paper.tex).
+All per-token arrays are [B, T] (B sequences, T response positions; the shape letters of `g2rl_jax`) with a 0/1
+`mask` marking response tokens; advantages are one per sequence, [B] (outcome rewards, eq. grpo-adv of the G2RL
+paper, arXiv 2512.15687).
 """
 import jax.numpy as jnp
 
@@ -34,12 +35,12 @@ def kl_penalty(logp, ref_logp, kind):
     return jnp.clip(jnp.exp(log_r) - log_r - 1.0, -K3_CLAMP, K3_CLAMP)
 
 
-def masked_mean(x_BxL, mask_BxL):
+def masked_mean(x_BxT, mask_BxT):
     """Mean of x over the masked tokens of the whole batch (0 when the mask is empty)."""
-    return jnp.sum(x_BxL * mask_BxL) / jnp.maximum(jnp.sum(mask_BxL), 1.0)
+    return jnp.sum(x_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
 
 
-def aggregate(x_BxL, mask_BxL, mode="token-mean"):
+def aggregate(x_BxT, mask_BxT, mode="token-mean"):
     """Reduce per-token values to a scalar loss.
 
     token-mean: Σ x·mask / Σ mask over the batch. seq-mean-token-mean: each sequence's token mean, averaged over
@@ -48,20 +49,20 @@ def aggregate(x_BxL, mask_BxL, mode="token-mean"):
     if mode not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}; got {mode!r}")
     if mode == "token-mean":
-        return masked_mean(x_BxL, mask_BxL)
-    seq_sum_B = jnp.sum(x_BxL * mask_BxL, axis=-1)
+        return masked_mean(x_BxT, mask_BxT)
+    seq_sum_B = jnp.sum(x_BxT * mask_BxT, axis=-1)
     if mode == "seq-mean-token-sum":
         return jnp.mean(seq_sum_B)
-    return jnp.mean(seq_sum_B / jnp.maximum(jnp.sum(mask_BxL, axis=-1), 1.0))
+    return jnp.mean(seq_sum_B / jnp.maximum(jnp.sum(mask_BxT, axis=-1), 1.0))
 
 
 def _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, entropy, entropy_coef,
                     ref_logp, kl_coef, kl_kind):
     if logp.ndim != 2:
-        raise ValueError(f"logp must be [B, L]; got shape {logp.shape}")
+        raise ValueError(f"logp must be [B, T]; got shape {logp.shape}")
     for name, x in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy), ("ref_logp", ref_logp)):
         if x is not None and x.shape != logp.shape:
-            raise ValueError(f"{name} must be [B, L] = {logp.shape} like logp; got shape {x.shape}")
+            raise ValueError(f"{name} must be [B, T] = {logp.shape} like logp; got shape {x.shape}")
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages must be one per sequence, [B] = {logp.shape[:1]}; got shape {advantages.shape}")
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:

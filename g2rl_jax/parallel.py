@@ -146,13 +146,6 @@ def create_sharded(make_module: Callable[[], nnx.Module], mesh: Mesh, rules: Sha
     return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())
 
 
-def shard_module(module: nnx.Module, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> nnx.Module:
-    """Move an existing module's parameters onto their shardings (returns the same module, updated)."""
-    state = nnx.state(module)
-    nnx.update(module, jax.device_put(state, state_shardings(state, mesh, rules)))
-    return module
-
-
 def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, seq, ...] input: batch over its mesh axes, the rest replicated."""
     return NamedSharding(mesh, rules.spec(("batch",) + (None,) * (ndim - 1)))

@@ -1,4 +1,5 @@
-"""g2rl_jax.g2rl against float64 NumPy transcriptions of the paper's equations (shared/paper/g2rl_paper.tex)."""
+"""g2rl_jax.g2rl against float64 NumPy transcriptions of the equations of the G2RL paper ("Can LLMs Guide Their
+Own Exploration? Gradient-Guided Reinforcement Learning for LLM Reasoning", arXiv 2512.15687)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -78,7 +78,7 @@ def _active_mesh(mesh):
     """The given `mesh`, else the one set by `jax.set_mesh`, else None (single device); with Auto axis types.
 
     The model's ops carry no sharding annotations, so they need GSPMD propagation (Auto axes); an Explicit mesh
-    (jax.make_mesh's default) is rebuilt with the same devices and names (see /work/notes/rollout_needs.md).
+    (jax.make_mesh's default) is rebuilt with the same devices and names.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_mesh()
     if mesh.empty:
