@@ -30,4 +30,13 @@ in lower case. This is the one legend; every module uses it.
   J  variants of one demo SFT example
 """
 
+import importlib.util
+import os
+
 __version__ = "0.1.0"
+
+if importlib.util.find_spec("torch") is None:
+    # The project uses transformers only for tokenizers, which need no PyTorch; without torch (a plain
+    # `pip install -e .`) transformers would print "PyTorch was not found..." on import, an advisory a new user
+    # reads as a broken install. Set before any transformers import; a value the user set wins.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
