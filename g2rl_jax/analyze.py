@@ -313,9 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from g2rl_jax.config import MeshConfig, ModelConfig
+    from g2rl_jax.figures import geometry_figure
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.parallel import make_mesh
-    from g2rl_jax.figures import geometry_figure
 
     sources = model_sources(args)
     examples = draw_problems(args.dataset, args.problems, args.seed)

@@ -66,7 +66,8 @@ class ModelConfig:
         "full", "rematerialise each decoder layer in the backward pass: none, full (recompute all), dots (keep "
         "matmul outputs, recompute the rest)")
     attention: Literal["auto", "xla", "cudnn", "splash"] = _f(
-        "auto", "attention kernel: auto (splash on TPU, cudnn on GPU, xla on CPU), xla, cudnn (GPU), splash (TPU)")
+        "auto", "attention kernel: auto (splash on TPU, cudnn on GPU with bfloat16 compute, else xla), xla, cudnn "
+        "(GPU, bfloat16), splash (TPU); a kernel whose hardware is absent falls back to xla with a warning")
     kv_cache_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of the rollout KV cache")
 
 

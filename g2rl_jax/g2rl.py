@@ -32,11 +32,14 @@ EMBED_NORM_MIN = 1e-8  # EVOL-RL's floor on embedding norms before the cosine
 # ---------------------------------------------------------------------------------------------- token pass
 def _check_token_inputs(hidden, lm_head, targets, mask=None):
     if hidden.ndim != 3:
-        raise ValueError(f"hidden must be [B, L, D] (final hidden states after the final norm); got shape {hidden.shape}")
+        raise ValueError(f"hidden must be [B, L, D] (final hidden states after the final norm); "
+                         f"got shape {hidden.shape}")
     if lm_head.ndim != 2 or lm_head.shape[1] != hidden.shape[2]:
-        raise ValueError(f"lm_head must be [V, D] with D = hidden.shape[2] = {hidden.shape[2]}; got shape {lm_head.shape}")
+        raise ValueError(f"lm_head must be [V, D] with D = hidden.shape[2] = {hidden.shape[2]}; "
+                         f"got shape {lm_head.shape}")
     if targets.shape != hidden.shape[:2]:
-        raise ValueError(f"targets must be [B, L] = {hidden.shape[:2]} like hidden's first two dims; got {targets.shape}")
+        raise ValueError(f"targets must be [B, L] = {hidden.shape[:2]} like hidden's first two dims; "
+                         f"got {targets.shape}")
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must hold integer token ids; got dtype {targets.dtype}")
     if mask is not None and mask.shape != hidden.shape[:2]:
@@ -58,8 +61,8 @@ def _pad_positions(x_BxL, pad):
 
 def _to_chunks(x_BxL, chunk):
     """[B, L, ...] -> [L/chunk, B, chunk, ...], the scan's leading axis; B stays where GSPMD sharded it."""
-    b, l = x_BxL.shape[:2]
-    return jnp.moveaxis(x_BxL.reshape(b, l // chunk, chunk, *x_BxL.shape[2:]), 1, 0)
+    b, length = x_BxL.shape[:2]
+    return jnp.moveaxis(x_BxL.reshape(b, length // chunk, chunk, *x_BxL.shape[2:]), 1, 0)
 
 
 def _from_chunks(x_QxBxC):

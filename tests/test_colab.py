@@ -1,6 +1,5 @@
 """launch/colab.ipynb runs top to bottom on CPU (nbclient, a real Jupyter kernel): it builds the demo model,
 samples a group, shows Φ, ν, shaped rewards and advantages, and runs one training step."""
-import os
 import pathlib
 
 import nbformat

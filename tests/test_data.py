@@ -75,14 +75,17 @@ def test_gpqa_never_on_disk_unzipped():
 
 def test_local_jsonl_with_field_mapping(tmp_path):
     path = tmp_path / "x.jsonl"
-    rows = [{"question": "1+1?", "gold": "2"}, {"question": "2+2?", "gold": "4", "id": "b"}, {"question": "", "gold": "0"}]
+    rows = [{"question": "1+1?", "gold": "2"}, {"question": "2+2?", "gold": "4", "id": "b"},
+            {"question": "", "gold": "0"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     examples = load_dataset(str(path), fields={"problem": "question", "answer": "gold"})
-    assert examples == [Example(id="x.jsonl:1", problem="1+1?", answer="2"), Example(id="b", problem="2+2?", answer="4")]
+    assert examples == [Example(id="x.jsonl:1", problem="1+1?", answer="2"),
+                        Example(id="b", problem="2+2?", answer="4")]
     gz = tmp_path / "c.jsonl.gz"
     with gzip.open(gz, "wt") as f:
         f.write(json.dumps({"id": 7, "problem": "Pick", "answer": "B", "choices": ["x", "y"]}) + "\n")
-    assert load_dataset(gz, kind="choice") == [Example(id="7", problem="Pick", answer="B", kind="choice", choices=("x", "y"))]
+    assert load_dataset(gz, kind="choice") == [Example(id="7", problem="Pick", answer="B", kind="choice",
+                                                       choices=("x", "y"))]
     assert len(load_dataset("math500", limit=3)) == 3
 
 

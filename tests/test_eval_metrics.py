@@ -6,7 +6,6 @@ import math
 from fractions import Fraction
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from g2rl_jax import eval as ev

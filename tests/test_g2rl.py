@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from g2rl_jax import g2rl
 
@@ -190,7 +191,7 @@ def test_token_stats_sharded_batch_and_vocab(tokens):
     h, w, y, mask = tokens
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
     h4, y4, m4 = (np.concatenate([x, x[:1]]) for x in (h, y, mask))  # B = 4 divides the data axis
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
     args = (put(h4, P("data")), put(w, P("tensor")), put(y4, P("data")), put(m4, P("data")))
     got = stats_fn(1.0, 4)(*args)
     want = np_token_stats(h4, w, y4, m4, 1.0)

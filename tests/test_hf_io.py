@@ -5,18 +5,18 @@ import logging
 import pathlib
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 from tokenizers import processors
 
-import jax.numpy as jnp
-from flax import nnx
-
 from g2rl_jax.model import load_pretrained, save_pretrained
 from g2rl_jax.train.setup import EMBED_MAX_TOKENS, embedding_token_ids
+
 from hf_tiny import make_tiny_qwen3_dir
 
 _fwd = nnx.jit(lambda model, ids: model(ids))
@@ -126,7 +126,8 @@ def _copy(src, dst):
 def test_rejects_other_architecture(untied, tmp_path):
     bad = _copy(untied, tmp_path / "llama")
     config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    llama = {**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (bad / "config.json").write_text(json.dumps(llama))
     with pytest.raises(ValueError, match=r"config\.json: model_type is 'llama', expected 'qwen3'"):
         load_pretrained(bad)
 

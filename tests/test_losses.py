@@ -46,7 +46,7 @@ def np_ppo(logp, old, adv, mask, clip_low, clip_high, dual_clip, agg, entropy, e
             high[b, t] = a > 0 and rho > 1 + clip_high
     kl = np_kl(logp, ref, kind)
     loss = np_agg(loss_tok, mask, agg) - entropy_coef * np_agg(entropy, mask, agg) + kl_coef * np_agg(kl, mask, agg)
-    mean = lambda x: (x * mask).sum() / mask.sum()
+    mean = lambda x: (x * mask).sum() / mask.sum()  # noqa: E731
     log_r = logp - old
     diag = {"pg_loss": np_agg(loss_tok, mask, agg), "clip_frac_low": mean(low), "clip_frac_high": mean(high),
             "approx_kl": mean(np.exp(log_r) - 1 - log_r), "entropy": mean(entropy), "kl": mean(kl)}
@@ -98,7 +98,7 @@ def test_ppo_loss_matches_numpy(batch, agg, dual_clip):
 def test_ppo_loss_bfloat16_inputs(batch):
     """bf16 log-probs are upcast before any arithmetic: f32 tolerance against float64 on the rounded values."""
     logp, old, adv, mask, entropy, ref = batch
-    r16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    r16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)  # noqa: E731
     loss, _ = losses.ppo_loss(jnp.asarray(logp, jnp.bfloat16), jnp.asarray(old, jnp.bfloat16), adv, mask)
     want, _ = np_ppo(r16(logp), r16(old), adv, mask, 0.2, 0.2, None, "token-mean", entropy, 0.0, ref, 0.0, "k1")
     np.testing.assert_allclose(loss, want, atol=1e-5, rtol=1e-5)

@@ -1,13 +1,12 @@
 """Qwen3 model: parity with transformers' PyTorch Qwen3, padding, KV-cache decode, remat, attention backends."""
 import logging
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, load_pretrained
@@ -15,6 +14,7 @@ from g2rl_jax.model import attention as attn
 from g2rl_jax.model import config as model_config
 from g2rl_jax.model.config import resolve_attention
 from g2rl_jax.model.qwen3 import positions_from_mask, rms_norm, rope
+
 from hf_tiny import make_tiny_qwen3_dir
 
 # (GQA ratio, tied head, head_dim != hidden/heads) are all covered across these.
@@ -201,7 +201,7 @@ def test_decode_attention_matches_numpy():
     sk, sv = rng.randn(P * m, T, G, K), rng.randn(P * m, T, G, K)
     pmask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], bool)
     valid = 2
-    heads_first = (lambda a: jnp.asarray(a.swapaxes(1, 2), jnp.float32))  # cache layout [rows, KVH, len, Dh]
+    heads_first = (lambda a: jnp.asarray(a.swapaxes(1, 2), jnp.float32))  # noqa: E731 - cache [rows, G, len, K]
     out = attn.decode_attention(jnp.asarray(q, jnp.float32), heads_first(pk), heads_first(pv), jnp.asarray(pmask),
                                 heads_first(sk), heads_first(sv), valid)
     ref = np.zeros_like(q)

@@ -1,17 +1,17 @@
 """Sharding: a (data, fsdp, tensor) = (2, 2, 2) mesh over 8 fake CPU devices gives the unsharded logits."""
 import re
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, load_pretrained
 from g2rl_jax.config import MeshConfig
+from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, load_pretrained
 from g2rl_jax.parallel import DEFAULT_RULES, ShardingRules, batch_sharding, create_sharded, make_mesh, state_shardings
+
 from hf_tiny import make_tiny_qwen3_dir
 
 CFG = PRESETS["tiny"]  # 4 heads, 2 KV heads: both divide tensor=2

@@ -21,6 +21,7 @@ from g2rl_jax import parallel
 from g2rl_jax.config import DistributedConfig
 from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train.metrics import read_metrics
+
 from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

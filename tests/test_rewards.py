@@ -8,8 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from g2rl_jax.rewards import (choice_reward, extract_answer, extract_boxed, extract_choice, is_equivalent,
-                              math_reward, normalize_answer, score_batch)
+from g2rl_jax.rewards import (
+    choice_reward,
+    extract_answer,
+    extract_boxed,
+    extract_choice,
+    is_equivalent,
+    math_reward,
+    normalize_answer,
+    score_batch,
+)
 
 MV_CASES = Path(__file__).parent / "data" / "math_verify_test_cases.jsonl"
 
@@ -133,7 +141,8 @@ EQUIVALENT = [
     (r"\binom{5}{2}", "10"),
 ]
 NOT_EQUIVALENT = [
-    ("0.3", r"\frac{1}{3}"), ("12000023.0", "12000024"), ("(11111111100)+1", "11111111100"), ("2", "3"), (r"[0, 1)", "(0, 1)"), ("(1, 2)", "(2, 1)"),
+    ("0.3", r"\frac{1}{3}"), ("12000023.0", "12000024"), ("(11111111100)+1", "11111111100"), ("2", "3"),
+    (r"[0, 1)", "(0, 1)"), ("(1, 2)", "(2, 1)"),
     ("x < 5", "x > 5"), (r"\pm 2", "2"), ("x+1", "x+2"), (r"\sqrt{2}", "1.42"), ("7 = 11a+c", "11a+c"),
     (r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", r"\begin{pmatrix}1&2\\3&5\end{pmatrix}"), ("1, 2", "1, 2, 3"),
     ("", "0"), (None, "1"),

@@ -2,22 +2,22 @@
 seeds, sharding, bucketing, bf16 KV cache and input validation. One tiny random Qwen3 per module."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 from scipy import stats
 
-import jax
-import jax.numpy as jnp
-
-from hf_tiny import make_tiny_qwen3_dir
-from g2rl_jax.model import RuntimeConfig, load_pretrained
 from g2rl_jax.config import MeshConfig
+from g2rl_jax.model import RuntimeConfig, load_pretrained
 from g2rl_jax.parallel import make_mesh
 from g2rl_jax.rollout import engine, generate
 from g2rl_jax.rollout.batching import bucket, new_tokens_bucket
 from g2rl_jax.rollout.sampling import SamplerSpec, categorical, sample_tokens
+
+from hf_tiny import make_tiny_qwen3_dir
 
 PROMPTS = [[5, 17, 99, 3], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [42], [100, 3, 64, 2, 9, 88, 31]]
 NEW = 12

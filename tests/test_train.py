@@ -5,7 +5,6 @@ kill -9 mid-run and mid-save, then rerun the same command; a non-finite step is 
 micro-batch accumulation equals one full batch; sharded equals unsharded; bad input fails before any compile.
 """
 import dataclasses
-import json
 import os
 import pathlib
 import signal
@@ -24,6 +23,7 @@ from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
+
 from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -239,12 +239,12 @@ def test_sharded_step_equals_unsharded(step_parts):
     one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     outs = []
     for mesh in (trainer.mesh, one):
-        put = lambda t: jax.tree.map(  # noqa: E731
-            lambda x, s: jax.device_put(np.asarray(x), jax.sharding.NamedSharding(mesh, s.spec)), t,
+        put = lambda t: jax.tree.map(  # noqa: E731 - called within this iteration (hence B023 below)
+            lambda x, s: jax.device_put(np.asarray(x), jax.sharding.NamedSharding(mesh, s.spec)), t,  # noqa: B023
             jax.tree.map(lambda x: x.sharding, t))
         params, opt_state = put(trainer.params), put(trainer.opt_state)
-        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0] if mesh is one else x.sharding),
-                             result.batch)
+        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0] if mesh is one  # noqa: B023
+                                                      else x.sharding), result.batch)
         model = nnx.merge(trainer.graphdef, params)
         model.mesh = None if mesh is one else trainer.mesh  # the graphdef carries where activations live
         graphdef = nnx.graphdef(model)

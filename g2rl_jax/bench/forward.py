@@ -111,7 +111,8 @@ def main(argv: list[str]) -> int:
     print(f"config: {cfg}\nbatch {args.batch} x seq {args.seq}, {args.dtype}, attention={args.attention}, "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
     compile_s, ours_s = _ours(cfg, args, jnp.asarray(ids))
-    print(f"ours (jax.jit):        compile {compile_s:.2f} s, step {ours_s * 1e3:.1f} ms, {tokens / ours_s:,.0f} tokens/s")
+    print(f"ours (jax.jit):        compile {compile_s:.2f} s, step {ours_s * 1e3:.1f} ms, "
+          f"{tokens / ours_s:,.0f} tokens/s")
     peak = _peak_tflops(args)
     if peak:
         tflops = _flops(cfg, args.batch, args.seq) / ours_s / 1e12

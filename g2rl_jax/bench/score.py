@@ -77,22 +77,22 @@ def main(argv: list[str]) -> int:
 
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     dtype = jnp.dtype(args.dtype)
-    b, l, d, v = args.batch, args.length, args.dim, args.vocab
-    hidden = jax.random.normal(keys[0], (b, l, d), jnp.float32).astype(dtype)
+    b, length, d, v = args.batch, args.length, args.dim, args.vocab
+    hidden = jax.random.normal(keys[0], (b, length, d), jnp.float32).astype(dtype)
     lm_head = (0.02 * jax.random.normal(keys[1], (v, d), jnp.float32)).astype(dtype)
-    targets = jax.random.randint(keys[2], (b, l), 0, v)
-    mask = (jax.random.uniform(keys[3], (b, l)) < 0.9).astype(jnp.float32)
+    targets = jax.random.randint(keys[2], (b, length), 0, v)
+    mask = (jax.random.uniform(keys[3], (b, length)) < 0.9).astype(jnp.float32)
     fused_stats = jax.jit(lambda h, w, y, m: token_stats(h, w, y, m, chunk_size=args.chunk))
     fused_logprobs = jax.jit(lambda h, w, y, m: token_logprobs(h, w, y, chunk_size=args.chunk))
     naive = jax.jit(lambda h, w, y, m: naive_stats(h, w, y, m, 1.0))
     inputs = (hidden, lm_head, targets, mask)
 
     print(f"command: python -m g2rl_jax.bench score {' '.join(argv)}".rstrip())
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), B={b} L={l} ({b * l} tokens) "
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), B={b} L={length} ({b * length} tokens) "
           f"D={d} V={v} chunk={args.chunk} dtype={args.dtype}; medians of {args.repeats} / {args.grad_repeats} calls")
     times = _time_interleaved({"stats": fused_stats, "logprobs": fused_logprobs}, inputs, args.repeats)
     mem_fused, mem_naive = _temp_bytes(fused_stats, *inputs), _temp_bytes(naive, *inputs)
-    logits_bytes = b * l * v * 4
+    logits_bytes = b * length * v * 4
     print("| measure | fused | reference | ratio | goal |\n|---|---|---|---|---|")
     print(f"| (a) time: token_stats vs token_logprobs | {times['stats']:.3f} s | {times['logprobs']:.3f} s "
           f"| {times['stats'] / times['logprobs']:.3f} | ≤ 1.05 |")
@@ -105,7 +105,8 @@ def main(argv: list[str]) -> int:
         gmem_fused, gmem_naive = _temp_bytes(grad_fused, *inputs), _temp_bytes(grad_naive, *inputs)
         print(f"| (c) fwd+bwd time: fused vs naive | {gtimes['fused']:.3f} s | {gtimes['naive']:.3f} s "
               f"| {gtimes['fused'] / gtimes['naive']:.3f} | |")
-        print(f"| (c) fwd+bwd temp memory: fused vs naive | {gmem_fused / 2**20:.1f} MiB | {gmem_naive / 2**20:.1f} MiB "
+        print(f"| (c) fwd+bwd temp memory: fused vs naive | {gmem_fused / 2**20:.1f} MiB "
+              f"| {gmem_naive / 2**20:.1f} MiB "
               f"| {gmem_fused / gmem_naive:.3f} | |")
     print(f"(f32 logits alone would take {logits_bytes / 2**20:.1f} MiB; lm_head {lm_head.nbytes / 2**20:.1f} MiB)")
     return 0

@@ -106,7 +106,8 @@ def main(argv) -> int:
                   "more --steps, or prompts of one length bucket, for compile-free figures.")
         runs = [r.metrics for r in results]
         shapes = [tuple(r.batch.input_ids.shape) for r in results]
-        print(f"batches [rows, prompt + response positions]: {shapes} (response {results[-1].batch.response_mask.shape[1]})")
+        print(f"batches [rows, prompt + response positions]: {shapes} "
+              f"(response {results[-1].batch.response_mask.shape[1]})")
     means = {name: float(np.mean([m[key] for m in runs])) for name, key in STAGES}
     total = sum(means.values())
     print(f"\nstep time over {args.steps} steps: {total:.3f} s")

@@ -129,7 +129,9 @@ def read_jsonl_examples(path: Path, *, fields: Mapping[str, str], kind: Kind) ->
     for lineno, row in iter_jsonl(path):
         problem = str(_field(row, keys["problem"], path, lineno)).strip()
         answer = str(_field(row, keys["answer"], path, lineno)).strip()
-        choices = tuple(str(c).strip() for c in _field(row, keys["choices"], path, lineno)) if kind == "choice" else None
+        choices = None
+        if kind == "choice":
+            choices = tuple(str(c).strip() for c in _field(row, keys["choices"], path, lineno))
         if problem and answer:
             example_id = str(row.get(keys["id"], f"{path.name}:{lineno}"))
             examples.append(Example(id=example_id, problem=problem, answer=answer, kind=kind, choices=choices))

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from g2rl_jax.demo import task, tokenizer as demo_tokenizer
+from g2rl_jax.demo import task
+from g2rl_jax.demo import tokenizer as demo_tokenizer
 from g2rl_jax.demo.sft import SFTConfig, encode_sft, train_sft
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig, save_pretrained
 

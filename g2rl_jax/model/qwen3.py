@@ -215,7 +215,8 @@ class Qwen3(nnx.Module):
         h, (k_NxPxSxGxK, v_NxPxSxGxK) = self._forward(input_ids_PxS, attention_mask_PxS, keep_kv=True)
         mask = attention_mask_PxS.astype(bool)
         heads_first = (0, 1, 3, 2, 4)  # -> [layers, P, KVH, S, Dh], the layout decode reads
-        cache = PrefixCache(k=k_NxPxSxGxK.transpose(heads_first), v=v_NxPxSxGxK.transpose(heads_first), mask=mask, lengths=mask.sum(-1).astype(jnp.int32))
+        cache = PrefixCache(k=k_NxPxSxGxK.transpose(heads_first), v=v_NxPxSxGxK.transpose(heads_first), mask=mask,
+                            lengths=mask.sum(-1).astype(jnp.int32))
         return self.logits(h[:, -1:])[:, 0], cache
 
     def init_suffix(self, prefix: PrefixCache, num_samples: int, max_new_tokens: int) -> SuffixCache:

@@ -1,9 +1,10 @@
 """The jitted halves of `generate`: prefill once per prompt, then a `lax.while_loop` decode over the group.
 
 `prefill_fn(mesh, num_kv_heads)` / `decode_fn(mesh, num_kv_heads)` return jitted functions (one pair per mesh,
-cached), each taking the model as (graphdef, state) split at the jit boundary; decode donates the suffix cache. jax.jit caches one executable per bucket (shapes plus the static
-num_samples / sampler spec), so a training run compiles once per bucket. `TRACE_COUNTS` counts traces per
-function (tests and the benchmark read it to check that a bucket compiles once).
+cached), each taking the model as (graphdef, state) split at the jit boundary; decode donates the suffix cache.
+jax.jit caches one executable per bucket (shapes plus the static num_samples / sampler spec), so a training run
+compiles once per bucket. `TRACE_COUNTS` counts traces per function (tests and the benchmark read it to check that
+a bucket compiles once).
 
 Decode loop state, B = P*m samples (sample b = p*m + j), T bucketed new-token slots:
   token t of sample b is drawn from the logits after token t-1 (token 0 from the prompt's prefill logits, shared

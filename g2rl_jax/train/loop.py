@@ -39,8 +39,16 @@ from g2rl_jax.train import report
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, checkpoint_dir
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
-from g2rl_jax.train.setup import (embed_texts, on_mesh, preflight, resolve_model_paths, runtime_config, shard_rows,
-                                  stop_token_ids, usable_examples)
+from g2rl_jax.train.setup import (
+    embed_texts,
+    on_mesh,
+    preflight,
+    resolve_model_paths,
+    runtime_config,
+    shard_rows,
+    stop_token_ids,
+    usable_examples,
+)
 
 
 @contextlib.contextmanager
@@ -61,7 +69,7 @@ def _shape_of(x) -> str:
         return f"{tuple(leaves[0].shape)}"
     if isinstance(x, (list, tuple)):
         return f"list[{len(x)}]"
-    return "{" + ", ".join(f"{tuple(np.shape(l))}" for l in leaves[:6]) + ("…}" if len(leaves) > 6 else "}")
+    return "{" + ", ".join(f"{tuple(np.shape(leaf))}" for leaf in leaves[:6]) + ("…}" if len(leaves) > 6 else "}")
 
 
 @dataclasses.dataclass
@@ -201,7 +209,8 @@ class Trainer:
         if algo.filter_equal_groups:
             keep_B = train_step.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
-        batch = dataclasses.replace(batch, response_mask=batch.response_mask * jnp.asarray(keep_B, jnp.float32)[:, None])
+        keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
+        batch = dataclasses.replace(batch, response_mask=batch.response_mask * keep_Bx1)
         step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B)
         infos = []
         n, mb = adv_B.shape[0], algo.mini_batch_size

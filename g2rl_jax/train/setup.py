@@ -45,7 +45,8 @@ def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
             raise ConfigError(f"{key}: {path!r} is not a local Hugging Face model directory (no config.json there); "
                               "download the checkpoint first and point the key at its directory")
     known = dataset_names()
-    for key, names in (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets)):
+    datasets = (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets))
+    for key, names in datasets:
         for name in names:
             if name not in known and not Path(name).is_file():
                 raise ConfigError(f"{key}: {name!r} is neither a registered dataset ({', '.join(known)}) nor a "

@@ -197,7 +197,8 @@ def group_keep_mask(correct_B, group_size: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def make_optimizer(optim: OptimConfig, total_updates: int) -> optax.GradientTransformation:
-    """(Cached, so equal configs share one object and the jitted update compiles once.) AdamW with linear warmup and cosine decay to min_lr_ratio·peak, after global-norm clipping."""
+    """AdamW with linear warmup and cosine decay to min_lr_ratio·peak, after global-norm clipping. Cached, so
+    equal configs share one object and the jitted update compiles once."""
     schedule = learning_rate_schedule(optim, total_updates)
     return optax.chain(
         optax.clip_by_global_norm(optim.max_grad_norm),
