@@ -168,8 +168,9 @@ def append_history(cfg: Config, run_dir: Path, **facts: Any) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ signals
-class Preempted(Exception):
-    """Raised where a stop request abandons work in progress (a validation, or the step on a second SIGTERM)."""
+class Preempted(BaseException):
+    """Raised where a stop request abandons work in progress (a validation, or the step on a second SIGTERM).
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` turns it into an ordinary error."""
 
 
 class StopSignal:
