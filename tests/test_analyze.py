@@ -264,5 +264,13 @@ def test_eval_accepts_a_training_checkpoint(tiny, tmp_path):
                     "--temperature", "1.0", "--max-new-tokens", "4", "--template", "plain", "--out", str(out),
                     "--batch-size", "4"])
     assert code in (0, 1)  # 1 only when no metric could be computed
-    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    files = list((out / "records").glob("*.jsonl"))
+    assert [f.name[:6] for f in files] == ["step3-"]  # the run's newest checkpoint, resolved at the start
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert len(records) == 3 and all(len(r["correct"]) == 2 for r in records)
+    # an older (or, after more training, a newer) checkpoint is evaluated again, never served the old records
+    ev.main(["--checkpoint", str(tiny["run"] / "checkpoints" / "1"), "--datasets", str(tiny["data"]), "--samples",
+             "2", "--temperature", "1.0", "--max-new-tokens", "4", "--template", "plain", "--out", str(out),
+             "--batch-size", "4"])
+    assert sorted(f.name[:6] for f in (out / "records").glob("*.jsonl")) == ["step1-", "step3-"]
+    assert json.loads((out / "results.json").read_text())["settings"]["checkpoint_step"] == 1
