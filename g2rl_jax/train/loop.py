@@ -42,8 +42,8 @@ from g2rl_jax.train.checkpoint import CheckpointError, Checkpointer, checkpoint_
 from g2rl_jax.train.lifecycle import (PREEMPTED_EXIT, Preempted, RunLock, StopSignal, append_history,
                                       check_resume_config)
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
-from g2rl_jax.train.setup import (build_mesh, embed_texts, eval_examples, on_mesh, preflight, resolve_model_paths,
-                                  runtime_config, shard_rows, stop_token_ids, usable_examples)
+from g2rl_jax.train.setup import (build_mesh, check_platforms, embed_texts, eval_examples, on_mesh, preflight,
+                                  resolve_model_paths, runtime_config, shard_rows, stop_token_ids, usable_examples)
 
 
 @contextlib.contextmanager
@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         parallel.initialize_distributed(cfg.distributed)  # before anything touches the devices
+        check_platforms()
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ model runtime, placing host rows on the mesh, stop tokens, and the embedding mod
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -15,6 +16,19 @@ from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError
 from g2rl_jax.data import dataset_names, encode_prompts, load_dataset
 from g2rl_jax.model.config import RuntimeConfig
+
+
+def check_platforms() -> None:
+    """One clear line (ConfigError) when JAX cannot start a backend, e.g. JAX_PLATFORMS names absent hardware."""
+    try:
+        jax.devices()
+    except Exception as err:  # noqa: BLE001 - RuntimeError without libtpu, AssertionError without a CUDA plugin
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        wanted = os.environ.get("JAX_PLATFORMS")
+        if wanted:
+            raise ConfigError(f"JAX_PLATFORMS={wanted!r} names hardware JAX cannot use on this machine ({detail}); "
+                              "unset it (or set it to cpu) to use what this machine has") from None
+        raise ConfigError(f"JAX found no usable device ({detail}); check the JAX install for this hardware") from None
 
 
 def resolve_model_paths(cfg: Config) -> Config:
