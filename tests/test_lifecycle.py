@@ -2,6 +2,8 @@
 real trainer process (checkpoint, exit 143, resume), a relaunch that fails a check or changes the config leaves
 the run's files alone, validation abandoned after the step's checkpoint, length filtering counted, JAX_PLATFORMS
 naming absent hardware. Tiny random Qwen3 and the demo tokenizer, as tests/test_train.py."""
+import contextlib
+import io
 import json
 import os
 import signal
@@ -14,10 +16,10 @@ import pytest
 
 from g2rl_jax.config import ConfigError, load_config
 from g2rl_jax.train.lifecycle import HISTORY_FILE, LOCK_FILE, PREEMPTED_EXIT, RunLock, config_changes
+from g2rl_jax.train.loop import main
 from g2rl_jax.train.metrics import read_metrics
 from test_train import ROOT, _env, _train_cmd, assets, config, overrides  # noqa: F401 - assets is a fixture
 
-STEPS = 4
 
 
 def _wait_for(condition, proc, timeout=300):
@@ -62,16 +64,21 @@ def test_lock_between_real_processes_and_stale_locks(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ SIGTERM, real process
 @pytest.fixture(scope="module")
 def preempted_run(assets, tmp_path_factory):  # noqa: F811
-    """A real trainer process (checkpoint_every far beyond the run) sent SIGTERM once step 1 is recorded, while
-    a second trainer tries the same run directory; then the same command rerun to the end."""
+    """A real trainer process (a long run, checkpoint_every beyond it) sent SIGTERM once step 1 is recorded, after
+    a second trainer has tried the same run directory; then the same command, run.total_steps lowered to end one
+    step later, rerun to the end. Both processes share a compilation cache, so the rerun does not compile again."""
     out = tmp_path_factory.mktemp("sigterm") / "run"
-    cmd = [*_train_cmd(assets, out, steps=STEPS), "run.checkpoint_every=100"]
+    cmd = [*_train_cmd(assets, out, steps=1000), "run.checkpoint_every=500"]
     env = _env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert _wait_for(lambda: len(read_metrics(out)) >= 1, proc), "the trainer recorded no step"
-        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        second = io.StringIO()
+        with contextlib.redirect_stderr(second):  # a second trainer, in this process, while the first runs
+            second_code = main(cmd[cmd.index("--config"):])
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=300)
     finally:
@@ -79,14 +86,15 @@ def preempted_run(assets, tmp_path_factory):  # noqa: F811
     first = {"returncode": proc.returncode, "stderr": stderr, "records": read_metrics(out),
              "steps": sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()),
              "lock_left": (out / LOCK_FILE).exists()}
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    return {"out": out, "first": first, "second": second, "rerun": rerun, "cmd": cmd}
+    total = first["records"][-1]["step"] + 1
+    rerun = subprocess.run([*cmd, f"run.total_steps={total}"], env=env, capture_output=True, text=True, timeout=600)
+    return {"out": out, "first": first, "second": (second_code, second.getvalue()), "rerun": rerun, "total": total}
 
 
 def test_second_trainer_on_the_same_run_is_refused(preempted_run):
-    second = preempted_run["second"]
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert "run.output_dir" in second.stderr and "is in use by another trainer (pid" in second.stderr
+    code, stderr = preempted_run["second"]
+    assert code == 2, stderr[-2000:]
+    assert "run.output_dir" in stderr and "is in use by another trainer (pid" in stderr
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_with_how_to_resume(preempted_run):
@@ -105,10 +113,13 @@ def test_rerun_after_sigterm_resumes_and_finishes(preempted_run):
     stopped = preempted_run["first"]["steps"][-1]
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resumed from the checkpoint of step {stopped}" in rerun.stdout
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, preempted_run["total"] + 1))
     history = [json.loads(line) for line in (out / HISTORY_FILE).read_text().splitlines()]
     assert [h["checkpoint_found"] for h in history] == [None, stopped]  # the refused start wrote nothing
-    assert history[0]["config"] == history[1]["config"] and history[1]["train_dropped_for_length"] == 0
+    assert history[0]["config"]["run"]["total_steps"] == 1000
+    assert history[1]["config"]["run"]["total_steps"] == preempted_run["total"]  # free under a constant lr
+    assert history[1]["config"]["rollout"] == history[0]["config"]["rollout"]
+    assert history[1]["train_dropped_for_length"] == 0
 
 
 # ------------------------------------------------------------------------------------------ relaunches
@@ -119,10 +130,9 @@ def test_relaunch_that_fails_a_check_leaves_the_run_alone(assets, preempted_run)
     files = {name: (out / name).read_text() for name in ("config.yaml", HISTORY_FILE, "metrics.jsonl")}
     with pytest.raises(ConfigError, match=r"changes what the run computes \(rollout\.num_samples: 4 -> 8; "
                                           r"algorithm\.lam: 0\.5 -> 0\.25\).*run\.allow_config_change=true"):
-        Trainer(config(assets, out, steps=STEPS, **{"rollout.num_samples": 8, "algorithm.lam": 0.25}))
+        Trainer(config(assets, out, steps=9, **{"rollout.num_samples": 8, "algorithm.lam": 0.25}))
     with pytest.raises(ConfigError, match="model.path"):  # allowed to change, but the new model is not there
-        Trainer(config(assets, out, steps=STEPS, **{"model.path": str(out / "nowhere"),
-                                                    "run.allow_config_change": "true"}))
+        Trainer(config(assets, out, steps=9, **{"model.path": str(out / "nowhere"), "run.allow_config_change": "true"}))
     assert {name: (out / name).read_text() for name in files} == files
     assert not (out / LOCK_FILE).exists(), "a refused start kept the lock"
 
@@ -159,7 +169,7 @@ def test_sigterm_during_validation_keeps_the_step(assets, tmp_path):  # noqa: F8
     out = tmp_path / "run"
     trainer = SignalledTrainer(config(assets, out, steps=3, **{
         "run.eval_every": 1, "run.checkpoint_every": 100, "data.eval_datasets": str(evalset),
-        "data.eval_samples": 2, "data.eval_max_new_tokens": 4}))
+        "data.eval_samples": 4, "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0}))  # as the rollout
     trainer.resume()
     trainer.run()
     assert trainer.preempted and trainer.step == 1
