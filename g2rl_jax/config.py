@@ -61,8 +61,8 @@ class RunConfig:
     keep_checkpoints: int = _f(3, "keep only the newest this many checkpoints")
     eval_every: int = _f(50, "evaluate on data.eval_datasets every this many steps (0 = never)")
     seed: int = _f(0, "seed of the sampling and initialisation RNG, 0 <= seed < 2**32")
-    allow_config_change: bool = _f(False, "resume even though keys that change what the run computes (model, "
-                                   "data, rollout, algorithm, optim) differ from the run's config.yaml")
+    allow_config_change: bool = _f(False, "resume even if keys that change what the run computes (model, data, "
+                                   "rollout, algorithm, optim) differ")
 
     def __post_init__(self):
         _check(self.output_dir.strip() != "", "run.output_dir",
@@ -111,8 +111,8 @@ class DataConfig:
     eval_temperature: float = _f(0.8, "sampling temperature for evaluation (paper: 0.8)")
     eval_max_new_tokens: int = _f(8192, "response budget at evaluation (paper: same as training)")
     shuffle_seed: int = _f(0, "seed of the training-set shuffle, 0 <= seed < 2**32")
-    fields: tuple[str, ...] = _f((), "jsonl files only: FIELD=KEY pairs mapping Example fields (id, problem, "
-                                 "answer, choices) to the file's keys, e.g. problem=question,answer=gold")
+    fields: tuple[str, ...] = _f((), "jsonl files only: FIELD=KEY pairs naming the file's keys, e.g. "
+                                 "problem=question,answer=gold")
 
     def __post_init__(self):
         for name in ("prompts_per_step", "max_prompt_tokens", "eval_samples", "eval_max_new_tokens"):

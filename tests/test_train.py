@@ -225,9 +225,9 @@ def test_update_that_makes_params_non_finite_is_skipped(step_parts):
 
     trainer, result = step_parts
     params = jax.tree.map(jnp.copy, trainer.params)
-    opt_state = optax.sgd(float("inf")).init(params)
+    sgd = optax.sgd(float("inf"))
     before = jax.tree.map(np.asarray, params)
-    new_params, _, info = S.update(trainer.graphdef, params, opt_state, _mini(result), optimizer=optax.sgd(float("inf")),
+    new_params, _, info = S.update(trainer.graphdef, params, sgd.init(params), _mini(result), optimizer=sgd,
                                    settings=trainer.settings, micro=2)
     assert np.isfinite(float(info["loss"])) and np.isfinite(float(info["grad_norm"]))
     assert int(info["skipped"]) == 1
