@@ -51,8 +51,12 @@ def test_lock_between_real_processes_and_stale_locks(tmp_path, capsys):
     lock.acquire()
     assert f"removing the stale lock {tmp_path / LOCK_FILE} of pid {holder.pid}" in capsys.readouterr().err
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
-    lock.acquire()  # idempotent within the holder
+    lock.acquire()  # idempotent
+    other = RunLock(tmp_path)  # another trainer in this process (a notebook cell run twice) shares the lock
+    other.acquire()
     lock.release()
+    assert (tmp_path / LOCK_FILE).exists()
+    other.release()
     assert not (tmp_path / LOCK_FILE).exists()
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then"}))
     with pytest.raises(ConfigError, match="pid 1 on host 'another-host'.*If no trainer runs there any more, delete"):

@@ -1,7 +1,7 @@
 """What keeps a run directory whole across starts, stops and relaunches.
 
-- `RunLock`: `<run>/run.lock` names the host and pid of the trainer that holds the run; a second trainer on the
-  same run.output_dir is refused while that process lives. A lock left by a process that is gone (same host, pid
+- `RunLock`: `<run>/run.lock` names the host and pid of the trainer that holds the run; a trainer in another
+  process on the same run.output_dir is refused while that process lives. A lock left by a process that is gone (same host, pid
   not running, or the pid of this very process after a container restart) is stale and replaced with a warning;
   a lock from another host cannot be checked from here, so the error says what to delete.
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "
              "data.eval_max_new_tokens", "model.attention", "model.remat")
 FREE_GROUPS = ("mesh.", "distributed.")
 
-_HELD: set[Path] = set()  # lock files this process holds
+_HELD: dict[Path, int] = {}  # lock files this process holds -> how many RunLocks hold each
 
 
 def _warn(message: str) -> None:
@@ -70,13 +71,20 @@ def _stale(holder: dict[str, Any], path: Path) -> bool:
 
 
 class RunLock:
-    """`<run_dir>/run.lock`, created atomically (a complete file linked into place), removed by `release`."""
+    """`<run_dir>/run.lock`, created atomically (a complete file linked into place), removed by `release` (or at
+    exit). Trainers within one process (a notebook cell run twice) share it: the file goes when the last releases."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOCK_FILE
+        self._held = False
 
     def acquire(self) -> None:
-        if self.path.resolve() in _HELD:
+        key = self.path.resolve()
+        if self._held:
+            return
+        if key in _HELD:
+            _HELD[key] += 1
+            self._held = True
             return
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
@@ -85,7 +93,8 @@ class RunLock:
             for _ in range(3):
                 try:
                     os.link(tmp, self.path)  # atomic, fails if a lock exists: readers never see half a lock
-                    _HELD.add(self.path.resolve())
+                    _HELD[key], self._held = 1, True
+                    atexit.register(self.release)
                     return
                 except FileExistsError:
                     self._replace_if_stale()
@@ -113,10 +122,14 @@ class RunLock:
             pass
 
     def release(self) -> None:
-        key = self.path.resolve()
-        if key not in _HELD:
+        if not self._held:
             return
-        _HELD.discard(key)
+        self._held = False
+        key = self.path.resolve()
+        _HELD[key] -= 1
+        if _HELD[key]:
+            return
+        del _HELD[key]
         holder = _read_holder(self.path)
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
