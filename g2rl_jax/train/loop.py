@@ -273,7 +273,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- the loop
     def validate(self) -> dict[str, float]:
         """mean@k accuracy on data.eval_datasets under the evaluation sampling settings (k = data.eval_samples),
-        over the prompts that fit data.max_prompt_tokens (the training filter). A SIGTERM abandons it."""
+        over the prompts that fit data.max_prompt_tokens (the training filter); {} when run.eval_every=0 (nothing
+        is loaded then). A SIGTERM abandons it."""
         cfg = self.cfg.data
         block, blocks = parallel.batch_block(self.mesh)
         out = {}
