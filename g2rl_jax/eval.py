@@ -253,14 +253,14 @@ def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | 
     return [rewards.extract_answer(t) for t in texts], [bool(s > 0) for s in scores], rewards.is_equivalent
 
 
-def load_policy(args: argparse.Namespace):
-    """(model, tokenizer) from --model-path or --checkpoint."""
+def load_policy(args: argparse.Namespace, settings: RunSettings):
+    """(model, tokenizer) from --model-path, or from the checkpoint step `settings` resolved --checkpoint to."""
     from transformers import AutoTokenizer
 
     if args.checkpoint is not None:  # trained params restored onto the run's base model
         from g2rl_jax.train.checkpoint import load_policy as load_checkpoint
 
-        model, tokenizer_dir = load_checkpoint(args.checkpoint)
+        model, tokenizer_dir = load_checkpoint(settings.model)  # the step the records are keyed by
         return model, AutoTokenizer.from_pretrained(args.tokenizer or tokenizer_dir)
     from g2rl_jax.model import load_pretrained
 
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = read_records(path)
     done = {(r["dataset"], r["id"]) for r in records}
     if any((name, e.id) not in done for name, examples in datasets.items() for e in examples):
-        model, tokenizer = load_policy(args)
+        model, tokenizer = load_policy(args, settings)
         for name, examples in datasets.items():
             ids = {r_id for d, r_id in done if d == name}
             evaluate_dataset(name, examples, ids, model, tokenizer, args, path)
