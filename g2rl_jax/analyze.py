@@ -15,6 +15,7 @@ Pure functions (host NumPy, float64):
     histogram(values, bins)                         counts over [-1, 1]
 Model-backed:
     load_policy(run_or_checkpoint_dir, mesh=)       (model, tokenizer_dir) of a training checkpoint
+                                                    (g2rl_jax.train.checkpoint, shared with eval and export)
     sample_group_features(...)                      Φ [G, m, D], texts, correctness of one model
 """
 from __future__ import annotations
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from g2rl_jax.train.checkpoint import load_policy, resolve_checkpoint, run_config
+from g2rl_jax.train.setup import runtime_config
 
 HIST_BINS = 40
 NORM_MIN = 1e-30  # a feature below this norm has no direction; reported as an error, never given cosine 0
@@ -76,66 +80,6 @@ def geometry_stats(grad_cos_GxP, sem_cos_GxP=None, bins: int = HIST_BINS) -> dic
     return stats
 
 
-# ------------------------------------------------------------------------------------------------ loading models
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run_dir, step_dir) of a run directory (its newest checkpoint) or of one `<run>/checkpoints/<step>` dir."""
-    from g2rl_jax.train import checkpoint
-
-    path = Path(path)
-    if (path / checkpoint.STATE_ITEM).is_dir() and path.parent.name == checkpoint.CHECKPOINT_DIR:
-        return path.parent.parent, path
-    step = checkpoint.latest_step(path)
-    if step is None:
-        raise FileNotFoundError(f"--checkpoint {str(path)!r}: neither a run directory with checkpoints/<step>/ "
-                                f"nor a <run>/checkpoints/<step>/ directory holding {checkpoint.STATE_ITEM}/")
-    return path, checkpoint.checkpoint_dir(path) / str(step)
-
-
-def run_config(run_dir: Path):
-    """The resolved training Config a run wrote to `<run>/config.yaml`."""
-    from g2rl_jax.config import RESOLVED_NAME, load_config
-
-    path = run_dir / RESOLVED_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a g2rl_jax run directory holds the config.yaml the trainer "
-                                "wrote; pass the run directory or one of its checkpoints/<step> directories")
-    return load_config(path)
-
-
-def runtime_of(model_cfg):
-    """The RuntimeConfig the trainer builds from config `model`, without remat (nothing here takes gradients)."""
-    from g2rl_jax.train.setup import runtime_config
-
-    return runtime_config(model_cfg, remat="none")
-
-
-def load_policy(run_or_checkpoint_dir: str | Path, *, mesh=None):
-    """(model, tokenizer_dir): the policy of a training checkpoint, params restored from its Orbax `state` item
-    onto the structure (and `mesh` shardings) of `load_pretrained(config.yaml's model.path)`, in the run's
-    model.param_dtype / compute_dtype. Reusable by eval/export: only the params are read (no optimizer state)."""
-    import jax
-    import orbax.checkpoint as ocp
-    from flax import nnx
-
-    from g2rl_jax.demo import resolve_demo_paths
-    from g2rl_jax.model import load_pretrained
-    from g2rl_jax.train import checkpoint
-
-    run_dir, step_dir = resolve_checkpoint(run_or_checkpoint_dir)
-    model_cfg = run_config(run_dir).model
-    base_dir = Path(resolve_demo_paths(model_cfg.path, None)[0])  # "demo:DIR" is (re)built at DIR
-    if not (base_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {model_cfg.path!r} is not a Hugging Face "
-                                "model directory here; the checkpoint holds only the trained params, so the base "
-                                "model dir (for its config and tokenizer) must exist at that path")
-    base = load_pretrained(base_dir, model_cfg.param_dtype, runtime=runtime_of(model_cfg), mesh=mesh)
-    graphdef, params = nnx.split(base)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
-    with ocp.PyTreeCheckpointer() as reader:  # only "params" of {"params", "opt_state", "step", "rng"}
-        restored = reader.restore(step_dir / checkpoint.STATE_ITEM, args=ocp.args.PyTreeRestore(
-            item={"params": abstract}, restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
-            partial_restore=True))
-    return nnx.merge(graphdef, restored["params"]), base_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +100,8 @@ def load_source(source: ModelSource, mesh):
         model, tokenizer_dir = load_policy(source.path, mesh=mesh)
         return model, tokenizer_dir, run_config(resolve_checkpoint(source.path)[0]).data.prompt_template
     model_cfg = ModelConfig(path=str(source.path))
-    return load_pretrained(source.path, model_cfg.param_dtype, runtime=runtime_of(model_cfg), mesh=mesh), \
-        source.path, "chat"
+    runtime = runtime_config(model_cfg, remat="none")
+    return load_pretrained(source.path, model_cfg.param_dtype, runtime=runtime, mesh=mesh), source.path, "chat"
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -330,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     embedder = embed_tokenizer = None
     if args.embedding_model is not None:
         emb_cfg = ModelConfig(path=str(args.embedding_model))
-        embedder = load_pretrained(args.embedding_model, emb_cfg.param_dtype, runtime=runtime_of(emb_cfg), mesh=mesh)
+        embedder = load_pretrained(args.embedding_model, emb_cfg.param_dtype,
+                                   runtime=runtime_config(emb_cfg, remat="none"), mesh=mesh)
         embed_tokenizer = AutoTokenizer.from_pretrained(args.embedding_model)
     models = {}
     for source in sources:

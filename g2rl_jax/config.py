@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -42,6 +43,16 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+SEED_LIMIT = 2**32  # seeds are unsigned 32-bit (the data shuffle's and the RNG key's range)
+
+
+def _check_seed(seed: int, key: str) -> None:
+    _check(0 <= seed < SEED_LIMIT, key, f"must satisfy 0 <= seed < 2**32, got {seed}")
+
+
+FIELD_NAMES = ("id", "problem", "answer", "choices")  # Example fields a jsonl file's keys can be mapped to
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     output_dir: str = _f(_REQUIRED, "run directory: checkpoints/, metrics.jsonl, tensorboard/, config.yaml")
@@ -49,12 +60,17 @@ class RunConfig:
     checkpoint_every: int = _f(50, "save a checkpoint every this many steps (and always at the end)")
     keep_checkpoints: int = _f(3, "keep only the newest this many checkpoints")
     eval_every: int = _f(50, "evaluate on data.eval_datasets every this many steps (0 = never)")
-    seed: int = _f(0, "seed of the sampling and initialisation RNG")
+    seed: int = _f(0, "seed of the sampling and initialisation RNG, 0 <= seed < 2**32")
+    allow_config_change: bool = _f(False, "resume even if keys that change what the run computes (model, data, "
+                                   "rollout, algorithm, optim) differ")
 
     def __post_init__(self):
+        _check(self.output_dir.strip() != "", "run.output_dir",
+               "is empty; name the run directory, e.g. run.output_dir=runs/my_run")
         for name in ("total_steps", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
+        _check_seed(self.seed, "run.seed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,12 +113,24 @@ class DataConfig:
     eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: mean@8)")
     eval_temperature: float = _f(0.8, "sampling temperature for evaluation (paper: 0.8)")
     eval_max_new_tokens: int = _f(8192, "response budget at evaluation (paper: same as training)")
-    shuffle_seed: int = _f(0, "seed of the training-set shuffle")
+    shuffle_seed: int = _f(0, "seed of the training-set shuffle, 0 <= seed < 2**32")
+    fields: tuple[str, ...] = _f((), "jsonl files only: FIELD=KEY pairs naming the file's keys, e.g. "
+                                 "problem=question,answer=gold")
 
     def __post_init__(self):
         for name in ("prompts_per_step", "max_prompt_tokens", "eval_samples", "eval_max_new_tokens"):
             _check(getattr(self, name) > 0, f"data.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.eval_temperature >= 0, "data.eval_temperature", f"must be >= 0, got {self.eval_temperature}")
+        _check_seed(self.shuffle_seed, "data.shuffle_seed")
+        for pair in self.fields:
+            name, sep, key = pair.partition("=")
+            _check(bool(sep) and name.strip() in FIELD_NAMES and key.strip() != "", "data.fields",
+                   f"entry {pair!r} must be FIELD=KEY with FIELD one of {', '.join(FIELD_NAMES)} and KEY the "
+                   "file's key, e.g. data.fields=problem=question,answer=gold")
+
+    def field_map(self) -> dict[str, str]:
+        """data.fields as {Example field: the jsonl file's key}."""
+        return {name.strip(): key.strip() for name, _, key in (p.partition("=") for p in self.fields)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,7 +144,8 @@ class RolloutConfig:
     def __post_init__(self):
         _check(self.num_samples >= 2, "rollout.num_samples", f"group size must be >= 2, got {self.num_samples}")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
+        _check(self.temperature > 0, "rollout.temperature", f"must be > 0 for training, got {self.temperature}: "
+               "greedy decoding gives a group identical responses, whose advantages are all zero (no signal)")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must satisfy 0 < top_p <= 1, got {self.top_p}")
         _check(self.top_k is None or self.top_k > 0, "rollout.top_k", f"must be > 0 or null, got {self.top_k}")
 
@@ -178,7 +207,8 @@ class OptimConfig:
     min_lr_ratio: float = _f(1.0, "cosine decay to this fraction of the peak (1.0 = constant, verl default)")
 
     def __post_init__(self):
-        _check(self.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {self.learning_rate}")
+        _check(math.isfinite(self.learning_rate) and self.learning_rate > 0, "optim.learning_rate",
+               f"must be a finite number > 0, got {self.learning_rate}")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(0 <= self.b1 < 1, "optim.b1", f"must satisfy 0 <= b1 < 1, got {self.b1}")
@@ -291,8 +321,11 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict[str, tuple[Any, str]
         raise ConfigError(f"{path}: 'base' files form a cycle: {' -> '.join(map(str, chain + (path,)))}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist" + (f" (named as base in {chain[-1]})" if chain else ""))
-    with open(path) as fh:
-        doc = yaml.safe_load(fh) or {}
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save the file as UTF-8") \
+            from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: top level must be a mapping of groups, got {type(doc).__name__}")
     flat: dict[str, tuple[Any, str]] = {}

@@ -5,10 +5,13 @@ command that samples a model on benchmarks and writes them.
 
     python -m g2rl_jax.eval --table runA/results.json runB/results.json   # one table, a row per run
 
-Per problem it samples `--samples` responses, extracts and verifies their answers, and appends one record to
-`OUT/records.jsonl` (a rerun with the same settings skips the problems already there). At the end it writes
-`OUT/results.json` (records and per-dataset metrics) and `OUT/results.md` (one row per model; columns are benchmarks
-x (pass@1, maj@16, pass@16), in percent, as in the paper's tables).
+Per problem it samples `--samples` responses, extracts and verifies their answers exactly as the training reward
+does, and appends one record to `OUT/records/<key>.jsonl`, where the key names the checkpoint step (for
+`--checkpoint`, resolved when the command starts) and a digest of every sampling setting (kept beside it in
+`<key>.json`). A rerun with the same checkpoint and settings skips the problems already there; a later checkpoint or
+other settings get records of their own. At the end it writes `OUT/results.json` (settings, records and
+per-dataset metrics) and `OUT/results.md` (one row per model; columns are benchmarks x (pass@1, maj@16, pass@16),
+in percent, as in the paper's tables).
 
 Metrics, averaged over problems:
 - pass@k: the unbiased estimator of Chen et al. (2021) from n samples with c correct.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import sys
 import zlib
@@ -38,6 +42,7 @@ from g2rl_jax.data import Example, encode_prompts, load_dataset
 from g2rl_jax.data.datasets import iter_jsonl
 
 Equivalence = Callable[[str, str], bool]
+RECORDS_DIR = "records"
 TABLE_NAMES = {"math500": "MATH500", "amc23": "AMC", "aime24": "AIME24", "aime25": "AIME25", "gpqa_diamond": "GPQA",
                "mmlu_pro": "MMLU-Pro"}
 
@@ -170,9 +175,10 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSettings:
-    """What the samples depend on; a resumed run must match the one that wrote the records."""
+    """What the samples depend on: records are kept per settings, so a change starts new records."""
 
-    model: str
+    model: str  # the model dir, or for --checkpoint the resolved checkpoints/<step> dir
+    checkpoint_step: int | None  # the training step of that checkpoint (None for --model-path)
     samples: int
     temperature: float
     top_p: float
@@ -181,25 +187,27 @@ class RunSettings:
     template: str
     seed: int
 
-
-def check_settings(out: Path, settings: RunSettings) -> None:
-    """Write OUT/settings.json, or check that an earlier run's settings match these."""
-    path = out / "settings.json"
-    current = dataclasses.asdict(settings)
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved != current:
-            diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
-            raise ValueError(f"{out} holds records of a run with other settings (saved, now): {diff}; "
-                             "pass another --out or delete the folder")
-    else:
-        path.write_text(json.dumps(current, indent=2))
+    def key(self) -> str:
+        """Name of this settings' records: the checkpoint step (if any) and a digest of every setting."""
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return (f"step{self.checkpoint_step}-" if self.checkpoint_step is not None else "") + digest
 
 
-def write_results(out: Path, model_name: str, datasets: dict[str, list[dict[str, Any]]], seed: int) -> dict:
-    """results.json (per-dataset metrics and per-problem records) and results.md (the paper's table)."""
-    metrics = {name: dataset_metrics(records, seed) for name, records in datasets.items() if records}
-    results = {"model": model_name, "metrics": metrics, "problems": datasets}
+def records_path(out: Path, settings: RunSettings) -> Path:
+    """OUT/records/<key>.jsonl of these settings, with the settings themselves beside it in <key>.json (written
+    on first use, so a run that fails before sampling leaves nothing that blocks a retry with other settings)."""
+    folder = out / RECORDS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = folder / f"{settings.key()}.json"
+    if not meta.exists():
+        meta.write_text(json.dumps(dataclasses.asdict(settings), indent=2))
+    return folder / f"{settings.key()}.jsonl"
+
+
+def write_results(out: Path, model_name: str, datasets: dict[str, list[dict[str, Any]]], settings: RunSettings) -> dict:
+    """results.json (settings, per-dataset metrics and per-problem records) and results.md (the paper's table)."""
+    metrics = {name: dataset_metrics(records, settings.seed) for name, records in datasets.items() if records}
+    results = {"model": model_name, "settings": dataclasses.asdict(settings), "metrics": metrics, "problems": datasets}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(results_table({model_name: metrics}, list(metrics)))
     return results
@@ -234,29 +242,43 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | None], list[bool], Equivalence]:
-    """(extracted answers, correctness, answer equivalence) for one problem's responses, as the training reward."""
+    """(extracted answers, correctness, answer equivalence) for one problem's responses: correctness is the training
+    reward's (`rewards.score_batch`), the answers are the ones it compares with the gold."""
     from g2rl_jax import rewards
 
+    scores = rewards.score_batch(list(texts), [example.answer] * len(texts), example.kind)
     if example.kind == "choice":
-        answers = [rewards.extract_choice(t, num_choices=len(example.choices)) for t in texts]
-        return answers, [a == example.answer for a in answers], str.__eq__
-    answers = [rewards.extract_answer(t) for t in texts]
-    scores = rewards.score_batch(list(texts), [example.answer] * len(texts), "math")
-    return answers, [bool(s > 0) for s in scores], rewards.is_equivalent
+        answers = [rewards.choice_answer(t, example.answer) for t in texts]
+        return answers, [bool(s > 0) for s in scores], str.__eq__
+    return [rewards.extract_answer(t) for t in texts], [bool(s > 0) for s in scores], rewards.is_equivalent
 
 
-def load_policy(args: argparse.Namespace):
-    """(model, tokenizer) from --model-path or --checkpoint."""
+def load_policy(args: argparse.Namespace, settings: RunSettings):
+    """(model, tokenizer) from --model-path, or from the checkpoint step `settings` resolved --checkpoint to."""
     from transformers import AutoTokenizer
 
     if args.checkpoint is not None:  # trained params restored onto the run's base model
-        from g2rl_jax.analyze import load_policy as load_checkpoint
+        from g2rl_jax.train.checkpoint import load_policy as load_checkpoint
 
-        model, tokenizer_dir = load_checkpoint(args.checkpoint)
+        model, tokenizer_dir = load_checkpoint(settings.model)  # the step the records are keyed by
         return model, AutoTokenizer.from_pretrained(args.tokenizer or tokenizer_dir)
     from g2rl_jax.model import load_pretrained
 
     return load_pretrained(args.model_path), AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+
+
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    """The settings of this invocation; --checkpoint is resolved to its step now (a run that trained on since an
+    earlier evaluation gets new records)."""
+    model, step = Path(args.model_path or "").resolve(), None
+    if args.checkpoint is not None:
+        from g2rl_jax.train.checkpoint import resolve_checkpoint
+
+        model = resolve_checkpoint(args.checkpoint)[1].resolve()
+        step = int(model.name)
+    return RunSettings(model=str(model), checkpoint_step=step, samples=args.samples, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                       template=args.template, seed=args.seed)
 
 
 def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path) -> None:
@@ -300,27 +322,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(merged_table(args.table), end="")
         return 0
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir = args.model_path or args.checkpoint
-    settings = RunSettings(model=str(Path(model_dir).resolve()), samples=args.samples,
-                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                           max_new_tokens=args.max_new_tokens, template=args.template, seed=args.seed)
-    check_settings(out, settings)
+    try:
+        settings = run_settings(args)
+    except FileNotFoundError as err:
+        print(f"eval error: {err}", file=sys.stderr)
+        return 2
     import g2rl_jax.demo  # noqa: F401 - registers the demo's datasets
 
     datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
-    records_path = out / "records.jsonl"
-    records = read_records(records_path)
+    path = records_path(out, settings)
+    records = read_records(path)
     done = {(r["dataset"], r["id"]) for r in records}
     if any((name, e.id) not in done for name, examples in datasets.items() for e in examples):
-        model, tokenizer = load_policy(args)
+        model, tokenizer = load_policy(args, settings)
         for name, examples in datasets.items():
             ids = {r_id for d, r_id in done if d == name}
-            evaluate_dataset(name, examples, ids, model, tokenizer, args, records_path)
-        records = read_records(records_path)
+            evaluate_dataset(name, examples, ids, model, tokenizer, args, path)
+        records = read_records(path)
     by_key = {(r["dataset"], r["id"]): r for r in records}
     chosen = {name: [by_key[(name, e.id)] for e in examples] for name, examples in datasets.items()}
-    results = write_results(out, args.model_name or Path(model_dir).name, chosen, args.seed)
+    results = write_results(out, args.model_name or Path(args.model_path or args.checkpoint).name, chosen, settings)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'} and {out / 'results.md'} ({sum(map(len, chosen.values()))} problems)")
     return 0 if results["metrics"] else 1

@@ -27,8 +27,8 @@ def parse_args(argv):
 
 def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Write the policy of `checkpoint` to `out` as a Hugging Face directory; returns `out`."""
-    from g2rl_jax.analyze import load_policy
     from g2rl_jax.model import save_pretrained
+    from g2rl_jax.train.checkpoint import load_policy
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:

@@ -307,12 +307,25 @@ def fits(cfg: Config, model: Qwen3Config) -> list[tuple[Accelerator, int | None,
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
+def demo_architecture() -> Qwen3Config:
+    """The architecture `demo:DIR` builds (g2rl_jax/demo), without building it."""
+    from g2rl_jax.demo.build import PolicySpec
+    from g2rl_jax.demo.tokenizer import make_tokenizer
+
+    return PolicySpec().qwen3_config(len(make_tokenizer()))
+
+
 def model_config(cfg: Config, preset: str | None) -> tuple[Qwen3Config, str]:
-    """The architecture: --preset, else model.path/config.json, else a preset named in model.path."""
+    """The architecture: --preset, else the demo policy for `demo:DIR`, else model.path/config.json, else a
+    preset named in model.path."""
     if preset is not None:
         if preset not in PRESETS:
             raise PlanError(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         return PRESETS[preset], f"preset {preset}"
+    from g2rl_jax.demo.build import SCHEME
+
+    if cfg.model.path.startswith(SCHEME):  # the demo policy: its architecture, built or not
+        return demo_architecture(), f"demo policy ({cfg.model.path})"
     path = Path(cfg.model.path) / "config.json"
     if path.is_file():
         return Qwen3Config.from_hf_dict(json.loads(path.read_text()), str(path)), str(path)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from g2rl_jax import analyze
 from g2rl_jax.analyze import geometry_stats, histogram, pairwise_cosines
+from g2rl_jax.train.checkpoint import load_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_tiny import make_tiny_qwen3_dir  # noqa: E402
@@ -150,26 +151,26 @@ def _assert_params_equal(model, want):
 
 
 def test_load_policy_restores_the_newest_or_the_named_checkpoint(tiny):
-    model, tokenizer_dir = analyze.load_policy(tiny["run"])
+    model, tokenizer_dir = load_policy(tiny["run"])
     assert tokenizer_dir == tiny["policy"]
     _assert_params_equal(model, tiny["trained"])  # newest: step 3
-    model, _ = analyze.load_policy(tiny["run"] / "checkpoints" / "1")
+    model, _ = load_policy(tiny["run"] / "checkpoints" / "1")
     _assert_params_equal(model, tiny["params"])
 
 
 def test_load_policy_errors_name_the_path(tiny, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a run directory"):
-        analyze.load_policy(tmp_path)
+        load_policy(tmp_path)
     moved = tmp_path / "run"  # a run whose base model dir is gone
     shutil.copytree(tiny["run"] / "checkpoints" / "3", moved / "checkpoints" / "3")
     (moved / "config.yaml").write_text((tiny["run"] / "config.yaml").read_text()
                                        .replace(str(tiny["policy"]), str(tmp_path / "gone")))
     with pytest.raises(FileNotFoundError, match="is not a Hugging Face model directory"):
-        analyze.load_policy(moved)
+        load_policy(moved)
     bare = tmp_path / "bare"  # checkpoints without the run's config.yaml
     shutil.copytree(tiny["run"] / "checkpoints" / "1", bare / "checkpoints" / "1")
     with pytest.raises(FileNotFoundError, match="config.yaml not found"):
-        analyze.load_policy(bare)
+        load_policy(bare)
 
 
 def test_cli_compares_a_model_dir_and_a_checkpoint(tiny):
@@ -263,5 +264,13 @@ def test_eval_accepts_a_training_checkpoint(tiny, tmp_path):
                     "--temperature", "1.0", "--max-new-tokens", "4", "--template", "plain", "--out", str(out),
                     "--batch-size", "4"])
     assert code in (0, 1)  # 1 only when no metric could be computed
-    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    files = list((out / "records").glob("*.jsonl"))
+    assert [f.name[:6] for f in files] == ["step3-"]  # the run's newest checkpoint, resolved at the start
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert len(records) == 3 and all(len(r["correct"]) == 2 for r in records)
+    # an older (or, after more training, a newer) checkpoint is evaluated again, never served the old records
+    ev.main(["--checkpoint", str(tiny["run"] / "checkpoints" / "1"), "--datasets", str(tiny["data"]), "--samples",
+             "2", "--temperature", "1.0", "--max-new-tokens", "4", "--template", "plain", "--out", str(out),
+             "--batch-size", "4"])
+    assert sorted(f.name[:6] for f in (out / "records").glob("*.jsonl")) == ["step1-", "step3-"]
+    assert json.loads((out / "results.json").read_text())["settings"]["checkpoint_step"] == 1

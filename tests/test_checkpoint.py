@@ -209,3 +209,57 @@ def test_kill_minus_9_never_leaves_latest_unreadable(tmp_path):
         ckpt.close()
         last = step
     assert killed_mid_save >= 1, "no kill landed mid-save; the test did not exercise what it claims"
+
+
+# ------------------------------------------------------------------------------------------ corrupt checkpoints
+def _corrupt(step_dir: Path, how: str) -> None:
+    """Damage a committed checkpoint on disk, as a bad disk, a partial copy or a stray edit would."""
+    data_files = sorted((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    if how == "array_bytes":  # the array data overwritten with garbage
+        for path in data_files:
+            path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(path.stat().st_size)))
+    elif how == "truncated":  # the largest data file cut short
+        data_files[-1].write_bytes(data_files[-1].read_bytes()[: data_files[-1].stat().st_size // 2])
+    elif how == "metadata_gone":
+        (step_dir / "state" / "_METADATA").unlink()
+    elif how == "iterator_garbage":
+        next((step_dir / "data").glob("process_*.json")).write_text('{"encoding": "json", "sta')
+    else:
+        raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["array_bytes", "truncated", "metadata_gone", "iterator_garbage"])
+def test_corrupt_newest_falls_back_to_the_previous_one(tmp_path, capsys, how):
+    ckpt = Checkpointer(tmp_path, every=1, keep=3)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step), _BytesIterator(step))
+    ckpt.close()
+    _corrupt(tmp_path / "checkpoints" / "3", how)
+
+    reopened = Checkpointer(tmp_path, every=1, keep=3)
+    it = _BytesIterator()
+    step, state = reopened.restore_newest(_abstract(_state(0)), it)
+    assert step == 2 and it.position == 2
+    _assert_equal(state, _state(2))
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path / 'checkpoints' / '3'} cannot be restored" in err
+    assert (tmp_path / "corrupt_checkpoints" / "3").is_dir()  # set aside, not deleted
+    assert reopened.all_steps() == [1, 2]
+    assert reopened.save(3, _state(3), _BytesIterator(3))  # the run can save step 3 again
+    reopened.close()
+    assert Checkpointer(tmp_path, every=1, keep=3).restore_newest(_abstract(_state(0)), it)[0] == 3
+
+
+def test_no_readable_checkpoint_names_the_directory(tmp_path):
+    from g2rl_jax.train.checkpoint import CheckpointError
+
+    ckpt = Checkpointer(tmp_path, every=1, keep=2)
+    for step in (1, 2):
+        ckpt.save(step, _state(step), _BytesIterator(step))
+    ckpt.close()
+    for step in (1, 2):
+        _corrupt(tmp_path / "checkpoints" / str(step), "metadata_gone")
+    with pytest.raises(CheckpointError, match=rf"no checkpoint in {tmp_path / 'checkpoints'} can be restored "
+                                              rf"\(step 2: .*; step 1: .*\); delete {tmp_path / 'checkpoints'}"):
+        Checkpointer(tmp_path, every=1, keep=2).restore_newest(_abstract(_state(0)), _BytesIterator())
+    assert Checkpointer(tmp_path / "fresh", every=1, keep=2).restore_newest({}, _BytesIterator()) == (None, None)

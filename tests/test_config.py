@@ -109,6 +109,18 @@ def test_bad_type_in_yaml_names_file(tmp_path):
     ("algorithm.entropy_coef=0.01", "algorithm.entropy_coef"),
     ("mesh.data=-1", "mesh.fsdp"),                                    # two fill axes
     ("distributed.process_id=0", None),
+    ("rollout.temperature=0", "rollout.temperature"),                 # greedy groups carry no signal
+    ("optim.learning_rate=inf", "optim.learning_rate"),
+    ("optim.learning_rate=nan", "optim.learning_rate"),
+    ("optim.learning_rate=0", "optim.learning_rate"),
+    ("optim.learning_rate=-1e-6", "optim.learning_rate"),
+    ("run.seed=-1", "run.seed"),
+    ("run.seed=4294967296", "run.seed"),                              # 2**32
+    ("data.shuffle_seed=-3", "data.shuffle_seed"),
+    ("run.output_dir=", "run.output_dir"),                            # would write into the current directory
+    ("run.output_dir=  ", "run.output_dir"),
+    ("data.fields=problem", "data.fields"),                           # FIELD=KEY
+    ("data.fields=question=q", "data.fields"),                        # not an Example field
 ])
 def test_post_init_checks(minimal, override, key):
     if key is None:  # valid: process_id without num_processes (auto-detected count)
@@ -206,3 +218,15 @@ def test_mesh_minus_one_fills_and_wrong_sizes_name_both_numbers():
         mesh_sizes(C.MeshConfig(data=3), 8)
     with pytest.raises(C.ConfigError, match="needs 4 devices, but there are 8"):
         mesh_sizes(C.MeshConfig(data=2, fsdp=2), 8)
+def test_seed_limits_and_data_fields(minimal):
+    cfg = C.load_config(minimal, ["run.seed=4294967295", "data.fields=problem=question, answer = gold"])
+    assert cfg.run.seed == 2**32 - 1
+    assert cfg.data.field_map() == {"problem": "question", "answer": "gold"}
+    assert C.load_config(minimal).data.field_map() == {}
+
+
+def test_non_utf8_yaml_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(MINIMAL.replace("model_dir", "mod\xe8le").encode("latin-1"))
+    with pytest.raises(C.ConfigError, match=rf"{path}: not UTF-8 text.*save the file as UTF-8"):
+        C.load_config(path)

@@ -115,6 +115,45 @@ def test_bad_input_errors(tmp_path):
         register_dataset("math500", lambda: [])
 
 
+@pytest.mark.parametrize("value, shown", [(None, "null"), (True, "true"), (1.5, "1.5"), ([1], "[1]"),
+                                          ({"a": 1}, '{"a": 1}')])
+def test_null_or_non_string_answer_is_an_error_naming_the_line(tmp_path, value, shown):
+    """json null used to become the gold "None" (and \\boxed{None} scored +1)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"problem": "a", "answer": "1"}) + "\n" + json.dumps({"problem": "b", "answer": value}))
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: 'answer' is {shown} (")):
+        load_dataset(path)
+    path.write_text(json.dumps({"problem": None, "answer": "1"}))
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1: 'problem' is null")):
+        load_dataset(path)
+
+
+def test_integer_answers_are_their_digits(tmp_path):
+    path = tmp_path / "aime.jsonl"
+    path.write_text(json.dumps({"problem": "a", "answer": 204}) + "\n")
+    assert load_dataset(path)[0].answer == "204"
+
+
+def test_non_utf8_file_is_named(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"problem": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not UTF-8 text")):
+        load_dataset(path)
+
+
+def test_data_fields_from_the_config_reach_the_file(tmp_path):
+    from g2rl_jax.config import DataConfig
+    from g2rl_jax.train.setup import load_examples
+
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "gold": "2"}) + "\n")
+    data = DataConfig(train_dataset=str(path), fields=("problem=question", "answer=gold"))
+    assert load_examples(str(path), data) == [Example(id="x.jsonl:1", problem="1+1?", answer="2")]
+    assert len(load_examples("math500", data)) == 500  # registered datasets ignore data.fields
+    with pytest.raises(ValueError, match=r"missing key 'problem'.*data\.fields=problem=KEY"):
+        load_examples(str(path), DataConfig(train_dataset=str(path)))
+
+
 def test_register_dataset():
     demo = [Example(id=str(i), problem=f"{i}+{i}?", answer=str(2 * i)) for i in range(5)]
     register_dataset("test_demo", lambda: demo, overwrite=True)

@@ -164,13 +164,19 @@ def test_records_survive_a_torn_last_line(tmp_path):
     assert [r["id"] for r in ev.read_records(path)] == ["a", "b", "c"]
 
 
-def test_settings_mismatch_refuses_to_resume(tmp_path):
-    settings = ev.RunSettings(model="/m", samples=16, temperature=0.8, top_p=1.0, top_k=0, max_new_tokens=64,
-                              template="chat", seed=0)
-    ev.check_settings(tmp_path, settings)
-    ev.check_settings(tmp_path, settings)
-    with pytest.raises(ValueError, match=r"other settings.*'samples': \(16, 8\).*another --out"):
-        ev.check_settings(tmp_path, ev.RunSettings(**{**settings.__dict__, "samples": 8}))
+def _settings(**kw):
+    return ev.RunSettings(**{**dict(model="/m", checkpoint_step=None, samples=16, temperature=0.8, top_p=1.0, top_k=0,
+                                    max_new_tokens=64, template="chat", seed=0), **kw})
+
+
+def test_records_are_keyed_by_checkpoint_step_and_settings(tmp_path):
+    a = ev.records_path(tmp_path, _settings())
+    assert ev.records_path(tmp_path, _settings()) == a  # same settings: the same records, resumable
+    assert json.loads(a.with_suffix(".json").read_text())["samples"] == 16
+    others = {ev.records_path(tmp_path, _settings(**kw)) for kw in
+              ({"samples": 8}, {"temperature": 1.0}, {"seed": 1}, {"checkpoint_step": 3}, {"checkpoint_step": 4})}
+    assert len(others) == 5 and a not in others  # any change, a later checkpoint included: new records
+    assert ev.records_path(tmp_path, _settings(checkpoint_step=4)).name.startswith("step4-")
 
 
 def test_parse_args():
@@ -187,11 +193,9 @@ def test_main_resumes_from_records_without_a_model(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     model_dir = tmp_path / "no_model_here"
-    settings = ev.RunSettings(model=str(model_dir.resolve()), samples=4, temperature=0.8, top_p=1.0, top_k=0,
-                              max_new_tokens=8192, template="chat", seed=0)
-    ev.check_settings(out, settings)
+    settings = _settings(model=str(model_dir.resolve()), samples=4, max_new_tokens=8192)
     for r, example_id in zip(RECORDS, ["2024-I-1", "2024-I-2"]):
-        ev.append_record(out / "records.jsonl", {**r, "id": example_id})
+        ev.append_record(ev.records_path(out, settings), {**r, "id": example_id})
     argv = ["--model-path", str(model_dir), "--datasets", "aime24", "--samples", "4", "--limit", "2", "--out", str(out)]
     assert ev.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
@@ -211,14 +215,17 @@ def test_maj_at_k_with_the_real_verifier():
 
 
 def test_score_responses_like_the_training_reward():
+    from g2rl_jax import rewards
     from g2rl_jax.data import Example
 
     math = Example(id="m", problem="1/2?", answer="\\frac{1}{2}")
     answers, correct, _ = ev.score_responses(math, ["so \\boxed{0.5}", "\\boxed{3}", "no idea"])
     assert answers[:2] == ["0.5", "3"] and correct == [True, False, False]
     choice = Example(id="c", problem="Pick", answer="B", kind="choice", choices=("x", "y", "z"))
-    answers, correct, _ = ev.score_responses(choice, ["\\boxed{B}", "The answer is (C)", "\\boxed{E}"])
-    assert answers == ["B", "C", None] and correct == [True, False, False]
+    texts = ["\\boxed{B}", "The answer is (C)", "\\boxed{E}", "\\boxed{B} or rather \\boxed{E}"]
+    answers, correct, _ = ev.score_responses(choice, texts)
+    assert answers == ["B", "C", "E", "E"] and correct == [True, False, False, False]
+    assert correct == [bool(r > 0) for r in rewards.score_batch(texts, ["B"] * 4, "choice")]  # the training reward
 
 
 @pytest.mark.slow
@@ -247,7 +254,7 @@ def test_eval_command_end_to_end_with_a_tiny_random_qwen3(tmp_path):
     argv = ["--model-path", str(model_dir), "--datasets", "aime24,gpqa_diamond", "--samples", "2", "--limit", "2",
             "--max-new-tokens", "8", "--batch-size", "2", "--out", str(out)]
     assert ev.main(argv) == 0
-    records = (out / "records.jsonl").read_text()
+    records = "".join(p.read_text() for p in sorted((out / "records").glob("*.jsonl")))
     results = json.loads((out / "results.json").read_text())
     for name in ("aime24", "gpqa_diamond"):
         assert results["metrics"][name]["problems"] == 2
@@ -255,4 +262,5 @@ def test_eval_command_end_to_end_with_a_tiny_random_qwen3(tmp_path):
             assert len(problem["answers"]) == len(problem["correct"]) == 2
             assert all(1 <= n <= 8 for n in problem["lengths"])
     assert ev.main(argv) == 0
-    assert (out / "records.jsonl").read_text() == records, "a rerun must not sample done problems again"
+    again = "".join(p.read_text() for p in sorted((out / "records").glob("*.jsonl")))
+    assert again == records, "a rerun must not sample done problems again"

@@ -62,8 +62,14 @@ def test_truncation_on_resume_equals_uninterrupted_run(tmp_path):
     assert [r["step"] for r in M.read_metrics(resumed)] == [1, 2, 3, 4, 5, 6]
     _run(resumed, range(5, 9), start_step=4)  # restored from the checkpoint of step 4
     assert (resumed / "metrics.jsonl").read_text() == (tmp_path / "straight" / "metrics.jsonl").read_text()
-    _run(resumed, [], start_step=0)  # a fresh start in the same directory drops everything
+    before = (resumed / "metrics.jsonl").read_text()
+    _run(resumed, [], start_step=0)  # a fresh start in the same directory begins a new file, the old one kept
     assert M.read_metrics(resumed) == []
+    assert (resumed / "metrics.jsonl.1").read_text() == before
+    _run(resumed, [1], start_step=0)  # an empty file is not kept; a non-empty one goes to the next free name
+    _run(resumed, [], start_step=0)
+    assert (resumed / "metrics.jsonl.1").read_text() == before
+    assert json.loads((resumed / "metrics.jsonl.2").read_text())["step"] == 1
 
 
 def test_restart_before_first_checkpoint_keeps_one_step_0_record(tmp_path):

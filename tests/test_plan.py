@@ -89,6 +89,19 @@ def test_cli_prints_table_and_verdicts(tmp_path, capsys):
     assert P.main(["--config", str(cfg_path), "--preset", "nope"]) == 2
 
 
+def test_cli_plans_the_demo_policy_without_building_it(tmp_path, capsys):
+    from g2rl_jax.demo.build import PolicySpec
+    from g2rl_jax.demo.tokenizer import make_tokenizer
+
+    target = tmp_path / "model"
+    assert P.main(["--config", "configs/demo.yaml", f"run.output_dir={tmp_path / 'run'}",
+                   f"model.path=demo:{target}", "--devices", "1"]) == 0
+    out = capsys.readouterr().out
+    want = PolicySpec().qwen3_config(len(make_tokenizer()))
+    assert f"model: demo policy (demo:{target})" in out and f"D={want.hidden_size}" in out
+    assert not target.exists(), "planning must not build the demo model"
+
+
 # ------------------------------------------------------------------------------------------ against XLA
 _TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32)

@@ -219,6 +219,21 @@ def test_nan_step_is_skipped_and_params_unchanged(step_parts):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), opt_before, new_opt_state)
 
 
+def test_update_that_makes_params_non_finite_is_skipped(step_parts):
+    """lr=inf: loss and gradients are finite, the updated params are not; the update must not count as made."""
+    import optax
+
+    trainer, result = step_parts
+    params = jax.tree.map(jnp.copy, trainer.params)
+    sgd = optax.sgd(float("inf"))
+    before = jax.tree.map(np.asarray, params)
+    new_params, _, info = train_step.update(trainer.graphdef, params, sgd.init(params), _mini(result), optimizer=sgd,
+                                   settings=trainer.settings, micro=2)
+    assert np.isfinite(float(info["loss"])) and np.isfinite(float(info["grad_norm"]))
+    assert int(info["skipped"]) == 1
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), before, new_params)
+
+
 def test_micro_batch_accumulation_equals_one_batch(step_parts):
     trainer, result = step_parts
     outs = []

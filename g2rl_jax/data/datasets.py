@@ -96,8 +96,12 @@ def iter_jsonl(path: Path, text: str | None = None) -> Iterator[tuple[int, dict[
     """(line number, object) per non-blank line; a malformed line raises naming the file and line."""
     if text is None:
         opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of the decoded stream); "
+                             "save the file as UTF-8") from None
     for lineno, line in enumerate(io.StringIO(text), start=1):
         if not line.strip():
             continue
@@ -113,31 +117,50 @@ def iter_jsonl(path: Path, text: str | None = None) -> Iterator[tuple[int, dict[
 def _field(row: dict[str, Any], key: str, path: Path, lineno: int) -> Any:
     if key not in row:
         raise ValueError(
-            f"{path}:{lineno}: missing key {key!r} (the line has {sorted(row)}); "
-            "map your keys with fields={'problem': ..., 'answer': ...}"
+            f"{path}:{lineno}: missing key {key!r} (the line has {sorted(row)}); map your keys with "
+            "data.fields=problem=KEY,answer=KEY in the config (fields={'problem': ..., 'answer': ...} in Python)"
         )
     return row[key]
 
 
+def _text(row: dict[str, Any], key: str, path: Path, lineno: int) -> str:
+    """A string field; an integer (AIME-style answers stored as JSON numbers) is written as its digits. null,
+    booleans, floats, lists and objects are errors: str() of them would become a gold such as "None"."""
+    value = _field(row, key, path, lineno)
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{path}:{lineno}: {key!r} is {json.dumps(value)} ({type(value).__name__}); it must be a string "
+                     "(or an integer); fix or delete that line")
+
+
 def read_jsonl_examples(path: Path, *, fields: Mapping[str, str], kind: Kind) -> list[Example]:
-    """Examples from a jsonl file; rows with an empty problem or answer are skipped."""
+    """Examples from a jsonl file; rows with an empty problem or answer are skipped, a null or non-string one is an
+    error naming the line."""
     unknown = set(fields) - {"id", "problem", "answer", "choices"}
     if unknown:
         raise ValueError(f"fields= has unknown Example fields {sorted(unknown)}; use id, problem, answer, choices")
     keys = {"id": "id", "problem": "problem", "answer": "answer", "choices": "choices", **fields}
     examples = []
     for lineno, row in iter_jsonl(path):
-        problem = str(_field(row, keys["problem"], path, lineno)).strip()
-        answer = str(_field(row, keys["answer"], path, lineno)).strip()
-        choices = None
-        if kind == "choice":
-            choices = tuple(str(c).strip() for c in _field(row, keys["choices"], path, lineno))
+        problem = _text(row, keys["problem"], path, lineno)
+        answer = _text(row, keys["answer"], path, lineno)
+        choices = _choices(row, keys["choices"], path, lineno) if kind == "choice" else None
         if problem and answer:
             example_id = str(row.get(keys["id"], f"{path.name}:{lineno}"))
             examples.append(Example(id=example_id, problem=problem, answer=answer, kind=kind, choices=choices))
     if not examples:
         raise ValueError(f"{path}: no usable rows (every row has an empty {keys['problem']!r} or {keys['answer']!r})")
     return examples
+
+
+def _choices(row: dict[str, Any], key: str, path: Path, lineno: int) -> tuple[str, ...]:
+    options = _field(row, key, path, lineno)
+    if not isinstance(options, list) or not all(isinstance(o, (str, int)) and not isinstance(o, bool)
+                                                 for o in options):
+        raise ValueError(f"{path}:{lineno}: {key!r} must be a list of strings, got {json.dumps(options)[:200]}")
+    return tuple(str(o).strip() for o in options)
 
 
 def _vendored_math(filename: str, id_key: str) -> Loader:

@@ -31,7 +31,7 @@ from g2rl_jax.rewards.extract import extract_answer, extract_boxed, extract_choi
 from g2rl_jax.rewards.normalize import fast_number, normalize_answer
 
 __all__ = ["answers_found", "extract_boxed", "extract_answer", "normalize_answer", "is_equivalent", "math_reward",
-           "extract_choice", "choice_reward", "score_batch"]
+           "extract_choice", "choice_answer", "choice_reward", "score_batch"]
 
 DEFAULT_TIMEOUT_S = 2.0
 
@@ -73,11 +73,15 @@ def _check_letter(gold_letter: str) -> str:
     return gold_letter.strip().upper()
 
 
+def choice_answer(response: str, gold_letter: str) -> str | None:
+    """The letter `choice_reward` compares with gold_letter (letters up to J, or up to the gold's if later)."""
+    gold = _check_letter(gold_letter)
+    return extract_choice(response, num_choices=max(10, ord(gold) - ord("A") + 1))
+
+
 def choice_reward(response: str, gold_letter: str) -> float:
     """+-1 for multiple choice (GPQA, MMLU-Pro): 1.0 if the extracted letter is gold_letter."""
-    gold = _check_letter(gold_letter)
-    num_choices = max(10, ord(gold) - ord("A") + 1)
-    return 1.0 if extract_choice(response, num_choices=num_choices) == gold else -1.0
+    return 1.0 if choice_answer(response, gold_letter) == _check_letter(gold_letter) else -1.0
 
 
 def answers_found(responses: list[str], kind: str = "math") -> np.ndarray:

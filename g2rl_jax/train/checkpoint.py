@@ -20,6 +20,12 @@ All processes call every method (Orbax synchronises hosts itself; nothing here r
     ...
     ckpt.save(step, state, data_iter)                 # every `every` steps; force=True for the final one
     ckpt.close()                                      # waits for the last asynchronous save
+
+A newest checkpoint that cannot be read (corrupted files) is reported and moved to `<run_dir>/corrupt_checkpoints/`
+by `restore_newest`, which falls back to the previous complete one. For eval, export and analysis,
+`load_policy(run_or_step_dir)` gives the trained policy as a model: only the params are read, through Orbax's
+PyTreeCheckpointHandler (the implementation StandardCheckpointHandler wraps, so the same on-disk format; it alone
+can skip the optimizer state).
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ import base64
 import dataclasses
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +43,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 CHECKPOINT_DIR = "checkpoints"
+CORRUPT_DIR = "corrupt_checkpoints"
 STATE_ITEM, DATA_ITEM = "state", "data"
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of the run can be read; the message names the directory and what to do."""
 
 
 class IteratorWithState(Protocol):
@@ -152,6 +165,51 @@ class Checkpointer:
         data_iter.set_state(restored[DATA_ITEM])
         return restored[STATE_ITEM]
 
+    def restore_newest(self, abstract_state: Any, data_iter: IteratorWithState) -> tuple[int | None, Any]:
+        """(step, state) of the newest checkpoint that restores, or (None, None) when there is none. An unreadable
+        newer one is warned about and moved to <run_dir>/corrupt_checkpoints/; if none is readable, the error
+        names the directory and what to delete."""
+        steps = sorted(self.all_steps(), reverse=True)
+        failed = []
+        for step in steps:
+            try:
+                state = self.restore(step, abstract_state, data_iter)
+            except Exception as err:  # noqa: BLE001 - reported, and re-raised below when nothing restores
+                reason = f"{type(err).__name__}: {str(err)[:500]}"
+                failed.append((step, reason))
+                print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
+                      "trying the previous one", file=sys.stderr, flush=True)
+                continue
+            self._set_aside([s for s, _ in failed])
+            return step, state
+        if failed:
+            raise CheckpointError(f"no checkpoint in {self._manager.directory} can be restored ("
+                                  + "; ".join(f"step {s}: {r}" for s, r in failed) + f"); delete "
+                                  f"{self._manager.directory} to start the run over, or restore it from a backup")
+        return None, None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move unreadable step directories out of checkpoints/ (Orbax would count them as complete and refuse
+        to save those steps again)."""
+        if not steps:
+            return
+        from jax.experimental import multihost_utils
+
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback")
+        if jax.process_index() == 0:
+            aside = Path(self._manager.directory).parent / CORRUPT_DIR
+            aside.mkdir(exist_ok=True)
+            for step in steps:
+                target = aside / str(step)
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(Path(self._manager.directory) / str(step), target)
+                print(f"warning: moved the unreadable checkpoint of step {step} to {target}", file=sys.stderr)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback done")
+        self._manager.reload()
+
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is fully written."""
         self._manager.wait_until_finished()
@@ -159,3 +217,59 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+# ------------------------------------------------------------------------------------------------ reading a policy
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
+    """(run_dir, step_dir) of a run directory (its newest checkpoint) or of one `<run>/checkpoints/<step>` dir."""
+    path = Path(path)
+    if (path / STATE_ITEM).is_dir() and path.parent.name == CHECKPOINT_DIR:
+        return path.parent.parent, path
+    step = latest_step(path)
+    if step is None:
+        raise FileNotFoundError(f"--checkpoint {str(path)!r}: neither a run directory with checkpoints/<step>/ "
+                                f"nor a <run>/checkpoints/<step>/ directory holding {STATE_ITEM}/")
+    return path, checkpoint_dir(path) / str(step)
+
+
+def run_config(run_dir: str | os.PathLike):
+    """The resolved training Config a run wrote to `<run>/config.yaml`."""
+    from g2rl_jax.config import RESOLVED_NAME, load_config
+
+    path = Path(run_dir) / RESOLVED_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a g2rl_jax run directory holds the config.yaml the trainer "
+                                "wrote; pass the run directory or one of its checkpoints/<step> directories")
+    return load_config(path)
+
+
+def read_params(step_dir: str | os.PathLike, abstract_params: Any) -> Any:
+    """The `params` of a checkpoint's state item laid out as `abstract_params`; the rest is not read."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        restored = reader.restore(epath.Path(step_dir) / STATE_ITEM, args=ocp.args.PyTreeRestore(
+            item={"params": abstract}, restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
+            partial_restore=True))
+    return restored["params"]
+
+
+def load_policy(run_or_checkpoint_dir: str | os.PathLike, *, mesh=None):
+    """(model, base_dir): the policy of a training checkpoint, its params restored onto the structure (and `mesh`
+    shardings) of `load_pretrained(config.yaml's model.path)` in the run's model dtypes, without remat; base_dir
+    holds the base model's config and tokenizer."""
+    from flax import nnx
+
+    from g2rl_jax.demo import resolve_demo_paths
+    from g2rl_jax.model import load_pretrained
+    from g2rl_jax.train.setup import runtime_config
+
+    run_dir, step_dir = resolve_checkpoint(run_or_checkpoint_dir)
+    model_cfg = run_config(run_dir).model
+    base_dir = Path(resolve_demo_paths(model_cfg.path, None)[0])  # "demo:DIR" is (re)built at DIR
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {model_cfg.path!r} is not a Hugging Face "
+                                "model directory here; the checkpoint holds only the trained params, so the base "
+                                "model dir (for its config and tokenizer) must exist at that path")
+    runtime = runtime_config(model_cfg, remat="none")
+    graphdef, params = nnx.split(load_pretrained(base_dir, model_cfg.param_dtype, runtime=runtime, mesh=mesh))
+    return nnx.merge(graphdef, read_params(step_dir, params)), base_dir

@@ -28,19 +28,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
-from g2rl_jax.config import Config, ConfigError, save_resolved
-from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
+from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved
+from g2rl_jax.data import encode_prompts, make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found, score_batch
 from g2rl_jax.rollout import Rollout, generate
 from g2rl_jax.train import report
 from g2rl_jax.train import step as train_step
-from g2rl_jax.train.checkpoint import Checkpointer, checkpoint_dir
+from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, checkpoint_dir, latest_step
+from g2rl_jax.train.lifecycle import (
+    PREEMPTED_EXIT,
+    Preempted,
+    RunLock,
+    StopSignal,
+    append_history,
+    check_resume_config,
+)
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
 from g2rl_jax.train.setup import (
+    check_platforms,
     embed_texts,
+    eval_examples,
     on_mesh,
     preflight,
     resolve_model_paths,
@@ -60,7 +71,8 @@ def stage(name: str, **arrays):
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
         shapes = ", ".join(f"{k}={_shape_of(v)}" for k, v in arrays.items())
-        raise train_step.StageError(f"stage {name!r} failed on inputs [{shapes}]: {type(err).__name__}: {err}") from err
+        message = f"stage {name!r} failed on inputs [{shapes}]: {type(err).__name__}: {err}"
+        raise train_step.StageError(message) from err
 
 
 def _shape_of(x) -> str:
@@ -90,20 +102,36 @@ class Trainer:
     """Holds the run: mesh, policy (graphdef, params), reference params, optimizer, data iterator, checkpoints."""
 
     def __init__(self, cfg: Config):
-        from transformers import AutoTokenizer  # heavy import, after the config has been checked
-
         self.started = time.perf_counter()
         preflight(cfg, model_dirs=False)
-        if jax.process_index() == 0:  # one writer when the hosts share run.output_dir; demo: paths kept as given
-            save_resolved(cfg, Path(cfg.run.output_dir))
-        cfg = resolve_model_paths(cfg)  # builds the demo model on first use
+        self.run_dir = Path(cfg.run.output_dir)
+        self.lock = RunLock(self.run_dir) if jax.process_index() == 0 else None  # one holder per run directory
+        self.stop = StopSignal()
+        self.preempted = False
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, given: Config) -> None:
+        """Every check, then models, data and optimizer; config.yaml and the history are written last, so a
+        relaunch that fails a check leaves the run's files as they were."""
+        from transformers import AutoTokenizer  # heavy import, after the config has been checked
+
+        found = latest_step(self.run_dir)
+        if found is not None:
+            check_resume_config(given, self.run_dir)
+        cfg = resolve_model_paths(given)  # builds the demo model on first use
         preflight(cfg)
         self.cfg = cfg
-        self.run_dir = Path(cfg.run.output_dir)
         self.mesh = parallel.make_mesh(cfg.mesh)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
-        examples = usable_examples(cfg, self.tokenizer)
+        examples, dropped = usable_examples(cfg, self.tokenizer)
+        self.eval_sets, eval_dropped = eval_examples(cfg, self.tokenizer)
         block, blocks = parallel.batch_block(self.mesh)
         if cfg.data.prompts_per_step % blocks:
             raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be a multiple of the {blocks} "
@@ -133,6 +161,15 @@ class Trainer:
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
         self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints)
+        if jax.process_index() == 0:  # one writer when the hosts share run.output_dir; demo: paths kept as given
+            save_resolved(given, self.run_dir)
+            append_history(given, self.run_dir, checkpoint_found=found, train_rows=len(examples),
+                           train_dropped_for_length=dropped, eval_dropped_for_length=eval_dropped)
+
+    def close(self) -> None:
+        """Release run.output_dir (run() does this when it ends); other trainers may then start on it."""
+        if self.lock is not None:
+            self.lock.release()
 
     # ------------------------------------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
@@ -140,12 +177,11 @@ class Trainer:
                 "step": on_mesh(jnp.int32(self.step), self.mesh), "rng": self.rng_key_data}
 
     def resume(self) -> int:
-        """Restore the newest checkpoint, if any; returns the step to continue from."""
-        latest = self.ckpt.latest_step()
-        if latest is not None:
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                    self.state())
-            restored = self.ckpt.restore(latest, abstract, self.loader)
+        """Restore the newest readable checkpoint, if any (an unreadable newer one is reported and set aside);
+        returns the step to continue from."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state())
+        step, restored = self.ckpt.restore_newest(abstract, self.loader)
+        if step is not None:
             self.params, self.opt_state = restored["params"], restored["opt_state"]
             self.rng_key_data, self.step = restored["rng"], int(restored["step"])
         return self.step
@@ -251,14 +287,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- the loop
     def validate(self) -> dict[str, float]:
-        """mean@k accuracy on data.eval_datasets under the evaluation sampling settings (k = data.eval_samples)."""
+        """mean@k accuracy on data.eval_datasets under the evaluation sampling settings (k = data.eval_samples),
+        over the prompts that fit data.max_prompt_tokens (the training filter); {} when run.eval_every=0 (nothing
+        is loaded then). A SIGTERM abandons it."""
         cfg = self.cfg.data
         block, blocks = parallel.batch_block(self.mesh)
         out = {}
-        for name in cfg.eval_datasets:
-            examples = load_dataset(name)
+        for name, examples in self.eval_sets.items():
             correct = []
             for start in range(0, len(examples), cfg.prompts_per_step):
+                if self._stop_requested():
+                    raise Preempted(f"validation on {name!r} abandoned for SIGTERM")
                 chunk = examples[start:start + cfg.prompts_per_step]
                 real = len(chunk) * cfg.eval_samples
                 chunk = chunk + chunk[-1:] * (-len(chunk) % blocks)  # equal blocks per process; copies not counted
@@ -275,41 +314,74 @@ class Trainer:
             out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(correct)))
         return out
 
+    def _stop_requested(self) -> bool:
+        """Whether a SIGTERM asked to stop; every process agrees (any process's request stops them all)."""
+        flag = self.stop.requested
+        if jax.process_count() > 1:
+            flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+        return flag
+
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
         """Train until run.total_steps (or, for tests and notebooks, until step `stop_after`). With
         run.eval_every > 0 it validates before the first update and after the last, and a finished run writes
-        summary.json and curves.png (g2rl_jax/train/report.py)."""
+        summary.json and curves.png (g2rl_jax/train/report.py).
+
+        Each step's checkpoint is saved before its validation. SIGTERM stops after the current step with a
+        checkpoint of it (a validation in progress is abandoned); `self.preempted` then says so. Ctrl-C during
+        a validation keeps the step's metrics and checkpoint too. The run directory is released at the end."""
         cfg = self.cfg.run
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
+        if self.lock is not None:
+            self.lock.acquire()
         writer = MetricsWriter(self.run_dir, start_step=self.step)
-        if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
-            writer.write(0, self.validate())
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
-        history, validation = [], None
+        history, validation, mid_step = [], None, False
         try:
-            while self.step < last:
-                result = self.step_stages(self.step)
-                self.step += 1
-                metrics = result.metrics
-                validation = None
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
-                    validation = self.validate()
-                    metrics.update(validation)
-                writer.write(self.step, metrics)
-                bar.update(self.step, metrics)
-                history.append(metrics)
-                self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
+            with self.stop:
+                if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
+                    writer.write(0, self.validate())
+                while self.step < last and not self._stop_requested():
+                    mid_step = True  # a second SIGTERM in here leaves a half-updated state: nothing is saved
+                    result = self.step_stages(self.step)
+                    self.step += 1
+                    mid_step = False
+                    metrics = result.metrics
+                    self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
+                    validation = None
+                    if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
+                        validation = self._validate_step(writer, metrics)
+                        metrics.update(validation)
+                    writer.write(self.step, metrics)
+                    bar.update(self.step, metrics)
+                    history.append(metrics)
+                if self._stop_requested():
+                    raise Preempted("SIGTERM")
+        except Preempted:
+            self.preempted = True
+            if self.step and not mid_step:
+                self.ckpt.save(self.step, self.state(), self.loader, force=True)
         finally:
             bar.close()
             writer.close()
             self.ckpt.close()
-        if self.step == cfg.total_steps and history:
+            self.close()
+        if self.step == cfg.total_steps and history and not self.preempted:
             summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
                                     steps=self.step, seconds=time.perf_counter() - self.started)
             if summary is not None:
                 print(json.dumps({k: summary[k] for k in ("accuracy_before", "accuracy_after", "steps", "seconds")}))
                 print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
         return history
+
+    def _validate_step(self, writer: MetricsWriter, metrics: dict[str, float]) -> dict[str, float]:
+        """The validation of a finished step; if it is interrupted (SIGTERM, Ctrl-C), the step's own metrics are
+        written and its checkpoint saved before the interruption goes on."""
+        try:
+            return self.validate()
+        except (Preempted, KeyboardInterrupt):
+            writer.write(self.step, metrics)
+            self.ckpt.save(self.step, self.state(), self.loader, force=True)
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         parallel.initialize_distributed(cfg.distributed)  # before anything touches the devices
+        check_platforms()
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -336,10 +409,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    start = trainer.resume()
+    try:
+        start = trainer.resume()
+    except CheckpointError as err:
+        trainer.close()
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        return 2
     if start and jax.process_index() == 0:
         print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
     trainer.run()
+    if trainer.preempted:
+        saved = (f"the checkpoint of step {trainer.step} is in {checkpoint_dir(trainer.run_dir)}" if trainer.step
+                 else "no step had finished, so there is no checkpoint")
+        print(f"stopped by SIGTERM after step {trainer.step}: {saved}. Resume with the same command, or "
+              f"`python -m g2rl_jax.train --config {trainer.run_dir / RESOLVED_NAME}`", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
     return 0
 
 

@@ -12,7 +12,8 @@ Only process 0 writes (on other processes every method is a no-op), so multi-hos
 
 Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ... again, so MetricsWriter first
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
-equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`.
+equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`. A start from step 0 moves
+an existing metrics.jsonl aside (metrics.jsonl.1, .2, ...) instead.
 Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Mapping
@@ -65,10 +67,24 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
+def _move_aside(path: Path) -> Path:
+    """Rename `path` to the first free `<name>.<n>` and return the new path."""
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    target = path.with_name(f"{path.name}.{n}")
+    os.replace(path, target)
+    return target
+
+
 def _truncate(run_dir: Path, start_step: int) -> None:
     """Rewrite metrics.jsonl atomically with only the records of steps <= start_step: a run resumed at step k
-    keeps what steps 1..k wrote (and the step-0 validation); a run that (re)starts from step 0 keeps nothing,
-    since it validates step 0 again."""
+    keeps what steps 1..k wrote (and the step-0 validation). A run that (re)starts from step 0 (no checkpoint)
+    begins a new file; a non-empty old one is moved aside to metrics.jsonl.<n>, never truncated."""
+    path = run_dir / METRICS_FILE
+    if start_step == 0 and path.exists() and path.stat().st_size:
+        print(f"warning: no checkpoint to resume from, so this run starts at step 0; the existing {path} was "
+              f"moved to {_move_aside(path)}", file=sys.stderr, flush=True)
     kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step] if start_step > 0 else []
     tmp = run_dir / f".{METRICS_FILE}.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))

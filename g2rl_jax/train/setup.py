@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -17,6 +18,19 @@ from g2rl_jax.config import Config, ConfigError
 from g2rl_jax.data import dataset_names, encode_prompts, load_dataset
 from g2rl_jax.demo import resolve_demo_paths  # also registers the demo's datasets
 from g2rl_jax.model.config import RuntimeConfig
+
+
+def check_platforms() -> None:
+    """One clear line (ConfigError) when JAX cannot start a backend, e.g. JAX_PLATFORMS names absent hardware."""
+    try:
+        jax.devices()
+    except Exception as err:  # noqa: BLE001 - RuntimeError without libtpu, AssertionError without a CUDA plugin
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        wanted = os.environ.get("JAX_PLATFORMS")
+        if wanted:
+            raise ConfigError(f"JAX_PLATFORMS={wanted!r} names hardware JAX cannot use on this machine ({detail}); "
+                              "unset it (or set it to cpu) to use what this machine has") from None
+        raise ConfigError(f"JAX found no usable device ({detail}); check the JAX install for this hardware") from None
 
 
 def resolve_model_paths(cfg: Config) -> Config:
@@ -71,16 +85,49 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def usable_examples(cfg: Config, tokenizer) -> list:
-    """The training examples whose prompt fits data.max_prompt_tokens; a clear error when none do."""
-    examples = load_dataset(cfg.data.train_dataset)
-    lengths = [len(p) for p in encode_prompts(examples, tokenizer, cfg.data.prompt_template)]
-    kept = [ex for ex, n in zip(examples, lengths) if n <= cfg.data.max_prompt_tokens]
+def load_examples(name: str, data_cfg) -> list:
+    """Dataset `name` (registered, or a jsonl file read with data.fields)."""
+    fields = data_cfg.field_map() if name not in dataset_names() else None
+    return load_dataset(name, fields=fields or None)
+
+
+def length_filter(examples: list, tokenizer, data_cfg) -> tuple[list, int]:
+    """(the examples whose prompt fits data.max_prompt_tokens, how many were dropped)."""
+    lengths = [len(p) for p in encode_prompts(examples, tokenizer, data_cfg.prompt_template)]
+    kept = [ex for ex, n in zip(examples, lengths) if n <= data_cfg.max_prompt_tokens]
+    return kept, len(examples) - len(kept)
+
+
+def _report_dropped(key: str, name: str, total: int, dropped: int, limit: int) -> None:
+    if dropped and jax.process_index() == 0:
+        print(f"{key}: {dropped} of {total} prompts of {name!r} are longer than data.max_prompt_tokens={limit} "
+              "tokens and are left out", flush=True)
+
+
+def usable_examples(cfg: Config, tokenizer) -> tuple[list, int]:
+    """(the training examples whose prompt fits data.max_prompt_tokens, the number dropped); a clear error when
+    too few fit. The number dropped is printed."""
+    examples = load_examples(cfg.data.train_dataset, cfg.data)
+    kept, dropped = length_filter(examples, tokenizer, cfg.data)
+    _report_dropped("data.train_dataset", cfg.data.train_dataset, len(examples), dropped, cfg.data.max_prompt_tokens)
     if len(kept) < cfg.data.prompts_per_step:
         raise ConfigError(f"data.train_dataset: {cfg.data.train_dataset!r} has {len(kept)} usable rows (prompt ≤ "
                           f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}) but data.prompts_per_step="
                           f"{cfg.data.prompts_per_step}; use more data or raise max_prompt_tokens")
-    return kept
+    return kept, dropped
+
+
+def eval_examples(cfg: Config, tokenizer) -> tuple[dict[str, list], dict[str, int]]:
+    """({name: examples}, {name: dropped}) of data.eval_datasets under the training length filter."""
+    sets, dropped = {}, {}
+    for name in cfg.data.eval_datasets if cfg.run.eval_every else ():
+        examples = load_examples(name, cfg.data)
+        sets[name], dropped[name] = length_filter(examples, tokenizer, cfg.data)
+        _report_dropped("data.eval_datasets", name, len(examples), dropped[name], cfg.data.max_prompt_tokens)
+        if not sets[name]:
+            raise ConfigError(f"data.eval_datasets: no prompt of {name!r} fits data.max_prompt_tokens="
+                              f"{cfg.data.max_prompt_tokens}; raise it or drop the dataset from data.eval_datasets")
+    return sets, dropped
 
 
 EMBED_MAX_TOKENS = 1024  # ids per embedded text, end token included; a longer text keeps its tail

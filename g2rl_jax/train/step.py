@@ -260,14 +260,19 @@ def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
     return mask_BxT.shape[0] / total_rows
 
 
+def all_finite(tree) -> jax.Array:
+    """bool scalar: every element of every leaf is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "settings", "micro"),
                    donate_argnames=("params", "opt_state"))
 def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
            settings: LossSettings, micro: int):
     """One optimizer update on a mini-batch, gradients accumulated over `micro`-row micro-batches.
 
-    A non-finite loss or gradient skips the update: params and optimizer state come back unchanged and
-    info["skipped"] is 1.
+    A non-finite loss, gradient or updated parameter skips the update: params and optimizer state come back
+    unchanged and info["skipped"] is 1.
     """
     rows = mini.advantages_B.shape[0]
     total_tokens = jnp.sum(mini.batch.response_mask)
@@ -291,6 +296,7 @@ def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.Gra
     grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
+    finite &= all_finite(new_params)  # finite gradients can still give non-finite params (e.g. lr=inf)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     info = dict(diag, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
     return keep(new_params, params), keep(new_opt_state, opt_state), info

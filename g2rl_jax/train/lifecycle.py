@@ -1,0 +1,214 @@
+"""What keeps a run directory whole across starts, stops and relaunches.
+
+- `RunLock`: `<run>/run.lock` names the host and pid of the trainer that holds the run; a trainer in another
+  process on the same run.output_dir is refused while that process lives. A lock left by a process that is gone
+  (same host, pid not running, or the pid of this very process after a container restart) is stale and replaced
+  with a warning;
+  a lock from another host cannot be checked from here, so the error says what to delete.
+- `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
+  optim, seeds), listed old -> new; the trainer refuses them unless run.allow_config_change=true.
+- `append_history`: every start appends its resolved config to `<run>/config_history.jsonl`.
+- `StopSignal`: SIGTERM (preemption) asks the loop to stop after the current step; a second SIGTERM abandons it.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, load_config, to_dict
+
+LOCK_FILE = "run.lock"
+HISTORY_FILE = "config_history.jsonl"
+PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
+# keys that change how or how long the run is carried out or what it reports, never what a step computes
+FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
+             "run.allow_config_change", "data.eval_datasets", "data.eval_samples", "data.eval_temperature",
+             "data.eval_max_new_tokens", "model.attention", "model.remat")
+FREE_GROUPS = ("mesh.", "distributed.")
+
+_HELD: dict[Path, int] = {}  # lock files this process holds -> how many RunLocks hold each
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ the lock
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _read_holder(path: Path) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _stale(holder: dict[str, Any], path: Path) -> bool:
+    """True when the holder is certainly gone: same host and its pid not running, or our own pid (a restarted
+    container reuses pids) while this process holds no such lock."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    if holder["pid"] == os.getpid():
+        return path.resolve() not in _HELD
+    return not _pid_alive(holder["pid"])
+
+
+class RunLock:
+    """`<run_dir>/run.lock`, created atomically (a complete file linked into place), removed by `release` (or at
+    exit). Trainers within one process (a notebook cell run twice) share it: the file goes when the last releases."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._held = False
+
+    def acquire(self) -> None:
+        key = self.path.resolve()
+        if self._held:
+            return
+        if key in _HELD:
+            _HELD[key] += 1
+            self._held = True
+            return
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)  # atomic, fails if a lock exists: readers never see half a lock
+                    _HELD[key], self._held = 1, True
+                    atexit.register(self.release)
+                    return
+                except FileExistsError:
+                    self._replace_if_stale()
+            raise ConfigError(f"run.output_dir: could not take {self.path} after removing stale locks three times; "
+                              "another trainer keeps starting on this directory")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _replace_if_stale(self) -> None:
+        holder = _read_holder(self.path)
+        if holder is None:
+            return  # released meanwhile: try again
+        if not _stale(holder, self.path):
+            who = f"pid {holder.get('pid')} on host {holder.get('host')!r} since {holder.get('since')}" if holder \
+                else "an unreadable lock"
+            raise ConfigError(f"run.output_dir: {str(self.path.parent)!r} is in use by another trainer ({who}); "
+                              f"wait for it to finish or stop it, or choose another run.output_dir. If no trainer "
+                              f"runs there any more, delete {self.path}")
+        _warn(f"removing the stale lock {self.path} of pid {holder['pid']} on this host, which is no longer running")
+        aside = self.path.with_name(f".{LOCK_FILE}.stale.{os.getpid()}")
+        try:
+            os.rename(self.path, aside)  # atomic: of two starters replacing it, one wins
+            aside.unlink()
+        except FileNotFoundError:
+            pass
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        key = self.path.resolve()
+        _HELD[key] -= 1
+        if _HELD[key]:
+            return
+        del _HELD[key]
+        holder = _read_holder(self.path)
+        if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            self.path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------ config
+def _flat(cfg: Config) -> dict[str, Any]:
+    return {f"{group}.{key}": value for group, body in to_dict(cfg).items() for key, value in body.items()}
+
+
+def _free(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    if key == "run.total_steps":  # the cosine schedule's length depends on it; a constant schedule does not
+        return old["optim.min_lr_ratio"] == new["optim.min_lr_ratio"] == 1.0
+    return key in FREE_KEYS or key.startswith(FREE_GROUPS)
+
+
+def config_changes(old: Config, new: Config) -> list[str]:
+    """'key: old -> new' for every key whose change alters what the run computes."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k] and not _free(k, a, b)]
+
+
+def check_resume_config(cfg: Config, run_dir: Path) -> None:
+    """Refuse to resume a run whose config.yaml differs from `cfg` in keys that change what it computes."""
+    if cfg.run.allow_config_change or not (run_dir / RESOLVED_NAME).is_file():
+        return
+    try:
+        old = load_config(run_dir / RESOLVED_NAME)
+    except ConfigError as err:
+        raise ConfigError(f"run.output_dir: the run's {RESOLVED_NAME} cannot be read ({err}); pass "
+                          "run.allow_config_change=true to resume under the new config anyway") from None
+    changes = config_changes(old, cfg)
+    if changes:
+        raise ConfigError(f"run.output_dir: resuming {str(run_dir)!r} with a config that changes what the run "
+                          f"computes ({'; '.join(changes)}); use the run's own config "
+                          f"(--config {run_dir / RESOLVED_NAME}), choose a new run.output_dir, or pass "
+                          "run.allow_config_change=true to continue with the change (it is logged in "
+                          f"{HISTORY_FILE})")
+
+
+def append_history(cfg: Config, run_dir: Path, **facts: Any) -> Path:
+    """Append this start's resolved config (and `facts`: checkpoint found, rows kept, ...) to the history file."""
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),
+              "argv": sys.argv, **facts, "config": to_dict(cfg)}
+    path = run_dir / HISTORY_FILE
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ signals
+class Preempted(BaseException):
+    """Raised where a stop request abandons work in progress (a validation, or the step on a second SIGTERM).
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` turns it into an ordinary error."""
+
+
+class StopSignal:
+    """While active, the first SIGTERM sets `requested` (the loop stops after the current step, saving a
+    checkpoint); a second one raises Preempted at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise Preempted("a second SIGTERM: the step in progress is abandoned")
+        self.requested = True
+        print("SIGTERM received: finishing the current step, then saving a checkpoint and stopping "
+              "(send SIGTERM again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> StopSignal:
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread (e.g. a notebook worker): no handler, nothing changes
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)

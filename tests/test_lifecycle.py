@@ -1,0 +1,222 @@
+"""A run survives its users: the run-directory lock between real processes (stale locks included), SIGTERM of a
+real trainer process (checkpoint, exit 143, resume), a relaunch that fails a check or changes the config leaves
+the run's files alone, validation abandoned after the step's checkpoint, length filtering counted, JAX_PLATFORMS
+naming absent hardware. Tiny random Qwen3 and the demo tokenizer, as tests/test_train.py."""
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from test_train import ROOT, _env, _train_cmd, assets, config, overrides  # noqa: F401 - assets is a fixture
+
+from g2rl_jax.config import ConfigError
+from g2rl_jax.train.lifecycle import HISTORY_FILE, LOCK_FILE, PREEMPTED_EXIT, RunLock, config_changes
+from g2rl_jax.train.loop import main
+from g2rl_jax.train.metrics import read_metrics
+
+
+def _wait_for(condition, proc, timeout=300):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    return False
+
+
+# ------------------------------------------------------------------------------------------ the lock
+def test_lock_between_real_processes_and_stale_locks(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from g2rl_jax.train.lifecycle import RunLock\n"
+                               f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(120)"],
+                              env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"in use by another trainer \(pid {holder.pid} on host "
+                                              rf"'{socket.gethostname()}'.*delete {tmp_path / LOCK_FILE}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock = RunLock(tmp_path)  # the holder died without releasing: its lock is stale
+    lock.acquire()
+    assert f"removing the stale lock {tmp_path / LOCK_FILE} of pid {holder.pid}" in capsys.readouterr().err
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.acquire()  # idempotent
+    other = RunLock(tmp_path)  # another trainer in this process (a notebook cell run twice) shares the lock
+    other.acquire()
+    lock.release()
+    assert (tmp_path / LOCK_FILE).exists()
+    other.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then"}))
+    with pytest.raises(ConfigError, match="pid 1 on host 'another-host'.*If no trainer runs there any more, delete"):
+        RunLock(tmp_path).acquire()  # another host's pid cannot be checked from here
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    RunLock(tmp_path).acquire()  # our own pid, but not held by us: a restarted container's leftover
+
+
+# ------------------------------------------------------------------------------------------ SIGTERM, real process
+@pytest.fixture(scope="module")
+def preempted_run(assets, tmp_path_factory):  # noqa: F811
+    """A real trainer process (a long run, checkpoint_every beyond it) sent SIGTERM once step 1 is recorded, after
+    a second trainer has tried the same run directory; then the same command, run.total_steps lowered to end one
+    step later, rerun to the end. Both processes share a compilation cache, so the rerun does not compile again."""
+    out = tmp_path_factory.mktemp("sigterm") / "run"
+    cmd = [*_train_cmd(assets, out, steps=1000), "run.checkpoint_every=500"]
+    env = _env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: len(read_metrics(out)) >= 1, proc), "the trainer recorded no step"
+        second = io.StringIO()
+        with contextlib.redirect_stderr(second):  # a second trainer, in this process, while the first runs
+            second_code = main(cmd[cmd.index("--config"):])
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    first = {"returncode": proc.returncode, "stderr": stderr, "records": read_metrics(out),
+             "steps": sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()),
+             "lock_left": (out / LOCK_FILE).exists()}
+    total = first["records"][-1]["step"] + 1
+    rerun = subprocess.run([*cmd, f"run.total_steps={total}"], env=env, capture_output=True, text=True, timeout=600)
+    return {"out": out, "first": first, "second": (second_code, second.getvalue()), "rerun": rerun, "total": total}
+
+
+def test_second_trainer_on_the_same_run_is_refused(preempted_run):
+    code, stderr = preempted_run["second"]
+    assert code == 2, stderr[-2000:]
+    assert "run.output_dir" in stderr and "is in use by another trainer (pid" in stderr
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_with_how_to_resume(preempted_run):
+    first, out = preempted_run["first"], preempted_run["out"]
+    assert first["returncode"] == PREEMPTED_EXIT, first["stderr"][-3000:]
+    stopped = first["records"][-1]["step"]
+    assert [r["step"] for r in first["records"]] == list(range(1, stopped + 1))
+    assert first["steps"] == [stopped]  # saved because of the SIGTERM: checkpoint_every=100
+    assert f"stopped by SIGTERM after step {stopped}" in first["stderr"]
+    assert f"python -m g2rl_jax.train --config {out / 'config.yaml'}" in first["stderr"]
+    assert not first["lock_left"], "the stopped trainer kept its lock"
+
+
+def test_rerun_after_sigterm_resumes_and_finishes(preempted_run):
+    rerun, out = preempted_run["rerun"], preempted_run["out"]
+    stopped = preempted_run["first"]["steps"][-1]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from the checkpoint of step {stopped}" in rerun.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, preempted_run["total"] + 1))
+    history = [json.loads(line) for line in (out / HISTORY_FILE).read_text().splitlines()]
+    assert [h["checkpoint_found"] for h in history] == [None, stopped]  # the refused start wrote nothing
+    assert history[0]["config"]["run"]["total_steps"] == 1000
+    assert history[1]["config"]["run"]["total_steps"] == preempted_run["total"]  # free under a constant lr
+    assert history[1]["config"]["rollout"] == history[0]["config"]["rollout"]
+    assert history[1]["train_dropped_for_length"] == 0
+
+
+# ------------------------------------------------------------------------------------------ relaunches
+def test_relaunch_that_fails_a_check_leaves_the_run_alone(assets, preempted_run):  # noqa: F811
+    from g2rl_jax.train.loop import Trainer
+
+    out = preempted_run["out"]
+    files = {name: (out / name).read_text() for name in ("config.yaml", HISTORY_FILE, "metrics.jsonl")}
+    with pytest.raises(ConfigError, match=r"changes what the run computes \(rollout\.num_samples: 4 -> 8; "
+                                          r"algorithm\.lam: 0\.5 -> 0\.25\).*run\.allow_config_change=true"):
+        Trainer(config(assets, out, steps=9, **{"rollout.num_samples": 8, "algorithm.lam": 0.25}))
+    with pytest.raises(ConfigError, match="model.path"):  # allowed to change, but the new model is not there
+        Trainer(config(assets, out, steps=9, **{"model.path": str(out / "nowhere"), "run.allow_config_change": "true"}))
+    assert {name: (out / name).read_text() for name in files} == files
+    assert not (out / LOCK_FILE).exists(), "a refused start kept the lock"
+
+
+def test_which_changes_change_what_the_run_computes(assets, tmp_path):  # noqa: F811
+    base = config(assets, tmp_path, steps=4)
+    same = config(assets, tmp_path / "moved", steps=8, **{"run.eval_every": 2, "run.checkpoint_every": 3,
+                                                         "mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1})
+    assert config_changes(base, same) == []
+    cosine = {"optim.min_lr_ratio": 0.1}  # a decaying schedule's length depends on run.total_steps
+    assert config_changes(config(assets, tmp_path, steps=4, **cosine), config(assets, tmp_path, steps=8, **cosine)) \
+        == ["run.total_steps: 4 -> 8"]
+    assert config_changes(base, config(assets, tmp_path, steps=4, **{"run.seed": 1, "data.max_prompt_tokens": 64})) \
+        == ["run.seed: 0 -> 1", "data.max_prompt_tokens: 1024 -> 64"]
+
+
+# ------------------------------------------------------------------------------------------ validation
+def test_sigterm_during_validation_keeps_the_step(assets, tmp_path):  # noqa: F811
+    """A real SIGTERM to this process from inside the step-1 validation: the step's checkpoint and metrics are
+    kept, the validation is abandoned."""
+    from g2rl_jax.demo.task import examples
+    from g2rl_jax.train.loop import Trainer
+
+    evalset = tmp_path / "eval.jsonl"
+    evalset.write_text("".join(json.dumps({"problem": e.problem, "answer": e.answer}) + "\n"
+                               for e in examples("test")[:2]))
+
+    class SignalledTrainer(Trainer):
+        def validate(self):
+            if self.step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().validate()
+
+    out = tmp_path / "run"
+    trainer = SignalledTrainer(config(assets, out, steps=3, **{
+        "run.eval_every": 1, "run.checkpoint_every": 100, "data.eval_datasets": str(evalset),
+        "data.eval_samples": 4, "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0}))  # as the rollout
+    trainer.resume()
+    trainer.run()
+    assert trainer.preempted and trainer.step == 1
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    assert any(k.startswith("val/") for k in records[0]) and not any(k.startswith("val/") for k in records[1])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is only there while training
+
+
+# ------------------------------------------------------------------------------------------ data and platform
+def test_prompts_dropped_for_length_are_counted(assets, tmp_path, capsys):  # noqa: F811
+    """Training and evaluation sets go through the same filter; what it drops is counted and printed."""
+    import dataclasses
+
+    from g2rl_jax.data import Example, encode_prompts
+    from g2rl_jax.demo.tokenizer import make_tokenizer
+    from g2rl_jax.train.setup import eval_examples, length_filter
+
+    tok = make_tokenizer()
+    rows = [Example(id=str(i), problem="1+1" * (1 if i % 2 == 0 else 21), answer="2") for i in range(6)]
+    evalset = tmp_path / "eval.jsonl"
+    evalset.write_text("".join(json.dumps({"id": r.id, "problem": r.problem, "answer": r.answer}) + "\n"
+                               for r in rows))
+    cfg = config(assets, tmp_path / "run", **{"run.eval_every": 1, "data.eval_datasets": str(evalset)})
+    short, long_ = (len(p) for p in encode_prompts(rows[:2], tok, cfg.data.prompt_template))
+    assert short < long_
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_prompt_tokens=short))
+    kept, dropped = length_filter(rows, tok, cfg.data)
+    assert [e.id for e in kept] == ["0", "2", "4"] and dropped == 3
+    sets, dropped = eval_examples(cfg, tok)
+    assert [e.id for e in sets[str(evalset)]] == ["0", "2", "4"] and dropped == {str(evalset): 3}
+    printed = capsys.readouterr().out
+    assert f"3 of 6 prompts of {str(evalset)!r} are longer than data.max_prompt_tokens={short}" in printed
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_prompt_tokens=short - 1))
+    with pytest.raises(ConfigError, match=r"data\.eval_datasets: no prompt of .* fits data\.max_prompt_tokens"):
+        eval_examples(cfg, tok)
+
+
+def test_jax_platforms_naming_absent_hardware_is_one_line(tmp_path):
+    env = _env()
+    env["JAX_PLATFORMS"] = "tpu"
+    done = subprocess.run([sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
+                           f"run.output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "JAX_PLATFORMS='tpu' names hardware JAX cannot use on this machine" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run" / "config.yaml").exists()
