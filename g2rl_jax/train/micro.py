@@ -36,6 +36,7 @@ STEPS_PER_OCTAVE = 4  # widths between 2^j and 2^(j+1): at most 25% of a micro-b
 def width_bucket(n: int) -> int:
     """The smallest ladder width >= n: MIN_WIDTH, 32, 64, ... up to 64, then 4 steps per octave (80, 96, 112, 128,
     160, ..., 1024, 1280, ...)."""
+    n = int(n)
     if n <= MIN_WIDTH:
         return MIN_WIDTH
     octave = 1 << (n - 1).bit_length()  # 2^j >= n > 2^(j-1)
@@ -72,8 +73,8 @@ def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded
     mask = np.asarray(response_mask_BxT)
     b, t = mask.shape
     if micro < 1 or b % micro:
-        raise ValueError(f"micro-batches: {b} rows is not a multiple of micro_batch_size={micro}; choose a "
-                         "micro_batch_size that divides the number of rows")
+        raise ValueError(f"a batch of {b} responses is not a multiple of micro_batch_size={micro}; choose a "
+                         "micro_batch_size that divides it")
     lengths_B = response_lengths(mask)
     if padded:
         rows_UxX = np.arange(b).reshape(micro, b // micro).T

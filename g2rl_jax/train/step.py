@@ -168,9 +168,9 @@ def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: i
     return logp
 
 
-def _plan(batch: Batch, micro: int, stage: str) -> micro_lib.MicroPlan:
+def _plan(batch: Batch, micro: int, stage: str, padded: bool = False) -> micro_lib.MicroPlan:
     try:
-        return micro_lib.plan_for(batch, micro)
+        return micro_lib.plan_for(batch, micro, padded=padded)
     except ValueError as err:
         raise StageError(f"{stage}: {err}") from None
 
@@ -275,22 +275,26 @@ def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows"), donate_argnames=("acc",))
 def accumulate(graphdef, params, acc, mb: MiniBatch, total_tokens, *, settings: LossSettings, total_rows: int):
-    """acc + w·(loss, gradients, diagnostics) of one micro-batch, w its share of the mini-batch (_micro_weight);
-    acc = (grads f32 like params, loss, diagnostics). Compiled once per micro-batch shape [X, S + T_u]."""
+    """acc + w·(loss, gradients, pg_loss) + w_tokens·(token-mean diagnostics) of one micro-batch: w its share of
+    the mini-batch's loss (_micro_weight), w_tokens its share of the tokens. acc = (grads f32 like params, loss,
+    diagnostics). Compiled once per micro-batch shape [X, S + T_u] (and loss settings)."""
     grads_acc, loss_acc, diag_acc = acc
     (loss, diag), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, graphdef, mb, settings)
     w = _micro_weight(mb.batch.response_mask, settings.agg, total_tokens, total_rows)
     grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
-    diag_acc = {k: diag_acc[k] + w * d for k, d in diag.items()}
+    w_tokens = _micro_weight(mb.batch.response_mask, "token-mean", total_tokens, total_rows)
+    # pg_loss is aggregated like the loss; every other diagnostic is a token mean whatever the mode
+    diag_acc = {k: diag_acc[k] + (w if k == "pg_loss" else w_tokens) * d for k, d in diag.items()}
     return grads_acc, loss_acc + w * loss, diag_acc
 
 
-def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int):
+def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False):
     """(grads f32, loss, diagnostics) of a mini-batch, accumulated over its length-grouped `micro`-row micro-batches
-    (train.micro): equal to one pass over the whole padded mini-batch, at the cost of the response tokens."""
+    (train.micro): equal to one pass over the whole padded mini-batch, at the cost of the response tokens.
+    padded=True runs every micro-batch at the full width instead (the layout before grouping, for benchmarks)."""
     batch = mini.batch
     rows, t = batch.response_mask.shape
-    plan = _plan(batch, micro, "update")
+    plan = _plan(batch, micro, "update", padded)
     replicated = jax.sharding.NamedSharding(batch.rewards.sharding.mesh, jax.sharding.PartitionSpec()) \
         if isinstance(batch.rewards.sharding, jax.sharding.NamedSharding) else batch.rewards.sharding
     acc = None
@@ -321,8 +325,8 @@ def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.Gr
 
 
 def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
-           settings: LossSettings, micro: int):
+           settings: LossSettings, micro: int, padded: bool = False):
     """One optimizer update on a mini-batch: `gradients` over length-grouped micro-batches, then `apply_gradients`
     (params and opt_state are donated; a non-finite loss or gradient skips the update, info["skipped"] = 1)."""
-    grads, loss, diag = gradients(graphdef, params, mini, settings=settings, micro=micro)
+    grads, loss, diag = gradients(graphdef, params, mini, settings=settings, micro=micro, padded=padded)
     return apply_gradients(params, opt_state, grads, loss, diag, optimizer=optimizer)
