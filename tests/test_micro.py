@@ -20,17 +20,17 @@ from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 
-CFG = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+CFG = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
 RT = RuntimeConfig(param_dtype="float32", compute_dtype="float32", remat="none", attention="xla")
-B, S, T = 8, 6, 100
+B, S, T = 8, 6, 40
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def _long_tailed_batch(seed: int, lengths=None) -> train_step.Batch:
     rng = np.random.default_rng(seed)
     if lengths is None:  # long-tailed, one row at the full width, one empty (a filtered row)
-        lengths = np.minimum(rng.geometric(1 / 12, B), T)
+        lengths = np.minimum(rng.geometric(1 / 6, B), T)
         lengths[rng.integers(B)] = T
         lengths[rng.integers(B)] = 0
     prompt_mask = (np.arange(S)[None] >= rng.integers(0, 3, (B, 1))).astype(np.int32)  # left padding
@@ -133,8 +133,7 @@ def test_score_and_reference_equal_one_unpacked_pass(model, unpacked, micro):
     np.testing.assert_allclose(np.asarray(ref)[real], np.asarray(unpacked["ref"])[real], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("micro", [2, 4])
+@pytest.mark.parametrize("agg,micro", [("token-mean", 2), ("seq-mean-token-mean", 2), ("seq-mean-token-sum", 4)])
 def test_loss_and_gradients_equal_one_unpacked_pass(model, unpacked, agg, micro):
     graphdef, params = model
     (loss0, diag0), grads0 = unpacked["grads"][agg]
@@ -166,18 +165,18 @@ def test_on_the_8_device_mesh(unpacked):
 
 # ------------------------------------------------------------------------------------------ compiled shapes
 def test_compiled_shapes_are_bounded_by_the_width_ladder(model):
-    """Twelve steps of random long-tailed lengths compile one model pass per width used, never more."""
+    """Eight steps of random long-tailed lengths compile one model pass per width used, never more."""
     graphdef, params = model
     settings = _settings("token-mean")
     score_before = train_step._score_micro._cache_size()
     grads_before = train_step.accumulate._cache_size()
     widths = set()
-    for seed in range(12):
+    for seed in range(8):
         batch = _long_tailed_batch(100 + seed)
         widths |= set(micro_lib.plan_for(batch, 2).widths)
         scores = train_step.score(graphdef, params, batch, temperature=0.9, micro=2)
         train_step.gradients(graphdef, params, _mini(batch, scores.logp_BxT), settings=settings, micro=2)
     ladder = {min(micro_lib.width_bucket(n), T) for n in range(T + 1)}
-    assert widths <= ladder and len(ladder) == 6  # 16, 32, 64, 80, 96 and the full width 100
+    assert widths <= ladder and len(ladder) == 3  # 16, 32 and the full width 40
     assert train_step._score_micro._cache_size() - score_before <= len(widths)
     assert train_step.accumulate._cache_size() - grads_before <= len(widths)
