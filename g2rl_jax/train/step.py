@@ -310,7 +310,7 @@ def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micr
     return acc
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("params", "opt_state", "grads"))
+@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("params", "opt_state"))
 def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.GradientTransformation):
     """One optimizer step. A non-finite loss or gradient skips it: params and optimizer state come back unchanged
     and info["skipped"] is 1."""
