@@ -157,8 +157,9 @@ def main(argv: list[str]) -> int:
     flops = train_flops(cfg, a.rows, length)
     print(f"model {cfg.num_params() / 1e6:.1f}M params; {a.rows} rows x ({a.prompt_len} + {a.response_len}) tokens "
           f"per update; {flops / 1e12:.1f} model TFLOP; jax {jax.__version__} on {jax.devices()[0].device_kind}")
+    columns = 8 if a.long_tail else 7
     print("| variant | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
-          + (" long-tailed / equal |\n|---|---|---|---|---|---|---|---|" if a.long_tail else "\n|---|---|---|---|---|---|---|"))
+          + (" long-tailed / equal |" if a.long_tail else "") + "\n|" + "---|" * columns)
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
