@@ -190,8 +190,8 @@ def attention_scores_bytes(runtime: RuntimeConfig, heads: int, b: int, length: i
 
 
 def micro_rows_per_device(cfg: Config, mesh: dict[str, int]) -> int:
-    """Rows of one update micro-batch on each device. train.step.split_micro takes micro-batches by stride, so
-    each spreads over all n batch shards (padding rounds up when micro < n)."""
+    """Rows of one update micro-batch on each device. train.micro.take_micro spreads each micro-batch's rows over
+    all n batch shards (padding rounds up when micro < n)."""
     return -(-cfg.algorithm.micro_batch_size // shards("batch", mesh))
 
 

@@ -94,8 +94,10 @@ def _check_records(records, mode, steps):
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for r in records:
         for key in ("accuracy", "reward", "loss", "kl", "entropy", "response_length", "clip_fraction", "grad_norm",
-                    "learning_rate", "rollout_seconds", "update_seconds", "tokens_per_second"):
+                    "learning_rate", "rollout_seconds", "update_seconds", "tokens_per_second",
+                    "update_tokens_per_second"):
             assert np.isfinite(r[key]), (mode, key, r[key])
+        assert 0.0 <= r["padding_fraction"] < 1.0
         assert r["skipped_updates"] == 0
         if mode == "g2rl":
             assert 0.0 <= r["novelty"] <= 1.0
@@ -305,14 +307,6 @@ def test_bad_input_fails_before_any_compile(assets, tmp_path, case):
     expected = {"missing_model": "model.path", "no_usable_rows": "usable rows",
                 "unwritable_output": "run.output_dir"}[case]
     assert expected in message, message
-
-
-def test_micro_batches_are_strided_and_merge_back():
-    x = jnp.arange(12)
-    split = train_step.split_micro({"x": x}, 4)["x"]
-    assert split.shape == (3, 4)
-    np.testing.assert_array_equal(np.asarray(split[0]), [0, 3, 6, 9])  # one row from every block of 3
-    np.testing.assert_array_equal(np.asarray(train_step.merge_micro({"x": split})["x"]), np.arange(12))
 
 
 # ------------------------------------------------------------------------------------------ pieces of the step

@@ -3,12 +3,20 @@
     python -m g2rl_jax.bench update                       # CPU: a small random model, 8 rows of 32 + 64 tokens
     python -m g2rl_jax.bench update --preset qwen3-1.7b --rows 32 --prompt-len 256 --response-len 1024 \\
         --variant remat=full,micro=16 --variant remat=dots,micro=16 --peak-tflops 989      # a GPU
+    python -m g2rl_jax.bench update --long-tail --rows 16 --response-len 256 \\
+        --variant micro=4,layout=padded --variant micro=4                                  # padding's cost
 
-Random weights, one synthetic mini-batch of --rows responses (every token real), AdamW as the trainer builds it,
-the loss with the KL term on. Each --variant (comma-separated remat=, micro=, param_dtype=, attention=) builds its
-own model and runs one compiling update, then --iters timed ones; all variants run side by side in one process.
-Model FLOPs count every token of the joined sequence, forward + backward (remat's recomputation is not counted):
-6 * matmul params * tokens + 3 * 4 * rows * L^2 * heads * head_dim * layers (full-square attention, as `forward`).
+Random weights, one synthetic mini-batch of --rows responses, AdamW as the trainer builds it, the loss with the KL
+term on. Without --long-tail every response token is real. With --long-tail the response lengths are long-tailed
+(exponential with mean --response-len / 4, capped at --response-len, one row at the cap) and every variant also
+runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
+still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
+(comma-separated remat=, micro=, param_dtype=, attention=, layout=) builds its own model and runs one compiling
+update, then --iters timed ones; all variants run side by side in one process. layout=grouped (default) is the
+trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping).
+Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
+tokens * L * heads * head_dim * layers (full-square attention, as `forward`): "MFU" counts every position of the
+padded [rows, L] batch, "resp MFU" only the response tokens (each over its whole sequence S + its length).
 """
 from __future__ import annotations
 
@@ -25,9 +33,11 @@ from flax import nnx
 
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
+from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 
-_KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str}
+_KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str}
+LAYOUTS = ("grouped", "padded")
 
 
 def _args(argv):
@@ -37,6 +47,9 @@ def _args(argv):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--long-tail", action="store_true",
+                   help="long-tailed response lengths (mean --response-len/4), timed against equal lengths")
+    p.add_argument("--seed", type=int, default=0, help="seed of the long-tailed lengths")
     p.add_argument("--variant", action="append", default=[],
                    help="e.g. remat=full,micro=4 (defaults: remat=full, micro=rows/2, param_dtype=float32, "
                         "attention=xla); repeat to compare settings")
@@ -46,12 +59,15 @@ def _args(argv):
 
 def parse_variant(text: str, rows: int) -> dict:
     """'remat=dots,micro=8' -> {remat, micro, param_dtype, attention}, with defaults for what it leaves out."""
-    out = {"remat": "full", "micro": max(1, rows // 2), "param_dtype": "float32", "attention": "xla"}
+    out = {"remat": "full", "micro": max(1, rows // 2), "param_dtype": "float32", "attention": "xla",
+           "layout": "grouped"}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in _KEYS:
             raise SystemExit(f"--variant {text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(_KEYS)}")
         out[key] = _KEYS[key](value)
+    if out["layout"] not in LAYOUTS:
+        raise SystemExit(f"--variant {text!r}: layout must be one of {LAYOUTS}")
     if rows % out["micro"]:
         raise SystemExit(f"--variant {text!r}: micro={out['micro']} does not divide --rows {rows}")
     return out
@@ -62,21 +78,39 @@ def _small() -> Qwen3Config:
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
 
 
-def _mini_batch(cfg: Qwen3Config, rows: int, s: int, t: int) -> train_step.MiniBatch:
+def long_tailed_lengths(rows: int, budget: int, seed: int) -> np.ndarray:
+    """Response lengths [rows]: exponential with mean budget/4, in [1, budget], the longest at the budget."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.exponential(budget / 4, rows)), 1, budget).astype(int)
+    lengths[np.argmax(lengths)] = budget
+    return lengths
+
+
+def _mini_batch(cfg: Qwen3Config, rows: int, s: int, t: int, lengths=None) -> train_step.MiniBatch:
+    """A mini-batch of rows x (s + t); responses right-padded to `lengths` (default: all t tokens real)."""
     rng = np.random.default_rng(0)
+    lengths = np.full(rows, t) if lengths is None else np.asarray(lengths)
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.int32)
     batch = train_step.build_batch(rng.integers(1, cfg.vocab_size, (rows, s)), np.ones((rows, s), np.int32),
-                                   rng.integers(1, cfg.vocab_size, (rows, t)), np.ones((rows, t), np.int32),
+                                   rng.integers(1, cfg.vocab_size, (rows, t)) * mask, mask,
                                    rng.choice([-1.0, 1.0], rows), rng.random(rows) < 0.5, group_size=rows)
     logp = jnp.asarray(-rng.random((rows, t)) * 5, jnp.float32)
     return train_step.MiniBatch(batch, old_logp_BxT=logp, ref_logp_BxT=logp + 0.01,
                                 advantages_B=jnp.asarray(rng.standard_normal(rows), jnp.float32))
 
 
-def train_flops(cfg: Qwen3Config, rows: int, length: int) -> float:
-    """Forward + backward model FLOPs of one update over rows x length tokens (see the module docstring)."""
+def train_flops(cfg: Qwen3Config, rows: int, length: int, tokens: int | None = None) -> float:
+    """Forward + backward model FLOPs of one update over `tokens` tokens (default all rows x length) in rows of
+    `length` positions (see the module docstring)."""
+    tokens = rows * length if tokens is None else tokens
     matmul_params = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
-    attention = 4 * rows * length ** 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
-    return 3 * (2.0 * matmul_params * rows * length + attention)
+    attention = 4 * tokens * length * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    return 3 * (2.0 * matmul_params * tokens + attention)
+
+
+def response_flops(cfg: Qwen3Config, prompt_len: int, lengths) -> float:
+    """FLOPs of the response tokens alone, each row's over its own sequence prompt_len + its length."""
+    return sum(train_flops(cfg, 1, prompt_len + int(r), tokens=int(r)) for r in lengths)
 
 
 def run_variant(cfg: Qwen3Config, v: dict, mini: train_step.MiniBatch, iters: int) -> tuple[float, float]:
@@ -91,7 +125,8 @@ def run_variant(cfg: Qwen3Config, v: dict, mini: train_step.MiniBatch, iters: in
     for _ in range(iters + 1):
         start = time.perf_counter()
         params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                    settings=settings, micro=v["micro"])
+                                                    settings=settings, micro=v["micro"],
+                                                    padded=v["layout"] == "padded")
         jax.block_until_ready(info["loss"])
         times.append(time.perf_counter() - start)
     assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
@@ -100,20 +135,43 @@ def run_variant(cfg: Qwen3Config, v: dict, mini: train_step.MiniBatch, iters: in
     return times[0], statistics.median(times[1:])
 
 
+def _row(name: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int, peak: float,
+         ratio: str = "") -> str:
+    mfu = (lambda f: f"{f / warm / 1e12 / peak:.1%}") if peak else (lambda f: "-")  # noqa: E731
+    return (f"| {name} | {first:.1f} | {warm:.3f} | {resp_tokens / warm:,.0f} | {flops / warm / 1e12:.2f} "
+            f"| {mfu(flops)} | {mfu(resp_flops)} |{ratio}")
+
+
 def main(argv: list[str]) -> int:
     a = _args(argv)
     cfg = PRESETS[a.preset] if a.preset else _small()
     length = a.prompt_len + a.response_len
-    mini = _mini_batch(cfg, a.rows, a.prompt_len, a.response_len)
+    batches = {"": np.full(a.rows, a.response_len)}
+    if a.long_tail:
+        tail = long_tailed_lengths(a.rows, a.response_len, a.seed)
+        equal = np.full(a.rows, tail.sum() // a.rows)
+        equal[:tail.sum() % a.rows] += 1  # the same total response tokens
+        batches = {"long-tailed": tail, "equal": equal}
+        print(f"long-tailed response lengths {sorted(tail.tolist())}: mean {tail.mean():.1f}, max {tail.max()}, "
+              f"max/mean {tail.max() / tail.mean():.2f}; equal: {equal.min()}-{equal.max()} tokens per row")
     flops = train_flops(cfg, a.rows, length)
     print(f"model {cfg.num_params() / 1e6:.1f}M params; {a.rows} rows x ({a.prompt_len} + {a.response_len}) tokens "
           f"per update; {flops / 1e12:.1f} model TFLOP; jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    print("| variant | compile+first s | update s | tokens/s | TFLOP/s | MFU |\n|---|---|---|---|---|---|")
+    columns = 8 if a.long_tail else 7
+    print("| variant | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
+          + (" long-tailed / equal |" if a.long_tail else "") + "\n|" + "---|" * columns)
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
-        first, warm = run_variant(cfg, v, mini, a.iters)
-        tflops = flops / warm / 1e12
-        mfu = f"{tflops / a.peak_tflops:.1%}" if a.peak_tflops else "-"
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
-        print(f"| {name} | {first:.1f} | {warm:.3f} | {a.rows * length / warm:,.0f} | {tflops:.1f} | {mfu} |")
+        warm_by = {}
+        for label, lengths in batches.items():
+            mask = np.arange(a.response_len)[None] < lengths[:, None]
+            plan = micro_lib.plan_micro(mask, v["micro"], padded=v["layout"] == "padded")
+            processed = sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
+            first, warm_by[label] = run_variant(cfg, v, _mini_batch(cfg, a.rows, a.prompt_len, a.response_len,
+                                                                    lengths), a.iters)
+            ratio = f" {warm_by['long-tailed'] / warm_by['equal']:.2f} |" if label == "equal" else (
+                " |" if a.long_tail else "")
+            print(_row(f"{name} {label}".strip(), first, warm_by[label], processed,
+                       response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()), a.peak_tflops, ratio))
     return 0

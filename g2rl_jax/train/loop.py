@@ -36,6 +36,7 @@ from g2rl_jax.data import encode_prompts, make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found, score_batch
 from g2rl_jax.rollout import Rollout, generate
+from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import report
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, checkpoint_dir, latest_step
@@ -236,6 +237,10 @@ class Trainer:
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
             info = self._update(batch, scores.logp_BxT, ref, signal["advantages"])
         t4 = time.perf_counter()
+        scored = micro_lib.plan_for(batch, micro)  # the plan score (and the reference pass) ran over
+        passes = 1 + (ref is not None)
+        info["positions"] += passes * scored.positions
+        info["padding"] += passes * scored.padding
         metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
@@ -248,18 +253,23 @@ class Trainer:
         keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
         batch = dataclasses.replace(batch, response_mask=batch.response_mask * keep_Bx1)
         step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B)
-        infos = []
+        infos, plans = [], []
         n, mb = adv_B.shape[0], algo.mini_batch_size
         for _ in range(algo.ppo_epochs):
             for start in range(0, n, mb):
+                rows = step_rows.rows(slice(start, start + mb))
+                plans.append(micro_lib.plan_for(rows.batch, algo.micro_batch_size))
                 self.params, self.opt_state, info = train_step.update(
-                    self.graphdef, self.params, self.opt_state, step_rows.rows(slice(start, start + mb)),
+                    self.graphdef, self.params, self.opt_state, rows,
                     optimizer=self.optimizer, settings=self.settings, micro=algo.micro_batch_size)
                 infos.append(info)
         infos = jax.device_get(infos)
         out = {k: float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "skipped"}
         out["skipped_updates"] = int(sum(int(i["skipped"]) for i in infos))
         out["groups_kept"] = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
+        out["update_tokens"] = algo.ppo_epochs * float(jnp.sum(batch.response_mask))  # response tokens trained
+        out["positions"] = sum(p.positions for p in plans)
+        out["padding"] = sum(p.padding for p in plans)
         return out
 
     def _metrics(self, step, batch, scores, signal, info, times) -> dict[str, float]:
@@ -283,6 +293,8 @@ class Trainer:
             "rollout_seconds": t1 - t0, "reward_seconds": t2 - t1, "score_seconds": t3 - t2,
             "update_seconds": t4 - t3,
             "tokens_per_second": tokens / max(t4 - t0, 1e-9),
+            "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
+            "padding_fraction": info["padding"] / max(info["positions"], 1),
         }
 
     # ------------------------------------------------------------------------------------------- the loop

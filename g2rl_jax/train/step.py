@@ -25,6 +25,7 @@ from flax import nnx
 
 from g2rl_jax import g2rl, losses
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
+from g2rl_jax.train import micro as micro_lib
 
 
 class StageError(RuntimeError):
@@ -111,55 +112,67 @@ def _head(model, h_BxTxD):
     return model.lm_head_weight().astype(h_BxTxD.dtype)
 
 
-def split_micro(tree, micro: int):
-    """[rows, ...] -> [rows/micro, micro, ...] by stride: micro-batch k holds rows k, k + rows/micro, ...
-
-    Rows are sharded in contiguous blocks over the data axes; taking them by stride keeps every micro-batch
-    spread over all devices (a contiguous split would make GSPMD shard the micro-batch index instead)."""
-    def one(x):
-        rows = x.shape[0]
-        return jnp.swapaxes(x.reshape(micro, rows // micro, *x.shape[1:]), 0, 1)
-
-    return jax.tree.map(one, tree)
+def _zeros_rows(like_B, shape, dtype=jnp.float32):
+    """Zeros of `shape` [B, ...] with like_B's row sharding (a global array on every process of a multi-host run)."""
+    sharding = like_B.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        rows = sharding.spec[0] if len(sharding.spec) else None
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(rows))
+    return jnp.zeros(shape, dtype, device=sharding)
 
 
-def merge_micro(tree):
-    """Inverse of split_micro: [rows/micro, micro, ...] -> [rows, ...] in the original row order."""
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+def _per_micro(batch: Batch, plan: micro_lib.MicroPlan, run):
+    """Run `run(mb) -> (per_token, per_row)` on each micro-batch of the plan (responses cut to its width T_u) and
+    scatter the tuples of [X, T_u] and [X, ...] outputs back into [B, T] and [B, ...] arrays; positions that no
+    micro-batch kept are 0."""
+    b, t = batch.response_mask.shape
+    full = None
+    for rows_X, width in zip(plan.rows_UxX, plan.widths):
+        part = run(micro_lib.take_micro(batch, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t))
+        if full is None:
+            full = ([_zeros_rows(batch.rewards, (b, t)) for _ in part[0]],
+                    [_zeros_rows(batch.rewards, (b, *x.shape[1:])) for x in part[1]])
+        full = tuple([micro_lib.put_micro(f, rows_X, x) for f, x in zip(fs, xs)] for fs, xs in zip(full, part))
+    return full
 
 
-def _micro_map(fn, batch: Batch, micro: int):
-    """Apply fn to `micro`-row slices of the batch one after another (lax.map), so memory follows `micro`."""
-    b = batch.input_ids.shape[0]
-    if b % micro:
-        raise StageError(f"scoring: batch of {b} responses is not a multiple of micro_batch_size={micro}")
-    return merge_micro(jax.lax.map(fn, split_micro(batch, micro)))
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
+def _score_micro(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
+    model = nnx.merge(graphdef, params)
+    h, targets = _response_hidden(model, mb)
+    logp, ent, phi = g2rl.token_stats(h, _head(model, h), targets, mb.response_mask, temperature=temperature,
+                                      chunk_size=chunk)
+    return (logp, ent), (phi,)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "micro", "chunk"))
 def score(graphdef, params, batch: Batch, *, temperature: float, micro: int,
           chunk: int = g2rl.DEFAULT_CHUNK) -> Scores:
-    """Behaviour-policy pass: log-probs, entropy and Φ via g2rl.token_stats (eq. seq-feature)."""
+    """Behaviour-policy pass: log-probs, entropy and Φ via g2rl.token_stats (eq. seq-feature), over length-grouped
+    micro-batches of `micro` rows (train.micro); positions past a micro-batch's width come back as 0."""
+    run = functools.partial(_score_micro, graphdef, params, temperature=temperature, chunk=chunk)
+    (logp, ent), (phi,) = _per_micro(batch, _plan(batch, micro, "scoring"), run)
+    return Scores(logp, ent, phi)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
+def _ref_micro(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
     model = nnx.merge(graphdef, params)
-
-    def one(mb: Batch) -> Scores:
-        h, targets = _response_hidden(model, mb)
-        return Scores(*g2rl.token_stats(h, _head(model, h), targets, mb.response_mask, temperature=temperature,
-                                        chunk_size=chunk))
-
-    return _micro_map(one, batch, micro)
+    h, targets = _response_hidden(model, mb)
+    return (g2rl.token_logprobs(h, _head(model, h), targets, temperature=temperature, chunk_size=chunk),), ()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "micro", "chunk"))
 def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK):
-    """Reference-model log-probs [B, T] of the response tokens (for the KL term)."""
-    model = nnx.merge(graphdef, params)
+    """Reference-model log-probs [B, T] of the response tokens (for the KL term), micro-batched as `score`."""
+    run = functools.partial(_ref_micro, graphdef, params, temperature=temperature, chunk=chunk)
+    (logp,), () = _per_micro(batch, _plan(batch, micro, "reference"), run)
+    return logp
 
-    def one(mb: Batch):
-        h, targets = _response_hidden(model, mb)
-        return g2rl.token_logprobs(h, _head(model, h), targets, temperature=temperature, chunk_size=chunk)
 
-    return _micro_map(one, batch, micro)
+def _plan(batch: Batch, micro: int, stage: str, padded: bool = False) -> micro_lib.MicroPlan:
+    try:
+        return micro_lib.plan_for(batch, micro, padded=padded)
+    except ValueError as err:
+        raise StageError(f"{stage}: {err}") from None
 
 
 def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None,
@@ -254,7 +267,8 @@ def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
 
 
 def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
-    """Share of one micro-batch in the mini-batch mean, so accumulated micro losses equal the mini-batch loss."""
+    """Share of one micro-batch in the mini-batch mean, so accumulated micro losses equal the mini-batch loss:
+    its tokens over the mini-batch's (token-mean), else its rows over the mini-batch's (the seq-mean modes)."""
     if agg == "token-mean":
         return jnp.sum(mask_BxT) / jnp.maximum(total_tokens, 1.0)
     return mask_BxT.shape[0] / total_rows
@@ -265,32 +279,47 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "settings", "micro"),
-                   donate_argnames=("params", "opt_state"))
-def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
-           settings: LossSettings, micro: int):
-    """One optimizer update on a mini-batch, gradients accumulated over `micro`-row micro-batches.
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows"), donate_argnames=("acc",))
+def accumulate(graphdef, params, acc, mb: MiniBatch, total_tokens, *, settings: LossSettings, total_rows: int):
+    """acc + w·(loss, gradients, pg_loss) + w_tokens·(token-mean diagnostics) of one micro-batch: w its share of
+    the mini-batch's loss (_micro_weight), w_tokens its share of the tokens. acc = (grads f32 like params, loss,
+    diagnostics). Compiled once per micro-batch shape [X, S + T_u] (and loss settings)."""
+    grads_acc, loss_acc, diag_acc = acc
+    (loss, diag), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, graphdef, mb, settings)
+    w = _micro_weight(mb.batch.response_mask, settings.agg, total_tokens, total_rows)
+    grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
+    w_tokens = _micro_weight(mb.batch.response_mask, "token-mean", total_tokens, total_rows)
+    # pg_loss is aggregated like the loss; every other diagnostic is a token mean whatever the mode
+    diag_acc = {k: diag_acc[k] + (w if k == "pg_loss" else w_tokens) * d for k, d in diag.items()}
+    return grads_acc, loss_acc + w * loss, diag_acc
 
-    A non-finite loss, gradient or updated parameter skips the update: params and optimizer state come back
-    unchanged and info["skipped"] is 1.
-    """
-    rows = mini.advantages_B.shape[0]
-    total_tokens = jnp.sum(mini.batch.response_mask)
-    split = split_micro(mini, micro)
-    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
 
-    def accumulate(carry, mb):
-        grads_acc, loss_acc, diag_acc = carry
-        (loss, diag), grads = grad_fn(params, graphdef, mb, settings)
-        w = _micro_weight(mb.batch.response_mask, settings.agg, total_tokens, rows)
-        grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
-        diag_acc = jax.tree.map(lambda a, d: a + w * d, diag_acc, diag)
-        return (grads_acc, loss_acc + w * loss, diag_acc), None
+def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False):
+    """(grads f32, loss, diagnostics) of a mini-batch, accumulated over its length-grouped `micro`-row micro-batches
+    (train.micro): equal to one pass over the whole padded mini-batch, at the cost of the response tokens.
+    padded=True runs every micro-batch at the full width instead (the layout before grouping, for benchmarks)."""
+    batch = mini.batch
+    rows, t = batch.response_mask.shape
+    plan = _plan(batch, micro, "update", padded)
+    replicated = jax.sharding.NamedSharding(batch.rewards.sharding.mesh, jax.sharding.PartitionSpec()) \
+        if isinstance(batch.rewards.sharding, jax.sharding.NamedSharding) else batch.rewards.sharding
+    acc = None
+    total_tokens = jnp.sum(batch.response_mask)
+    for rows_X, width in zip(plan.rows_UxX, plan.widths):
+        mb = micro_lib.take_micro(mini, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t)
+        if acc is None:
+            diag = jax.eval_shape(lambda mb=mb: policy_loss(params, graphdef, mb, settings)[1])
+            acc = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params),
+                   jnp.zeros((), jnp.float32, device=replicated),
+                   {k: jnp.zeros(d.shape, d.dtype, device=replicated) for k, d in diag.items()})
+        acc = accumulate(graphdef, params, acc, mb, total_tokens, settings=settings, total_rows=rows)
+    return acc
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    diag0 = jax.eval_shape(lambda: policy_loss(params, graphdef, jax.tree.map(lambda x: x[0], split), settings)[1])
-    diag0 = jax.tree.map(lambda d: jnp.zeros(d.shape, d.dtype), diag0)
-    (grads, loss, diag), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0), diag0), split)
+
+@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("params", "opt_state"))
+def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.GradientTransformation):
+    """One optimizer step. A non-finite loss, gradient or updated parameter skips it: params and optimizer state
+    come back unchanged and info["skipped"] is 1."""
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
@@ -300,3 +329,11 @@ def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.Gra
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     info = dict(diag, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
     return keep(new_params, params), keep(new_opt_state, opt_state), info
+
+
+def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
+           settings: LossSettings, micro: int, padded: bool = False):
+    """One optimizer update on a mini-batch: `gradients` over length-grouped micro-batches, then `apply_gradients`
+    (params and opt_state are donated; a non-finite loss or gradient skips the update, info["skipped"] = 1)."""
+    grads, loss, diag = gradients(graphdef, params, mini, settings=settings, micro=micro, padded=padded)
+    return apply_gradients(params, opt_state, grads, loss, diag, optimizer=optimizer)

@@ -1,0 +1,133 @@
+"""Length-grouped micro-batches: the score pass, the reference pass and the update pay for response tokens.
+
+A step's rows are padded to the response width T of its longest completion. Processing each micro-batch at that
+width would spend most of the work on padding when lengths are long-tailed. Instead (verl's "dynamic batch size"):
+
+    plan = plan_micro(response_mask_BxT, micro)   # host: rows sorted by response length, `micro` rows each
+    mb   = take_micro(batch, plan.rows_UxX[u], plan.widths[u])   # micro-batch u: its rows, responses cut to T_u
+    ...  run the model on mb ([micro, S + T_u]) ...
+    out  = put_micro(out, rows, part_XxT_u)        # scatter its per-token results back into [B, T]
+
+T_u = width_bucket(longest response of micro-batch u), capped at T. Widths come from one fixed ladder (powers of
+two up to MIN_WIDTH, then four steps per octave), so a run compiles the model passes for at most a few dozen
+widths, whatever its length distribution. Only how rows are cut into micro-batches changes: which rows form a
+mini-batch is the caller's business. Cutting trailing response padding changes no real token's result: attention
+is causal and padding keys are masked, so results at positions < T_u are those of the full-width row (results at
+positions a micro-batch does not keep come back as 0).
+
+`response_mask` decides a row's length (its last 1), so rows whose mask the caller zeroed (filtered groups) cost
+the minimum width. Shape letters: U micro-batches, X rows in one micro-batch (see the legend in `g2rl_jax`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from g2rl_jax import parallel
+
+MIN_WIDTH = 16  # narrowest response width of a micro-batch
+STEPS_PER_OCTAVE = 4  # widths between 2^j and 2^(j+1): at most 25% of a micro-batch's width is bucket rounding
+
+
+def width_bucket(n: int) -> int:
+    """The smallest ladder width >= n: MIN_WIDTH, 32, 64, ... up to 64, then 4 steps per octave (80, 96, 112, 128,
+    160, ..., 1024, 1280, ...)."""
+    n = int(n)
+    if n <= MIN_WIDTH:
+        return MIN_WIDTH
+    octave = 1 << (n - 1).bit_length()  # 2^j >= n > 2^(j-1)
+    if octave <= 4 * MIN_WIDTH:
+        return octave
+    step = octave // (2 * STEPS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroPlan:
+    """rows_UxX [U, X] int32: row indices of micro-batch u (ascending response length); widths [U]: response
+    positions T_u it keeps; positions / padding: sequence positions the micro-batches process, and how many of them
+    are padding (attention mask 0) — counted over [X, S + T_u] per micro-batch."""
+
+    rows_UxX: np.ndarray
+    widths: tuple[int, ...]
+    positions: int
+    padding: int
+
+
+def response_lengths(response_mask_BxT) -> np.ndarray:
+    """Host int array [B]: index of each row's last response token + 1 (0 for an all-zero mask)."""
+    mask = np.asarray(response_mask_BxT) != 0
+    last = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)
+    return np.where(mask.any(axis=1), last, 0)
+
+
+def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded: bool = False) -> MicroPlan:
+    """Cut B rows into B/micro micro-batches of rows with similar response lengths (host numpy in, plan out).
+
+    padded=True keeps every micro-batch at the full width T with the rows taken by stride (the layout before
+    length grouping; benchmarks use it as the baseline). attention_mask_BxL (host) counts the padding positions."""
+    mask = np.asarray(response_mask_BxT)
+    b, t = mask.shape
+    if micro < 1 or b % micro:
+        raise ValueError(f"a batch of {b} responses is not a multiple of micro_batch_size={micro}; choose a "
+                         "micro_batch_size that divides it")
+    lengths_B = response_lengths(mask)
+    if padded:
+        rows_UxX = np.arange(b).reshape(micro, b // micro).T
+        widths = (t,) * (b // micro)
+    else:
+        rows_UxX = np.argsort(lengths_B, kind="stable").reshape(b // micro, micro)
+        widths = tuple(min(width_bucket(int(lengths_B[r].max())), t) for r in rows_UxX)
+    positions = padding = 0
+    if attention_mask_BxL is not None:
+        attn = np.asarray(attention_mask_BxL) != 0
+        s = attn.shape[1] - t
+        for rows, width in zip(rows_UxX, widths):
+            positions += micro * (s + width)
+            padding += micro * (s + width) - int(attn[rows, :s + width].sum())
+    return MicroPlan(rows_UxX.astype(np.int32), widths, positions, padding)
+
+
+def plan_for(batch, micro: int, *, padded: bool = False) -> MicroPlan:
+    """plan_micro for a (global, possibly multi-host) Batch; every process computes the same plan."""
+    return plan_micro(parallel.gather(batch.response_mask), micro, parallel.gather(batch.attention_mask),
+                      padded=padded)
+
+
+def _rows_like(x, like):
+    """Constrain x's rows to `like`'s row sharding (rows over the batch mesh axes) when both have one."""
+    sharding = getattr(like, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.spec == jax.sharding.PartitionSpec():
+        return x
+    spec = jax.sharding.PartitionSpec(sharding.spec[0], *([None] * (x.ndim - 1)))
+    parts = np.prod([sharding.mesh.shape[a] for a in np.atleast_1d(spec[0] or ())], dtype=int)
+    if x.shape[0] % parts:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(sharding.mesh, spec))
+
+
+@functools.partial(jax.jit, static_argnames=("width", "seq_len", "resp_len"))
+def take_micro(tree, rows_X, *, width: int, seq_len: int, resp_len: int):
+    """Rows `rows_X` of every array of `tree` (a Batch or MiniBatch), cut to `width` response positions:
+    [B, L = S+T] arrays keep [:, :S+width], [B, T] arrays [:, :width], [B] arrays stay whole."""
+    def one(x):
+        x_X = _rows_like(jnp.take(x, rows_X, axis=0), x)
+        if x.ndim == 2 and x.shape[1] == seq_len:
+            return x_X[:, :seq_len - resp_len + width]
+        if x.ndim == 2 and x.shape[1] == resp_len:
+            return x_X[:, :width]
+        return x_X
+
+    return jax.tree.map(one, tree)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def put_micro(full_BxT, rows_X, part_XxW):
+    """full_BxT with rows `rows_X` set to part_XxW in their first W positions (the rest of those rows: 0)."""
+    w = part_XxW.shape[1]
+    padded_XxT = jnp.pad(part_XxW, ((0, 0), (0, full_BxT.shape[1] - w)) + ((0, 0),) * (part_XxW.ndim - 2))
+    return full_BxT.at[rows_X].set(padded_XxT.astype(full_BxT.dtype))
