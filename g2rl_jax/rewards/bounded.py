@@ -20,7 +20,8 @@ parent process is gone (SIGKILL, SIGTERM, a crash: the worker's parent pid chang
 `WATCHDOG_PERIOD_S`; on Linux the kernel also delivers SIGKILL at once through PR_SET_PDEATHSIG, which is why
 workers are spawned from one long-lived spawner thread (the death signal follows the spawning thread).
 
-Requests are JSON lines `[op, ...]`: `["eq", pred, gold]` -> `1`/`0`; `["fn", spec, response, example]` -> a JSON
+Requests are JSON lines `[op, ...]`: `["eq", pred, gold]` -> `1`/`0`; `["fp", answer]` -> a JSON fingerprint or
+null (`compare.fingerprint`, for maj@k); `["fn", spec, response, example]` -> a JSON
 `{"value": x}` or `{"error": "..."}` (a user reward function, see `custom.py`); `["load", spec]` -> the same,
 value null, to check that a function imports.
 
@@ -307,6 +308,12 @@ def _answer(request: list) -> bytes:
             return b"1" if equivalent_canonical(request[1], request[2]) else b"0"
         except Exception:  # noqa: BLE001 -- any failure inside sympy means "not verified", never a crash
             return b"0"
+    if op == "fp":
+        from g2rl_jax.rewards.compare import fingerprint
+        try:
+            return json.dumps(fingerprint(request[1])).encode()
+        except Exception:  # noqa: BLE001 -- no fingerprint: compared pair by pair instead
+            return b"null"
     if op in ("fn", "load"):
         from g2rl_jax.rewards.custom import call_in_worker
         return json.dumps(call_in_worker(op, *request[1:])).encode()

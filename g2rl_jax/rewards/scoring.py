@@ -16,8 +16,8 @@ Truncation policies (a truncated response is one of max_new_tokens tokens whose 
             gradient features Phi are in the group's Gram matrix), so its group-mates' advantages are the same as
             under `keep`; only its own gradient is gone.
 Overlong penalty (DAPO's "soft overlong punishment", arXiv 2503.14476): with budget L = max_new_tokens, buffer b
-and length l, a response gets penalty * min(0, (L - b - l) / b): 0 up to L - b tokens, falling linearly to -penalty at l = L. It is added
-after the truncation policy, to every response in the buffer (truncated or not).
+and length l, a response gets penalty * min(0, (L - b - l) / b): 0 up to L - b tokens, falling linearly to
+-penalty at l = L. It is added after the truncation policy, to every response in the buffer (truncated or not).
 """
 from __future__ import annotations
 
