@@ -234,6 +234,7 @@ class BoundedPool:
                 if self._stragglers.acquire(blocking=False):  # the slot goes to the next check in the queue
                     self._slots.release()
                     holding_slot = False
+                    self._replace()  # with a worker of its own, started now
                     try:
                         reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
                     finally:
@@ -245,7 +246,11 @@ class BoundedPool:
                 self._replace()
                 return None
             with self._lock:
-                self._idle.append(worker)
+                surplus = len(self._idle) >= self.max_workers  # a straggler's replacement took its place
+                if not surplus:
+                    self._idle.append(worker)
+            if surplus:
+                self._discard(worker)
             return reply
         finally:
             if holding_slot:
