@@ -17,8 +17,9 @@ literals over 300 digits, powers over 2,000 digits, exponents over 1,000 and fac
 evaluates them; workers run with a 4 GiB address-space cap.
 
 Public API: `extract_boxed`, `extract_answer`, `normalize_answer`, `is_equivalent`, `math_reward`,
-`extract_choice`, `choice_reward`, `score_batch`, `answers_found`. For maj@k, group responses by
-`normalize_answer(extract_answer(response))` (or merge groups with `is_equivalent`).
+`extract_choice`, `choice_reward`, `score_batch`, `answers_found`. Beside them: `vote.answer_classes` (maj@k
+classes without all-pairs sympy), `custom.custom_rewards` (a user's `fn(response, example)` in the same bounded
+workers), `scoring.compute_rewards` (the `reward` config group: truncation policy, overlong penalty).
 """
 from __future__ import annotations
 

@@ -141,10 +141,13 @@ def _command(argv: list[str]) -> str:
 
 
 class BoundedPool:
-    """At most `max_workers` concurrent checks, each bounded by its timeout."""
+    """At most `max_workers` concurrent checks, each bounded by its timeout, plus up to `max_workers` stragglers;
+    `spares` idle workers are kept started ahead of need, so a check whose slot a straggler freed (or whose worker
+    was killed) does not wait for a new worker to import sympy."""
 
-    def __init__(self, max_workers: int):
+    def __init__(self, max_workers: int, spares: int = 0):
         self.max_workers = max_workers
+        self.spares = spares
         self._slots = threading.BoundedSemaphore(max_workers)
         self._stragglers = threading.BoundedSemaphore(max_workers)  # checks past STRAGGLER_AFTER_S, off the slots
         self._lock = threading.Lock()
@@ -184,6 +187,9 @@ class BoundedPool:
                 worker = min(self._idle, key=lambda w: w.start_deadline)  # the one spawned first
             if worker is not None:
                 self._idle.remove(worker)
+            missing = self.spares - len(self._idle) if len(self._all) < 2 * self.max_workers + self.spares else 0
+        for _ in range(missing):  # keep `spares` idle workers starting or ready
+            self._replace()
         try:
             worker = worker or self._spawn()
         except OSError as err:
@@ -246,7 +252,7 @@ class BoundedPool:
                 self._replace()
                 return None
             with self._lock:
-                surplus = len(self._idle) >= self.max_workers  # a straggler's replacement took its place
+                surplus = len(self._idle) >= self.max_workers + self.spares  # more idle workers than needed
                 if not surplus:
                     self._idle.append(worker)
             if surplus:
@@ -273,7 +279,8 @@ def get_pool() -> BoundedPool:
     global _POOL, _POOL_PID
     with _POOL_LOCK:
         if _POOL is None or _POOL_PID != os.getpid():
-            _POOL, _POOL_PID = BoundedPool(os.cpu_count() or 2), os.getpid()
+            cores = os.cpu_count() or 2
+            _POOL, _POOL_PID = BoundedPool(cores, spares=min(cores, 2)), os.getpid()
         return _POOL
 
 
