@@ -145,7 +145,7 @@ def _queue(pool, n_slow: int, n_fast: int, timeout: float) -> None:
     with ThreadPoolExecutor(max_workers=n_slow + n_fast) as ex:
         verdicts = list(ex.map(run, [("slow", p) for p in slow] + [("fast", p) for p in fast]))
     wall = time.perf_counter() - start
-    fast_t, slow_t = sorted(done["fast"]), sorted(done["slow"])
+    fast_t, slow_t = sorted(done["fast"]), sorted(done.get("slow", [0.0]))
     print(f"queue: {n_slow:3d} slow (bound {timeout}s) then {n_fast} fast checks: wall {wall:5.1f}s; fast ones done "
           f"at median {statistics.median(fast_t):5.1f}s, last {fast_t[-1]:5.1f}s; slow ones last {slow_t[-1]:5.1f}s; "
           f"accepted fast {sum(verdicts[n_slow:])}/{n_fast}, slow {sum(verdicts[:n_slow])}/{n_slow}")
@@ -162,7 +162,7 @@ def slow_answers(n: int, workers: int, timeout: float, exponent: int) -> int:
     print(f"verify --slow {n}: pool of {pool.max_workers} worker processes, timeout {timeout}s; "
           "shared machine: other jobs may be running")
     score_batch([r"\boxed{x+1}"] * pool.max_workers, ["1+x"] * pool.max_workers)  # start the workers
-    for n_slow in (pool.max_workers, n):
+    for n_slow in (0, pool.max_workers, n):  # 0: the fast checks alone, the baseline of the two others
         _queue(pool, n_slow, n, timeout)
     answers = [f"(x+y+{k})^{{{exponent}}}" for k in range(n)]
     count = _counting(pool)
