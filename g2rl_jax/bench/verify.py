@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=2.0, help="per-check time bound in seconds")
     ap.add_argument("--latency-n", type=int, default=100, help="golds timed one by one per kind")
     ap.add_argument("--slow", type=int, default=0, help="measure N slow answers (queue and maj@k), nothing else")
-    ap.add_argument("--slow-exponent", type=int, default=6, help="E of the maj@k answers (x+y+k)^E")
+    ap.add_argument("--slow-exponent", type=int, default=3, help="E of the maj@k answers (x+y+k)^E")
     args = ap.parse_args(argv)
     if args.slow:
         return slow_answers(args.slow, args.workers, args.timeout, args.slow_exponent)
@@ -170,10 +170,10 @@ def slow_answers(n: int, workers: int, timeout: float, exponent: int) -> int:
         from g2rl_jax.rewards.vote import answer_classes
     except ImportError:  # a tree without rewards.vote (before it existed)
         answer_classes = None
-    rows = [("all pairs (is_equivalent)", lambda: ev.answer_classes(answers, lambda a, b: is_equivalent(
-        a, b, timeout=timeout)))]
-    if answer_classes is not None:
-        rows.append(("rewards.vote.answer_classes", lambda: answer_classes(answers, timeout=timeout)))
+    rows = [] if answer_classes is None else [("rewards.vote.answer_classes", lambda: answer_classes(
+        answers, timeout=timeout))]
+    rows.append(("all pairs (is_equivalent)", lambda: ev.answer_classes(answers, lambda a, b: is_equivalent(
+        a, b, timeout=timeout))))
     for name, classes in rows:
         count[0] = 0
         t = time.perf_counter()
