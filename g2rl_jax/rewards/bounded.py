@@ -252,7 +252,7 @@ class BoundedPool:
                 self._replace()
                 return None
             with self._lock:
-                surplus = len(self._idle) >= self.max_workers + self.spares  # more idle workers than needed
+                surplus = sum(w.ready for w in self._idle) >= self.max_workers + self.spares  # enough ready ones
                 if not surplus:
                     self._idle.append(worker)
             if surplus:
