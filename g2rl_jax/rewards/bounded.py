@@ -234,13 +234,14 @@ class BoundedPool:
                     self._discard(worker)
                     self._replace()
                 return None
-            start = time.monotonic()
+            start, replaced = time.monotonic(), False
             reply = worker.reply(min(timeout, STRAGGLER_AFTER_S))
             if reply is None and not worker.closed and timeout > STRAGGLER_AFTER_S:
                 if self._stragglers.acquire(blocking=False):  # the slot goes to the next check in the queue
                     self._slots.release()
                     holding_slot = False
                     self._replace()  # with a worker of its own, started now
+                    replaced = True
                     try:
                         reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
                     finally:
@@ -249,7 +250,8 @@ class BoundedPool:
                     reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
             if reply is None:
                 self._discard(worker)
-                self._replace()
+                if not replaced:  # a straggler's replacement was started when it left its slot
+                    self._replace()
                 return None
             with self._lock:
                 surplus = sum(w.ready for w in self._idle) >= self.max_workers + self.spares  # enough ready ones
