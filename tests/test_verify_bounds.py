@@ -118,6 +118,7 @@ def test_fast_check_is_not_held_up_by_a_slow_one():
 
 def test_vote_classes_equal_all_pairs_classes():
     answers = [r"\frac12", "0.5", "1/2", "x+1", "1+x", "(x+1)^2", "x^2+2x+1", None, r"3\frac12", "7/2", r"\{1,2\}",
-               r"\{2,1\}", "0.33", r"\frac13", r"2\sqrt2", r"\sqrt8", "x=3", "3", "(1,2)", "(2,1)", "0.5000", "1.5", "1.50"]
+               r"\{2,1\}", "0.33", r"\frac13", r"2\sqrt2", r"\sqrt8", "x=3", "3", "(1,2)", "(2,1)", "0.5000", "1.5",
+               "1.50"]
     assert answer_classes(answers) == ev.answer_classes(answers, is_equivalent)
     assert answer_classes(["", r"\,", "1"]) == [None, None, 0]  # an empty answer does not vote
