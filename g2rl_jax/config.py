@@ -1,6 +1,7 @@
 """Run configuration: frozen, typed dataclasses loaded from YAML with dotted `key=value` overrides.
 
-One dataclass per group (run, model, mesh, data, rollout, algorithm, optim, distributed); `Config` holds them all.
+One dataclass per group (run, model, mesh, data, rollout, reward, algorithm, optim, distributed); `Config` holds
+them all.
 A YAML file may name a `base:` file (resolved relative to itself) whose values it overrides. Values from YAML and
 from the command line are parsed by the field's declared type, and every mistake (unknown key, bad value, broken
 invariant) raises `ConfigError` naming the dotted key, the nearest valid key or the allowed values, and the source.
@@ -151,6 +152,35 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    truncated: Literal["keep", "penalize", "mask"] = _f(
+        "penalize", "response at rollout.max_new_tokens without a stop token: keep | penalize (reward -1) | mask "
+        "(out of the loss); penalize as scoring it is exploitable (README); the paper's configs: keep")
+    overlong_buffer: int = _f(0, "DAPO overlong penalty: last tokens of the budget where it applies (0 = off; "
+                              "the paper uses none)")
+    overlong_penalty: float = _f(1.0, "DAPO overlong penalty at the full budget, linear from 0 at max_new_tokens "
+                                 "- overlong_buffer (DAPO: 1.0)")
+    function: Optional[str] = _f(None, "custom reward 'pkg.mod:fn' or 'file.py:fn', fn(response, example_row) in "
+                                 "the verifier workers, clipped to [-1, 1] (null = verifier)")
+    on_error: Literal["raise", "fail"] = _f("raise", "custom reward that raises, returns a non-number or times out: "
+                                            "raise (error naming the row) or fail (-1)")
+    timeout: float = _f(2.0, "seconds one verifier check or reward-function call may take (then: not verified)")
+
+    def __post_init__(self):
+        _check(self.overlong_buffer >= 0, "reward.overlong_buffer",
+               f"must be >= 0 (0 = off), got {self.overlong_buffer}")
+        _check(self.overlong_penalty >= 0, "reward.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
+        _check(self.timeout > 0, "reward.timeout", f"must be > 0 seconds, got {self.timeout}")
+        if self.function is not None:
+            from g2rl_jax.rewards.custom import parse_spec, resolve_spec
+            try:
+                parse_spec(self.function)
+                resolve_spec(self.function)
+            except ValueError as err:
+                raise ConfigError(f"reward.function: {err}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     exploration: Literal["grpo", "entropy_bonus", "evol", "g2rl"] = _f("g2rl", "exploration signal added to GRPO")
     lam: float = _f(0.5, "g2rl: novelty strength λ >= 0 in r·(1 + λ·ν̄); paper gives no value, 0.5 chosen")
@@ -240,11 +270,14 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
+        _check(self.reward.overlong_buffer < self.rollout.max_new_tokens, "reward.overlong_buffer",
+               f"must be < rollout.max_new_tokens={self.rollout.max_new_tokens}, got {self.reward.overlong_buffer}")
         responses = self.data.prompts_per_step * self.rollout.num_samples
         _check(responses % self.algorithm.mini_batch_size == 0, "algorithm.mini_batch_size",
                f"must divide data.prompts_per_step*rollout.num_samples = {responses}, "

@@ -99,6 +99,7 @@ def _check_records(records, mode, steps):
             assert np.isfinite(r[key]), (mode, key, r[key])
         assert 0.0 <= r["padding_fraction"] < 1.0
         assert r["skipped_updates"] == 0
+        assert 0.0 <= r["truncated_fraction"] <= 1.0  # share of responses that hit rollout.max_new_tokens
         if mode == "g2rl":
             assert 0.0 <= r["novelty"] <= 1.0
         else:

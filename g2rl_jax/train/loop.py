@@ -34,7 +34,9 @@ from g2rl_jax import parallel
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved
 from g2rl_jax.data import encode_prompts, make_prompt_loader
 from g2rl_jax.model import load_pretrained
-from g2rl_jax.rewards import answers_found, score_batch
+from g2rl_jax.rewards import answers_found
+from g2rl_jax.rewards.custom import check_function, resolve_spec
+from g2rl_jax.rewards.scoring import compute_rewards
 from g2rl_jax.rollout import Rollout, generate
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import report
@@ -131,6 +133,13 @@ class Trainer:
         self.mesh = parallel.make_mesh(cfg.mesh)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
+        self.reward_cfg = cfg.reward  # a reward function's file path made absolute, and checked in a worker
+        if cfg.reward.function:
+            self.reward_cfg = dataclasses.replace(cfg.reward, function=resolve_spec(cfg.reward.function))
+            try:
+                check_function(self.reward_cfg.function, cfg.reward.timeout)
+            except ValueError as err:
+                raise ConfigError(f"reward.function: {err}") from None
         examples, dropped = usable_examples(cfg, self.tokenizer)
         self.eval_sets, eval_dropped = eval_examples(cfg, self.tokenizer)
         block, blocks = parallel.batch_block(self.mesh)
@@ -211,15 +220,18 @@ class Trainer:
                                seed=self._step_seed(step), mesh=self.mesh)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        golds = [ex.answer for ex in examples for _ in range(m)]
-        with stage("rewards", texts=texts, golds=golds):
-            rewards = score_batch(texts, golds, kind=examples[0].kind)
+        rows = [ex.as_row() for ex in examples for _ in range(m)]
+        with stage("rewards", texts=texts):
+            scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg, kind=examples[0].kind,
+                                     max_new_tokens=cfg.rollout.max_new_tokens, stop_ids=self.stop_ids)
+            rewards = scored.rewards
         t2 = time.perf_counter()
         with stage("batch", prompt_ids=rollout.prompt_ids_BxS, completion_ids=rollout.completion_ids_BxT,
                    rewards=rewards):
             batch = train_step.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
-                                           rollout.completion_mask_BxT, rewards, rewards > 0, m)
+                                           rollout.completion_mask_BxT, rewards, scored.correct, m)
             batch = shard_rows(batch, self.mesh)
+            in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
             scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
         ref = None
@@ -235,20 +247,23 @@ class Trainer:
             signal = jax.block_until_ready(train_step.advantages(batch, scores.phi_BxD, algo, embeddings, valid))
         t3 = time.perf_counter()
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
-            info = self._update(batch, scores.logp_BxT, ref, signal["advantages"])
+            info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B)
         t4 = time.perf_counter()
-        scored = micro_lib.plan_for(batch, micro)  # the plan score (and the reference pass) ran over
+        plan = micro_lib.plan_for(batch, micro)  # the plan score (and the reference pass) ran over
         passes = 1 + (ref is not None)
-        info["positions"] += passes * scored.positions
-        info["padding"] += passes * scored.padding
+        info["positions"] += passes * plan.positions
+        info["padding"] += passes * plan.padding
         metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
+        metrics["truncated_fraction"] = float(jnp.mean(truncated_B))  # share of responses that hit the budget
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
-    def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B) -> dict[str, float]:
+    def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B) -> dict[str, float]:
         algo = self.cfg.algorithm
         keep_B = np.ones(adv_B.shape[0], bool)
         if algo.filter_equal_groups:
             keep_B = train_step.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
+        groups_kept = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
+        keep_B = keep_B & parallel.gather(in_loss_B).astype(bool)  # reward.truncated=mask
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
         batch = dataclasses.replace(batch, response_mask=batch.response_mask * keep_Bx1)
@@ -266,7 +281,7 @@ class Trainer:
         infos = jax.device_get(infos)
         out = {k: float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "skipped"}
         out["skipped_updates"] = int(sum(int(i["skipped"]) for i in infos))
-        out["groups_kept"] = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
+        out["groups_kept"] = groups_kept
         out["update_tokens"] = algo.ppo_epochs * float(jnp.sum(batch.response_mask))  # response tokens trained
         out["positions"] = sum(p.positions for p in plans)
         out["padding"] = sum(p.padding for p in plans)
@@ -320,9 +335,11 @@ class Trainer:
                                        temperature=cfg.eval_temperature, num_samples=cfg.eval_samples,
                                        stop_token_ids=self.stop_ids, seed=self.cfg.run.seed + start, mesh=self.mesh)
                     texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-                    golds = [ex.answer for ex in local for _ in range(cfg.eval_samples)]
-                    rewards = score_batch(texts, golds, kind=local[0].kind)
-                correct.append(parallel.gather_blocks(self.mesh, rewards > 0)[:real])
+                    rows = [ex.as_row() for ex in local for _ in range(cfg.eval_samples)]
+                    scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg,
+                                             kind=local[0].kind, max_new_tokens=cfg.eval_max_new_tokens,
+                                             stop_ids=self.stop_ids)
+                correct.append(parallel.gather_blocks(self.mesh, scored.correct)[:real])
             out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(correct)))
         return out
 
