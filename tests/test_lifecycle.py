@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from g2rl_jax.config import ConfigError, load_config
+from g2rl_jax.config import ConfigError
 from g2rl_jax.train.lifecycle import HISTORY_FILE, LOCK_FILE, PREEMPTED_EXIT, RunLock, config_changes
 from g2rl_jax.train.loop import main
 from g2rl_jax.train.metrics import read_metrics
