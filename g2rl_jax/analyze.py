@@ -273,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     embedder = embed_tokenizer = None
     if args.embedding_model is not None:
         emb_cfg = ModelConfig(path=str(args.embedding_model))
-        embedder = load_pretrained(args.embedding_model, emb_cfg.param_dtype, runtime=runtime_config(emb_cfg, remat="none"), mesh=mesh)
+        embedder = load_pretrained(args.embedding_model, emb_cfg.param_dtype,
+                                   runtime=runtime_config(emb_cfg, remat="none"), mesh=mesh)
         embed_tokenizer = AutoTokenizer.from_pretrained(args.embedding_model)
     models = {}
     for source in sources:
