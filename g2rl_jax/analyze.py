@@ -100,7 +100,7 @@ def load_source(source: ModelSource, mesh):
         model, tokenizer_dir = load_policy(source.path, mesh=mesh)
         return model, tokenizer_dir, run_config(resolve_checkpoint(source.path)[0]).data.prompt_template
     model_cfg = ModelConfig(path=str(source.path))
-    runtime = runtime_config(model_cfg, remat="none")
+    runtime = runtime_config(model_cfg, remat="none")  # nothing here takes gradients
     return load_pretrained(source.path, model_cfg.param_dtype, runtime=runtime, mesh=mesh), source.path, "chat"
 
 

@@ -3,8 +3,7 @@
 - `RunLock`: `<run>/run.lock` names the host and pid of the trainer that holds the run; a trainer in another
   process on the same run.output_dir is refused while that process lives. A lock left by a process that is gone
   (same host, pid not running, or the pid of this very process after a container restart) is stale and replaced
-  with a warning;
-  a lock from another host cannot be checked from here, so the error says what to delete.
+  with a warning; a lock from another host cannot be checked from here, so the error says what to delete.
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
   optim, seeds), listed old -> new; the trainer refuses them unless run.allow_config_change=true.
 - `append_history`: every start appends its resolved config to `<run>/config_history.jsonl`.
