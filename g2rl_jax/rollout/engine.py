@@ -143,12 +143,17 @@ def _segment(graphdef, state, prefix: PrefixCache, suffix: SuffixCache, ds: Deco
     return ds, suffix, t, jnp.sum(~ds.stopped_B)
 
 
-def _live_rows(ds: DecodeState, *, rows: int) -> tuple[DecodeState, jax.Array]:
-    """The state cut to `rows` rows, live rows first (in their current order), and the old row of each."""
+def _live_rows(last_B, sample_B, stopped_B, *, rows: int):
+    """The per-row state cut to `rows` rows, live rows first (in their current order), and the old row of each."""
     TRACE_COUNTS["live_rows"] += 1
-    keep_R = jnp.argsort(ds.stopped_B, stable=True)[:rows].astype(jnp.int32)
-    return dataclasses.replace(ds, last_B=ds.last_B[keep_R], sample_B=ds.sample_B[keep_R],
-                               stopped_B=ds.stopped_B[keep_R]), keep_R
+    keep_R = jnp.argsort(stopped_B, stable=True)[:rows].astype(jnp.int32)
+    return last_B[keep_R], sample_B[keep_R], stopped_B[keep_R], keep_R
+
+
+def compact(mesh, ds: DecodeState, rows: int) -> tuple[DecodeState, jax.Array]:
+    """`ds` with its live rows first in a batch of `rows`, and the old row of each new one."""
+    last_R, sample_R, stopped_R, keep_R = live_rows_fn(mesh)(ds.last_B, ds.sample_B, ds.stopped_B, rows=rows)
+    return dataclasses.replace(ds, last_B=last_R, sample_B=sample_R, stopped_B=stopped_R), keep_R
 
 
 def _regroup(k_BxGxWxK, v_BxGxWxK, rows_R, *, capacity: int):
@@ -222,9 +227,10 @@ def segment_fn(mesh, num_kv_heads: int, num_layers: int):
 @functools.lru_cache(maxsize=None)
 def live_rows_fn(mesh):
     if mesh is None:
-        return jax.jit(_live_rows, static_argnames=("rows",), donate_argnames=("ds",))
-    return jax.jit(_live_rows, static_argnames=("rows",), donate_argnames=("ds",),
-                   out_shardings=(_state_sharding(mesh), NamedSharding(mesh, PartitionSpec())))
+        return jax.jit(_live_rows, static_argnames=("rows",))
+    b1 = batch_sharding(mesh, 1)
+    return jax.jit(_live_rows, static_argnames=("rows",),
+                   out_shardings=(b1, b1, b1, NamedSharding(mesh, PartitionSpec())))
 
 
 @functools.lru_cache(maxsize=None)

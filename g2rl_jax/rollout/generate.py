@@ -172,7 +172,7 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
             return (ds.tokens_NxT, ds.logprobs_NxT, ds.lengths_N), t
         keep_R = None
         if live <= min_live:  # compact: live rows into a smaller bucket, each with its own prompt prefix
-            ds, keep_R = engine.live_rows_fn(mesh)(ds, rows=engine.batch_bucket(live, shards))
+            ds, keep_R = engine.compact(mesh, ds, engine.batch_bucket(live, shards))
             prefix = _take_prefix_rows(mesh, G, prefix, keep_R // per_prefix)
             per_prefix = 1
         level += t > ladder[level]  # the cache is full: move to the next capacity
