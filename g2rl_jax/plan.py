@@ -9,8 +9,11 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
     reference    a frozen copy of the parameters when algorithm.kl_coef > 0
     kv_cache     rollout K/V: the prompt prefix once per prompt plus the suffix per sample, layers x (P*S + P*m*T)
                  x kv_heads x head_dim x 2 x kv dtype, batch over (data, fsdp) and kv_heads over tensor
-    rollout_tmp  prefill attention scores (xla backend), the decode step's [B, V] float32 logits, and one layer's
-                 suffix K/V, which the decode attention reads as a slice of the stacked cache (XLA copies it)
+    rollout_tmp  the sampled tokens and log-probs of every sample [B, T], plus the largest of: the prefill (xla
+                 attention scores, and the scan's stacked prompt K/V before it is split into one buffer per
+                 layer), a decode step (the [B, V] float32 logits and one layer's [B, H, S + T] float32 scores;
+                 the cache is written in place, nothing of it is copied), and a capacity change (the cache grows
+                 one layer at a time: one old layer of T/2 slots beside the new cache)
     activations  one micro-batch of the update with model.remat: the layer-boundary activations [b, L, D] of every
                  layer, one layer's recomputed internals and their cotangents (attention scores [b, H, L, L] with
                  the xla backend), one layer's all-gathered weights, and the chunked [b, 64, V] logits of the loss
@@ -248,10 +251,12 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
     length = s + t
     m = cfg.rollout.num_samples
     rows_local = -(-p * m // batch_shards)
-    prefill_scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, -(-p // batch_shards), s)
-    # one layer's suffix K and V, which the decode attention reads as a (copied) slice of the stacked cache
-    layer_slice = rows_local * t * kv_token_bytes(cfg, model) // shards("kv_heads", mesh)
-    rollout_tmp = max(prefill_scores, layer_slice + 3 * rows_local * model.vocab_size * F32)
+    kv_shards, prompts_local = shards("kv_heads", mesh), -(-p // batch_shards)
+    prefill = (attention_scores_bytes(runtime, model.num_attention_heads // tp, prompts_local, s)
+               + model.num_hidden_layers * prompts_local * s * kv_token_bytes(cfg, model) // kv_shards)
+    decode = rows_local * (3 * model.vocab_size + model.num_attention_heads // tp * (s + t)) * F32
+    grow = rows_local * (t // 2) * kv_token_bytes(cfg, model) // kv_shards
+    rollout_tmp = rows_local * t * (4 + F32) + max(prefill, decode, grow)
     mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
     notes = []
     b = micro_rows_per_device(cfg, mesh)

@@ -97,6 +97,8 @@ def _check_records(records, mode, steps):
                     "learning_rate", "rollout_seconds", "update_seconds", "tokens_per_second"):
             assert np.isfinite(r[key]), (mode, key, r[key])
         assert r["skipped_updates"] == 0
+        # sampler and scorer compute the same float32 log-probs (same params: the update comes after scoring)
+        assert 0 <= r["rollout_logprob_diff_mean"] <= r["rollout_logprob_diff_max"] < 1e-3, (mode, r)
         if mode == "g2rl":
             assert 0.0 <= r["novelty"] <= 1.0
         else:

@@ -34,7 +34,7 @@ from g2rl_jax.config import Config, ConfigError, save_resolved
 from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found, score_batch
-from g2rl_jax.rollout import generate
+from g2rl_jax.rollout import generate, logprob_drift
 from g2rl_jax.train import report
 from g2rl_jax.train import step as S
 from g2rl_jax.train.checkpoint import Checkpointer, checkpoint_dir
@@ -193,6 +193,7 @@ class Trainer:
             info = self._update(batch, scores[0], ref, signal["advantages"])
         t4 = time.perf_counter()
         metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
+        metrics |= logprob_drift(shard_rows(rollout.logprobs_BxT, self.mesh), scores[0], batch.response_mask)
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
     def _update(self, batch: S.Batch, old_logp, ref_logp, adv_B) -> dict[str, float]:
