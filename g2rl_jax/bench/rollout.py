@@ -209,8 +209,9 @@ def main(argv: list[str]) -> int:
         sizes = batching.buckets_for(prompts, T, 1)
         touched = decode_bytes_touched(cfg, jnp.dtype(a.dtype).itemsize, sizes.num_prompts * sizes.prompt_len,
                                        sizes.num_prompts * a.samples, T)
+        step_s = decode_s / T
         print(f"  bytes our decode step touches (padded prefix, suffix capacity buckets): {touched / 1e6:,.1f} MB -> "
-              f"achieved {touched / (decode_s / T) / 1e9:,.0f} GB/s = {touched / bw / (decode_s / T):.0%} of copy bandwidth")
+              f"achieved {touched / step_s / 1e9:,.0f} GB/s = {touched / bw / step_s:.0%} of copy bandwidth")
     return 0
 
 
