@@ -182,7 +182,8 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
         logits, prefix, suffix = engine.prefill_fn(mesh, G, L)(graphdef, state, ids, mask, num_samples=m, capacity=t)
         ds = engine.start_fn(mesh)(logits, key, one, one, stops, jnp.int32(p * m), num_samples=m, new_tokens=t,
                                    spec=spec)
-        segment = engine.segment_fn(mesh, G, L).lower(graphdef, state, prefix, suffix, ds, jnp.int32(1),
+        layers = engine.decode_layers_fn(mesh)(graphdef, state)
+        segment = engine.segment_fn(mesh, G, L).lower(graphdef, state, layers, prefix, suffix, ds, jnp.int32(1),
                                                       jnp.int32(t), jnp.int32(-1), key, one, one, stops, spec=spec)
         return max(used(prefill.compile()), used(segment.compile()))
 

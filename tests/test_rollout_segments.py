@@ -115,8 +115,9 @@ def _segment_memory(model, capacity: int, rows_per_prompt: int = 8, prompts: int
     ds = engine.start_fn(None)(logits, jax.random.key(0), jnp.float32(1), jnp.float32(1), stops,
                                jnp.int32(prompts * rows_per_prompt), num_samples=rows_per_prompt, new_tokens=256,
                                spec=spec)
+    layers = engine.decode_layers_fn(None)(graphdef, state)
     compiled = engine.segment_fn(None, G, L).lower(
-        graphdef, state, prefix, suffix, ds, jnp.int32(1), jnp.int32(capacity), jnp.int32(-1), jax.random.key(0),
+        graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(capacity), jnp.int32(-1), jax.random.key(0),
         jnp.float32(1), jnp.float32(1), stops, spec=spec).compile()
     stats = compiled.memory_analysis()
     assert stats.alias_size_in_bytes >= sum(x.nbytes for x in suffix.k + suffix.v), "the suffix is not donated"

@@ -237,10 +237,20 @@ class Qwen3(nnx.Module):
                       for _ in prefix.k)
         return SuffixCache(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros))
 
-    def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step) -> tuple[jax.Array, SuffixCache]:
+    def decode_layers(self) -> tuple[dict[str, jax.Array], ...]:
+        """Each layer's weights as its own arrays in the compute dtype, for `decode_step(layers=...)`: made once per
+        rollout, so that no decode step slices (XLA copies the slices) or casts the stacked parameters again."""
+        dt = self.runtime.compute_jnp
+        stacked = self.layers.stacked()
+        return tuple({name: w[i].astype(dt) for name, w in stacked.items()}
+                     for i in range(self.config.num_hidden_layers))
+
+    def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step,
+                    layers=None) -> tuple[jax.Array, SuffixCache]:
         """Feed token `step` of every sample; logits [B, V] (float32) and the suffix with slot `step` written.
 
-        The layer loop is unrolled: each layer's suffix buffer is updated in place and read where it lies."""
+        The layer loop is unrolled: each layer's suffix buffer is updated in place and read where it lies.
+        `layers`: `decode_layers()`, made once by the caller (default: sliced here from the stacked weights)."""
         cfg, rt = self.config, self.runtime
         P, B = prefix.mask.shape[0], tokens_B.shape[0]
         if B % P:
@@ -248,10 +258,9 @@ class Qwen3(nnx.Module):
         positions_Bx1 = (jnp.repeat(prefix.lengths, B // P) + step)[:, None]
         x_Bx1xD = self._rows_sharded(jnp.take(self.embed_tokens[...], tokens_B[:, None], axis=0)
                                      .astype(rt.compute_jnp))
-        stacked = self.layers.stacked()
+        layers = self.decode_layers() if layers is None else layers
         suf_k, suf_v = list(suffix.k), list(suffix.v)
-        for i in range(cfg.num_hidden_layers):
-            p = {name: w[i] for name, w in stacked.items()}
+        for i, p in enumerate(layers):
             q, k_Bx1xGxK, v_Bx1xGxK = _qkv(x_Bx1xD, p, positions_Bx1, cfg)
             suf_k[i] = jax.lax.dynamic_update_slice(
                 suf_k[i], k_Bx1xGxK.transpose(0, 2, 1, 3).astype(suf_k[i].dtype), (0, 0, step, 0))

@@ -113,8 +113,14 @@ def _start(logits_PxV, key, temperature, top_p, stops_N, num_real, *, num_sample
                        lengths_N=jnp.ones((N,), jnp.int32))
 
 
-def _segment(graphdef, state, prefix: PrefixCache, suffix: SuffixCache, ds: DecodeState, t, t_end, min_live, key,
-             temperature, top_p, stops_N, *, spec: SamplerSpec):
+def _decode_layers(graphdef, state):
+    """Each layer's weights, sliced and cast to the compute dtype once per rollout (see Qwen3.decode_layers)."""
+    TRACE_COUNTS["decode_layers"] += 1
+    return nnx.merge(graphdef, state).decode_layers()
+
+
+def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, ds: DecodeState, t, t_end,
+             min_live, key, temperature, top_p, stops_N, *, spec: SamplerSpec):
     """Decode steps t, t+1, ... (step t feeds token t-1 into slot t-1 and draws token t) while t < t_end, some
     row is live and more than `min_live` rows are. Returns (state, suffix, t, live rows)."""
     TRACE_COUNTS["segment"] += 1
@@ -128,7 +134,7 @@ def _segment(graphdef, state, prefix: PrefixCache, suffix: SuffixCache, ds: Deco
 
     def body(c):
         t, ds, suffix = c
-        logits_BxV, suffix = model.decode_step(ds.last_B, prefix, suffix, step=t - 1)
+        logits_BxV, suffix = model.decode_step(ds.last_B, prefix, suffix, step=t - 1, layers=layers)
         tok_B, lp_B = _draw(logits_BxV, ds.sample_B, t, key, temperature, top_p, spec)
         live_B = ~ds.stopped_B
         dest_B = jnp.where(live_B, ds.sample_B, N)  # stopped rows write nowhere (index N is dropped)
@@ -202,6 +208,12 @@ def prefill_fn(mesh, num_kv_heads: int, num_layers: int):
         return jax.jit(_prefill, static_argnames=static)
     prefix, suffix = _caches_sharding(mesh, num_kv_heads, num_layers)
     return jax.jit(_prefill, static_argnames=static, out_shardings=(batch_sharding(mesh, 2), prefix, suffix))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_layers_fn(mesh):
+    """jit(_decode_layers); each slice keeps its parameter's sharding (GSPMD propagates it)."""
+    return jax.jit(_decode_layers, static_argnames=("graphdef",))
 
 
 @functools.lru_cache(maxsize=None)

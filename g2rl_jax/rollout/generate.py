@@ -159,13 +159,14 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
                                batching.stop_array(stop_token_ids))
     ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, jnp.int32(num_real_prompts * num_samples),
                                num_samples=num_samples, new_tokens=sizes.new_tokens, spec=spec)
+    layers = engine.decode_layers_fn(mesh)(graphdef, state)
     t, level, per_prefix = 1, 0, num_samples
     while True:
         rows = ds.last_B.shape[0]
         min_live = rows // 2 if rows // 2 >= shards else -1  # end the segment once half the rows could go
         t_end = min(ladder[level] + 1, max_new_tokens)
         ds, suffix, t_dev, live_dev = engine.segment_fn(mesh, G, L)(
-            graphdef, state, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,
+            graphdef, state, layers, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,
             top_p, stops, spec=spec)
         t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
         if live == 0 or t >= max_new_tokens:
