@@ -117,8 +117,8 @@ def _segment_memory(model, capacity: int, rows_per_prompt: int = 8, prompts: int
                                spec=spec)
     layers = engine.decode_layers_fn(None)(graphdef, state)
     compiled = engine.segment_fn(None, G, L).lower(
-        graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(capacity), jnp.int32(-1), jax.random.key(0),
-        jnp.float32(1), jnp.float32(1), stops, spec=spec).compile()
+        graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(capacity), jnp.int32(-1),
+        jax.random.key(0), jnp.float32(1), jnp.float32(1), stops, spec=spec).compile()
     stats = compiled.memory_analysis()
     assert stats.alias_size_in_bytes >= sum(x.nbytes for x in suffix.k + suffix.v), "the suffix is not donated"
     return stats.temp_size_in_bytes, sum(x.nbytes for x in suffix.k + suffix.v)
