@@ -34,7 +34,6 @@ from flax import nnx
 
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, load_pretrained
 from g2rl_jax.rollout import batching, engine, generate
-from g2rl_jax.rollout.sampling import spec_for
 
 
 def _args(argv):
