@@ -9,8 +9,12 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
     reference    a frozen copy of the parameters when algorithm.kl_coef > 0
     kv_cache     rollout K/V: the prompt prefix once per prompt plus the suffix per sample, layers x (P*S + P*m*T)
                  x kv_heads x head_dim x 2 x kv dtype, batch over (data, fsdp) and kv_heads over tensor
-    rollout_tmp  prefill attention scores (xla backend), the decode step's [B, V] float32 logits, and one layer's
-                 suffix K/V, which the decode attention reads as a slice of the stacked cache (XLA copies it)
+    rollout_tmp  the sampled tokens and log-probs of every sample [B, T], the layer weights cast to the compute
+                 dtype once per rollout (one array per layer, read by every decode step), plus the largest of: the
+                 prefill (xla attention scores, and the scan's stacked prompt K/V before it is split into one
+                 buffer per layer), a decode step (the [B, V] float32 logits and one layer's [B, H, S + T] float32
+                 scores; the cache is written in place, nothing of it is copied), and a capacity change (the cache
+                 grows one layer at a time: one old layer of T/2 slots beside the new cache)
     activations  one micro-batch of the update with model.remat: the layer-boundary activations [b, L, D] of every
                  layer, one layer's recomputed internals and their cotangents (attention scores [b, H, L, L] with
                  the xla backend), one layer's all-gathered weights, and the chunked [b, 64, V] logits of the loss
@@ -219,6 +223,16 @@ def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, me
     }
 
 
+def decode_weight_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> int:
+    """The decoder layers' weights in the compute dtype, one array per layer, made once per rollout
+    (`Qwen3.decode_layers`), sharded like the parameters."""
+    from g2rl_jax.model.qwen3 import LAYER_AXES, layer_shapes
+
+    per_layer = sum(math.prod(-(-n // shards(ax, mesh)) for n, ax in zip(shape, LAYER_AXES[name]))
+                    for name, shape in layer_shapes(model).items())
+    return model.num_hidden_layers * per_layer * nbytes(cfg.model.compute_dtype)
+
+
 def _layer_shapes(model: Qwen3Config):
     from g2rl_jax.model.qwen3 import layer_shapes
 
@@ -241,10 +255,13 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
     length = s + t
     m = cfg.rollout.num_samples
     rows_local = -(-p * m // batch_shards)
-    prefill_scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, -(-p // batch_shards), s)
-    # one layer's suffix K and V, which the decode attention reads as a (copied) slice of the stacked cache
-    layer_slice = rows_local * t * kv_token_bytes(cfg, model) // shards("kv_heads", mesh)
-    rollout_tmp = max(prefill_scores, layer_slice + 3 * rows_local * model.vocab_size * F32)
+    kv_shards, prompts_local = shards("kv_heads", mesh), -(-p // batch_shards)
+    prefill = (attention_scores_bytes(runtime, model.num_attention_heads // tp, prompts_local, s)
+               + model.num_hidden_layers * prompts_local * s * kv_token_bytes(cfg, model) // kv_shards)
+    decode = rows_local * (3 * model.vocab_size + model.num_attention_heads // tp * (s + t)) * F32
+    grow = rows_local * (t // 2) * kv_token_bytes(cfg, model) // kv_shards
+    rollout_tmp = (rows_local * t * (4 + F32) + decode_weight_bytes(cfg, model, mesh)
+                   + max(prefill, decode, grow))
     mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
     notes = []
     b = micro_rows_per_device(cfg, mesh)

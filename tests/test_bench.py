@@ -30,3 +30,12 @@ def test_benchmark_runs_and_prints_its_figures(name, capsys):
 def test_unknown_benchmark_lists_the_known_ones(capsys):
     assert main(["nope"]) == 2
     assert "choose one of" in capsys.readouterr().err
+
+
+def test_rollout_long_tail_prints_its_figures(capsys):
+    tiny = ["--vocab", "512", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads",
+            "1", "--head-dim", "32", "--prompts", "2", "--samples", "2", "--prompt-len", "8", "--repeats", "1"]
+    assert main(["rollout", "--long-tail", *tiny, "--new-tokens", "16", "--budget-ratio", "2"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("lengths mean", "p90", "useful tokens/s", "budget independence", "completions the same"):
+        assert needle in out, (needle, out)

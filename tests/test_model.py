@@ -251,8 +251,9 @@ def test_kv_cache_decode_matches_full_forward(tiny):
     got, prefix, suffix = _decode_all(tiny, ids, mask, gen, m)
     _assert_close(got, ref, rel=1e-5)
     cfg = tiny.config
-    assert prefix.k.shape == (cfg.num_hidden_layers, 3, cfg.num_key_value_heads, S, cfg.head_dim)
-    assert suffix.k.shape == (cfg.num_hidden_layers, 3 * m, cfg.num_key_value_heads, T, cfg.head_dim)
+    assert len(prefix.k) == len(suffix.v) == cfg.num_hidden_layers  # one buffer per layer
+    assert {x.shape for x in prefix.k} == {(3, cfg.num_key_value_heads, S, cfg.head_dim)}
+    assert {x.shape for x in suffix.k} == {(3 * m, cfg.num_key_value_heads, T, cfg.head_dim)}
 
 
 def test_bf16_kv_cache_close_to_f32(hf_dirs):
@@ -262,7 +263,7 @@ def test_bf16_kv_cache_close_to_f32(hf_dirs):
     f32, _, _ = _decode_all(load_pretrained(path), ids, mask, gen, 2)
     bf16_model = load_pretrained(path, runtime=RuntimeConfig(kv_cache_dtype="bfloat16"))
     got, prefix, suffix = _decode_all(bf16_model, ids, mask, gen, 2)
-    assert prefix.k.dtype == jnp.bfloat16 and suffix.v.dtype == jnp.bfloat16
+    assert prefix.k[0].dtype == jnp.bfloat16 and suffix.v[-1].dtype == jnp.bfloat16
     _assert_close(got, f32, rel=2e-2)
 
 

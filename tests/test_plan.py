@@ -181,29 +181,34 @@ def test_update_estimate_within_25_percent_of_xla(tmp_path, case):
 
 
 def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
-    """Per-device bytes of the sampler's compiled prefill and decode (arguments + outputs − donated aliases +
-    temporaries), the larger of the two: the rollout phase's peak with the parameters."""
+    """Per-device bytes of the sampler's compiled prefill and of a decode segment at the full capacity (arguments
+    + outputs − donated aliases + temporaries), the larger of the two: the rollout phase's peak with the
+    parameters (every response reaching the budget, so no row is compacted away)."""
     from g2rl_jax.rollout import engine
     from g2rl_jax.rollout.sampling import spec_for
 
     sizes, mesh, graphdef, state = _sharded_model(cfg, model, devices)
     _, p, s, t = P.kv_cache_bytes(cfg, model, sizes)
-    m, kvh = cfg.rollout.num_samples, model.num_key_value_heads
+    m, G, L = cfg.rollout.num_samples, model.num_key_value_heads, model.num_hidden_layers
     ids = jax.device_put(jnp.ones((p, s), jnp.int32), engine.batch_sharding(mesh, 2))
     mask = jax.device_put(jnp.ones((p, s), bool), engine.batch_sharding(mesh, 2))
+    spec, stops = spec_for(1.0, 1.0, 0, model.vocab_size), jnp.full((1,), -1, jnp.int32)
+    key, one = jax.random.key(0), jnp.float32(1.0)
 
     def used(compiled) -> int:
         st = compiled.memory_analysis()
         return st.argument_size_in_bytes + st.output_size_in_bytes - st.alias_size_in_bytes + st.temp_size_in_bytes
 
     with jax.set_mesh(mesh):
-        prefill = engine.prefill_fn(mesh, kvh).lower(graphdef, state, ids, mask, num_samples=m, new_tokens=t)
-        logits, prefix, suffix = engine.prefill_fn(mesh, kvh)(graphdef, state, ids, mask, num_samples=m, new_tokens=t)
-        decode = engine.decode_fn(mesh, kvh).lower(
-            graphdef, state, logits, prefix, suffix, jax.random.key(0), jnp.float32(1.0), jnp.float32(1.0),
-            jnp.full((1,), -1, jnp.int32), jnp.int32(t), jnp.int32(p * m), num_samples=m,
-            spec=spec_for(1.0, 1.0, 0, model.vocab_size))
-        return max(used(prefill.compile()), used(decode.compile()))
+        first = engine.capacity_ladder(t)[0]
+        prefill = engine.prefill_fn(mesh, G, L).lower(graphdef, state, ids, mask, num_samples=m, capacity=first)
+        logits, prefix, suffix = engine.prefill_fn(mesh, G, L)(graphdef, state, ids, mask, num_samples=m, capacity=t)
+        ds = engine.start_fn(mesh)(logits, key, one, one, stops, jnp.int32(p * m), num_samples=m, new_tokens=t,
+                                   spec=spec)
+        layers = engine.decode_layers_fn(mesh)(graphdef, state)
+        segment = engine.segment_fn(mesh, G, L).lower(graphdef, state, layers, prefix, suffix, ds, jnp.int32(1),
+                                                      jnp.int32(t), jnp.int32(-1), key, one, one, stops, spec=spec)
+        return max(used(prefill.compile()), used(segment.compile()))
 
 
 @pytest.mark.parametrize("case", list(XLA_CASES))

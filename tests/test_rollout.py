@@ -275,8 +275,8 @@ def test_bf16_kv_cache(model_dir, hf_model):
     from flax import nnx
     graphdef, state = nnx.split(model)
     ids, mask = np.ones((4, 16), np.int32), np.ones((4, 16), bool)
-    _, prefix, suffix = engine.prefill_fn(None, 2)(graphdef, state, ids, mask, num_samples=2, new_tokens=16)
-    assert prefix.k.dtype == suffix.k.dtype == jnp.bfloat16
+    _, prefix, suffix = engine.prefill_fn(None, 2, 2)(graphdef, state, ids, mask, num_samples=2, capacity=16)
+    assert {x.dtype for x in prefix.k + prefix.v + suffix.k + suffix.v} == {jnp.dtype(jnp.bfloat16)}
     # Its greedy log-probs match transformers' float32 forward on the sequences it produced, to bf16 accuracy.
     z = completion_logits(hf_model, r)
     for b, ids_b in enumerate(r.completion_ids):

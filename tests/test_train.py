@@ -100,6 +100,8 @@ def _check_records(records, mode, steps):
         assert 0.0 <= r["padding_fraction"] < 1.0
         assert r["skipped_updates"] == 0
         assert 0.0 <= r["truncated_fraction"] <= 1.0  # share of responses that hit rollout.max_new_tokens
+        # sampler and scorer compute the same float32 log-probs (same params: the update comes after scoring)
+        assert 0 <= r["rollout_logprob_diff_mean"] <= r["rollout_logprob_diff_max"] < 1e-3, (mode, r)
         if mode == "g2rl":
             assert 0.0 <= r["novelty"] <= 1.0
         else:

@@ -11,6 +11,14 @@ temperature 1, no stop tokens (every sample generates exactly T tokens on both s
 it also measures copy bandwidth with a big jnp copy and prints the share of the HBM roofline, where one decode
 step must read all weights plus the KV it attends to: (weight bytes + KV bytes per step) / bandwidth over the
 measured time per step.
+
+`--long-tail` (random weights, no transformers): the workload of an RL step, where most responses end far below
+the budget and a few run to it. Every V*8/T-th token id is a stop token, so with near-uniform random-weight
+next-token distributions a response ends with probability ~8/T per token (mean length ~T/8). Printed: the length
+distribution (mean, p50, p90, max), USEFUL tokens/s (the sum of the completion lengths, i.e. the tokens returned,
+per second of warm wall time), and the same workload (same seed and stop set) at a budget `--budget-ratio` times
+larger, with the time ratio (the goal on CPU: <= 1.3) and whether the completions agree up to the smaller budget.
+It uses only `generate`, so the same harness times an older checkout (the README's before/after).
 """
 from __future__ import annotations
 
@@ -26,7 +34,6 @@ from flax import nnx
 
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, load_pretrained
 from g2rl_jax.rollout import batching, engine, generate
-from g2rl_jax.rollout.sampling import spec_for
 
 
 def _args(argv):
@@ -50,6 +57,10 @@ def _args(argv):
     p.add_argument("--repeats", type=int, default=2, help="warm JAX calls (median reported)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers (e.g. sizes too big for PyTorch CPU)")
     p.add_argument("--roofline", action="store_true", help="measure copy bandwidth and print the roofline share")
+    p.add_argument("--long-tail", action="store_true",
+                   help="long-tailed workload (stop set: mean length ~new-tokens/8), useful tokens/s, budget ratio")
+    p.add_argument("--budget-ratio", type=int, default=8, help="--long-tail: also run at this many times the "
+                   "budget and print the time ratio (1: skip)")
     return p.parse_args(argv)
 
 
@@ -98,24 +109,18 @@ def _hf_tokens_per_s(path, prompts, a) -> float:
     return len(prompts) * a.samples * a.new_tokens / seconds
 
 
-def _split_timing(model, prompts, a) -> tuple[float, float]:
-    """Warm seconds of the jitted prefill and of the decode loop alone (same calls generate makes)."""
+def _prefill_seconds(model, prompts, a) -> float:
+    """Warm seconds of the jitted prefill alone (the call generate makes first)."""
     sizes = batching.buckets_for(prompts, a.new_tokens, 1)
     ids, mask = batching.left_pad(prompts, sizes.num_prompts, sizes.prompt_len)
     graphdef, state = nnx.split(model)
     cfg = model.config
-    prefill = engine.prefill_fn(None, cfg.num_key_value_heads)
-    decode = engine.decode_fn(None, cfg.num_key_value_heads)
+    prefill = engine.prefill_fn(None, cfg.num_key_value_heads, cfg.num_hidden_layers)
+    capacity = engine.capacity_ladder(sizes.new_tokens)[0]
+    jax.block_until_ready(prefill(graphdef, state, ids, mask, num_samples=a.samples, capacity=capacity))
     start = time.perf_counter()
-    logits, prefix, suffix = jax.block_until_ready(
-        prefill(graphdef, state, ids, mask, num_samples=a.samples, new_tokens=sizes.new_tokens))
-    mid = time.perf_counter()
-    jax.block_until_ready(decode(
-        graphdef, state, logits, prefix, suffix, jax.random.key(1), jnp.float32(a.temperature),
-        jnp.float32(a.top_p), batching.stop_array(()), jnp.int32(a.new_tokens), jnp.int32(len(prompts) * a.samples),
-        num_samples=a.samples,
-        spec=spec_for(a.temperature, a.top_p, a.top_k, cfg.vocab_size)))
-    return mid - start, time.perf_counter() - mid
+    jax.block_until_ready(prefill(graphdef, state, ids, mask, num_samples=a.samples, capacity=capacity))
+    return time.perf_counter() - start
 
 
 def copy_bandwidth(gib: float = 1.0) -> float:
@@ -140,14 +145,18 @@ def decode_bytes_per_step(cfg: Qwen3Config, dtype_bytes: int, prompt_tokens: int
 
 
 def decode_bytes_touched(cfg: Qwen3Config, dtype_bytes: int, prefix_slots: int, batch: int, new_tokens: int) -> float:
-    """Bytes our decode step reads: every weight once, the whole padded prefix cache, and the whole suffix cache
-    (attention runs over all T slots with a mask, so static shapes compile once)."""
+    """Bytes our decode step reads, averaged over the steps: every weight once, the whole padded prefix cache,
+    and the suffix slots of the capacity bucket the step runs in (attention reads the bucket, masked)."""
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-    return cfg.num_params() * dtype_bytes + kv_per_token * (prefix_slots + batch * new_tokens)
+    ladder = engine.capacity_ladder(batching.new_tokens_bucket(new_tokens))
+    slots = [next(c for c in ladder if c > t) for t in range(new_tokens - 1)]  # step t writes slot t
+    return cfg.num_params() * dtype_bytes + kv_per_token * (prefix_slots + batch * float(np.mean(slots or [0])))
 
 
 def main(argv: list[str]) -> int:
     a = _args(argv)
+    if a.long_tail:
+        return long_tail(a)
     cfg = _config(a)
     rt = RuntimeConfig(param_dtype=a.dtype, compute_dtype=a.dtype, kv_cache_dtype=a.dtype)
     prompts = _prompts(a, cfg.vocab_size)
@@ -177,7 +186,8 @@ def main(argv: list[str]) -> int:
         assert all(len(ids) == T for ids in r.completion_ids)
         warm_s = statistics.median(warm)
         jax_tps = B * T / warm_s
-        prefill_s, decode_s = _split_timing(model, prompts, a)
+        prefill_s = _prefill_seconds(model, prompts, a)
+        decode_s = warm_s - prefill_s  # the decode segments, regroups and host work between them
         print(f"jax generate: {jax_tps:,.0f} tokens/s (warm {warm_s:.2f} s, median of {a.repeats}); compile "
               f"{first - warm_s:.1f} s (first call {first:.1f} s)")
         print(f"  prefill {prefill_s * 1e3:.1f} ms, decode {decode_s:.2f} s = {decode_s / T * 1e3:.2f} ms/step")
@@ -197,8 +207,60 @@ def main(argv: list[str]) -> int:
               "of the bandwidth roofline")
         sizes = batching.buckets_for(prompts, T, 1)
         touched = decode_bytes_touched(cfg, jnp.dtype(a.dtype).itemsize, sizes.num_prompts * sizes.prompt_len,
-                                       sizes.num_prompts * a.samples,
-                                       sizes.new_tokens)
-        print(f"  bytes our decode step touches (whole padded caches): {touched / 1e6:,.1f} MB -> achieved "
-              f"{touched / (decode_s / T) / 1e9:,.0f} GB/s = {touched / bw / (decode_s / T):.0%} of copy bandwidth")
+                                       sizes.num_prompts * a.samples, T)
+        step_s = decode_s / T
+        print(f"  bytes our decode step touches (padded prefix, suffix capacity buckets): {touched / 1e6:,.1f} MB -> "
+              f"achieved {touched / step_s / 1e9:,.0f} GB/s = {touched / bw / step_s:.0%} of copy bandwidth")
+    return 0
+
+
+def stop_set(vocab: int, budget: int) -> tuple[int, ...]:
+    """Every (V / (8 V / budget))-th token id (from 1): ~8 / budget of the vocabulary, so a response drawn from a
+    near-uniform distribution ends with probability ~8 / budget per token (mean length ~budget / 8)."""
+    count = max(1, round(vocab * 8 / budget))
+    return tuple(range(1, vocab, max(1, vocab // count)))[:count]
+
+
+def _timed(model, prompts, a, budget, stops):
+    """(the Rollout, warm seconds: median of a.repeats) of one long-tailed generate; the first call compiles."""
+    kw = dict(max_new_tokens=budget, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+              num_samples=a.samples, stop_token_ids=stops, seed=1)
+    generate(model, prompts, **kw)  # the same seed: the same segments, so every shape is compiled here
+    times = []
+    for _ in range(a.repeats):
+        start = time.perf_counter()
+        r = generate(model, prompts, **kw)
+        times.append(time.perf_counter() - start)
+    return r, statistics.median(times)
+
+
+def _lengths_line(r) -> str:
+    n = np.array(r.completion_lengths)
+    return (f"lengths mean {n.mean():.0f}, p50 {np.percentile(n, 50):.0f}, p90 {np.percentile(n, 90):.0f}, "
+            f"max {n.max()}; {sum(f == 'stop' for f in r.finish_reasons)}/{len(n)} stopped")
+
+
+def long_tail(a) -> int:
+    cfg = _config(a)
+    rt = RuntimeConfig(param_dtype=a.dtype, compute_dtype=a.dtype, kv_cache_dtype=a.dtype)
+    model = Qwen3(cfg, rt, rngs=nnx.Rngs(0))
+    prompts = _prompts(a, cfg.vocab_size)
+    stops = stop_set(cfg.vocab_size, a.new_tokens)
+    print(f"long-tailed rollout: {cfg.num_params() / 1e6:.1f}M params (random, {a.dtype}), {len(prompts)} prompts "
+          f"x {a.samples} samples, prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
+          f"{len(stops)} stop ids of {cfg.vocab_size}; jax {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    r, seconds = _timed(model, prompts, a, a.new_tokens, stops)
+    useful = int(np.sum(r.completion_lengths))
+    print(f"budget {a.new_tokens}: {_lengths_line(r)}")
+    print(f"  useful tokens/s: {useful / seconds:,.0f} ({useful:,} tokens in {seconds:.2f} s warm, median of "
+          f"{a.repeats}); {r.decode_steps} decode steps")
+    if a.budget_ratio > 1:
+        big = a.new_tokens * a.budget_ratio
+        rb, seconds_b = _timed(model, prompts, a, big, stops)
+        same = all(x == y[:a.new_tokens] for x, y in zip(r.completion_ids, rb.completion_ids))
+        useful_b = int(np.sum(rb.completion_lengths))
+        print(f"budget {big}: {_lengths_line(rb)}")
+        print(f"  useful tokens/s: {useful_b / seconds_b:,.0f} ({useful_b:,} tokens in {seconds_b:.2f} s)")
+        print(f"budget independence: time at {big} / time at {a.new_tokens} = {seconds_b / seconds:.2f} "
+              f"(completions the same up to {a.new_tokens} tokens: {'yes' if same else 'NO'})")
     return 0

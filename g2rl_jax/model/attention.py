@@ -100,24 +100,27 @@ def decode_attention(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_Px
     """One decode step for B = P*m samples: a joint softmax over prompt p's prefix and sample b's own suffix.
 
     Suffix slots t < num_valid_suffix are attended (the caller has already written the current token's K/V).
+    Only the queries and the prefix scores are reshaped to [P, m, ...]; the suffix cache is read in its own
+    [B, ...] layout (a reshape of it made XLA copy the freshly updated cache on every step).
     """
     B, H, K = q_BxHxK.shape
     P, G, S, _ = prefix_k_PxGxSxK.shape
-    m, T = B // P, suffix_k_BxGxTxK.shape[2]
-    q_PxMxGxRxK = q_BxHxK.reshape(P, m, G, H // G, K)
-    suf_k_PxMxGxTxK = suffix_k_BxGxTxK.reshape(P, m, G, T, K)
-    suf_v_PxMxGxTxK = suffix_v_BxGxTxK.reshape(P, m, G, T, K)
-    scale = K ** -0.5
-    s_pre = jnp.einsum("pmgrk,pgsk->pmgrs", q_PxMxGxRxK, prefix_k_PxGxSxK.astype(q_BxHxK.dtype),
-                       preferred_element_type=jnp.float32) * scale
-    s_suf = jnp.einsum("pmgrk,pmgtk->pmgrt", q_PxMxGxRxK, suf_k_PxMxGxTxK.astype(q_BxHxK.dtype),
-                       preferred_element_type=jnp.float32) * scale
-    s_pre = jnp.where(prefix_mask_PxS.astype(bool)[:, None, None, None, :], s_pre, _NEG)
-    s_suf = jnp.where(jnp.arange(T) < num_valid_suffix, s_suf, _NEG)
-    top = jnp.maximum(s_pre.max(-1, keepdims=True), s_suf.max(-1, keepdims=True))
-    e_pre, e_suf = jnp.exp(s_pre - top), jnp.exp(s_suf - top)
-    denom = e_pre.sum(-1, keepdims=True) + e_suf.sum(-1, keepdims=True)
+    m, T, R = B // P, suffix_k_BxGxTxK.shape[2], H // G
     dt = q_BxHxK.dtype
-    out = (jnp.einsum("pmgrs,pgsk->pmgrk", (e_pre / denom).astype(dt), prefix_v_PxGxSxK.astype(dt))
-           + jnp.einsum("pmgrt,pmgtk->pmgrk", (e_suf / denom).astype(dt), suf_v_PxMxGxTxK.astype(dt)))
-    return out.reshape(B, H, K)
+    q_BxGxRxK = q_BxHxK.reshape(B, G, R, K)
+    scale = K ** -0.5
+    s_pre_PxMxGxRxS = jnp.einsum("pmgrk,pgsk->pmgrs", q_BxGxRxK.reshape(P, m, G, R, K), prefix_k_PxGxSxK.astype(dt),
+                                 preferred_element_type=jnp.float32) * scale
+    s_pre_BxGxRxS = s_pre_PxMxGxRxS.reshape(B, G, R, S)
+    s_suf_BxGxRxT = jnp.einsum("bgrk,bgtk->bgrt", q_BxGxRxK, suffix_k_BxGxTxK.astype(dt),
+                               preferred_element_type=jnp.float32) * scale
+    prefix_mask_Bx1x1xS = jnp.repeat(prefix_mask_PxS.astype(bool), m, axis=0)[:, None, None, :]
+    s_pre_BxGxRxS = jnp.where(prefix_mask_Bx1x1xS, s_pre_BxGxRxS, _NEG)
+    s_suf_BxGxRxT = jnp.where(jnp.arange(T) < num_valid_suffix, s_suf_BxGxRxT, _NEG)
+    top = jnp.maximum(s_pre_BxGxRxS.max(-1, keepdims=True), s_suf_BxGxRxT.max(-1, keepdims=True))
+    e_pre, e_suf = jnp.exp(s_pre_BxGxRxS - top), jnp.exp(s_suf_BxGxRxT - top)
+    denom = e_pre.sum(-1, keepdims=True) + e_suf.sum(-1, keepdims=True)
+    p_pre_PxMxGxRxS = (e_pre / denom).astype(dt).reshape(P, m, G, R, S)
+    out_BxGxRxK = (jnp.einsum("pmgrs,pgsk->pmgrk", p_pre_PxMxGxRxS, prefix_v_PxGxSxK.astype(dt)).reshape(B, G, R, K)
+                   + jnp.einsum("bgrt,bgtk->bgrk", (e_suf / denom).astype(dt), suffix_v_BxGxTxK.astype(dt)))
+    return out_BxGxRxK.reshape(B, H, K)

@@ -12,16 +12,20 @@ Positions are cumsum(mask) - 1 (clipped at 0), so a left-padded row computes exa
 KV cache for group sampling (a prompt is prefilled once, its m samples decode against the shared prefix):
 
     logits_PxV, prefix = model.prefill(prompt_ids_PxS, prompt_mask_PxS)   # prompts LEFT-padded
-    suffix = model.init_suffix(prefix, num_samples=m, max_new_tokens=T)
-    for t in range(T):                                                  # B = P*m, sample b = p*m + j
+    suffix = model.init_suffix(prefix, num_samples=m, max_new_tokens=W)   # W: slots (the capacity)
+    for t in range(W):                                                  # B = P*m, sample b = p*m + j
         logits_BxV, suffix = model.decode_step(tokens_B, prefix, suffix, step=t)
 
 `prefill` returns the logits of each prompt's last token (position S-1, hence left padding). `decode_step`
 feeds token t of every sample at position len(prompt p) + t, stores its K/V in suffix slot t and attends to the
-prefix of its prompt plus suffix slots 0..t in one softmax. `PrefixCache` holds K/V [layers, P, KVH, S, Dh]
-once per prompt; `SuffixCache` holds K/V [layers, B, KVH, T, Dh] per sample, in `RuntimeConfig.kv_cache_dtype`.
-KV heads sit before length so that both attention matmuls read the cache in place (batch dims major, the
-contracted and free dims minor); with length before heads XLA transposed the whole cache on every GPU step.
+prefix of its prompt plus suffix slots 0..t in one softmax. Both caches hold ONE BUFFER PER LAYER (tuples), so
+that the decode step, whose layer loop is unrolled, writes slot t of layer i in place (a jitted caller donates
+the suffix) and reads it without copying it (with a stacked [layers, ...] cache XLA copied each layer's slice on
+every step). `PrefixCache` holds K/V [P, KVH, S, Dh] per layer once per prompt; `SuffixCache` holds K/V
+[P*m, KVH, W, Dh] per layer per sample, in `RuntimeConfig.kv_cache_dtype`. KV heads sit before length so that
+both attention matmuls read the cache in place (batch dims major, the contracted and free dims minor). The
+prefix may also hold one row per sample (P = B, m = 1): the sampler switches to that layout when it compacts the
+live samples of different prompts into a smaller batch (g2rl_jax/rollout/engine.py).
 """
 from __future__ import annotations
 
@@ -83,10 +87,10 @@ class DecoderLayers(nnx.Module):
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "mask", "lengths"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PrefixCache:
-    """Prompt K/V, once per prompt: k, v [layers, P, KVH, S, Dh]; mask [P, S] bool; lengths [P] int32."""
+    """Prompt K/V, once per prompt: k, v one [P, KVH, S, Dh] array per layer; mask [P, S] bool; lengths [P]."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     mask: jax.Array
     lengths: jax.Array
 
@@ -94,10 +98,15 @@ class PrefixCache:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SuffixCache:
-    """Generated-token K/V, one row per sample b = p*m + j: k, v [layers, P*m, KVH, T, Dh]."""
+    """Generated-token K/V, one row per sample b = p*m + j: k, v one [P*m, KVH, W, Dh] array per layer."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def capacity(self) -> int:
+        """Slots W per sample."""
+        return self.k[0].shape[2]
 
 
 def rms_norm(x, weight, eps: float):
@@ -214,39 +223,52 @@ class Qwen3(nnx.Module):
         """Run LEFT-padded prompts once: last-token logits [P, V] (float32) and their K/V cache."""
         h, (k_NxPxSxGxK, v_NxPxSxGxK) = self._forward(input_ids_PxS, attention_mask_PxS, keep_kv=True)
         mask = attention_mask_PxS.astype(bool)
-        heads_first = (0, 1, 3, 2, 4)  # -> [layers, P, KVH, S, Dh], the layout decode reads
-        cache = PrefixCache(k=k_NxPxSxGxK.transpose(heads_first), v=v_NxPxSxGxK.transpose(heads_first), mask=mask,
+
+        def per_layer(x_NxPxSxGxK):  # -> one [P, KVH, S, Dh] buffer per layer, the layout decode reads
+            return tuple(x_NxPxSxGxK[i].transpose(0, 2, 1, 3) for i in range(x_NxPxSxGxK.shape[0]))
+
+        cache = PrefixCache(k=per_layer(k_NxPxSxGxK), v=per_layer(v_NxPxSxGxK), mask=mask,
                             lengths=mask.sum(-1).astype(jnp.int32))
         return self.logits(h[:, -1:])[:, 0], cache
 
     def init_suffix(self, prefix: PrefixCache, num_samples: int, max_new_tokens: int) -> SuffixCache:
-        """An empty per-sample cache for `num_samples` samples of each prompt and `max_new_tokens` steps."""
-        N, P, G, _, K = prefix.k.shape
-        shape = (N, P * num_samples, G, max_new_tokens, K)
-        zeros = jnp.zeros(shape, self.runtime.kv_cache_jnp)
-        return SuffixCache(k=zeros, v=zeros)
+        """An empty per-sample cache for `num_samples` samples of each prompt and `max_new_tokens` slots."""
+        P, G, _, K = prefix.k[0].shape
+        zeros = tuple(jnp.zeros((P * num_samples, G, max_new_tokens, K), self.runtime.kv_cache_jnp)
+                      for _ in prefix.k)
+        return SuffixCache(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros))
 
-    def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step) -> tuple[jax.Array, SuffixCache]:
-        """Feed token `step` of every sample; logits [B, V] (float32) and the suffix with slot `step` written."""
+    def decode_layers(self) -> tuple[dict[str, jax.Array], ...]:
+        """Each layer's weights as its own arrays in the compute dtype, for `decode_step(layers=...)`: made once per
+        rollout, so that no decode step slices (XLA copies the slices) or casts the stacked parameters again."""
+        dt = self.runtime.compute_jnp
+        stacked = self.layers.stacked()
+        return tuple({name: w[i].astype(dt) for name, w in stacked.items()}
+                     for i in range(self.config.num_hidden_layers))
+
+    def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step,
+                    layers=None) -> tuple[jax.Array, SuffixCache]:
+        """Feed token `step` of every sample; logits [B, V] (float32) and the suffix with slot `step` written.
+
+        The layer loop is unrolled: each layer's suffix buffer is updated in place and read where it lies.
+        `layers`: `decode_layers()`, made once by the caller (default: sliced here from the stacked weights)."""
         cfg, rt = self.config, self.runtime
         P, B = prefix.mask.shape[0], tokens_B.shape[0]
         if B % P:
             raise ValueError(f"decode_step: batch {B} is not a multiple of the {P} prompts in the prefix cache")
         positions_Bx1 = (jnp.repeat(prefix.lengths, B // P) + step)[:, None]
-        x = self._rows_sharded(jnp.take(self.embed_tokens[...], tokens_B[:, None], axis=0).astype(rt.compute_jnp))
-
-        def body(carry, xs):
-            x_Bx1xD, suf_k, suf_v = carry
-            p, pre_k, pre_v, i = xs
+        x_Bx1xD = self._rows_sharded(jnp.take(self.embed_tokens[...], tokens_B[:, None], axis=0)
+                                     .astype(rt.compute_jnp))
+        layers = self.decode_layers() if layers is None else layers
+        suf_k, suf_v = list(suffix.k), list(suffix.v)
+        for i, p in enumerate(layers):
             q, k_Bx1xGxK, v_Bx1xGxK = _qkv(x_Bx1xD, p, positions_Bx1, cfg)
-            k_1xBxGx1xK = k_Bx1xGxK.transpose(0, 2, 1, 3)[None].astype(suf_k.dtype)
-            v_1xBxGx1xK = v_Bx1xGxK.transpose(0, 2, 1, 3)[None].astype(suf_v.dtype)
-            suf_k = jax.lax.dynamic_update_slice(suf_k, k_1xBxGx1xK, (i, 0, 0, step, 0))
-            suf_v = jax.lax.dynamic_update_slice(suf_v, v_1xBxGx1xK, (i, 0, 0, step, 0))
-            a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, suf_k[i], suf_v[i], step + 1)
-            return (self._rows_sharded(_out_and_mlp(x_Bx1xD, a[:, None], p, cfg)), suf_k, suf_v), None
-
-        xs = (self.layers.stacked(), prefix.k, prefix.v, jnp.arange(cfg.num_hidden_layers))
-        (x, suf_k, suf_v), _ = jax.lax.scan(body, (x, suffix.k, suffix.v), xs)
-        h = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-        return self.logits(h)[:, 0], SuffixCache(k=suf_k, v=suf_v)
+            suf_k[i] = jax.lax.dynamic_update_slice(
+                suf_k[i], k_Bx1xGxK.transpose(0, 2, 1, 3).astype(suf_k[i].dtype), (0, 0, step, 0))
+            suf_v[i] = jax.lax.dynamic_update_slice(
+                suf_v[i], v_Bx1xGxK.transpose(0, 2, 1, 3).astype(suf_v[i].dtype), (0, 0, step, 0))
+            a_BxHxK = attn.decode_attention(q[:, 0], prefix.k[i], prefix.v[i], prefix.mask, suf_k[i], suf_v[i],
+                                            step + 1)
+            x_Bx1xD = self._rows_sharded(_out_and_mlp(x_Bx1xD, a_BxHxK[:, None], p, cfg))
+        h = rms_norm(x_Bx1xD, self.norm[...], cfg.rms_norm_eps)
+        return self.logits(h)[:, 0], SuffixCache(k=tuple(suf_k), v=tuple(suf_v))

@@ -1,28 +1,39 @@
-"""The jitted halves of `generate`: prefill once per prompt, then a `lax.while_loop` decode over the group.
+"""The jitted pieces of `generate`: prefill once per prompt, then decode in SEGMENTS that grow the cache and
+compact the batch between them, so a step costs the slots filled and the samples still running, not the budget.
 
-`prefill_fn(mesh, num_kv_heads)` / `decode_fn(mesh, num_kv_heads)` return jitted functions (one pair per mesh,
-cached), each taking the model as (graphdef, state) split at the jit boundary; decode donates the suffix cache.
-jax.jit caches one executable per bucket (shapes plus the static num_samples / sampler spec), so a training run
-compiles once per bucket. `TRACE_COUNTS` counts traces per function (tests and the benchmark read it to check that
-a bucket compiles once).
+    logits, prefix, suffix = prefill(...)            # suffix: `first_capacity` slots per sample
+    state = start(logits, ...)                       # token 0 of every sample (from its prompt's logits)
+    loop:  state, suffix, t, live = segment(..., t, t_end, min_live)   # a lax.while_loop of decode steps
+           rows = live_rows(state, new_batch); per layer: regroup(...) # compact and/or grow the cache
 
-Decode loop state, B = P*m samples (sample b = p*m + j), T bucketed new-token slots:
-  token t of sample b is drawn from the logits after token t-1 (token 0 from the prompt's prefill logits, shared
-  by its m samples), with the PRNG key fold_in(fold_in(key(seed), b), t): a sample's draws do not depend on the
-  batch padding or the sharding. A sample stops after a stop token; stopped samples keep being fed token 0
-  (static batch) but record nothing. Dummy rows (bucket padding) start stopped. The loop ends when every sample
-  has stopped or max_new_tokens is reached.
+A segment ends when the cache is full (t_end), when every sample has stopped, or as soon as at most `min_live`
+samples still run (then a smaller batch bucket holds them). Between segments the host (`generate.py`) picks the
+next capacity (a doubling ladder, `capacity_ladder`) and batch bucket (`batch_bucket`), and each layer's K/V
+buffers move to their new shape one layer at a time (the old buffers are donated), so a regroup never holds a
+second copy of the whole cache. Compaction gathers the live rows first (stable order); the first compaction
+also gives each row its own copy of its prompt's prefix (P = rows, m = 1), so rows of different prompts can
+share a batch.
+
+Per-sample determinism: token t of sample b (b = p*m + j in the global batch) is drawn with the key
+fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the draws do not depend on the batch
+bucket, the compaction, the cache capacity, the budget or the sharding. Stopped rows keep being fed (static batch)
+but record nothing; dummy rows (bucket padding) start stopped.
+
+Compiles: one executable per shape (prompt bucket, batch bucket, capacity) and static sampler spec; the ladders
+are short (capacities double; batch buckets halve), so a training run compiles a bounded set. `TRACE_COUNTS`
+counts traces per function (tests read it).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from g2rl_jax import parallel
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
@@ -30,6 +41,24 @@ from g2rl_jax.parallel import DEFAULT_RULES
 from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
+FIRST_CAPACITY = 128  # suffix slots of the first segment (the budget's bucket when smaller)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["last_B", "sample_B", "stopped_B", "tokens_NxT", "logprobs_NxT", "lengths_N"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Rows of the current batch bucket (B) and the outputs of all N = P*m samples (indexed by sample):
+    last_B: the token each row feeds next; sample_B: its sample index; stopped_B: finished (or padding);
+    tokens_NxT / logprobs_NxT: drawn tokens and their log-probs (0 after the end); lengths_N: tokens drawn."""
+
+    last_B: jax.Array
+    sample_B: jax.Array
+    stopped_B: jax.Array
+    tokens_NxT: jax.Array
+    logprobs_NxT: jax.Array
+    lengths_N: jax.Array
 
 
 def batch_shards(mesh) -> int:
@@ -37,65 +66,120 @@ def batch_shards(mesh) -> int:
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in DEFAULT_RULES.mesh_axes("batch"))
 
 
-def _prefill(graphdef, state, ids_PxS, mask_PxS, *, num_samples: int, new_tokens: int):
-    """Last-token logits [P, V], the prompt K/V cache, and an empty suffix cache for P*num_samples samples."""
-    TRACE_COUNTS["prefill"] += 1
-    model = nnx.merge(graphdef, state)
-    logits_PxV, prefix = model.prefill(ids_PxS, mask_PxS)
-    return logits_PxV, prefix, model.init_suffix(prefix, num_samples=num_samples, max_new_tokens=new_tokens)
+def capacity_ladder(new_tokens: int) -> tuple[int, ...]:
+    """Suffix capacities a decode walks through: FIRST_CAPACITY doubling, the last one `new_tokens` (the bucketed
+    budget). A step at position t reads at most max(FIRST_CAPACITY, 2t) slots."""
+    ladder = [min(FIRST_CAPACITY, new_tokens)]
+    while ladder[-1] < new_tokens:
+        ladder.append(min(2 * ladder[-1], new_tokens))
+    return tuple(ladder)
+
+
+def batch_bucket(live: int, shards: int) -> int:
+    """Rows that hold `live` samples: a power of two times the batch shard count, at least one row per shard."""
+    per_shard = -(-max(live, 1) // shards)
+    return shards * (1 << (per_shard - 1).bit_length())
 
 
 def _is_stop(tokens_B, stops_Z):
     return (tokens_B[:, None] == stops_Z[None, :]).any(-1)
 
 
-def _decode(graphdef, state, logits_PxV, prefix: PrefixCache, suffix: SuffixCache, key, temperature, top_p,
-            stops_Z, max_new_tokens, num_real, *, num_samples: int, spec: SamplerSpec):
-    """Sample up to max_new_tokens per sample: (tokens [B, T] (0 after the end), log-probs [B, T], lengths [B],
-    stopped [B], steps: tokens generated per sample at most) and the final suffix cache (returned only so the
-    donated input buffer is updated in place). Samples b >= num_real (dummy prompts) count as stopped."""
-    TRACE_COUNTS["decode"] += 1
+def _draw(logits_BxV, sample_B, t, key, temperature, top_p, spec: SamplerSpec):
+    """Token t of each row's sample with key fold_in(fold_in(key, sample), t), and its log-prob."""
+    keys_B = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(key, s), t))(sample_B)
+    return sample_tokens(logits_BxV, keys_B, temperature, top_p, spec)
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+def _prefill(graphdef, state, ids_PxS, mask_PxS, *, num_samples: int, capacity: int):
+    """Last-token logits [P, V], the prompt K/V cache, and an empty suffix of `capacity` slots per sample."""
+    TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
-    P_, T = logits_PxV.shape[0], suffix.k.shape[3]
-    B = P_ * num_samples
-    sample_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(B))
+    logits_PxV, prefix = model.prefill(ids_PxS, mask_PxS)
+    return logits_PxV, prefix, model.init_suffix(prefix, num_samples=num_samples, max_new_tokens=capacity)
 
-    def draw(logits_BxV, t):
-        step_keys_B = jax.vmap(jax.random.fold_in, (0, None))(sample_keys_B, t)
-        return sample_tokens(logits_BxV, step_keys_B, temperature, top_p, spec)
 
-    tok0_B, lp0_B = draw(jnp.repeat(logits_PxV, num_samples, axis=0), 0)
-    tokens_BxT = jnp.zeros((B, T), jnp.int32).at[:, 0].set(tok0_B)
-    logprobs_BxT = jnp.zeros((B, T), jnp.float32).at[:, 0].set(lp0_B)
-    stopped_B = _is_stop(tok0_B, stops_Z) | (jnp.arange(B) >= num_real)
-    carry = (jnp.int32(1), tokens_BxT, logprobs_BxT, jnp.ones((B,), jnp.int32), stopped_B, suffix)
+def _start(logits_PxV, key, temperature, top_p, stops_Z, num_real, *, num_samples: int, new_tokens: int,
+           spec: SamplerSpec) -> DecodeState:
+    """Token 0 of every sample, drawn from its prompt's prefill logits; samples b >= num_real start stopped."""
+    TRACE_COUNTS["start"] += 1
+    N = logits_PxV.shape[0] * num_samples
+    sample_N = jnp.arange(N, dtype=jnp.int32)
+    tok_N, lp_N = _draw(jnp.repeat(logits_PxV, num_samples, axis=0), sample_N, 0, key, temperature, top_p, spec)
+    return DecodeState(last_B=tok_N, sample_B=sample_N, stopped_B=_is_stop(tok_N, stops_Z) | (sample_N >= num_real),
+                       tokens_NxT=jnp.zeros((N, new_tokens), jnp.int32).at[:, 0].set(tok_N),
+                       logprobs_NxT=jnp.zeros((N, new_tokens), jnp.float32).at[:, 0].set(lp_N),
+                       lengths_N=jnp.ones((N,), jnp.int32))
+
+
+def _decode_layers(graphdef, state):
+    """Each layer's weights, sliced and cast to the compute dtype once per rollout (see Qwen3.decode_layers)."""
+    TRACE_COUNTS["decode_layers"] += 1
+    return nnx.merge(graphdef, state).decode_layers()
+
+
+def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, ds: DecodeState, t, t_end,
+             min_live, key, temperature, top_p, stops_Z, *, spec: SamplerSpec):
+    """Decode steps t, t+1, ... (step t feeds token t-1 into slot t-1 and draws token t) while t < t_end, some
+    row is live and more than `min_live` rows are. Returns (state, suffix, t, live rows)."""
+    TRACE_COUNTS["segment"] += 1
+    model = nnx.merge(graphdef, state)
+    N = ds.lengths_N.shape[0]
 
     def cond(c):
-        t, *_, stopped_B, _ = c
-        return (t < max_new_tokens) & ~stopped_B.all()
+        t, ds, _ = c
+        live = jnp.sum(~ds.stopped_B)
+        return (t < t_end) & (live > 0) & (live > min_live)
 
     def body(c):
-        t, tokens_BxT, logprobs_BxT, lengths_B, stopped_B, suffix = c
-        prev_B = jax.lax.dynamic_index_in_dim(tokens_BxT, t - 1, axis=1, keepdims=False)
-        logits_BxV, suffix = model.decode_step(prev_B, prefix, suffix, step=t - 1)
-        tok_B, lp_B = draw(logits_BxV, t)
-        live_B = ~stopped_B
-        tok_B, lp_B = jnp.where(live_B, tok_B, 0), jnp.where(live_B, lp_B, 0.0)
-        tokens_BxT = jax.lax.dynamic_update_index_in_dim(tokens_BxT, tok_B, t, axis=1)
-        logprobs_BxT = jax.lax.dynamic_update_index_in_dim(logprobs_BxT, lp_B, t, axis=1)
-        stopped_B = stopped_B | (live_B & _is_stop(tok_B, stops_Z))
-        return t + 1, tokens_BxT, logprobs_BxT, lengths_B + live_B, stopped_B, suffix
+        t, ds, suffix = c
+        logits_BxV, suffix = model.decode_step(ds.last_B, prefix, suffix, step=t - 1, layers=layers)
+        tok_B, lp_B = _draw(logits_BxV, ds.sample_B, t, key, temperature, top_p, spec)
+        live_B = ~ds.stopped_B
+        dest_B = jnp.where(live_B, ds.sample_B, N)  # stopped rows write nowhere (index N is dropped)
+        ds = DecodeState(
+            last_B=tok_B, sample_B=ds.sample_B, stopped_B=ds.stopped_B | (live_B & _is_stop(tok_B, stops_Z)),
+            tokens_NxT=ds.tokens_NxT.at[dest_B, t].set(tok_B, mode="drop"),
+            logprobs_NxT=ds.logprobs_NxT.at[dest_B, t].set(lp_B, mode="drop"),
+            lengths_N=ds.lengths_N.at[dest_B].add(1, mode="drop"))
+        return t + 1, ds, suffix
 
-    steps, tokens_BxT, logprobs_BxT, lengths_B, stopped_B, suffix = jax.lax.while_loop(cond, body, carry)
-    return (tokens_BxT, logprobs_BxT, lengths_B, stopped_B, steps), suffix
+    t, ds, suffix = jax.lax.while_loop(cond, body, (t, ds, suffix))
+    return ds, suffix, t, jnp.sum(~ds.stopped_B)
 
 
+def _live_rows(last_B, sample_B, stopped_B, *, rows: int):
+    """The per-row state cut to `rows` rows, live rows first (in their current order), and the old row of each."""
+    TRACE_COUNTS["live_rows"] += 1
+    keep_R = jnp.argsort(stopped_B, stable=True)[:rows].astype(jnp.int32)
+    return last_B[keep_R], sample_B[keep_R], stopped_B[keep_R], keep_R
+
+
+def compact(mesh, ds: DecodeState, rows: int) -> tuple[DecodeState, jax.Array]:
+    """`ds` with its live rows first in a batch of `rows`, and the old row of each new one."""
+    last_R, sample_R, stopped_R, keep_R = live_rows_fn(mesh)(ds.last_B, ds.sample_B, ds.stopped_B, rows=rows)
+    return dataclasses.replace(ds, last_B=last_R, sample_B=sample_R, stopped_B=stopped_R), keep_R
+
+
+def _regroup(k_BxGxWxK, v_BxGxWxK, rows_R, *, capacity: int):
+    """One layer's K/V: rows `rows_R` (None: all), padded with empty slots up to `capacity`."""
+    TRACE_COUNTS["regroup"] += 1
+
+    def one(x):
+        x = x if rows_R is None else x[rows_R]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - x.shape[2]), (0, 0)))
+
+    return one(k_BxGxWxK), one(v_BxGxWxK)
+
+
+# ------------------------------------------------------------------------------------------------ shardings
 def _kv_sharding(mesh, num_kv_heads: int) -> NamedSharding:
-    """[layers, batch, kv_heads, length, head_dim]: batch over data/fsdp, KV heads over tensor (parallel's rules).
+    """One layer's [batch, kv_heads, length, head_dim]: batch over data/fsdp, KV heads over tensor.
 
     Errors if the model's KV heads do not divide the tensor axis (the batch is bucketed to divide its axes)."""
-    check_shape = (1, batch_shards(mesh), num_kv_heads, 1, 1)
-    spec = DEFAULT_RULES.spec(("layers", "batch", "kv_heads", "seq", "head_dim"), check_shape, mesh, "KV cache")
+    spec = DEFAULT_RULES.spec(("batch", "kv_heads", "seq", "head_dim"), (batch_shards(mesh), num_kv_heads, 1, 1),
+                              mesh, "KV cache")
     return NamedSharding(mesh, spec)
 
 
@@ -104,26 +188,82 @@ def batch_sharding(mesh, ndim: int) -> NamedSharding:
     return parallel.batch_sharding(mesh, ndim=ndim)
 
 
+def _state_sharding(mesh) -> DecodeState:
+    b1, b2 = batch_sharding(mesh, 1), batch_sharding(mesh, 2)
+    return DecodeState(last_B=b1, sample_B=b1, stopped_B=b1, tokens_NxT=b2, logprobs_NxT=b2, lengths_N=b1)
+
+
+def _caches_sharding(mesh, num_kv_heads: int, num_layers: int):
+    kv = (_kv_sharding(mesh, num_kv_heads),) * num_layers
+    prefix = PrefixCache(k=kv, v=kv, mask=batch_sharding(mesh, 2), lengths=batch_sharding(mesh, 1))
+    return prefix, SuffixCache(k=kv, v=kv)
+
+
+# ------------------------------------------------------------------------------------------------ jitted, per mesh
 @functools.lru_cache(maxsize=None)
-def prefill_fn(mesh, num_kv_heads: int):
+def prefill_fn(mesh, num_kv_heads: int, num_layers: int):
     """jit(_prefill), with the caches' shardings pinned on `mesh` (None: single device, no constraints)."""
-    static = ("graphdef", "num_samples", "new_tokens")
+    static = ("graphdef", "num_samples", "capacity")
     if mesh is None:
         return jax.jit(_prefill, static_argnames=static)
-    kv = _kv_sharding(mesh, num_kv_heads)
-    prefix = PrefixCache(k=kv, v=kv, mask=batch_sharding(mesh, 2), lengths=batch_sharding(mesh, 1))
-    return jax.jit(_prefill, static_argnames=static,
-                   out_shardings=(batch_sharding(mesh, 2), prefix, SuffixCache(k=kv, v=kv)))
+    prefix, suffix = _caches_sharding(mesh, num_kv_heads, num_layers)
+    return jax.jit(_prefill, static_argnames=static, out_shardings=(batch_sharding(mesh, 2), prefix, suffix))
 
 
 @functools.lru_cache(maxsize=None)
-def decode_fn(mesh, num_kv_heads: int):
-    """jit(_decode) with the suffix cache donated; outputs sharded over the batch on `mesh`."""
-    static = ("graphdef", "num_samples", "spec")
+def decode_layers_fn(mesh):
+    """jit(_decode_layers); each slice keeps its parameter's sharding (GSPMD propagates it)."""
+    return jax.jit(_decode_layers, static_argnames=("graphdef",))
+
+
+@functools.lru_cache(maxsize=None)
+def start_fn(mesh):
+    static = ("num_samples", "new_tokens", "spec")
     if mesh is None:
-        return jax.jit(_decode, static_argnames=static, donate_argnames=("suffix",))
+        return jax.jit(_start, static_argnames=static)
+    return jax.jit(_start, static_argnames=static, out_shardings=_state_sharding(mesh))
+
+
+@functools.lru_cache(maxsize=None)
+def segment_fn(mesh, num_kv_heads: int, num_layers: int):
+    """jit(_segment) with the suffix cache and the decode state donated (updated in place)."""
+    static, donate = ("graphdef", "spec"), ("suffix", "ds")
+    if mesh is None:
+        return jax.jit(_segment, static_argnames=static, donate_argnames=donate)
+    _, suffix = _caches_sharding(mesh, num_kv_heads, num_layers)
+    scalar = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(_segment, static_argnames=static, donate_argnames=donate,
+                   out_shardings=(_state_sharding(mesh), suffix, scalar, scalar))
+
+
+@functools.lru_cache(maxsize=None)
+def live_rows_fn(mesh):
+    if mesh is None:
+        return jax.jit(_live_rows, static_argnames=("rows",))
+    b1 = batch_sharding(mesh, 1)
+    return jax.jit(_live_rows, static_argnames=("rows",),
+                   out_shardings=(b1, b1, b1, NamedSharding(mesh, PartitionSpec())))
+
+
+@functools.lru_cache(maxsize=None)
+def regroup_fn(mesh, num_kv_heads: int):
+    """jit(_regroup), one layer at a time (the caller frees each old layer as soon as it has moved; donation would
+    not help: the output has another shape)."""
+    kw = dict(static_argnames=("capacity",))
+    if mesh is None:
+        return jax.jit(_regroup, **kw)
     kv = _kv_sharding(mesh, num_kv_heads)
-    out = (batch_sharding(mesh, 2), batch_sharding(mesh, 2), batch_sharding(mesh, 1), batch_sharding(mesh, 1),
-           NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return jax.jit(_decode, static_argnames=static, donate_argnames=("suffix",),
-                   out_shardings=(out, SuffixCache(k=kv, v=kv)))
+    return jax.jit(_regroup, out_shardings=(kv, kv), **kw)
+
+
+def _gather_rows(x_Bx___, rows_R):
+    TRACE_COUNTS["gather_rows"] += 1
+    return x_Bx___[rows_R]
+
+
+@functools.lru_cache(maxsize=None)
+def gather_rows_fn(mesh, ndim: int):
+    """Rows of a batch-leading array (the prefix mask and lengths when each row gets its own prefix)."""
+    if mesh is None:
+        return jax.jit(_gather_rows)
+    return jax.jit(_gather_rows, out_shardings=batch_sharding(mesh, ndim))

@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
 from g2rl_jax import parallel
+from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
 from g2rl_jax.rollout import batching, engine
 from g2rl_jax.rollout.sampling import spec_for
 
@@ -109,12 +110,14 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
         outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=len(prompts),
                           num_samples=num_samples, temperature=temperature, top_p=top_p,
                           stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens)
+    outs, decode_steps = outs  # decode_steps: the longest completion over the global batch (every process)
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
-    decode_steps = int(outs[4])  # the longest completion over the global batch: the same on every process
     width = min(batching.new_tokens_bucket(decode_steps), sizes.new_tokens)  # decode_steps >= 1: token 0 is drawn
     tokens_BxT, logprobs_BxT = (parallel.gather(x)[rows, :width] for x in outs[:2])
-    lengths_B, stopped_B = (parallel.gather(x)[rows] for x in outs[2:4])
+    lengths_B = parallel.gather(outs[2])[rows]
+    last_B = tokens_BxT[np.arange(len(lengths_B)), lengths_B - 1]
+    stopped_B = np.isin(last_B, np.asarray(list(stop_token_ids), np.int64))  # a sample stops on its stop token
     sample_prompt_B = np.repeat(np.arange(len(prompts)), num_samples)[rows]
     return _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
                      lengths_B, stopped_B, decode_steps)
@@ -141,19 +144,66 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
 
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
                temperature, top_p, stop_token_ids, seed, max_new_tokens):
-    """Place parameters and prompts on `mesh`, prefill once, decode; the decode outputs (device arrays)."""
+    """Place parameters and prompts on `mesh`, prefill once, decode segment by segment (see engine.py):
+    (tokens [N, T], log-probs [N, T], lengths [N]) as device arrays and the decode steps taken."""
     cfg = model.config
+    G, L, shards = cfg.num_key_value_heads, cfg.num_hidden_layers, engine.batch_shards(mesh)
     graphdef, state = nnx.split(model)
     if mesh is not None:  # a no-op (zero-copy) when the parameters already sit on these shardings
         state = jax.device_put(state, parallel.state_shardings(state, mesh))
         ids_PxS, mask_PxS = jax.device_put((ids_PxS, mask_PxS), engine.batch_sharding(mesh, 2))
-    logits_PxV, prefix, suffix = engine.prefill_fn(mesh, cfg.num_key_value_heads)(
-        graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, new_tokens=sizes.new_tokens)
-    outs, _ = engine.decode_fn(mesh, cfg.num_key_value_heads)(
-        graphdef, state, logits_PxV, prefix, suffix, jax.random.key(seed), jnp.float32(temperature),
-        jnp.float32(top_p), batching.stop_array(stop_token_ids), jnp.int32(max_new_tokens),
-        jnp.int32(num_real_prompts * num_samples), num_samples=num_samples, spec=spec)
-    return outs
+    ladder = engine.capacity_ladder(sizes.new_tokens)
+    logits_PxV, prefix, suffix = engine.prefill_fn(mesh, G, L)(
+        graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, capacity=ladder[0])
+    key, temp, top_p, stops = (jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p),
+                               batching.stop_array(stop_token_ids))
+    ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, jnp.int32(num_real_prompts * num_samples),
+                               num_samples=num_samples, new_tokens=sizes.new_tokens, spec=spec)
+    layers = engine.decode_layers_fn(mesh)(graphdef, state)
+    t, level, per_prefix = 1, 0, num_samples
+    while True:
+        rows = ds.last_B.shape[0]
+        min_live = rows // 2 if rows // 2 >= shards else -1  # end the segment once half the rows could go
+        t_end = min(ladder[level] + 1, max_new_tokens)
+        ds, suffix, t_dev, live_dev = engine.segment_fn(mesh, G, L)(
+            graphdef, state, layers, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,
+            top_p, stops, spec=spec)
+        t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
+        if live == 0 or t >= max_new_tokens:
+            return (ds.tokens_NxT, ds.logprobs_NxT, ds.lengths_N), t
+        keep_R = None
+        if live <= min_live:  # compact: live rows into a smaller bucket, each with its own prompt prefix
+            ds, keep_R = engine.compact(mesh, ds, engine.batch_bucket(live, shards))
+            prefix = _take_prefix_rows(mesh, G, prefix, keep_R // per_prefix)
+            per_prefix = 1
+        level += t > ladder[level]  # the cache is full: move to the next capacity
+        suffix = _regroup(engine.regroup_fn(mesh, G), suffix, keep_R, ladder[level])
+
+
+def _take_prefix_rows(mesh, num_kv_heads, prefix: PrefixCache, rows_R) -> PrefixCache:
+    """Prefix rows `rows_R` (one per batch row), layer by layer."""
+    k, v = _per_layer(engine.regroup_fn(mesh, num_kv_heads), prefix.k, prefix.v, rows_R, prefix.k[0].shape[2])
+    return PrefixCache(k=k, v=v, mask=engine.gather_rows_fn(mesh, 2)(prefix.mask, rows_R),
+                       lengths=engine.gather_rows_fn(mesh, 1)(prefix.lengths, rows_R))
+
+
+def _regroup(fn, suffix: SuffixCache, rows_R, capacity: int) -> SuffixCache:
+    if rows_R is None and capacity == suffix.capacity:
+        return suffix
+    k, v = _per_layer(fn, suffix.k, suffix.v, rows_R, capacity)
+    return SuffixCache(k=k, v=v)
+
+
+def _per_layer(fn, ks, vs, rows_R, capacity):
+    """Move each layer's K/V to its new rows / capacity, one layer at a time, freeing each old buffer at once: the
+    peak holds the new cache plus one old layer, never two whole caches."""
+    ks, vs = list(ks), list(vs)
+    for i in range(len(ks)):
+        old = ks[i], vs[i]
+        ks[i], vs[i] = fn(*old, rows_R, capacity=capacity)
+        for x in old:
+            x.delete()
+    return tuple(ks), tuple(vs)
 
 
 def _assemble(num_samples, ids_BxS, mask_BxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,
@@ -169,3 +219,14 @@ def _assemble(num_samples, ids_BxS, mask_BxS, tokens_BxT, logprobs_BxT, lengths_
         completion_ids_BxT=np.where(mask_BxT, tokens_BxT, 0).astype(np.int32), completion_mask_BxT=mask_BxT,
         logprobs_BxT=np.where(mask_BxT, logprobs_BxT, 0.0).astype(np.float32),
         completion_lengths=lengths_B.astype(np.int32), decode_steps=decode_steps)
+
+
+def logprob_drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT) -> dict[str, float]:
+    """How far the sampler's log-probs are from the scoring pass's, over response tokens: the mean and max of
+    |sampler - scorer| (metrics rollout_logprob_diff_mean / _max). The two engines compute the same quantity
+    (log softmax(z / T)[token]), so a value far above float rounding means they drifted apart."""
+    mask_BxT = jnp.asarray(response_mask_BxT) > 0
+    diff_BxT = jnp.where(mask_BxT, jnp.abs(jnp.asarray(sampler_logp_BxT, jnp.float32)
+                                           - jnp.asarray(scorer_logp_BxT, jnp.float32)), 0.0)
+    return {"rollout_logprob_diff_mean": float(diff_BxT.sum() / jnp.maximum(mask_BxT.sum(), 1)),
+            "rollout_logprob_diff_max": float(diff_BxT.max())}

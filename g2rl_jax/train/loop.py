@@ -37,7 +37,7 @@ from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rewards.scoring import compute_rewards
-from g2rl_jax.rollout import Rollout, generate
+from g2rl_jax.rollout import Rollout, generate, logprob_drift
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import report
 from g2rl_jax.train import step as train_step
@@ -255,6 +255,7 @@ class Trainer:
         info["padding"] += passes * plan.padding
         metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
         metrics["truncated_fraction"] = float(jnp.mean(truncated_B))  # share of responses that hit the budget
+        metrics |= logprob_drift(shard_rows(rollout.logprobs_BxT, self.mesh), scores.logp_BxT, batch.response_mask)
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
     def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B) -> dict[str, float]:

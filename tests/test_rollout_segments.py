@@ -1,0 +1,148 @@
+"""Segmented decode: the KV cache is written in place (XLA's memory analysis of the compiled segment), the same
+seed samples the same completions whatever the budget, the cache capacities, the batch buckets, the compaction
+and the sharding, and a run compiles a bounded set of shapes. One tiny random Qwen3 per module."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from g2rl_jax.model import load_pretrained
+from g2rl_jax.parallel import MeshConfig, make_mesh
+from g2rl_jax.rollout import batching, engine, generate, logprob_drift
+from g2rl_jax.rollout.sampling import spec_for
+
+from hf_tiny import make_tiny_qwen3_dir
+
+PROMPTS = [[5, 17, 99, 3], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [42], [100, 3, 64, 2, 9, 88, 31]]
+STOPS = tuple(range(0, 128, 16))  # with this model: lengths mean ~20, max ~70 over 32 samples at T = 1
+KW = dict(temperature=1.0, num_samples=8, stop_token_ids=STOPS, seed=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_qwen3_dir(tmp_path_factory.mktemp("tiny_qwen3"), initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_pretrained(model_dir)
+
+
+@pytest.fixture
+def first_capacity_16(monkeypatch):
+    """Start with 16 slots so that the short test budgets walk through several capacities."""
+    monkeypatch.setattr(engine, "FIRST_CAPACITY", 16)
+
+
+@pytest.fixture(scope="module")
+def long_budget(model):
+    """A budget of 192 (capacities 16..256): the reference every other run is compared with."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "FIRST_CAPACITY", 16)
+        before = engine.TRACE_COUNTS.copy()
+        r = generate(model, PROMPTS, max_new_tokens=192, **KW)
+    return r, engine.TRACE_COUNTS - before
+
+
+def test_long_budget_compacts_and_grows(long_budget):
+    r, traced = long_budget
+    lengths = np.array(list(map(len, r.completion_ids)))
+    assert r.finish_reasons == ["stop"] * 32 and 1 < np.median(lengths) < 40 and lengths.max() > 32, lengths
+    assert traced["live_rows"] >= 2 and traced["regroup"] >= 2, traced  # the batch shrank and the cache grew
+    assert r.decode_steps == lengths.max() and r.completion_ids_BxT.shape[1] == batching.new_tokens_bucket(
+        int(lengths.max()))
+
+
+def test_same_completions_whatever_budget(model, long_budget, first_capacity_16):
+    """Budget 24 (one capacity, 8x smaller): the same tokens, cut at 24."""
+    big, _ = long_budget
+    small = generate(model, PROMPTS, max_new_tokens=24, **KW)
+    for b, (short, full) in enumerate(zip(small.completion_ids, big.completion_ids)):
+        assert short == full[:24], b
+        assert small.finish_reasons[b] == ("stop" if len(full) <= 24 else "length")
+        np.testing.assert_allclose(small.logprobs[b], big.logprobs[b][:24], atol=1e-5)
+
+
+def test_same_completions_whatever_batch(model, long_budget, first_capacity_16):
+    """Prompt 0 alone: its 8 samples in batch buckets of 8, 4, ... instead of 32, 16, ..., budget 24."""
+    big, _ = long_budget
+    alone = generate(model, PROMPTS[:1], max_new_tokens=24, **KW)
+    assert alone.completion_ids == [ids[:24] for ids in big.completion_ids[:8]]
+
+
+def test_sharded_compaction_samples_the_same(model_dir, long_budget, first_capacity_16):
+    """data 2 x fsdp 2 x tensor 2: batch buckets are multiples of 4 rows, compaction gathers across devices."""
+    big, _ = long_budget
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = load_pretrained(model_dir, mesh=mesh)
+    before = engine.TRACE_COUNTS.copy()
+    with jax.set_mesh(mesh):
+        r = generate(sharded, PROMPTS, max_new_tokens=24, **KW)
+    assert (engine.TRACE_COUNTS - before)["live_rows"] >= 1, "no compaction happened"
+    assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
+    for b, lp in enumerate(r.logprobs):
+        np.testing.assert_allclose(lp, big.logprobs[b][:24], atol=1e-5)
+
+
+def test_compiles_bounded_and_reused(model, long_budget, first_capacity_16):
+    """Several seeds (different stop times, so different compaction paths) compile at most one segment per
+    (capacity, batch bucket) pair; running the same seeds again compiles nothing."""
+    def run():
+        for seed in (2, 3):
+            generate(model, PROMPTS, max_new_tokens=192, **{**KW, "seed": seed})
+
+    before = engine.TRACE_COUNTS.copy()
+    run()
+    first = engine.TRACE_COUNTS - before
+    capacities, buckets = len(engine.capacity_ladder(256)), len({engine.batch_bucket(n, 1) for n in range(1, 33)})
+    assert first["segment"] <= capacities * buckets and first["prefill"] == 0, first  # prefill: same bucket
+    again = engine.TRACE_COUNTS.copy()
+    run()
+    assert engine.TRACE_COUNTS == again, engine.TRACE_COUNTS - again
+
+
+def _segment_memory(model, capacity: int, rows_per_prompt: int = 8, prompts: int = 4):
+    """(XLA temporary bytes of the compiled segment, suffix cache bytes) at this capacity."""
+    graphdef, state = nnx.split(model)
+    cfg = model.config
+    G, L = cfg.num_key_value_heads, cfg.num_hidden_layers
+    ids, mask = np.ones((prompts, 16), np.int32), np.ones((prompts, 16), bool)
+    spec, stops = spec_for(1.0, 1.0, 0, cfg.vocab_size), batching.stop_array(())
+    logits, prefix, suffix = engine.prefill_fn(None, G, L)(graphdef, state, ids, mask, num_samples=rows_per_prompt,
+                                                           capacity=capacity)
+    ds = engine.start_fn(None)(logits, jax.random.key(0), jnp.float32(1), jnp.float32(1), stops,
+                               jnp.int32(prompts * rows_per_prompt), num_samples=rows_per_prompt, new_tokens=256,
+                               spec=spec)
+    layers = engine.decode_layers_fn(None)(graphdef, state)
+    compiled = engine.segment_fn(None, G, L).lower(
+        graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(capacity), jnp.int32(-1),
+        jax.random.key(0), jnp.float32(1), jnp.float32(1), stops, spec=spec).compile()
+    stats = compiled.memory_analysis()
+    assert stats.alias_size_in_bytes >= sum(x.nbytes for x in suffix.k + suffix.v), "the suffix is not donated"
+    return stats.temp_size_in_bytes, sum(x.nbytes for x in suffix.k + suffix.v)
+
+
+def test_decode_temporaries_do_not_grow_with_the_cache(model):
+    """8x the slots: the cache grows 8x, the step's temporaries only by its attention scores (a few [B, H, W]
+    float32 rows), never by a copy of a layer's cache."""
+    (temp_small, cache_small), (temp_big, cache_big) = _segment_memory(model, 32), _segment_memory(model, 256)
+    cfg = model.config
+    assert cache_big == 8 * cache_small
+    scores_growth = 32 * cfg.num_attention_heads * (256 - 32) * 4  # one layer's [B, H, dW] float32 scores
+    layer_kv = cache_big // cfg.num_hidden_layers
+    assert temp_big - temp_small <= 4 * scores_growth < layer_kv / 2, (temp_small, temp_big, scores_growth)
+
+
+def test_logprob_drift_matches_numpy():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(6, 9)), rng.normal(size=(6, 9))
+    mask = rng.random((6, 9)) < 0.6
+    b[~mask] += 100.0  # differences outside the response must not count
+    diff = np.abs(a - b)[mask]
+    got = logprob_drift(a.astype(np.float32), b.astype(np.float32), mask.astype(np.float32))
+    np.testing.assert_allclose([got["rollout_logprob_diff_mean"], got["rollout_logprob_diff_max"]],
+                               [diff.mean(), diff.max()], rtol=1e-5)
+    assert logprob_drift(a, a, np.zeros_like(a)) == {"rollout_logprob_diff_mean": 0.0, "rollout_logprob_diff_max": 0.0}
