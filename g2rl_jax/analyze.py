@@ -225,16 +225,18 @@ def sample_group_features(model, tokenizer, examples, template: str, sampling: S
                          np.concatenate(lengths).reshape(-1, m))
 
 
-def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: int, mesh) -> np.ndarray:
+def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: int, mesh,
+                 max_tokens: int) -> np.ndarray:
     """Last-token-pooled, L2-normalised embeddings [G, m, E] of the texts (the trainer's EVOL-RL encoder path:
-    left padding, the tokenizer's eos appended, the final position's hidden state), `rows_per_call` at a time."""
+    left padding, the tokenizer's eos appended, the final position's hidden state, each text's last `max_tokens`
+    tokens), `rows_per_call` at a time."""
     from g2rl_jax.train.setup import embed_texts
 
     out = []
     for start in range(0, len(texts), rows_per_call):
         chunk = texts[start:start + rows_per_call]
         padded = chunk + [chunk[-1]] * (rows_per_call - len(chunk))
-        out.append(np.asarray(embed_texts(embedder, tokenizer, padded, mesh), np.float64)[:len(chunk)])
+        out.append(np.asarray(embed_texts(embedder, tokenizer, padded, mesh, max_tokens), np.float64)[:len(chunk)])
     e = np.concatenate(out)
     return e.reshape(-1, m, e.shape[-1])
 
@@ -259,6 +261,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate/score call")
     p.add_argument("--micro-batch", type=int, default=8, help="responses per scoring micro-batch")
     p.add_argument("--embedding-model", type=Path, help="Qwen3-Embedding-architecture HF dir for semantic cosines")
+    p.add_argument("--embedding-max-tokens", type=int, default=1024,
+                   help="tokens embedded per response, the tail kept (as algorithm.embedding_max_tokens)")
     p.add_argument("--bins", type=int, default=HIST_BINS, help="histogram bins over [-1, 1]")
     p.add_argument("--seed", type=int, default=0, help="seed of the problem draw and of sampling")
     p.add_argument("--out", type=Path, default=Path("runs/analysis"))
@@ -339,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         del model
         sem_cos = None
         if embedder is not None:
-            emb = embed_groups(embedder, embed_tokenizer, features.texts, args.samples, rows_per_call, mesh)
+            emb = embed_groups(embedder, embed_tokenizer, features.texts, args.samples, rows_per_call, mesh,
+                               args.embedding_max_tokens)
             sem_cos = pairwise_cosines(emb)
         stats = geometry_stats(pairwise_cosines(features.phi_GxmxD), sem_cos, args.bins)
         models[source.label] = {"source": str(source.path), "kind": source.kind,
