@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import parallel
-from g2rl_jax.config import Config, ConfigError, save_resolved
+from g2rl_jax.config import Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found, score_batch
@@ -38,7 +38,7 @@ from g2rl_jax.rollout import Rollout, generate
 from g2rl_jax.train import dynamic, report
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, checkpoint_dir
-from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
+from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics
 from g2rl_jax.train.setup import (embed_texts, on_mesh, preflight, resolve_model_paths, runtime_config, shard_rows,
                                   stop_token_ids, usable_examples)
 
@@ -86,6 +86,7 @@ class Trainer:
 
         self.started = time.perf_counter()
         preflight(cfg, model_dirs=False)
+        check_loggers(cfg.run.loggers)
         if jax.process_index() == 0:  # one writer when the hosts share run.output_dir; demo: paths kept as given
             save_resolved(cfg, Path(cfg.run.output_dir))
         cfg = resolve_model_paths(cfg)  # builds the demo model on first use
@@ -319,7 +320,7 @@ class Trainer:
         summary.json and curves.png (g2rl_jax/train/report.py)."""
         cfg = self.cfg.run
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
-        writer = MetricsWriter(self.run_dir, start_step=self.step)
+        writer = MetricsWriter(self.run_dir, start_step=self.step, loggers=cfg.loggers, config=to_dict(self.cfg))
         if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
             writer.write(0, self.validate())
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
