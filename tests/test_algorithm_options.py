@@ -4,9 +4,12 @@ determinism), truncated importance weights against the sampler, the sequence-lev
 The equations themselves are checked against float64 NumPy in test_losses.py and test_g2rl.py; here they run
 inside real Trainer steps on the tiny random Qwen3 of test_train.py.
 """
+import pathlib
+
 import numpy as np
 import pytest
 
+from g2rl_jax.config import ConfigError, format_help, load_config
 from g2rl_jax.rollout import generate
 from g2rl_jax.train import dynamic
 from g2rl_jax.train import loop as train_loop
@@ -15,6 +18,37 @@ from g2rl_jax.train.metrics import read_metrics
 from test_train import assets, config  # noqa: F401 - the module-scoped tiny-model fixture and its config
 
 STEPS = 3
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.dynamic_sampling=true", "needs algorithm.filter_equal_groups=true"),
+    ("algorithm.rollout_is_cap=0.5", "must be >= 1 or null"),
+    ("algorithm.ratio_level=response", "choose one of token, sequence"),
+    ("algorithm.single_class_groups=drop", "choose one of shaped, zero"),
+    ("algorithm.max_sampling_rounds=0", "must be >= 1"),
+    ("algorithm.embedding_max_tokens=1", "must be >= 2"),
+    ("run.loggers=tensorboard", "must include jsonl"),
+    ("run.loggers=jsonl,mlflow", "unknown logger"),
+])
+def test_new_keys_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml", [override])
+
+
+def test_help_and_configs_name_the_new_keys():
+    text = format_help()
+    for key in ("ratio_level", "rollout_is_cap", "dynamic_sampling", "max_sampling_rounds", "single_class_groups",
+                "embedding_max_tokens", "run.loggers"):
+        assert key in text
+    assert "paper: low_var_kl" not in text and "paper: same as training" not in text  # the paper says neither
+    other = load_config(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml", ["algorithm.mini_batch_size=16"])
+    responses = other.data.prompts_per_step * other.rollout.num_samples
+    assert responses // other.algorithm.mini_batch_size == 16  # the other reading: 1 prompt x 16 per update
+    for mode in ("grpo", "entropy_bonus", "evol", "g2rl"):
+        cfg = load_config(ROOT / "configs" / f"qwen3_4b_{mode}.yaml")
+        assert (cfg.algorithm.exploration, cfg.rollout.max_new_tokens, cfg.model.path) == (
+            mode, 12288, "models/Qwen3-4B-Base")
 
 
 def np_choose(mixed_per_round, blocks, block):
