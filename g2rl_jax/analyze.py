@@ -23,7 +23,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,18 @@ def run_config(run_dir: Path):
         raise FileNotFoundError(f"{path} not found: a g2rl_jax run directory holds the config.yaml the trainer "
                                 "wrote; pass the run directory or one of its checkpoints/<step> directories")
     return load_config(path)
+
+
+def run_defaults(checkpoints: Sequence[Path], pick: Callable[[Any], dict]) -> dict:
+    """Defaults for the flags a user left unset, from the runs' config.yaml: `pick(cfg)` -> {flag: value}. Runs
+    that disagree on a value raise ValueError naming the flag to pass."""
+    values: dict = {}
+    for path in checkpoints:
+        for flag, value in pick(run_config(resolve_checkpoint(path)[0])).items():
+            if values.setdefault(flag, value) != value:
+                raise ValueError(f"the runs disagree on --{flag.replace('_', '-')} ({values[flag]} vs {value} in "
+                                 f"{path}); pass --{flag.replace('_', '-')} explicitly")
+    return values
 
 
 def runtime_of(model_cfg):
@@ -254,8 +266,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dataset", default="aime25", help="registered dataset name or a .jsonl path")
     p.add_argument("--problems", type=int, default=30, help="problems drawn at random (seeded) from the dataset")
     p.add_argument("--samples", type=int, default=8, help="responses per problem (the group size m)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, also Φ's T (0 = greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=8192)
+    p.add_argument("--temperature", type=float, help="sampling temperature, also Φ's T (0 = greedy); default: the "
+                   "checkpoints' rollout.temperature (the T training scored Φ at), else 1.0")
+    p.add_argument("--max-new-tokens", type=int, help="default: the checkpoints' rollout.max_new_tokens, else 8192")
     p.add_argument("--template", choices=("chat", "plain"),
                    help="prompt template (default: a checkpoint's data.prompt_template, chat for --model-path)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate/score call")
@@ -271,6 +284,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("give at least one --model-path or --checkpoint")
     if args.label and len(args.label) != len(args.models):
         p.error(f"{len(args.label)} --label for {len(args.models)} models; give one per model, in order, or none")
+    try:  # unset flags from the runs' config.yaml (--model-path dirs have none)
+        run = run_defaults([path for kind, path in args.models if kind == "checkpoint"],
+                           lambda c: {"temperature": c.rollout.temperature, "max_new_tokens": c.rollout.max_new_tokens})
+    except (FileNotFoundError, ValueError) as err:
+        p.error(str(err))
+    for flag, fallback in (("temperature", 1.0), ("max_new_tokens", 8192)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, run.get(flag, fallback))
     if args.samples < 2:
         p.error("--samples must be >= 2: cosines are taken between responses of the same problem")
     for name in ("problems", "batch_size", "micro_batch", "max_new_tokens", "bins"):
