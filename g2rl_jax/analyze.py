@@ -102,12 +102,13 @@ def run_config(run_dir: Path):
     return load_config(path)
 
 
-def run_defaults(checkpoints: Sequence[Path], pick: Callable[[Any], dict]) -> dict:
-    """Defaults for the flags a user left unset, from the runs' config.yaml: `pick(cfg)` -> {flag: value}. Runs
-    that disagree on a value raise ValueError naming the flag to pass."""
+def run_defaults(checkpoints: Sequence[Path], pick: Callable[[Any], dict], args: argparse.Namespace) -> dict:
+    """Defaults for the flags left unset (None) in `args`, from the runs' config.yaml: `pick(cfg)` -> {flag:
+    value}. Runs that disagree on an unset flag's value raise ValueError naming the flag to pass."""
     values: dict = {}
     for path in checkpoints:
-        for flag, value in pick(run_config(resolve_checkpoint(path)[0])).items():
+        picked = pick(run_config(resolve_checkpoint(path)[0]))
+        for flag, value in ((f, v) for f, v in picked.items() if getattr(args, f) is None):
             if values.setdefault(flag, value) != value:
                 raise ValueError(f"the runs disagree on --{flag.replace('_', '-')} ({values[flag]} vs {value} in "
                                  f"{path}); pass --{flag.replace('_', '-')} explicitly")
@@ -286,7 +287,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"{len(args.label)} --label for {len(args.models)} models; give one per model, in order, or none")
     try:  # unset flags from the runs' config.yaml (--model-path dirs have none)
         run = run_defaults([path for kind, path in args.models if kind == "checkpoint"],
-                           lambda c: {"temperature": c.rollout.temperature, "max_new_tokens": c.rollout.max_new_tokens})
+                           lambda c: {"temperature": c.rollout.temperature, "max_new_tokens": c.rollout.max_new_tokens},
+                           args)
     except (FileNotFoundError, ValueError) as err:
         p.error(str(err))
     for flag, fallback in (("temperature", 1.0), ("max_new_tokens", 8192)):

@@ -247,7 +247,7 @@ def _run_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         try:
             run = run_defaults([Path(args.checkpoint)], lambda c: {
                 "temperature": c.data.eval_temperature, "max_new_tokens": c.data.eval_max_new_tokens,
-                "template": c.data.prompt_template})
+                "template": c.data.prompt_template}, args)
         except (FileNotFoundError, ValueError) as err:
             p.error(str(err))
     for flag, fallback in (("temperature", 0.8), ("max_new_tokens", 8192), ("template", "chat")):
