@@ -8,6 +8,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from test_train import assets, config  # noqa: F401 - the module-scoped tiny-model fixture and its config
 
 from g2rl_jax.config import ConfigError, format_help, load_config
 from g2rl_jax.rollout import generate
@@ -15,7 +16,6 @@ from g2rl_jax.train import dynamic
 from g2rl_jax.train import loop as train_loop
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
-from test_train import assets, config  # noqa: F401 - the module-scoped tiny-model fixture and its config
 
 STEPS = 3
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -113,7 +113,8 @@ def test_sequence_ratio_matches_numpy(batch, agg, dual_clip):
     logp, old, adv, mask, entropy, ref = batch
     seq_logp = (old + np.random.default_rng(1).normal(scale=0.2, size=(B, 1))).astype(np.float32)  # shift per row
     seq_logp = seq_logp + (logp - old)  # and per token, so token ratios clip where the mean does not
-    kwargs = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, agg=agg, entropy_coef=0.01, kl_coef=0.1)
+    kwargs = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": dual_clip, "agg": agg, "entropy_coef": 0.01,
+              "kl_coef": 0.1}
     fn = jax.jit(lambda *a: losses.ppo_loss(*a[:4], entropy=a[4], ref_logp=a[5], ratio_level="sequence", **kwargs))
     loss, diag = fn(seq_logp, old, adv, mask, entropy, ref)
     want_loss, want_diag = np_ppo(seq_logp, old, adv, mask, 0.2, 0.28, dual_clip, agg, entropy, 0.01, ref, 0.1, "k3",
