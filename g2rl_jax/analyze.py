@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,20 @@ def geometry_stats(grad_cos_GxP, sem_cos_GxP=None, bins: int = HIST_BINS) -> dic
                              "both must come from the same response pairs")
         stats |= {"semantic_cosine_mean": float(sem.mean()), "semantic_cosine_histogram": histogram(sem, bins)}
     return stats
+
+
+# ------------------------------------------------------------------------------------------------ run defaults
+def run_defaults(checkpoints: Sequence[Path], pick: Callable[[Any], dict], args: argparse.Namespace) -> dict:
+    """Defaults for the flags left unset (None) in `args`, from the runs' config.yaml: `pick(cfg)` -> {flag:
+    value}. Runs that disagree on an unset flag's value raise ValueError naming the flag to pass."""
+    values: dict = {}
+    for path in checkpoints:
+        picked = pick(run_config(resolve_checkpoint(path)[0]))
+        for flag, value in ((f, v) for f, v in picked.items() if getattr(args, f) is None):
+            if values.setdefault(flag, value) != value:
+                raise ValueError(f"the runs disagree on --{flag.replace('_', '-')} ({values[flag]} vs {value} in "
+                                 f"{path}); pass --{flag.replace('_', '-')} explicitly")
+    return values
 
 
 
@@ -169,16 +183,18 @@ def sample_group_features(model, tokenizer, examples, template: str, sampling: S
                          np.concatenate(lengths).reshape(-1, m))
 
 
-def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: int, mesh) -> np.ndarray:
+def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: int, mesh,
+                 max_tokens: int) -> np.ndarray:
     """Last-token-pooled, L2-normalised embeddings [G, m, E] of the texts (the trainer's EVOL-RL encoder path:
-    left padding, the tokenizer's eos appended, the final position's hidden state), `rows_per_call` at a time."""
+    left padding, the tokenizer's eos appended, the final position's hidden state, each text's last `max_tokens`
+    tokens), `rows_per_call` at a time."""
     from g2rl_jax.train.setup import embed_texts
 
     out = []
     for start in range(0, len(texts), rows_per_call):
         chunk = texts[start:start + rows_per_call]
         padded = chunk + [chunk[-1]] * (rows_per_call - len(chunk))
-        out.append(np.asarray(embed_texts(embedder, tokenizer, padded, mesh), np.float64)[:len(chunk)])
+        out.append(np.asarray(embed_texts(embedder, tokenizer, padded, mesh, max_tokens), np.float64)[:len(chunk)])
     e = np.concatenate(out)
     return e.reshape(-1, m, e.shape[-1])
 
@@ -196,13 +212,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dataset", default="aime25", help="registered dataset name or a .jsonl path")
     p.add_argument("--problems", type=int, default=30, help="problems drawn at random (seeded) from the dataset")
     p.add_argument("--samples", type=int, default=8, help="responses per problem (the group size m)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, also Φ's T (0 = greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=8192)
+    p.add_argument("--temperature", type=float, help="sampling temperature, also Φ's T (0 = greedy); default: the "
+                   "checkpoints' rollout.temperature (the T training scored Φ at), else 1.0")
+    p.add_argument("--max-new-tokens", type=int, help="default: the checkpoints' rollout.max_new_tokens, else 8192")
     p.add_argument("--template", choices=("chat", "plain"),
                    help="prompt template (default: a checkpoint's data.prompt_template, chat for --model-path)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate/score call")
     p.add_argument("--micro-batch", type=int, default=8, help="responses per scoring micro-batch")
     p.add_argument("--embedding-model", type=Path, help="Qwen3-Embedding-architecture HF dir for semantic cosines")
+    p.add_argument("--embedding-max-tokens", type=int, default=1024,
+                   help="tokens embedded per response, the tail kept (as algorithm.embedding_max_tokens)")
     p.add_argument("--bins", type=int, default=HIST_BINS, help="histogram bins over [-1, 1]")
     p.add_argument("--seed", type=int, default=0, help="seed of the problem draw and of sampling")
     p.add_argument("--out", type=Path, default=Path("runs/analysis"))
@@ -211,6 +230,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("give at least one --model-path or --checkpoint")
     if args.label and len(args.label) != len(args.models):
         p.error(f"{len(args.label)} --label for {len(args.models)} models; give one per model, in order, or none")
+    try:  # unset flags from the runs' config.yaml (--model-path dirs have none)
+        run = run_defaults([path for kind, path in args.models if kind == "checkpoint"],
+                           lambda c: {"temperature": c.rollout.temperature, "max_new_tokens": c.rollout.max_new_tokens},
+                           args)
+    except (FileNotFoundError, ValueError) as err:
+        p.error(str(err))
+    for flag, fallback in (("temperature", 1.0), ("max_new_tokens", 8192)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, run.get(flag, fallback))
     if args.samples < 2:
         p.error("--samples must be >= 2: cosines are taken between responses of the same problem")
     for name in ("problems", "batch_size", "micro_batch", "max_new_tokens", "bins"):
@@ -285,7 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         del model
         sem_cos = None
         if embedder is not None:
-            emb = embed_groups(embedder, embed_tokenizer, features.texts, args.samples, rows_per_call, mesh)
+            emb = embed_groups(embedder, embed_tokenizer, features.texts, args.samples, rows_per_call, mesh,
+                               args.embedding_max_tokens)
             sem_cos = pairwise_cosines(emb)
         stats = geometry_stats(pairwise_cosines(features.phi_GxmxD), sem_cos, args.bins)
         models[source.label] = {"source": str(source.path), "kind": source.kind,

@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 RESOLVED_NAME = "config.yaml"
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 _REQUIRED = dataclasses.MISSING
 
 
@@ -64,6 +65,9 @@ class RunConfig:
     seed: int = _f(0, "seed of the sampling and initialisation RNG, 0 <= seed < 2**32")
     allow_config_change: bool = _f(False, "resume even if keys that change what the run computes (model, data, "
                                    "rollout, algorithm, optim) differ")
+    loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
+                                  "where step metrics go: jsonl (always; summaries, plots and resume read it), "
+                                  "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")
 
     def __post_init__(self):
         _check(self.output_dir.strip() != "", "run.output_dir",
@@ -72,6 +76,12 @@ class RunConfig:
             _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
         _check_seed(self.seed, "run.seed")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        _check(not unknown, "run.loggers", f"unknown logger(s) {unknown}; choose from {', '.join(LOGGERS)}")
+        _check("jsonl" in self.loggers, "run.loggers", f"must include jsonl (the run summary, plots and resume read "
+               f"metrics.jsonl), got {list(self.loggers)}")
+        _check(len(set(self.loggers)) == len(self.loggers), "run.loggers",
+               f"lists a logger twice: {list(self.loggers)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,9 +121,9 @@ class DataConfig:
     max_prompt_tokens: int = _f(1024, "longer prompts are dropped; paper silent, 1024 chosen (verl default)")
     eval_datasets: tuple[str, ...] = _f(("math500", "amc23", "aime24", "aime25"),
                                         "datasets evaluated every run.eval_every steps")
-    eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: mean@8)")
+    eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: AIME25 mean@8)")
     eval_temperature: float = _f(0.8, "sampling temperature for evaluation (paper: 0.8)")
-    eval_max_new_tokens: int = _f(8192, "response budget at evaluation (paper: same as training)")
+    eval_max_new_tokens: int = _f(8192, "response budget at evaluation; paper silent, the training budget chosen")
     shuffle_seed: int = _f(0, "seed of the training-set shuffle, 0 <= seed < 2**32")
     fields: tuple[str, ...] = _f((), "jsonl files only: FIELD=KEY pairs naming the file's keys, e.g. "
                                  "problem=question,answer=gold")
@@ -189,18 +199,36 @@ class AlgorithmConfig:
                                                   "literal = r + λν̄ as its equation (see README)")
     entropy_coef: float = _f(0.0, "entropy_bonus: coefficient of the entropy bonus (> 0 there, 0 otherwise)")
     embedding_model: Optional[str] = _f(None, "evol: local HF dir of a Qwen3-architecture embedding model")
+    embedding_max_tokens: int = _f(1024, "evol: tokens embedded per response, end token included; a longer response "
+                                   "keeps its tail (EVOL-RL's code embeds whole responses, up to 16,384 tokens)")
     filter_equal_groups: bool = _f(False, "drop groups whose BASE correctness is all equal (all right or all "
                                    "wrong), keyed on correctness, not on the shaped reward; off by default")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling (needs filter_equal_groups): draw more prompts until "
+                                "the step holds data.prompts_per_step mixed groups, at most max_sampling_rounds")
+    max_sampling_rounds: int = _f(4, "dynamic_sampling: rollout rounds per step at most; short of mixed groups, the "
+                                  "step is topped up with single-class groups, which the filter masks; 4 chosen")
+    single_class_groups: Literal["shaped", "zero"] = _f(
+        "shaped", "groups whose base rewards are all equal: shaped = the paper's equations (G2RL/EVOL give them "
+        "unit-scale advantages from novelty alone), zero = zero advantage as in GRPO (see README)")
     kl_coef: float = _f(0.001, "β of the KL-to-reference loss (paper: 0.001; 0 = no reference model)")
-    kl_kind: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator (paper: low_var_kl = k3)")
+    kl_kind: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator; paper silent ('KL loss 0.001'), k3 = verl's "
+                                            "low_var_kl chosen")
     clip_low: float = _f(0.2, "PPO ratio clip below 1 - clip_low; paper silent, 0.2 chosen (verl default)")
     clip_high: float = _f(0.2, "PPO ratio clip above 1 + clip_high (DAPO-style separate bound); 0.2 chosen")
     dual_clip: Optional[float] = _f(None, "dual-clip bound c > 1 for negative advantages (null = off)")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = _f(
-        "token-mean", "how per-token losses are averaged (verl's names)")
+        "token-mean", "how per-token losses are averaged (verl's names); the paper's eq. grpo-obj averages per "
+        "response (seq-mean-token-mean with ratio_level=sequence); token-mean chosen (verl default)")
+    ratio_level: Literal["token", "sequence"] = _f(
+        "token", "importance ratio: token (per token, verl default) or sequence (GSPO: exp of the mean token "
+        "log-ratio of each response, clipped per response; the length-normalised form of the paper's ρ)")
+    rollout_is_cap: Optional[float] = _f(None, "truncated importance sampling against the sampler: weight each "
+                                         "token's loss by min(π_old/π_sampler, cap), cap >= 1 (null = off)")
     ppo_epochs: int = _f(1, "passes over each step's rollouts; paper silent, 1 chosen (verl default)")
-    mini_batch_size: int = _f(32, "responses per optimizer update (paper: '1 (effective size of 32)')")
-    micro_batch_size: int = _f(16, "responses per forward/backward, global over devices (paper: 2 per GPU)")
+    mini_batch_size: int = _f(32, "responses per optimizer update; paper '1 (effective size of 32)', read as 32 "
+                              "(16 = the other reading, 1 prompt x 16 rollouts, 16 updates per step; see README)")
+    micro_batch_size: int = _f(16, "responses per forward/backward, global over devices (paper: "
+                               "'micro-batch size 2', read as 2 per GPU x 8 GPUs)")
 
     def __post_init__(self):
         _check(self.lam >= 0, "algorithm.lam", f"must be >= 0, got {self.lam}")
@@ -211,6 +239,16 @@ class AlgorithmConfig:
         _check(self.clip_high > 0, "algorithm.clip_high", f"must be > 0, got {self.clip_high}")
         _check(self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip",
                f"must be > 1 or null, got {self.dual_clip}")
+        _check(self.rollout_is_cap is None or self.rollout_is_cap >= 1, "algorithm.rollout_is_cap",
+               f"must be >= 1 or null (a cap below 1 would down-weight tokens the sampler and trainer agree on), "
+               f"got {self.rollout_is_cap}")
+        _check(not self.dynamic_sampling or self.filter_equal_groups, "algorithm.dynamic_sampling",
+               "needs algorithm.filter_equal_groups=true (it draws more prompts to replace the groups that filter "
+               "drops); set both")
+        _check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
+               f"must be >= 1, got {self.max_sampling_rounds}")
+        _check(self.embedding_max_tokens >= 2, "algorithm.embedding_max_tokens",
+               f"must be >= 2 (some text and the end token pooled on), got {self.embedding_max_tokens}")
         for name in ("ppo_epochs", "mini_batch_size", "micro_batch_size"):
             _check(getattr(self, name) > 0, f"algorithm.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.mini_batch_size % self.micro_batch_size == 0, "algorithm.micro_batch_size",

@@ -223,26 +223,48 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m g2rl_jax.eval", description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path", help="Hugging Face model folder (config.json, safetensors, tokenizer)")
-    source.add_argument("--checkpoint", help="a g2rl_jax training checkpoint folder")
+    source.add_argument("--checkpoint", help="a g2rl_jax training run dir (its newest checkpoint) or one "
+                        "<run>/checkpoints/<step> dir; the run's config.yaml gives the defaults below")
     source.add_argument("--table", nargs="+", metavar="RESULTS_JSON",
                         help="only print one table, a row per file, from earlier runs' results.json")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     p.add_argument("--datasets", default="math500,amc23,aime24,aime25", help="comma-separated names or jsonl paths")
     p.add_argument("--samples", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, help="default: a --checkpoint run's data.eval_temperature, else 0.8")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=8192)
+    p.add_argument("--max-new-tokens", type=int,
+                   help="default: a --checkpoint run's data.eval_max_new_tokens, else 8192")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
-    p.add_argument("--template", choices=("chat", "plain"), default="chat")
+    p.add_argument("--template", choices=("chat", "plain"),
+                   help="prompt template; default: a --checkpoint run's data.prompt_template, else chat")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, help="first N problems of each dataset")
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--model-name", help="row label in results.md (default: the model folder's name)")
     args = p.parse_args(argv)
+    _run_defaults(p, args)
     if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         p.error("--samples, --batch-size and --max-new-tokens must be positive")
     return args
+
+
+def _run_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill unset sampling flags from a --checkpoint run's config.yaml (its evaluation settings), else defaults.
+    Stop tokens need no flag: they come from the run's tokenizer, as in training."""
+    run = {}
+    if args.checkpoint is not None:
+        from g2rl_jax.analyze import run_defaults
+
+        try:
+            run = run_defaults([Path(args.checkpoint)], lambda c: {
+                "temperature": c.data.eval_temperature, "max_new_tokens": c.data.eval_max_new_tokens,
+                "template": c.data.prompt_template}, args)
+        except (FileNotFoundError, ValueError) as err:
+            p.error(str(err))
+    for flag, fallback in (("temperature", 0.8), ("max_new_tokens", 8192), ("template", "chat")):
+        if getattr(args, flag) is None:
+            setattr(args, flag, run.get(flag, fallback))
 
 
 def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | None], list[bool], list[int | None]]:

@@ -9,7 +9,8 @@ Token pass (batched over B sequences; one chunked scan, never the full [B, L, V]
 Group equations (each a `jax.vmap` over the P groups, one per prompt, of a per-group function on m responses):
   novelty            eqs. cosine, weights, novelty: ν ∈ [0, 1].
   shape_rewards      eqs. scale, shaped-reward and the clip to ±c ("text" or "literal" reading, see below).
-  group_advantages   eq. grpo-adv, population variance.
+  group_advantages   eq. grpo-adv, population variance; groups whose base correctness is all equal keep their
+                     shaped advantages (the paper) or get zero (GRPO's outcome), see single_class_groups.
   embedding_novelty  the EVOL-RL baseline: shaped rewards from an external embedding model's vectors.
 The entropy-bonus baseline lives in `g2rl_jax.losses.ppo_loss(entropy=..., entropy_coef=...)`.
 Shape letters (B, P, m, L, C, Q, V, D, ...) are those of the legend in `g2rl_jax`'s docstring.
@@ -26,6 +27,7 @@ DEFAULT_CHUNK = 64  # sequence positions per chunk: the live logits are [B, chun
 # error of ~1e-7 in 1 − Σ w S² into ~3e-4 in ν, so a group whose ν differ by less counts as "no spread".
 NU_SPREAD_MIN = 1e-3
 SHAPING_MODES = ("text", "literal")
+SINGLE_CLASS_MODES = ("shaped", "zero")
 EMBED_NORM_MIN = 1e-8  # EVOL-RL's floor on embedding norms before the cosine
 
 
@@ -289,10 +291,31 @@ def _advantages_group(r_m):
     return centred_m / jnp.sqrt(jnp.mean(centred_m**2) + ADV_EPS)  # eq. grpo-adv, population variance
 
 
-def group_advantages(rewards):
-    """A [P, m] = (r − mean) / sqrt(var + 1e-6) within each group (eq. grpo-adv)."""
+def single_class_groups(correct):
+    """[P] bool: the groups of correct [P, m] whose base correctness is all equal (all right or all wrong)."""
+    _check_group("correct", correct, 2)
+    correct = correct.astype(bool)
+    return jnp.all(correct, axis=-1) | ~jnp.any(correct, axis=-1)
+
+
+def group_advantages(rewards, correct=None, *, single_class="shaped"):
+    """A [P, m] = (r − mean) / sqrt(var + 1e-6) within each group (eq. grpo-adv).
+
+    single_class="shaped" (the paper's equations): a group whose base correctness is all equal is standardised
+    like any other, so its shaped rewards r̃ = ±(1 + λν̄) come out as ∓(ν̄ − mean ν̄) / std ν̄ at full unit scale
+    whatever λ > 0 is. single_class="zero" gives such groups zero advantage, as plain GRPO's ±1 rewards do;
+    it needs `correct` [P, m].
+    """
     _check_group("rewards", rewards, 2)
-    return jax.vmap(_advantages_group)(rewards)
+    if single_class not in SINGLE_CLASS_MODES:
+        raise ValueError(f"single_class must be one of {SINGLE_CLASS_MODES}; got {single_class!r}")
+    adv_Pxm = jax.vmap(_advantages_group)(rewards)
+    if single_class == "shaped":
+        return adv_Pxm
+    if correct is None:
+        raise ValueError("single_class='zero' needs the base correctness correct [P, m] to find single-class groups")
+    _check_group("correct", correct, 2, like=rewards)
+    return jnp.where(single_class_groups(correct)[:, None], 0.0, adv_Pxm)
 
 
 def _embedding_novelty_group(emb_mxE, correct_m, valid_m):

@@ -1,5 +1,6 @@
 """Policy losses for the update step: per-token KL estimators, PPO-clip with DAPO-style asymmetric clipping and an
-optional dual clip, loss aggregation over [B, T] tokens, the entropy bonus, and per-step diagnostics.
+optional dual clip, token- or sequence-level importance ratios (GSPO), truncated importance weights against the
+sampler's own log-probs, loss aggregation over [B, T] tokens, the entropy bonus, and per-step diagnostics.
 
 All per-token arrays are [B, T] (B sequences, T response positions; the shape letters of `g2rl_jax`) with a 0/1
 `mask` marking response tokens; advantages are one per sequence, [B] (outcome rewards, eq. grpo-adv of the G2RL
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 
 KL_KINDS = ("k1", "k2", "k3")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+RATIO_LEVELS = ("token", "sequence")
 # Clamps as verl applies them to "low_var_kl" (k3): the log-ratio ref − logp is clamped to ±20 before exp,
 # and the estimate to ±10, so one token whose probability collapsed cannot blow up the loss. The same ±20
 # clamp guards the PPO ratio exp(logp − old_logp).
@@ -57,10 +59,11 @@ def aggregate(x_BxT, mask_BxT, mode="token-mean"):
 
 
 def _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, entropy, entropy_coef,
-                    ref_logp, kl_coef, kl_kind):
+                    ref_logp, kl_coef, kl_kind, ratio_level, sampler_logp, is_cap):
     if logp.ndim != 2:
         raise ValueError(f"logp must be [B, T]; got shape {logp.shape}")
-    for name, x in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy), ("ref_logp", ref_logp)):
+    for name, x in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy), ("ref_logp", ref_logp),
+                    ("sampler_logp", sampler_logp)):
         if x is not None and x.shape != logp.shape:
             raise ValueError(f"{name} must be [B, T] = {logp.shape} like logp; got shape {x.shape}")
     if advantages.shape != logp.shape[:1]:
@@ -75,33 +78,70 @@ def _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_
         raise ValueError("kl_coef != 0 needs the reference model's per-token log-probs as ref_logp=")
     if kl_kind not in KL_KINDS:
         raise ValueError(f"kl_kind must be one of {KL_KINDS}; got {kl_kind!r}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}; got {ratio_level!r}")
+    if (is_cap is None) != (sampler_logp is None):
+        given = "given" if sampler_logp is not None else "None"
+        raise ValueError("is_cap and sampler_logp go together: the truncated importance weight min(π_old/π_sampler, "
+                         f"is_cap) needs both (got is_cap={is_cap}, sampler_logp {given})")
+    if is_cap is not None and is_cap <= 0:
+        raise ValueError(f"is_cap must be > 0 (it caps the weight π_old/π_sampler); got {is_cap}")
+
+
+def importance_log_ratio(logp, old_logp, mask, level="token"):
+    """log ρ [B, L], clamped to ±20. token: log π_θ(y_t) − log π_old(y_t) per token (verl's practice). sequence:
+    GSPO's length-normalised ratio, the mean token log-ratio of each response, the same at all of its tokens, so
+    ρ_i = (π_θ(y_i|x) / π_old(y_i|x))^(1/|y_i|) is clipped once per response (eq. ratio-clip, per |y_i|-th root)."""
+    diff_BxL = logp.astype(jnp.float32) - old_logp.astype(jnp.float32)
+    if level == "sequence":
+        mean_B = jnp.sum(diff_BxL * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+        diff_BxL = jnp.broadcast_to(mean_B[:, None], diff_BxL.shape)
+    return jnp.clip(diff_BxL, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def truncated_is_weights(old_logp, sampler_logp, cap):
+    """Per-token min(π_old(y_t) / π_sampler(y_t), cap) (truncated importance sampling for the mismatch between the
+    sampler's numerics and the trainer's), and whether the cap engaged; both [B, L], constants (no gradient)."""
+    log_w = jnp.clip(old_logp.astype(jnp.float32) - sampler_logp.astype(jnp.float32), -LOG_RATIO_CLAMP,
+                     LOG_RATIO_CLAMP)
+    raw = jnp.exp(log_w)
+    return jnp.minimum(raw, cap), raw > cap
 
 
 def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean",
-             entropy=None, entropy_coef=0.0, ref_logp=None, kl_coef=0.0, kl_kind="k3"):
+             entropy=None, entropy_coef=0.0, ref_logp=None, kl_coef=0.0, kl_kind="k3", ratio_level="token",
+             sampler_logp=None, is_cap=None):
     """PPO-clip objective as a loss to minimise (eq. grpo-obj with DAPO's separate ε_low / ε_high), plus
     kl_coef · KL(π_θ ‖ π_ref) and minus entropy_coef · entropy (the paper's "Entropy Bonus" baseline).
 
-    Per token: ρ = exp(logp − old_logp); ℓ = max(−A ρ, −A clip(ρ, 1 − clip_low, 1 + clip_high)); with dual_clip = c,
-    tokens with A < 0 take min(ℓ, −A c). Returns (loss, diagnostics): pg_loss, clip_frac_low (A < 0 and
+    Per token: ρ = exp(importance_log_ratio(ratio_level)); ℓ = max(−A ρ, −A clip(ρ, 1 − clip_low, 1 + clip_high));
+    with dual_clip = c, tokens with A < 0 take min(ℓ, −A c); with is_cap = C, ℓ is weighted by
+    min(π_old / π_sampler, C) from sampler_logp. Returns (loss, diagnostics): pg_loss, clip_frac_low (A < 0 and
     ρ < 1 − clip_low), clip_frac_high (A > 0 and ρ > 1 + clip_high), dual_clip_frac (A < 0 and ρ > c, if set),
-    approx_kl (k3 estimate of KL(π_old ‖ π_θ) on the sampled tokens), and entropy / kl when given; all token means.
+    approx_kl (k3 estimate of KL(π_old ‖ π_θ) on the sampled tokens), rollout_is_weight_mean and
+    rollout_is_capped_frac (if is_cap is set), and entropy / kl when given; all token means.
     """
     _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, entropy, entropy_coef,
-                    ref_logp, kl_coef, kl_kind)
+                    ref_logp, kl_coef, kl_kind, ratio_level, sampler_logp, is_cap)
     mask = mask.astype(jnp.float32)
     adv_Bx1 = advantages.astype(jnp.float32)[:, None]
-    log_ratio = jnp.clip(logp.astype(jnp.float32) - old_logp.astype(jnp.float32), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    token_log_ratio = importance_log_ratio(logp, old_logp, mask, "token")
+    log_ratio = token_log_ratio if ratio_level == "token" else importance_log_ratio(logp, old_logp, mask, "sequence")
     ratio = jnp.exp(log_ratio)
     per_token = jnp.maximum(-adv_Bx1 * ratio, -adv_Bx1 * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
     diagnostics = {
         "clip_frac_low": masked_mean(((adv_Bx1 < 0) & (ratio < 1.0 - clip_low)).astype(jnp.float32), mask),
         "clip_frac_high": masked_mean(((adv_Bx1 > 0) & (ratio > 1.0 + clip_high)).astype(jnp.float32), mask),
-        "approx_kl": masked_mean(jnp.expm1(log_ratio) - log_ratio, mask),
+        "approx_kl": masked_mean(jnp.expm1(token_log_ratio) - token_log_ratio, mask),
     }
     if dual_clip is not None:
         per_token = jnp.where(adv_Bx1 < 0, jnp.minimum(per_token, -adv_Bx1 * dual_clip), per_token)
         diagnostics["dual_clip_frac"] = masked_mean(((adv_Bx1 < 0) & (ratio > dual_clip)).astype(jnp.float32), mask)
+    if is_cap is not None:
+        weight_BxL, capped_BxL = truncated_is_weights(old_logp, sampler_logp, is_cap)
+        per_token = per_token * weight_BxL
+        diagnostics["rollout_is_weight_mean"] = masked_mean(weight_BxL, mask)
+        diagnostics["rollout_is_capped_frac"] = masked_mean(capped_BxL.astype(jnp.float32), mask)
     pg_loss = aggregate(per_token, mask, agg)
     loss = pg_loss
     diagnostics["pg_loss"] = pg_loss

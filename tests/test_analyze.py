@@ -274,3 +274,41 @@ def test_eval_accepts_a_training_checkpoint(tiny, tmp_path):
              "--batch-size", "4"])
     assert sorted(f.name[:6] for f in (out / "records").glob("*.jsonl")) == ["step1-", "step3-"]
     assert json.loads((out / "results.json").read_text())["settings"]["checkpoint_step"] == 1
+
+
+def test_cli_defaults_come_from_the_run(tiny, tmp_path, capsys):
+    """--checkpoint RUN: unset sampling flags take the run's config.yaml values (analyze: rollout.*, the T that
+    Φ was scored at in training; eval: data.eval_* and data.prompt_template); flags still override."""
+    import dataclasses
+
+    from g2rl_jax import eval as ev
+    from g2rl_jax.config import load_config, save_resolved
+
+    cfg = load_config(tiny["run"] / "config.yaml")
+    other = tmp_path / "other_run"
+    save_resolved(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=32, temperature=0.7),
+                                      data=dataclasses.replace(cfg.data, eval_max_new_tokens=24, eval_temperature=0.3,
+                                                               prompt_template="plain")), other)
+    shutil.copytree(tiny["run"] / "checkpoints", other / "checkpoints")
+    args = analyze.parse_args(["--checkpoint", str(other)])
+    assert (args.temperature, args.max_new_tokens) == (0.7, 32)
+    args = analyze.parse_args(["--checkpoint", str(other), "--temperature", "0", "--max-new-tokens", "5"])
+    assert (args.temperature, args.max_new_tokens) == (0.0, 5)
+    args = analyze.parse_args(["--model-path", "m"])  # no run: the old defaults
+    assert (args.temperature, args.max_new_tokens) == (1.0, 8192)
+    with pytest.raises(SystemExit):  # two runs that disagree need the flag
+        analyze.parse_args(["--checkpoint", str(other), "--checkpoint", str(tiny["run"])])
+    assert "disagree on --temperature" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        analyze.parse_args(["--checkpoint", str(other), "--checkpoint", str(tiny["run"]), "--temperature", "1"])
+    assert "disagree on --max-new-tokens" in capsys.readouterr().err
+    args = analyze.parse_args(["--checkpoint", str(other), "--checkpoint", str(tiny["run"]), "--max-new-tokens", "8",
+                               "--temperature", "1", "--label", "a", "--label", "b"])
+    assert args.max_new_tokens == 8
+    args = ev.parse_args(["--checkpoint", str(other / "checkpoints" / "1")])
+    assert (args.temperature, args.max_new_tokens, args.template) == (0.3, 24, "plain")
+    args = ev.parse_args(["--checkpoint", str(other), "--template", "chat", "--temperature", "1"])
+    assert (args.temperature, args.max_new_tokens, args.template) == (1.0, 24, "chat")
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--checkpoint", str(tmp_path / "nothing")])
+    assert "neither a run directory" in capsys.readouterr().err

@@ -298,6 +298,33 @@ def test_advantages_and_credit_within_correctness_classes(group):
     assert np.array_equal(np.argsort(adv[0]), np.argsort(np.asarray(nu)[0]))  # ... ordered by novelty
 
 
+@pytest.mark.parametrize("lam", [0.1, 0.5, 2.0])
+def test_single_class_groups_shaped_or_zero(group, lam):
+    """shaped: an all-equal group's advantages are ∓(ν̄ − mean ν̄)/std ν̄ whatever λ is, so in an all-wrong group
+    the least novel wrong answers get positive advantage; zero: those groups get A = 0, mixed groups unchanged."""
+    phi, _ = group
+    r = np.array([[1, 1, 1, 1, 1, 1], [-1, -1, -1, -1, -1, -1], [1, -1, 1, -1, -1, 1], [-1] * 6], np.float32)
+    correct = r > 0
+    nu = np.asarray(g2rl.novelty(phi, r))
+    shaped = np.asarray(g2rl.shape_rewards(r, nu, lam=lam, clip=10.0))
+    want = np_advantages(shaped)
+    lo, hi = np.float64(nu).min(1, keepdims=True), np.float64(nu).max(1, keepdims=True)
+    nubar = (nu - lo) / (hi - lo)  # every group of the fixture has spread
+    unit = (nubar - nubar.mean(1, keepdims=True)) / nubar.std(1, keepdims=True)
+    np.testing.assert_allclose(want[0], unit[0], atol=2e-3)  # λ is gone (up to ε in the std)
+    np.testing.assert_allclose(want[1], -unit[1], atol=2e-3)
+    assert want[1][np.argmin(nu[1])] > 0  # the least novel wrong answer is pushed up
+    fn = jax.jit(lambda a, c: g2rl.group_advantages(a, c, single_class="zero"))
+    np.testing.assert_allclose(g2rl.group_advantages(shaped, correct), want, atol=1e-5)
+    zero = np.asarray(fn(shaped, correct))
+    np.testing.assert_allclose(zero, np.where(np.array([1, 1, 0, 1], bool)[:, None], 0.0, want), atol=1e-5)
+    np.testing.assert_array_equal(g2rl.single_class_groups(correct), [True, True, False, True])
+    with pytest.raises(ValueError, match="needs the base correctness"):
+        g2rl.group_advantages(shaped, single_class="zero")
+    with pytest.raises(ValueError, match="single_class must be one of"):
+        g2rl.group_advantages(shaped, correct, single_class="drop")
+
+
 def test_embedding_novelty_matches_numpy():
     rng = np.random.default_rng(5)
     emb = rng.normal(size=(5, 6, 10)).astype(np.float32)

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import processors
 
 from g2rl_jax.model import load_pretrained, save_pretrained
-from g2rl_jax.train.setup import EMBED_MAX_TOKENS, embedding_token_ids
+from g2rl_jax.train.setup import embedding_token_ids
 
 from hf_tiny import make_tiny_qwen3_dir
 
@@ -111,11 +111,12 @@ def test_embedding_ids_end_with_the_tokenizers_own_end_token(tmp_path):
     assert emb.eos_token_id == IM_END and emb.pad_token_id == ENDOFTEXT
     text_ids = emb("test again", add_special_tokens=False)["input_ids"]
     assert emb("test again")["input_ids"] == text_ids + [ENDOFTEXT]  # the post-processor is live
-    assert embedding_token_ids(emb, "test again") == text_ids + [ENDOFTEXT]
-    long_ids = embedding_token_ids(emb, "word " * 2000)
-    assert len(long_ids) == EMBED_MAX_TOKENS and long_ids[-1] == ENDOFTEXT and long_ids.count(ENDOFTEXT) == 1
+    assert embedding_token_ids(emb, "test again", 1024) == text_ids + [ENDOFTEXT]
+    for max_tokens in (1024, 37):  # algorithm.embedding_max_tokens: the tail is kept, end token included
+        long_ids = embedding_token_ids(emb, "word " * 2000, max_tokens)
+        assert len(long_ids) == max_tokens and long_ids[-1] == ENDOFTEXT and long_ids.count(ENDOFTEXT) == 1
     base = transformers.AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
-    assert embedding_token_ids(base, "test again") == text_ids + [IM_END]
+    assert embedding_token_ids(base, "test again", 1024) == text_ids + [IM_END]
 
 
 def _copy(src, dst):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
+from g2rl_jax.config import ConfigError
 from g2rl_jax.train import metrics as M
 
 
@@ -115,3 +116,61 @@ def test_progress_bar_shows_headline(capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "5/10" in err and "acc=0.625" in err and "other" not in err
+
+
+def test_loggers_choose_the_backends(tmp_path):
+    writer = M.MetricsWriter(tmp_path, start_step=0, loggers=("jsonl",))
+    writer.write(1, _scalars(1))
+    writer.close()
+    assert M.read_metrics(tmp_path)[0]["tokens"] == 100 and not (tmp_path / M.TENSORBOARD_DIR).exists()
+
+
+def _wandb_history(run_dir):
+    """{step: {key: value}} of the history records of the offline run's transaction log (W&B's LevelDB-style
+    log: a 7-byte header, 32 KiB blocks of [crc u32, length u16, type u8] chunks, each record a protobuf)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data, pos, chunk, out = path.read_bytes(), 7, b"", {}
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a FULL chunk or the LAST of a split record
+            record = pb.Record.FromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                out[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+    return out
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    """run.loggers with wandb, in W&B's offline mode (no network): the scalars land in the run's local log, and
+    a resumed writer continues the same W&B run id."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = {"run": {"output_dir": str(tmp_path)}, "algorithm": {"lam": 0.5}}
+    writer = M.MetricsWriter(tmp_path, start_step=0, loggers=("jsonl", "wandb"), config=config)
+    for step in (1, 2):
+        writer.write(step, _scalars(step) | {"bad": float("nan")})
+    writer.close()
+    history = _wandb_history(tmp_path)
+    assert sorted(history) == [1, 2]
+    assert history[2] == pytest.approx({k: float(v) for k, v in _scalars(2).items()})  # NaN left out
+    run_id = (tmp_path / M.WANDB_ID_FILE).read_text().strip()
+    writer = M.MetricsWriter(tmp_path, start_step=2, loggers=("jsonl", "wandb"), config=config)
+    writer.close()
+    assert (tmp_path / M.WANDB_ID_FILE).read_text().strip() == run_id
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1
+
+
+def test_missing_wandb_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError,
+                       match=r'wandb package is not installed; pip install -e "\.\[wandb\]"'):
+        M.check_loggers(("jsonl", "wandb"))
+    M.check_loggers(("jsonl", "tensorboard"))

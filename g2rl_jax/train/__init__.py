@@ -1,8 +1,10 @@
 """Training infrastructure: checkpoints (Orbax, kill-safe, with the data-iterator position) and metrics
-(metrics.jsonl, TensorBoard, a progress bar). The training loop builds on these.
+(metrics.jsonl, TensorBoard, W&B, a progress bar). The training loop builds on these.
 
   checkpoint.py  Checkpointer (save every N steps, keep the newest K, sharded restore), latest_step(run_dir)
-  metrics.py     MetricsWriter (jsonl + TensorBoard, process 0 only, truncated on resume), ProgressBar
+  metrics.py     MetricsWriter (run.loggers: jsonl + TensorBoard / W&B, process 0 only, truncated on resume),
+                 ProgressBar
+  dynamic.py     DAPO dynamic sampling: which groups a step keeps over rollout rounds, merging the rounds
 """
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar

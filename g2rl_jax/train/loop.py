@@ -31,15 +31,15 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
-from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved
+from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.data import encode_prompts, make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rewards.scoring import compute_rewards
 from g2rl_jax.rollout import Rollout, generate, logprob_drift
+from g2rl_jax.train import dynamic, report
 from g2rl_jax.train import micro as micro_lib
-from g2rl_jax.train import report
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, checkpoint_dir, latest_step
 from g2rl_jax.train.lifecycle import (
@@ -50,7 +50,7 @@ from g2rl_jax.train.lifecycle import (
     append_history,
     check_resume_config,
 )
-from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, read_metrics
+from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics
 from g2rl_jax.train.setup import (
     check_platforms,
     embed_texts,
@@ -124,6 +124,7 @@ class Trainer:
         relaunch that fails a check leaves the run's files as they were."""
         from transformers import AutoTokenizer  # heavy import, after the config has been checked
 
+        check_loggers(given.run.loggers)
         found = latest_step(self.run_dir)
         if found is not None:
             check_resume_config(given, self.run_dir)
@@ -202,30 +203,65 @@ class Trainer:
         return nnx.merge(self.graphdef, self.params)
 
     # ------------------------------------------------------------------------------------------- one step
-    def _step_seed(self, step: int) -> int:
+    def _step_seed(self, step: int, round_: int = 0) -> int:
         key = jax.random.fold_in(jax.random.wrap_key_data(self.rng_key_data), step)
+        key = jax.random.fold_in(key, round_) if round_ else key  # round 0 keeps the seed of a one-round step
         return int(jax.random.randint(key, (), 0, 2**31 - 1))
 
-    def step_stages(self, step: int) -> StepResult:
-        """Run step `step` stage by stage and return every intermediate; the params are updated in place."""
-        cfg, algo = self.cfg, self.cfg.algorithm
-        m, micro, temp = cfg.rollout.num_samples, algo.micro_batch_size, self.settings.temperature
+    def _sample_round(self, step: int, round_: int):
+        """One rollout round: the next prompts from the data iterator, their samples and ±1 rewards."""
+        cfg, m = self.cfg, self.cfg.rollout.num_samples
         examples = next(self.loader)
-        t0 = time.perf_counter()
         prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
+        t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
             rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
-                               seed=self._step_seed(step), mesh=self.mesh)
+                               seed=self._step_seed(step, round_), mesh=self.mesh)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rows = [ex.as_row() for ex in examples for _ in range(m)]
         with stage("rewards", texts=texts):
             scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg, kind=examples[0].kind,
                                      max_new_tokens=cfg.rollout.max_new_tokens, stop_ids=self.stop_ids)
-            rewards = scored.rewards
+        return examples, rollout, texts, scored, t1 - t0
+
+    def _sample(self, step: int):
+        """The step's groups: one round, or DAPO dynamic sampling over rounds (train/dynamic.py). Returns examples,
+        rollout, texts, rewards (this process's rows, a RewardResult), rollout seconds, and each round's global
+        correctness (dynamic sampling only)."""
+        algo, m = self.cfg.algorithm, self.cfg.rollout.num_samples
+        block, blocks = parallel.batch_block(self.mesh)
+        rounds, correct, mixed, rollout_s = [], [], [], 0.0
+        while True:
+            examples, rollout, texts, scored, seconds = self._sample_round(step, len(rounds))
+            rounds.append((examples, rollout, texts, scored))
+            rollout_s += seconds
+            if not algo.dynamic_sampling:
+                return examples, rollout, texts, scored, rollout_s, []
+            correct.append(parallel.gather_blocks(self.mesh, scored.correct))  # global: every process decides alike
+            mixed.append(dynamic.mixed_groups(correct[-1], m))
+            if dynamic.enough(mixed, blocks) or len(rounds) == algo.max_sampling_rounds:
+                break
+        picks = dynamic.choose_groups(mixed, blocks, block)
+        rows = [(r, g * m + j) for r, g in picks for j in range(m)]
+        examples = [rounds[r][0][g] for r, g in picks]
+        texts = [rounds[r][2][b] for r, b in rows]
+        scored = type(rounds[0][3])(**{f.name: np.array([getattr(rounds[r][3], f.name)[b] for r, b in rows])
+                                       for f in dataclasses.fields(rounds[0][3])})
+        rollout = dynamic.merge_rollouts([x[1] for x in rounds], picks)
+        return examples, rollout, texts, scored, rollout_s, correct
+
+    def step_stages(self, step: int) -> StepResult:
+        """Run step `step` stage by stage and return every intermediate; the params are updated in place."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        m, micro, temp = cfg.rollout.num_samples, algo.micro_batch_size, self.settings.temperature
+        t0 = time.perf_counter()
+        examples, rollout, texts, scored, rollout_s, sampled_correct = self._sample(step)
+        rewards = scored.rewards
         t2 = time.perf_counter()
+        t1 = t0 + rollout_s
         with stage("batch", prompt_ids=rollout.prompt_ids_BxS, completion_ids=rollout.completion_ids_BxT,
                    rewards=rewards):
             batch = train_step.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
@@ -241,24 +277,28 @@ class Trainer:
         embeddings = valid = None
         if algo.exploration == "evol":
             with stage("embed", texts=texts):
-                embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh)
+                embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh,
+                                         algo.embedding_max_tokens)
                 valid = shard_rows(answers_found(texts, examples[0].kind), self.mesh)
         with stage("advantages", phi=scores.phi_BxD, rewards=batch.rewards):
             signal = jax.block_until_ready(train_step.advantages(batch, scores.phi_BxD, algo, embeddings, valid))
         t3 = time.perf_counter()
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
-            info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B)
+            sampler_logp = None if algo.rollout_is_cap is None else shard_rows(rollout.logprobs_BxT, self.mesh)
+            info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B, sampler_logp)
         t4 = time.perf_counter()
         plan = micro_lib.plan_for(batch, micro)  # the plan score (and the reference pass) ran over
         passes = 1 + (ref is not None)
         info["positions"] += passes * plan.positions
         info["padding"] += passes * plan.padding
         metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
+        metrics |= self._sampling_metrics(sampled_correct)
         metrics["truncated_fraction"] = float(jnp.mean(truncated_B))  # share of responses that hit the budget
         metrics |= logprob_drift(shard_rows(rollout.logprobs_BxT, self.mesh), scores.logp_BxT, batch.response_mask)
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
-    def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B) -> dict[str, float]:
+    def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B,
+                sampler_logp=None) -> dict[str, float]:
         algo = self.cfg.algorithm
         keep_B = np.ones(adv_B.shape[0], bool)
         if algo.filter_equal_groups:
@@ -268,7 +308,8 @@ class Trainer:
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
         batch = dataclasses.replace(batch, response_mask=batch.response_mask * keep_Bx1)
-        step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B)
+        step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
+                                         sampler_logp)
         infos, plans = [], []
         n, mb = adv_B.shape[0], algo.mini_batch_size
         for _ in range(algo.ppo_epochs):
@@ -311,7 +352,16 @@ class Trainer:
             "tokens_per_second": tokens / max(t4 - t0, 1e-9),
             "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
             "padding_fraction": info["padding"] / max(info["positions"], 1),
-        }
+            "single_class_fraction": float(jnp.mean(signal["single_class"])),
+        } | {k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
+
+    def _sampling_metrics(self, sampled_correct: list[np.ndarray]) -> dict[str, float]:
+        """Dynamic sampling only: rollout rounds this step, and the accuracy over every response they drew (the
+        step's own `accuracy` is biased toward 0.5 by the choice of mixed groups)."""
+        if not self.cfg.algorithm.dynamic_sampling:
+            return {}
+        return {"sampling_rounds": len(sampled_correct),
+                "sampled_accuracy": float(np.mean(np.concatenate(sampled_correct)))}
 
     # ------------------------------------------------------------------------------------------- the loop
     def validate(self) -> dict[str, float]:
@@ -363,7 +413,7 @@ class Trainer:
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         if self.lock is not None:
             self.lock.acquire()
-        writer = MetricsWriter(self.run_dir, start_step=self.step)
+        writer = MetricsWriter(self.run_dir, start_step=self.step, loggers=cfg.loggers, config=to_dict(self.cfg))
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
         history, validation, mid_step = [], None, False
         try:

@@ -1,8 +1,10 @@
-"""Per-step scalar metrics: `<run_dir>/metrics.jsonl`, TensorBoard events, and a tqdm progress bar.
+"""Per-step scalar metrics to the loggers of run.loggers: `<run_dir>/metrics.jsonl` (always), TensorBoard events,
+Weights & Biases (optional extra, `pip install -e ".[wandb]"`), and a tqdm progress bar.
 
 Only process 0 writes (on other processes every method is a no-op), so multi-host runs produce one file.
 
-    metrics = MetricsWriter(run_dir, start_step=restored_step or 0)   # drops records past start_step
+    check_loggers(cfg.run.loggers)                                    # before anything heavy: is wandb installed?
+    metrics = MetricsWriter(run_dir, start_step=restored_step or 0, loggers=cfg.run.loggers, config=to_dict(cfg))
     bar = ProgressBar(total_steps=cfg.run.total_steps, start_step=restored_step or 0)
     for step in range(start + 1, total + 1):
         scalars = {"accuracy": ..., "reward": ..., "kl": ..., "entropy": ..., "tokens_per_second": ...}
@@ -14,17 +16,24 @@ Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ..
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
 equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`. A start from step 0 moves
 an existing metrics.jsonl aside (metrics.jsonl.1, .2, ...) instead.
-Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard.
+Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard and W&B.
+W&B: the run's id is kept in `<run_dir>/wandb_id.txt`, so a resumed run continues the same W&B run (resume
+"allow"); W&B cannot take back steps it already has, so after a resume it ignores (and warns about) the steps
+it had logged past the checkpoint, while metrics.jsonl and TensorBoard are rewound. Project and mode come from
+W&B's own environment variables (WANDB_PROJECT, default "g2rl_jax"; WANDB_MODE=offline writes
+`<run_dir>/wandb/` for a later `wandb sync`).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -33,6 +42,7 @@ from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_id.txt"
 # metric name -> short label shown on the progress bar, in display order
 HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent", "tokens_per_second": "tok/s"}
 
@@ -48,6 +58,26 @@ def _as_number(name: str, value) -> int | float:
         raise TypeError(f"metric {name!r} must be a real scalar, got {type(value).__name__} "
                         f"with shape {array.shape} and dtype {array.dtype}")
     return array.item() if np.issubdtype(array.dtype, np.integer) else float(array)
+
+
+def check_loggers(loggers) -> None:
+    """Fail early, with the fix, when a requested logger's package is missing (only wandb is optional)."""
+    if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+        from g2rl_jax.config import ConfigError
+
+        raise ConfigError("run.loggers: wandb is listed but the wandb package is not installed; "
+                          "pip install -e \".[wandb]\" (or drop wandb from run.loggers)")
+
+
+def _wandb_run(run_dir: Path, config: Mapping[str, Any] | None):
+    """Start (or, with the id kept in run_dir, resume) the W&B run of this training run."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name, config=dict(config or {}),
+                      project=os.environ.get("WANDB_PROJECT", "g2rl_jax"))
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -92,19 +122,26 @@ def _truncate(run_dir: Path, start_step: int) -> None:
 
 
 class MetricsWriter:
-    """Append one JSON line and TensorBoard scalars per step; records past `start_step` are dropped on open."""
+    """Append one JSON line (and TensorBoard / W&B scalars, as `loggers` asks) per step; records past
+    `start_step` are dropped on open."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, start_step: int):
+    def __init__(self, run_dir: str | os.PathLike, *, start_step: int, loggers=("jsonl", "tensorboard"),
+                 config: Mapping[str, Any] | None = None):
         self._enabled = _is_writer()
         if not self._enabled:
             return
+        check_loggers(loggers)
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate(run_dir, start_step)
         self._file = open(run_dir / METRICS_FILE, "a")
-        # a unique file per writer: tensorboardX names files by the second, so a quick resume would clobber one
-        self._tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else 0,
-                                 filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+        self._tb = self._wandb = None
+        if "tensorboard" in loggers:
+            # a unique file per writer: tensorboardX names files by the second, so a quick resume would clobber one
+            self._tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else 0,
+                                     filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+        if "wandb" in loggers:
+            self._wandb = _wandb_run(run_dir, config)
 
     def write(self, step: int, scalars: Mapping[str, object]) -> None:
         if not self._enabled:
@@ -115,16 +152,23 @@ class MetricsWriter:
         for name, value in ((k, v) for k, v in scalars.items() if k != "step"):
             number = _as_number(name, value)
             record[name] = number if math.isfinite(number) else None
-            if math.isfinite(number):
-                self._tb.add_scalar(name, number, global_step=int(step))
+        finite = {k: v for k, v in record.items() if k != "step" and v is not None}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        self._tb.flush()
+        if self._tb is not None:
+            for name, number in finite.items():
+                self._tb.add_scalar(name, number, global_step=int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(finite, step=int(step))
 
     def close(self) -> None:
         if self._enabled:
             self._file.close()
-            self._tb.close()
+            if self._tb is not None:
+                self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 class ProgressBar:

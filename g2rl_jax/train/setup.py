@@ -130,12 +130,9 @@ def eval_examples(cfg: Config, tokenizer) -> tuple[dict[str, list], dict[str, in
     return sets, dropped
 
 
-EMBED_MAX_TOKENS = 1024  # ids per embedded text, end token included; a longer text keeps its tail
-
-
-def embedding_token_ids(tokenizer, text: str) -> list[int]:
+def embedding_token_ids(tokenizer, text: str, max_tokens: int) -> list[int]:
     """The ids the embedder pools over: `text` encoded with the tokenizer's own special tokens, ending in an end
-    token, at most EMBED_MAX_TOKENS long (the tail kept, so the end token stays).
+    token, at most `max_tokens` long (algorithm.embedding_max_tokens; the tail kept, so the end token stays).
 
     Rule: encode with add_special_tokens=True; append eos (pad where there is no eos) only when the result does not
     already end with the eos or pad token. Why: the pooled token must be the one the encoder was trained to pool
@@ -151,13 +148,13 @@ def embedding_token_ids(tokenizer, text: str) -> list[int]:
     ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
     if not ids or ids[-1] not in ends:
         ids.append(tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id)
-    return ids[-EMBED_MAX_TOKENS:]
+    return ids[-max_tokens:]
 
 
-def embed_texts(embedder, tokenizer, texts: list[str], mesh) -> jax.Array:
+def embed_texts(embedder, tokenizer, texts: list[str], mesh, max_tokens: int) -> jax.Array:
     """Last-token pooling of a Qwen3-Embedding-architecture encoder: L2-normalised hidden state of the final token
     of `embedding_token_ids`. `texts` are this process's rows; the result is the global [B, E] array."""
-    ids = [embedding_token_ids(tokenizer, t) for t in texts]
+    ids = [embedding_token_ids(tokenizer, t, max_tokens) for t in texts]
     width = int(np.max(multihost_utils.process_allgather(np.int32(max(len(x) for x in ids)))))  # same on all hosts
     width = 1 << (width - 1).bit_length()
     ids_BxL = np.zeros((len(ids), width), np.int32)

@@ -65,15 +65,18 @@ class Scores:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["batch", "old_logp_BxT", "ref_logp_BxT", "advantages_B"], meta_fields=[])
+                   data_fields=["batch", "old_logp_BxT", "ref_logp_BxT", "advantages_B", "sampler_logp_BxT"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class MiniBatch:
-    """The rows of one optimizer update: the responses, their behaviour and reference log-probs, advantages."""
+    """The rows of one optimizer update: the responses, their behaviour and reference log-probs, advantages, and
+    (for algorithm.rollout_is_cap only) the sampler's own log-probs, Rollout.logprobs_BxT."""
 
     batch: Batch
     old_logp_BxT: jax.Array
     ref_logp_BxT: jax.Array
     advantages_B: jax.Array
+    sampler_logp_BxT: jax.Array | None = None
 
     def rows(self, rows: slice) -> MiniBatch:
         """The mini-batch of rows `rows` (a slice of every array's leading axis)."""
@@ -181,7 +184,7 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
     shaped-reward, grpo-adv); rewards are regrouped [P, m] and the group functions are vmapped over P.
     evol only: embeddings_BxE from the embedding model, valid_B (default all) marks responses with an answer."""
     m = batch.group_size
-    r_Pxm = batch.rewards.reshape(-1, m)
+    r_Pxm, correct_Pxm = batch.rewards.reshape(-1, m), batch.correct.reshape(-1, m)
     if algo.exploration == "g2rl":
         nu_Pxm = g2rl.novelty(phi_BxD.reshape(-1, m, phi_BxD.shape[-1]), r_Pxm)
         shaped_Pxm = g2rl.shape_rewards(r_Pxm, nu_Pxm, lam=algo.lam, clip=algo.reward_clip, mode=algo.shaping_mode)
@@ -189,15 +192,15 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
         if embeddings_BxE is None:
             raise StageError("advantages: exploration=evol needs embeddings_BxE from the embedding model")
         nu_Pxm = jnp.full_like(r_Pxm, jnp.nan)
-        correct_Pxm = batch.correct.reshape(-1, m)
         valid_Pxm = jnp.ones_like(correct_Pxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m)
         shaped_Pxm = g2rl.embedding_novelty(embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]), correct_Pxm,
                                             valid_Pxm)
     else:  # grpo and entropy_bonus shape nothing; the bonus lives in the loss
         nu_Pxm = jnp.full_like(r_Pxm, jnp.nan)
         shaped_Pxm = r_Pxm
-    adv_Pxm = g2rl.group_advantages(shaped_Pxm)
-    return {"nu": nu_Pxm.reshape(-1), "shaped_rewards": shaped_Pxm.reshape(-1), "advantages": adv_Pxm.reshape(-1)}
+    adv_Pxm = g2rl.group_advantages(shaped_Pxm, correct_Pxm, single_class=algo.single_class_groups)
+    return {"nu": nu_Pxm.reshape(-1), "shaped_rewards": shaped_Pxm.reshape(-1), "advantages": adv_Pxm.reshape(-1),
+            "single_class": jnp.repeat(g2rl.single_class_groups(correct_Pxm), m)}
 
 
 def group_keep_mask(correct_B, group_size: int) -> np.ndarray:
@@ -240,13 +243,16 @@ class LossSettings:
     entropy_coef: float
     kl_coef: float
     kl_kind: str
+    ratio_level: str = "token"
+    rollout_is_cap: float | None = None
     chunk: int = g2rl.DEFAULT_CHUNK
 
     @classmethod
     def from_config(cls, algo: AlgorithmConfig, temperature: float) -> "LossSettings":
         return cls(temperature=temperature if temperature > 0 else 1.0, clip_low=algo.clip_low,
                    clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.loss_agg,
-                   entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_kind=algo.kl_kind)
+                   entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_kind=algo.kl_kind,
+                   ratio_level=algo.ratio_level, rollout_is_cap=algo.rollout_is_cap)
 
 
 def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
@@ -260,10 +266,15 @@ def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
                                         chunk_size=s.chunk)
     else:
         logp, ent = g2rl.token_logprobs(h, head, targets, temperature=s.temperature, chunk_size=s.chunk), None
+    if s.rollout_is_cap is not None and mb.sampler_logp_BxT is None:
+        raise StageError("update: algorithm.rollout_is_cap needs the sampler's log-probs in the mini-batch "
+                         "(MiniBatch.sampler_logp_BxT = Rollout.logprobs_BxT)")
     return losses.ppo_loss(
         logp, mb.old_logp_BxT, mb.advantages_B, batch.response_mask, clip_low=s.clip_low, clip_high=s.clip_high,
         dual_clip=s.dual_clip, agg=s.agg, entropy=ent, entropy_coef=s.entropy_coef,
-        ref_logp=mb.ref_logp_BxT if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind)
+        ref_logp=mb.ref_logp_BxT if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind,
+        ratio_level=s.ratio_level, sampler_logp=mb.sampler_logp_BxT if s.rollout_is_cap is not None else None,
+        is_cap=s.rollout_is_cap)
 
 
 def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
