@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import math
 import os
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -501,7 +502,7 @@ def _describe(tp: Any) -> str:
 
 
 def format_help() -> str:
-    """Usage text listing every group and key with its type, default and one-line description."""
+    """Usage text listing every group and key with its type, default and description (wrapped at 118 columns)."""
     lines = ["usage: python -m g2rl_jax.train --config FILE.yaml [group.key=value ...]", "",
              "A YAML file may name `base: OTHER.yaml` (relative to itself) and override its values.", ""]
     for group, cls in _groups().items():
@@ -512,7 +513,8 @@ def format_help() -> str:
                 list(f.default) if isinstance(f.default, tuple) else f.default,
                 default_flow_style=True).strip().removesuffix("...").strip()
             lines.append(f"  {group}.{f.name} [{_describe(types_[f.name])}] = {default}")
-            lines.append(f"      {f.metadata['help']}")
+            lines.extend(textwrap.wrap(f.metadata["help"], width=118, initial_indent=" " * 6,
+                                       subsequent_indent=" " * 6, break_on_hyphens=False))
         lines.append("")
     return "\n".join(lines)
 
