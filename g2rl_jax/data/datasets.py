@@ -199,3 +199,16 @@ def _demo_split(split: str) -> Loader:
 
 register_dataset("demo", _demo_split("train"))  # the embedded demo's synthetic task (g2rl_jax/demo/task.py)
 register_dataset("demo_test", _demo_split("test"))  # its held-out problems
+
+
+def _countdown_split(split: str) -> Loader:
+    def load() -> list[Example]:
+        from g2rl_jax.demo.countdown import examples  # imported on use: the demo task builds on this module
+
+        return examples(split)
+
+    return load
+
+
+register_dataset("countdown", _countdown_split("train"))  # the exploration demo's task (g2rl_jax/demo/countdown.py)
+register_dataset("countdown_test", _countdown_split("test"))  # its held-out problems
