@@ -47,7 +47,7 @@ class ParseError(ValueError):
 
 
 def _tokens(text: str) -> list[str]:
-    out = re.findall(r"\d+|[-+*/()]|\S", text.replace(" ", ""))
+    out = re.findall(r"\d+|[-+*/()]|\S", text)  # whitespace separates tokens: "3 5" is not 35
     bad = [t for t in out if not (t.isdigit() or t in "+-*/()")]
     if bad:
         raise ParseError(f"unexpected character {bad[0]!r}")
