@@ -10,9 +10,11 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from g2rl_jax.config import load_config
+from g2rl_jax.train import report
 from g2rl_jax.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,6 +38,16 @@ def run_demo(out, model_dir, *overrides):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return done, json.loads((out / "summary.json").read_text())
+
+
+def test_response_flags_count_format_junk_and_truncation():
+    texts = ["\\boxed{85}", " \\boxed{85} \n", "\\boxed{85}9}}", "85", "\\boxed{8", "x \\boxed{1} then \\boxed{85}"]
+    reasons = ["stop", "stop", "length", "stop", "length", "stop"]
+    np.testing.assert_array_equal(report.response_flags(texts, reasons), [
+        [1, 0, 0], [1, 0, 0], [0, 1, 1], [0, 0, 0], [0, 0, 1], [1, 0, 0]])
+    validation = {"val/a/mean@4": 0.5, "val/a/junk_fraction": 0.1, "val/b/mean@4": 0.7, "val/b/junk_fraction": 0.3}
+    assert report.accuracy(validation) == pytest.approx(0.6)
+    assert report.accuracy(validation, "junk_fraction") == pytest.approx(0.2)
 
 
 def test_shortened_demo_through_the_cli(model_dir, tmp_path):

@@ -251,7 +251,7 @@ class Trainer:
         out = {}
         for name in cfg.eval_datasets:
             examples = load_dataset(name)
-            correct = []
+            correct, flags = [], []
             for start in range(0, len(examples), cfg.prompts_per_step):
                 chunk = examples[start:start + cfg.prompts_per_step]
                 real = len(chunk) * cfg.eval_samples
@@ -266,7 +266,11 @@ class Trainer:
                     golds = [ex.answer for ex in local for _ in range(cfg.eval_samples)]
                     rewards = score_batch(texts, golds, kind=local[0].kind)
                 correct.append(parallel.gather_blocks(self.mesh, rewards > 0)[:real])
+                flags_BxK = report.response_flags(texts, rollout.finish_reasons)
+                flags.append(parallel.gather_blocks(self.mesh, flags_BxK)[:real])
             out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(correct)))
+            shares_K = np.mean(np.concatenate(flags), axis=0)
+            out |= {f"val/{name}/{k}": float(v) for k, v in zip(report.SHARES, shares_K)}
         return out
 
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
@@ -301,7 +305,8 @@ class Trainer:
             summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
                                     steps=self.step, seconds=time.perf_counter() - self.started)
             if summary is not None:
-                print(json.dumps({k: summary[k] for k in ("accuracy_before", "accuracy_after", "steps", "seconds")}))
+                keys = ("accuracy_before", "accuracy_after", *report.SHARES, "steps", "seconds")
+                print(json.dumps({k: summary[k] for k in keys}))
                 print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
         return history
 
