@@ -1,6 +1,7 @@
 """Run configuration: frozen, typed dataclasses loaded from YAML with dotted `key=value` overrides.
 
-One dataclass per group (run, model, mesh, data, rollout, algorithm, optim, distributed); `Config` holds them all.
+One dataclass per group (run, model, mesh, data, rollout, reward, algorithm, optim, distributed); `Config` holds
+them all.
 A YAML file may name a `base:` file (resolved relative to itself) whose values it overrides. Values from YAML and
 from the command line are parsed by the field's declared type, and every mistake (unknown key, bad value, broken
 invariant) raises `ConfigError` naming the dotted key, the nearest valid key or the allowed values, and the source.
@@ -119,6 +120,37 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    truncated: Literal["keep", "penalize", "mask"] = _f(
+        "penalize", "response that hits rollout.max_new_tokens without a stop token: keep (score its text), penalize "
+        "(wrong-answer reward -1), mask (out of the loss, in the group stats as scored); penalize by default: "
+        "scoring the text lets a policy append junk up to the budget and keep its reward (the paper's configs: keep)")
+    overlong_buffer: int = _f(0, "DAPO soft overlong penalty: tokens at the end of the budget where it applies "
+                              "(0 = off); off by default, as the paper uses none")
+    overlong_penalty: float = _f(1.0, "DAPO soft overlong penalty at the full budget, falling linearly to 0 at "
+                                 "max_new_tokens - overlong_buffer (DAPO's 1.0)")
+    function: Optional[str] = _f(None, "custom reward 'package.module:function' or 'path/file.py:function', called "
+                                 "fn(response, example_row) in the verifier's worker processes, clipped to [-1, 1]; "
+                                 "null = the built-in verifier")
+    on_error: Literal["raise", "fail"] = _f("raise", "custom reward that raises, returns a non-number or times out: "
+                                            "raise (stop with an error naming the row) or fail (score -1)")
+    timeout: float = _f(2.0, "seconds one verifier check or one reward-function call may take (then: not verified)")
+
+    def __post_init__(self):
+        _check(self.overlong_buffer >= 0, "reward.overlong_buffer",
+               f"must be >= 0 (0 = off), got {self.overlong_buffer}")
+        _check(self.overlong_penalty >= 0, "reward.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
+        _check(self.timeout > 0, "reward.timeout", f"must be > 0 seconds, got {self.timeout}")
+        if self.function is not None:
+            from g2rl_jax.rewards.custom import parse_spec, resolve_spec
+            try:
+                parse_spec(self.function)
+                resolve_spec(self.function)
+            except ValueError as err:
+                raise ConfigError(f"reward.function: {err}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     exploration: Literal["grpo", "entropy_bonus", "evol", "g2rl"] = _f("g2rl", "exploration signal added to GRPO")
     lam: float = _f(0.5, "g2rl: novelty strength λ >= 0 in r·(1 + λ·ν̄); paper gives no value, 0.5 chosen")
@@ -207,11 +239,14 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
+        _check(self.reward.overlong_buffer < self.rollout.max_new_tokens, "reward.overlong_buffer",
+               f"must be < rollout.max_new_tokens={self.rollout.max_new_tokens}, got {self.reward.overlong_buffer}")
         responses = self.data.prompts_per_step * self.rollout.num_samples
         _check(responses % self.algorithm.mini_batch_size == 0, "algorithm.mini_batch_size",
                f"must divide data.prompts_per_step*rollout.num_samples = {responses}, "

@@ -83,13 +83,17 @@ def maj_at_k(
     answers: Sequence[str | None], correct: Sequence[bool], k: int, *, equivalent: Equivalence | None = None,
     seed: int = 0,
 ) -> float:
-    """maj@k of one problem; `equivalent` defaults to g2rl_jax.rewards.is_equivalent."""
-    if equivalent is None:
-        from g2rl_jax.rewards import is_equivalent as equivalent
+    """maj@k of one problem; by default answers are merged as g2rl_jax.rewards.is_equivalent would merge them
+    (g2rl_jax.rewards.vote.answer_classes: hashing and fingerprints first, sympy only where needed)."""
     if not 1 <= k <= len(answers) or len(answers) != len(correct):
         raise ValueError(f"maj_at_k needs 1 <= k <= len(answers) == len(correct), got k={k}, "
                          f"{len(answers)} answers, {len(correct)} correctness flags")
-    return majority_vote(answer_classes(answers[:k], equivalent), correct, k, np.random.default_rng(seed))
+    if equivalent is None:
+        from g2rl_jax.rewards.vote import answer_classes as verifier_classes
+        labels = verifier_classes(list(answers[:k]))
+    else:
+        labels = answer_classes(answers[:k], equivalent)
+    return majority_vote(labels, correct, k, np.random.default_rng(seed))
 
 
 def sample_ks(n: int) -> list[int]:
@@ -233,16 +237,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | None], list[bool], Equivalence]:
-    """(extracted answers, correctness, answer equivalence) for one problem's responses, as the training reward."""
+def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | None], list[bool], list[int | None]]:
+    """(extracted answers, correctness, maj@k answer classes) for one problem's responses, as the training reward
+    scores them (the text as it is: evaluation applies no truncation policy; records keep finish_reasons)."""
     from g2rl_jax import rewards
+    from g2rl_jax.rewards.vote import answer_classes as verifier_classes
 
     if example.kind == "choice":
         answers = [rewards.extract_choice(t, num_choices=len(example.choices)) for t in texts]
-        return answers, [a == example.answer for a in answers], str.__eq__
+        return answers, [a == example.answer for a in answers], answer_classes(answers, str.__eq__)
     answers = [rewards.extract_answer(t) for t in texts]
     scores = rewards.score_batch(list(texts), [example.answer] * len(texts), "math")
-    return answers, [bool(s > 0) for s in scores], rewards.is_equivalent
+    return answers, [bool(s > 0) for s in scores], verifier_classes(answers)
 
 
 def load_policy(args: argparse.Namespace):
@@ -277,10 +283,10 @@ def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path)
                 group = slice(i * args.samples, (i + 1) * args.samples)  # completions are group-major
                 ids = rollout.completion_ids[group]
                 texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-                answers, correct, equivalent = score_responses(example, texts)
+                answers, correct, classes = score_responses(example, texts)
                 append_record(records_path, {
                     "dataset": name, "id": example.id, "gold": example.answer, "answers": answers,
-                    "correct": correct, "classes": answer_classes(answers, equivalent),
+                    "correct": correct, "classes": classes,
                     "lengths": [len(x) for x in ids], "finish_reasons": list(rollout.finish_reasons[group])})
                 bar.update()
 

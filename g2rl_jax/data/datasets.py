@@ -35,6 +35,15 @@ class Example:
     answer: str
     kind: Kind = "math"
     choices: tuple[str, ...] | None = None
+    row: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # every field read
+
+    def as_row(self) -> dict[str, Any]:
+        """The dataset row with all its fields (a jsonl row keeps every key it had), plus id, problem, answer, kind
+        and choices under those names where the row has no such key: what a custom reward function gets."""
+        row = dict(self.row)
+        for key in ("id", "problem", "answer", "kind", "choices"):
+            row.setdefault(key, list(self.choices) if key == "choices" and self.choices else getattr(self, key))
+        return row
 
     def __post_init__(self):
         if self.kind not in ("math", "choice"):
@@ -131,7 +140,8 @@ def read_jsonl_examples(path: Path, *, fields: Mapping[str, str], kind: Kind) ->
         choices = tuple(str(c).strip() for c in _field(row, keys["choices"], path, lineno)) if kind == "choice" else None
         if problem and answer:
             example_id = str(row.get(keys["id"], f"{path.name}:{lineno}"))
-            examples.append(Example(id=example_id, problem=problem, answer=answer, kind=kind, choices=choices))
+            examples.append(Example(id=example_id, problem=problem, answer=answer, kind=kind, choices=choices,
+                                    row=row))
     if not examples:
         raise ValueError(f"{path}: no usable rows (every row has an empty {keys['problem']!r} or {keys['answer']!r})")
     return examples

@@ -11,6 +11,20 @@ is never counted against a check's bound). A worker that does not start within `
 spawn makes its check score False with one warning, once some worker has started in this process; if none ever
 has, the installation is broken and the check raises `RuntimeError`.
 
+A slow check does not hold up the checks queued behind it: once a check has run `STRAGGLER_AFTER_S` it hands
+its slot to the next check and finishes (or times out) in a straggler lane of at most `max_workers` more
+processes, so fast checks keep flowing while up to `max_workers` slow ones run out their bound.
+
+Workers die with their parent: a watchdog thread in each worker kills it (SIGKILL of itself) as soon as its
+parent process is gone (SIGKILL, SIGTERM, a crash: the worker's parent pid changes), checking every
+`WATCHDOG_PERIOD_S`; on Linux the kernel also delivers SIGKILL at once through PR_SET_PDEATHSIG, which is why
+workers are spawned from one long-lived spawner thread (the death signal follows the spawning thread).
+
+Requests are JSON lines `[op, ...]`: `["eq", pred, gold]` -> `1`/`0`; `["fp", answer]` -> a JSON fingerprint or
+null (`compare.fingerprint`, for maj@k); `["fn", spec, response, example]` -> a JSON
+`{"value": x}` or `{"error": "..."}` (a user reward function, see `custom.py`); `["load", spec]` -> the same,
+value null, to check that a function imports.
+
 One pool per process (re-created after `fork`), sized to the CPU count; threads share it.
 """
 from __future__ import annotations
@@ -20,15 +34,31 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 WORKER_MEMORY_BYTES = 4 << 30   # address-space cap of one worker
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can take a while
 WORKER_ARGV = [sys.executable, "-c", "from g2rl_jax.rewards.bounded import serve; serve()"]
+STRAGGLER_AFTER_S = 0.25        # a check running longer yields its slot to the next queued check
+WATCHDOG_PERIOD_S = 0.2         # how often a worker checks that its parent is alive
+PARENT_ENV = "G2RL_VERIFIER_PARENT_PID"
+_SPAWNERS: dict[int, ThreadPoolExecutor] = {}  # per pid (a forked child needs its own thread)
+_SPAWNERS_LOCK = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    """This process's spawner: one thread that lives as long as the process and starts every worker."""
+    with _SPAWNERS_LOCK:
+        pid = os.getpid()
+        if pid not in _SPAWNERS:
+            _SPAWNERS[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-spawner")
+        return _SPAWNERS[pid]
 _SRC_ROOT = str(Path(__file__).resolve().parents[2])
 _LOG = logging.getLogger(__name__)
 
@@ -44,9 +74,12 @@ class _Worker:
         self.failure = ""  # why it did not start, once known
         self.closed = False  # its output pipe reached end of file
         self._buf = b""
-        self.proc = subprocess.Popen(
+        env[PARENT_ENV] = str(os.getpid())
+        popen = lambda: subprocess.Popen(  # noqa: E731
             self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             start_new_session=True)
+        spawner = threading.current_thread().name.startswith("verifier-spawner")
+        self.proc = popen() if spawner else _spawner().submit(popen).result()
 
     def _read_line(self, timeout: float) -> bytes | None:
         """The next output line, or None if none is complete within timeout seconds (0: poll) or the pipe closed.
@@ -82,15 +115,19 @@ class _Worker:
             self.failure = f"did not say 'ready' within {WORKER_START_TIMEOUT_S:.0f}s of being spawned"
         return self.ready
 
-    def ask(self, pred: str, gold: str, timeout: float) -> bool | None:
-        """The worker's verdict, or None if it missed the deadline or died."""
+    def send(self, request: list) -> bool:
+        """Write one request line; False if the worker is gone."""
         try:
-            self.proc.stdin.write(json.dumps([pred, gold]).encode() + b"\n")
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            return None
-        reply = self._read_line(timeout)
-        return None if reply not in (b"1", b"0") else reply == b"1"
+            self.closed = True
+            return False
+        return True
+
+    def reply(self, timeout: float) -> bytes | None:
+        """The reply line to the request sent last, or None if none came within timeout (or the worker died)."""
+        return self._read_line(timeout)
 
     def kill(self) -> None:
         self.proc.kill()
@@ -109,6 +146,7 @@ class BoundedPool:
     def __init__(self, max_workers: int):
         self.max_workers = max_workers
         self._slots = threading.BoundedSemaphore(max_workers)
+        self._stragglers = threading.BoundedSemaphore(max_workers)  # checks past STRAGGLER_AFTER_S, off the slots
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []  # started or still starting, none busy
         self._all: list[_Worker] = []
@@ -174,18 +212,44 @@ class BoundedPool:
     def check(self, pred: str, gold: str, timeout: float) -> bool:
         """Whether canonical answers pred and gold are equivalent; False if the check exceeds timeout, or if its
         worker cannot start (after some worker has; RuntimeError if none ever could)."""
-        with self._slots:
+        reply = self.request(["eq", pred, gold], timeout)
+        return reply == b"1"
+
+    def request(self, request: list, timeout: float) -> bytes | None:
+        """A worker's reply line to `request`, or None if it took longer than timeout seconds (the worker is then
+        killed and replaced), the worker died, or no worker could start (after some worker has; RuntimeError if
+        none ever could). Past STRAGGLER_AFTER_S the request moves to the straggler lane when it has room."""
+        self._slots.acquire()
+        holding_slot = True
+        try:
             worker = self._take()
-            if worker is None:
-                return False
-            verdict = worker.ask(pred, gold, timeout)
-            if verdict is None:
+            if worker is None or not worker.send(request):
+                if worker is not None:
+                    self._discard(worker)
+                    self._replace()
+                return None
+            start = time.monotonic()
+            reply = worker.reply(min(timeout, STRAGGLER_AFTER_S))
+            if reply is None and not worker.closed and timeout > STRAGGLER_AFTER_S:
+                if self._stragglers.acquire(blocking=False):  # the slot goes to the next check in the queue
+                    self._slots.release()
+                    holding_slot = False
+                    try:
+                        reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
+                    finally:
+                        self._stragglers.release()
+                else:
+                    reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
+            if reply is None:
                 self._discard(worker)
                 self._replace()
-                return False
+                return None
             with self._lock:
                 self._idle.append(worker)
-            return verdict
+            return reply
+        finally:
+            if holding_slot:
+                self._slots.release()
 
     def close(self) -> None:
         with self._lock:
@@ -214,19 +278,61 @@ def _close_pool() -> None:
         _POOL.close()
 
 
+def _die_with_parent() -> None:
+    """Exit (SIGKILL of this process) as soon as the parent that spawned it is gone: PR_SET_PDEATHSIG on Linux,
+    and on every platform a daemon thread that watches the parent pid (an orphan is re-parented)."""
+    parent = int(os.environ.get(PARENT_ENV, "0")) or os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # the watchdog below still applies
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCHDOG_PERIOD_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _answer(request: list) -> bytes:
+    """The reply line (without newline) to one request."""
+    op = request[0]
+    if op == "eq":
+        from g2rl_jax.rewards.compare import equivalent_canonical
+        try:
+            return b"1" if equivalent_canonical(request[1], request[2]) else b"0"
+        except Exception:  # noqa: BLE001 -- any failure inside sympy means "not verified", never a crash
+            return b"0"
+    if op == "fp":
+        from g2rl_jax.rewards.compare import fingerprint
+        try:
+            return json.dumps(fingerprint(request[1])).encode()
+        except Exception:  # noqa: BLE001 -- no fingerprint: compared pair by pair instead
+            return b"null"
+    if op in ("fn", "load"):
+        from g2rl_jax.rewards.custom import call_in_worker
+        return json.dumps(call_in_worker(op, *request[1:])).encode()
+    return json.dumps({"error": f"unknown request {op!r}"}).encode()
+
+
 def serve() -> None:
-    """Worker main loop: one JSON `[pred, gold]` per input line, `1`/`0` per output line, until stdin closes."""
+    """Worker main loop: one JSON request per input line, one reply per output line, until stdin closes."""
     import resource
+    _die_with_parent()
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
-    from g2rl_jax.rewards.compare import equivalent_canonical
+    import g2rl_jax.rewards.compare  # noqa: F401 -- sympy imported before `ready`
     out = sys.stdout.buffer
     out.write(b"ready\n")
     out.flush()
     for line in sys.stdin.buffer:
         try:
-            pred, gold = json.loads(line)
-            ok = equivalent_canonical(pred, gold)
-        except Exception:  # noqa: BLE001 -- any failure inside sympy means "not verified", never a crash
-            ok = False
-        out.write(b"1\n" if ok else b"0\n")
+            reply = _answer(json.loads(line))
+        except Exception as err:  # noqa: BLE001 -- a malformed request gets an error reply, never a crash
+            reply = json.dumps({"error": f"bad request: {type(err).__name__}: {err}"}).encode()
+        out.write(reply + b"\n")
         out.flush()

@@ -276,3 +276,23 @@ def expr_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
     if finite >= 2:
         return True
     return sympy.simplify(diff) == 0
+
+
+# -- fingerprints for maj@k --------------------------------------------------------------------------------------
+
+def fingerprint(canonical: str) -> dict | None:
+    """Values of a single expression answer at the probe points `expr_equal` uses, for `vote.answer_classes`:
+    {"syms": names, "vals": [[re, im] or None per probe], "decimal": a terminating decimal of >= 2 places}.
+    None for anything else (containers, relations, sums and products), which is then compared pair by pair."""
+    try:
+        value = parse_answer(canonical)
+    except (LatexError, TypeError, ValueError, ZeroDivisionError, RecursionError, AttributeError):
+        return None
+    if not isinstance(value, sympy.Expr) or value.has(sympy.Sum, sympy.Product) or len(expand_pm(value)) != 1:
+        return None
+    syms = sorted(value.free_symbols, key=str)
+    points = list(_points(syms)) if syms else [{}]
+    vals = [_value(value, point) for point in points]
+    decimal = not syms and (_decimal_places(value) or 0) >= 2
+    return {"syms": [str(s) for s in syms], "vals": [None if v is None else [v.real, v.imag] for v in vals],
+            "decimal": decimal}

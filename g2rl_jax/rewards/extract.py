@@ -210,8 +210,8 @@ def extract_answer(text: str) -> str | None:
 # tricky one", "the answer is I think ..."), not a choice. After "option"/"choice", "is correct" decides.
 _ENCLOSED_LETTER = r"\(\s*([A-Za-z])\s*\)|(?<=\*)([A-Za-z])(?=\*)"
 _CHOICE_PATTERNS = [
-    re.compile(r"\\boxed\{\s*(?:\\text(?:bf)?\{)?\s*\(?([A-Z])\)?\s*\}?\s*\}"),
-    re.compile(r"\banswer\s*(?:is|:)[\s*:$]*(?:(?:option|choice)\s*)?[\s*:$]*(?:" + _ENCLOSED_LETTER +
+    re.compile(r"\\boxed\{\s*(?:\\text(?:bf)?\{\s*)?\(?([A-Z])\)?\s*(?:\}\s*)?\}"),
+    re.compile(r"\banswer\s*(?:is|:)[\s*:$]*(?:(?:option|choice)[\s*:$]*)?(?:" + _ENCLOSED_LETTER +
                r"|(?-i:([A-Z]))(?=[ \t]*(?:$|[\n.,;:!?)\]*$\-–—])|\s+(?:because|since|as)\b))", re.IGNORECASE),
     re.compile(r"\b(?:option|choice)\s*(?:" + _ENCLOSED_LETTER + r"|(?-i:([A-Z]))(?!\w))\s*is\s*(?:the\s*)?correct",
                re.IGNORECASE),

@@ -1,7 +1,9 @@
 """A safe LaTeX -> sympy parser for answers: a tokenizer and a recursive-descent parser that builds sympy objects
 directly. No string ever reaches `eval`, `sympify` or `parse_expr`; unknown syntax raises `LatexError`.
 
-Supported: numbers (exact Integer/Rational, `204_5` base subscripts), symbols with subscripts, `\\frac`,
+Supported: numbers (exact Integer/Rational, `204_5` base subscripts, mixed numbers: an integer literal directly
+followed by `\\frac` of two integer literals, `3\\frac{1}{2}` = 7/2, while `2\\frac{\\pi}{3}`, `x\\frac12` and
+`3\\cdot\\frac12` stay products; a sign applies to the whole mixed number), symbols with subscripts, `\\frac`,
 `\\sqrt[n]{}`, `^`, `\\cdot`/`\\times`/`\\div`/`:`, implicit multiplication, `!`, `\\binom`, `|x|`,
 `\\lfloor`/`\\lceil`, trig/log/exp functions, `\\pi`, `\\infty`, `e`, `i`, `\\pm`/`\\mp`, `\\sum`/`\\prod`,
 tuples and intervals `(a,b]`, sets `\\{..\\}`, `\\cup`/`\\cap`/`\\setminus`, matrices (`pmatrix`, `bmatrix`,
@@ -236,19 +238,53 @@ class _Parser:
         if tok == "-":  # x^-1
             self.take()
             return -self.single_arg()
-        return self.atom()
+        return self.atom(mixed=False)  # `x^3\frac12` is x^3 / 2, not x^(7/2)
 
-    def atom(self):
+    def atom(self, mixed: bool = True):
         tok = self.take()
         self.enter()
         try:
-            return self._atom(tok)
+            return self._atom(tok, mixed)
         finally:
             self.depth -= 1
 
-    def _atom(self, tok: str):
+    def mixed_fraction(self):
+        """After an integer literal: the fraction of integer literals that makes it a mixed number (`3\frac{1}{2}`,
+        `3\frac12`), consumed and returned as a Rational; None (nothing consumed) when the next tokens are not
+        `\frac` with two integer-literal arguments."""
+        toks, i = self.toks, self.i
+        if i >= len(toks) or toks[i] != r"\frac":
+            return None
+        i += 1
+        if i < len(toks) and len(toks[i]) == 2 and toks[i].isdigit():  # `\frac12`: one token, two digits
+            return sympy.Rational(int(toks[i][0]), int(toks[i][1])) if self._consume(i + 1, toks[i][1]) else None
+        parts = []
+        for _ in range(2):
+            if i + 2 < len(toks) and toks[i] == "{" and toks[i + 1].isdigit() and toks[i + 2] == "}":
+                parts.append(toks[i + 1])
+                i += 3
+            elif i < len(toks) and len(toks[i]) == 1 and toks[i].isdigit():
+                parts.append(toks[i])
+                i += 1
+            else:
+                return None
+        if len(parts[0]) > MAX_LITERAL_DIGITS or len(parts[1]) > MAX_LITERAL_DIGITS:
+            raise TooBig("mixed number with an over-long literal")
+        return sympy.Rational(int(parts[0]), int(parts[1])) if self._consume(i, parts[1]) else None
+
+    def _consume(self, end: int, denominator: str):
+        """Move past a mixed number's fraction ending before token `end`; False for a zero denominator."""
+        if int(denominator) == 0:
+            return False
+        self.i = end
+        return True
+
+    def _atom(self, tok: str, mixed: bool = True):
         if tok[0].isdigit() or tok[0] == ".":
             value = _number(tok)
+            fraction = self.mixed_fraction() if mixed and tok.isdigit() else None
+            if fraction is not None:  # `3\frac{1}{2}` is 7/2, the way MATH and graders read it
+                return value + fraction
             if self.peek() == "_":  # 204_5: a numeral in base 5
                 self.take()
                 base = self.single_arg()

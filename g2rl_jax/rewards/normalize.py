@@ -4,6 +4,10 @@
 (`\\left`, `\\right`), `\\dfrac`/`\\tfrac`, spacing commands, degrees, percent, currency, text units, thousands
 separators and trailing periods are removed. Two answers with the same canonical string are equivalent without
 any parsing; `maj_at_k` groups answers by it. It never evaluates anything.
+
+Linear time: whitespace runs are collapsed to one space after every rewrite, so no pattern's `\\s*` can scan a
+long run from many start positions (a run of `\\,` once took cubic time in the separator rule), and `\\text{}`
+unwrapping decides "is there other content" from counts made once per pass, not by re-scanning the answer.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textnormal|textrm|mbox|mathr
 _UNIT_WORDS = ("units?|sq\\.?|square|cubic|cm|mm|km|meters?|metres?|miles?|mph|inch(?:es)?|feet|foot|ft|yards?|"
                "hours?|minutes?|seconds?|days?|weeks?|months?|years?|degrees?|dollars?|cents?|euros?|yuan|pounds?|"
                "grams?|kg|liters?|gallons?|ways|values|people|students|points?")
-_UNIT_RE = re.compile(rf"(?<=[\d}}\s])\s*\b(?:{_UNIT_WORDS})\b(?:\s*\^\s*\{{?\d\}}?)?\.?", re.IGNORECASE)
+_UNIT_RE = re.compile(rf"(?<=[\d}}\s])\s?(?=[A-Za-z])\b(?:{_UNIT_WORDS})\b(?:\s*\^\s*\{{?\d\}}?)?\.?", re.IGNORECASE)
 _DELETE = [
     (re.compile(r"\\\\(?=(?:le|ge|leq|geq|lt|gt|neq|frac|dfrac|tfrac|left|right|sqrt|boxed|text|pi|cdot|times|"
                 r"infty|pm|in|cup|cap|mathrm)(?![a-zA-Z]))"), "\\\\"),
@@ -39,6 +43,10 @@ _DELETE = [
 _THOUSANDS_RE = re.compile(r"(?:(?<=^)|(?<==)|(?<=[={] ))(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?=$|[.}]| ?[}])")
 _SEPARATOR_RE = re.compile(r"\s*,?\s*\b(?:and|or)\b\s*,?\s*|(?<=[0-9)\]}])or(?=[A-Za-z(\[{\\])")
 _NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/(?:\d+))?")
+_SPACES_RE = re.compile(r"\s\s+|[^\S ]")  # runs of whitespace, or one non-space whitespace character
+_DIGIT_OR_BRACE_RE = re.compile(r"[\d}]")
+_SEPARATOR_TEXT_RE = re.compile(r",?\s*(?:and|or)\s*,?")
+_WORDS_RE = re.compile(r"[A-Za-z. ]{2,}")
 
 
 def _strip_box(s: str) -> str:
@@ -47,19 +55,31 @@ def _strip_box(s: str) -> str:
     return m.group(1) if m else s
 
 
+def _content_chars(s: str) -> int:
+    """Characters of s other than spaces, periods and commas."""
+    return len(s) - s.count(" ") - s.count(".") - s.count(",")
+
+
 def _unwrap_text(s: str) -> str:
-    """`\\text{...}`: separators become commas, units after other content are dropped, the rest is unwrapped."""
-    def repl(m: re.Match) -> str:
-        inner = m.group(1).strip()
-        if re.fullmatch(r",?\s*(?:and|or)\s*,?", inner):
-            return ", "
-        rest = (s[:m.start()] + s[m.end():]).strip(" .,")
-        if re.fullmatch(r"[A-Za-z. ]{2,}", inner) and rest and re.search(r"[\d}]", s[:m.start()]):
-            return " "
-        power = m.group(2) or ""
-        return (" " + inner + " " if len(inner) > 1 else inner) + power
+    """`\\text{...}`: separators become commas, units after other content are dropped, the rest is unwrapped.
+    Linear in len(s): the "other content" tests use counts and one search made before the substitution."""
+    def unwrap_once(s: str) -> str:
+        content = _content_chars(s)
+        first_digit = _DIGIT_OR_BRACE_RE.search(s)
+        first_digit_at = first_digit.start() if first_digit else len(s)
+
+        def repl(m: re.Match) -> str:
+            inner = m.group(1).strip()
+            if _SEPARATOR_TEXT_RE.fullmatch(inner):
+                return ", "
+            rest = content - _content_chars(m.group(0)) > 0  # something besides this command, spaces, ".", ","
+            if _WORDS_RE.fullmatch(inner) and rest and first_digit_at < m.start():
+                return " "
+            power = m.group(2) or ""
+            return (" " + inner + " " if len(inner) > 1 else inner) + power
+        return _SPACES_RE.sub(" ", _TEXT_CMD_RE.sub(repl, s))
     for _ in range(3):  # nested \text{\textbf{..}}
-        s = _TEXT_CMD_RE.sub(repl, s)
+        s = unwrap_once(s)
     return s
 
 
@@ -67,13 +87,13 @@ def normalize_answer(answer: str | None) -> str | None:
     """Canonical string of an answer (see module docstring); None for a missing or over-long answer."""
     if answer is None or len(answer) > MAX_ANSWER_CHARS:
         return None
-    s = re.sub(r"\s+", " ", answer).strip()
+    s = _SPACES_RE.sub(" ", answer).strip()
     s = re.sub(r"^(?:\$\$|\$|\\\[|\\\()|(?:\$\$|\$|\\\]|\\\))$", "", s.strip()).strip()
     s = _strip_box(s.strip())
-    for pattern, repl in _DELETE:
-        s = pattern.sub(repl, s)
-    s = _unwrap_text(s)
-    s = _UNIT_RE.sub(" ", s)
+    for pattern, repl in _DELETE:  # runs of spaces collapse after each rule: every `\s*` below meets at most one
+        s = _SPACES_RE.sub(" ", pattern.sub(repl, s))
+    s = _SPACES_RE.sub(" ", _unwrap_text(s))
+    s = _SPACES_RE.sub(" ", _UNIT_RE.sub(" ", s))
     s = _SEPARATOR_RE.sub(", ", s)
     s = _THOUSANDS_RE.sub(lambda m: m.group(1).replace(",", ""), s.strip())
     s = re.sub(r"\s+", " ", s).strip().rstrip(".,;").strip()

@@ -33,7 +33,9 @@ from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError, save_resolved
 from g2rl_jax.data import encode_prompts, load_dataset, make_prompt_loader
 from g2rl_jax.model import load_pretrained
-from g2rl_jax.rewards import answers_found, score_batch
+from g2rl_jax.rewards import answers_found
+from g2rl_jax.rewards.custom import check_function, resolve_spec
+from g2rl_jax.rewards.scoring import compute_rewards
 from g2rl_jax.rollout import generate
 from g2rl_jax.train import report
 from g2rl_jax.train import step as S
@@ -95,6 +97,13 @@ class Trainer:
         self.mesh = build_mesh(cfg.mesh)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
+        self.reward_cfg = cfg.reward  # a reward function's file path made absolute, and checked in a worker
+        if cfg.reward.function:
+            self.reward_cfg = dataclasses.replace(cfg.reward, function=resolve_spec(cfg.reward.function))
+            try:
+                check_function(self.reward_cfg.function, cfg.reward.timeout)
+            except ValueError as err:
+                raise ConfigError(f"reward.function: {err}") from None
         examples = usable_examples(cfg, self.tokenizer)
         block, blocks = parallel.batch_block(self.mesh)
         if cfg.data.prompts_per_step % blocks:
@@ -166,15 +175,18 @@ class Trainer:
                                seed=self._step_seed(step), mesh=self.mesh)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        golds = [ex.answer for ex in examples for _ in range(m)]
-        with stage("rewards", texts=texts, golds=golds):
-            rewards = score_batch(texts, golds, kind=examples[0].kind)
+        rows = [ex.as_row() for ex in examples for _ in range(m)]
+        with stage("rewards", texts=texts):
+            scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg, kind=examples[0].kind,
+                                     max_new_tokens=cfg.rollout.max_new_tokens, stop_ids=self.stop_ids)
+            rewards = scored.rewards
         t2 = time.perf_counter()
         with stage("batch", prompt_ids=rollout.prompt_ids_BxS, completion_ids=rollout.completion_ids_BxT,
                    rewards=rewards):
             batch = S.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
-                                  rollout.completion_mask_BxT, rewards, rewards > 0, m)
+                                  rollout.completion_mask_BxT, rewards, scored.correct, m)
             batch = shard_rows(batch, self.mesh)
+            in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
             scores = S.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
         ref = None
@@ -190,16 +202,19 @@ class Trainer:
             signal = jax.block_until_ready(S.advantages(batch, scores[2], algo, embeddings, valid))
         t3 = time.perf_counter()
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
-            info = self._update(batch, scores[0], ref, signal["advantages"])
+            info = self._update(batch, scores[0], ref, signal["advantages"], in_loss_B)
         t4 = time.perf_counter()
         metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
+        metrics["truncated_fraction"] = float(jnp.mean(truncated_B))  # share of responses that hit the budget
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
-    def _update(self, batch: S.Batch, old_logp, ref_logp, adv_B) -> dict[str, float]:
+    def _update(self, batch: S.Batch, old_logp, ref_logp, adv_B, in_loss_B) -> dict[str, float]:
         algo = self.cfg.algorithm
         keep_B = np.ones(adv_B.shape[0], bool)
         if algo.filter_equal_groups:
             keep_B = S.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
+        groups_kept = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
+        keep_B = keep_B & parallel.gather(in_loss_B).astype(bool)  # reward.truncated=mask
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         batch = dataclasses.replace(batch, response_mask=batch.response_mask * jnp.asarray(keep_B, jnp.float32)[:, None])
         ref_logp = old_logp if ref_logp is None else ref_logp
@@ -217,7 +232,7 @@ class Trainer:
         infos = jax.device_get(infos)
         out = {k: float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "skipped"}
         out["skipped_updates"] = int(sum(int(i["skipped"]) for i in infos))
-        out["groups_kept"] = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
+        out["groups_kept"] = groups_kept
         return out
 
     def _metrics(self, step, batch, scores, signal, info, times) -> dict[str, float]:
@@ -263,9 +278,11 @@ class Trainer:
                                        temperature=cfg.eval_temperature, num_samples=cfg.eval_samples,
                                        stop_token_ids=self.stop_ids, seed=self.cfg.run.seed + start, mesh=self.mesh)
                     texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-                    golds = [ex.answer for ex in local for _ in range(cfg.eval_samples)]
-                    rewards = score_batch(texts, golds, kind=local[0].kind)
-                correct.append(parallel.gather_blocks(self.mesh, rewards > 0)[:real])
+                    rows = [ex.as_row() for ex in local for _ in range(cfg.eval_samples)]
+                    scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg,
+                                             kind=local[0].kind, max_new_tokens=cfg.eval_max_new_tokens,
+                                             stop_ids=self.stop_ids)
+                correct.append(parallel.gather_blocks(self.mesh, scored.correct)[:real])
                 flags_BxK = report.response_flags(texts, rollout.finish_reasons)
                 flags.append(parallel.gather_blocks(self.mesh, flags_BxK)[:real])
             out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(correct)))
