@@ -13,7 +13,7 @@ from g2rl_jax.data import load_dataset
 from g2rl_jax.demo import countdown as cd
 from g2rl_jax.demo.explore_eval import measure
 
-PROBLEM = {"problem": "Use 3 5 7 8 to make 22", "answer": "22"}
+PROBLEM = {"problem": "Use 3 5 7 8 to make 22", "answer": "22", "numbers": [3, 5, 7, 8], "target": 22}
 
 
 def reference_value(text: str) -> Fraction:
@@ -79,11 +79,6 @@ def test_reward(response, want):
     assert cd.reward(response, PROBLEM) == want
 
 
-def test_reward_needs_a_countdown_problem():
-    with pytest.raises(ValueError, match="not a Countdown problem"):
-        cd.reward("\\boxed{1+2}", {"problem": "1+2"})
-
-
 def test_reward_does_not_use_eval(monkeypatch):
     import builtins
 
@@ -104,13 +99,14 @@ def test_problems_have_many_distinct_verified_answers(splits):
     assert len(test) == cd.TEST_SIZE and not {e.problem for e in train} & {e.problem for e in test}
     assert load_dataset("countdown_test") == test
     for ex in test[:40]:
-        numbers, target = cd.parse_problem(ex.problem)
+        numbers, target = ex.row["numbers"], ex.row["target"]
+        assert ex.problem == cd.problem_text(numbers, target) and ex.as_row()["numbers"] == numbers
         answers = cd.solutions(tuple(numbers), target)
         assert len(answers) >= cd.MIN_SOLUTIONS and ex.answer == str(target)
         for key, expression in answers.items():
             assert reference_value(expression) == target
             assert cd.canonical(cd.parse(expression)) == key
-            assert cd.reward(f"\\boxed{{{expression}}}", {"problem": ex.problem}) == 1.0
+            assert cd.reward(f"\\boxed{{{expression}}}", ex.as_row()) == 1.0
 
 
 def test_solutions_are_complete_on_a_small_problem():
@@ -140,12 +136,12 @@ def test_teacher_gives_right_then_wrong_answers(splits):
     ex = splits[0][0]
     responses = cd.teacher_responses(ex, random.Random(0))
     k = cd.TEACHER_VARIANTS
-    assert [cd.reward(r, {"problem": ex.problem}) for r in responses] == [1.0] * k + [-1.0] * k
+    assert [cd.reward(r, ex.as_row()) for r in responses] == [1.0] * k + [-1.0] * k
     assert len(set(responses)) == 2 * k
 
 
 def test_explore_measures():
     texts = [["\\boxed{3*5+7}", "\\boxed{7+3*5}", "\\boxed{8*3-7+5}", "junk"], ["x", "y", "z", "w"]]
-    out = measure(texts, [PROBLEM["problem"]] * 2, np.array([[0, 0, 0, 1], [0, 0, 0, 0]], bool))
+    out = measure(texts, [PROBLEM] * 2, np.array([[0, 0, 0, 1], [0, 0, 0, 0]], bool))
     assert out["pass@1"] == pytest.approx((3 / 4 + 0) / 2) and out["pass@k"] == 0.5
     assert out["distinct@k"] == pytest.approx((2 + 0) / 2) and out["truncated_fraction"] == pytest.approx(1 / 8)

@@ -14,7 +14,7 @@ It parses with a small recursive-descent parser over digits, + - * / and parenth
 fractions; nothing reaches `eval`. Two correct answers are the same answer when `canonical()` maps them to the
 same string (sums and products flattened, their terms sorted: "3*5+7" and "7+5*3" are one answer).
 
-    examples("train"), examples("test")       # list[Example]; answer = the target, the numbers are in the problem
+    examples("train"), examples("test")       # list[Example]; row = {"numbers": [3, 5, 7, 8], "target": 22}
     solutions(numbers, target)                # every distinct answer (canonical form -> one printed expression)
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ MIN_SOLUTIONS = 10  # distinct answers a kept problem has at least
 SHUFFLE_SEED = 20251215
 TEST_SIZE = 256
 MAX_EXPRESSION_CHARS = 64  # a longer boxed expression is not parsed (scores -1)
-PROBLEM_RE = re.compile(r"^Use ((?:\d+ )*\d+) to make (\d+)$")
 PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 
 
@@ -146,14 +145,6 @@ def render(tree, parent: str = "", right: bool = False) -> str:
 
 
 # ------------------------------------------------------------------------------------------- the reward
-def parse_problem(problem: str) -> tuple[list[int], int]:
-    """(numbers, target) of a problem text "Use 3 5 7 to make 22"."""
-    match = PROBLEM_RE.match(problem.strip())
-    if match is None:
-        raise ValueError(f"not a Countdown problem: {problem!r}; expected 'Use 3 5 7 to make 22'")
-    return [int(x) for x in match.group(1).split()], int(match.group(2))
-
-
 def boxed_expression(response: str) -> str | None:
     """The text inside a response that is exactly `\\boxed{...}` (surrounding whitespace allowed), else None."""
     match = re.fullmatch(r"\s*\\boxed\{([^{}]*)\}\s*", response)
@@ -179,10 +170,10 @@ def check(response: str, numbers: list[int], target: int):
 
 
 def reward(response: str, example: dict) -> float:
-    """+1.0 when the response is `\\boxed{expr}` and nothing else, expr uses each given number at most once (at
-    least two) and equals the target exactly; -1.0 otherwise."""
-    numbers, target = parse_problem(example["problem"])
-    return 1.0 if check(response, numbers, target) is not None else -1.0
+    """+1.0 when the response is `\\boxed{expr}` and nothing else, expr uses each of `example["numbers"]` at
+    most once (at least two of them) and equals `example["target"]` exactly; -1.0 otherwise."""
+    numbers, target = example["numbers"], example["target"]
+    return 1.0 if check(response, list(numbers), int(target)) is not None else -1.0
 
 
 # ------------------------------------------------------------------------------------------- problems
@@ -248,8 +239,8 @@ def examples(split: Split) -> list[Example]:
     if split not in ("train", "test"):
         raise ValueError(f"unknown countdown split {split!r}; choose 'train' or 'test'")
     chosen = problems[:TEST_SIZE] if split == "test" else problems[TEST_SIZE:]
-    return [Example(id=f"countdown-{'.'.join(map(str, n))}-{t}", problem=problem_text(n, t), answer=str(t))
-            for n, t in chosen]
+    return [Example(id=f"countdown-{'.'.join(map(str, n))}-{t}", problem=problem_text(n, t), answer=str(t),
+                    row={"numbers": list(n), "target": t}) for n, t in chosen]
 
 
 # ------------------------------------------------------------------------------------------- the warm start
@@ -259,7 +250,7 @@ TEACHER_VARIANTS = 4  # correct and wrong responses per problem the warm start's
 def teacher_responses(example: Example, rng: random.Random) -> list[str]:
     """TEACHER_VARIANTS distinct correct answers, then TEACHER_VARIANTS wrong ones (answers of the same numbers to
     other targets: well-formed, wrong value), each as `\\boxed{expr}`."""
-    numbers, target = parse_problem(example.problem)
+    numbers, target = example.row["numbers"], example.row["target"]
     table = _all_solutions(tuple(sorted(numbers)))
     right = sorted(table[target].values())
     wrong = sorted(expr for t, answers in table.items() if t != target for expr in answers.values())

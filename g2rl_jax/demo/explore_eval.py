@@ -24,19 +24,18 @@ import numpy as np
 from g2rl_jax.demo import countdown
 
 
-def problem_measures(texts: Sequence[str], problem: str) -> dict[str, float]:
-    """c/k, any correct, distinct correct answers of one problem's k responses."""
-    numbers, target = countdown.parse_problem(problem)
-    trees = [countdown.check(t, numbers, target) for t in texts]
+def problem_measures(texts: Sequence[str], row: dict) -> dict[str, float]:
+    """c/k, any correct, distinct correct answers of one problem's k responses (row: numbers and target)."""
+    trees = [countdown.check(t, list(row["numbers"]), int(row["target"])) for t in texts]
     correct = [t for t in trees if t is not None]
     return {"pass@1": len(correct) / len(texts), "pass@k": float(bool(correct)),
             "distinct@k": float(len({countdown.canonical(t) for t in correct}))}
 
 
-def measure(texts_GxK: Sequence[Sequence[str]], problems: Sequence[str], truncated_GxK: np.ndarray) -> dict:
-    per = [problem_measures(texts, p) for texts, p in zip(texts_GxK, problems)]
+def measure(texts_GxK: Sequence[Sequence[str]], rows: Sequence[dict], truncated_GxK: np.ndarray) -> dict:
+    per = [problem_measures(texts, row) for texts, row in zip(texts_GxK, rows)]
     out = {k: float(np.mean([m[k] for m in per])) for k in per[0]}
-    return out | {"truncated_fraction": float(np.mean(truncated_GxK)), "problems": len(problems),
+    return out | {"truncated_fraction": float(np.mean(truncated_GxK)), "problems": len(rows),
                   "samples": len(texts_GxK[0])}
 
 
@@ -92,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     examples = countdown.examples("test")
     texts, truncated = sample(model, tokenizer, examples, samples=args.samples, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, seed=args.seed)
-    result = measure(texts, [ex.problem for ex in examples], truncated)
+    result = measure(texts, [ex.row for ex in examples], truncated)
     result["examples"] = {ex.problem: texts[i][:4] for i, ex in enumerate(examples[:8])}
     print(json.dumps({k: v for k, v in result.items() if k != "examples"}))
     out = args.out or (args.run_dir / "explore.json" if args.run_dir is not None else None)
