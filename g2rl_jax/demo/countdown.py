@@ -24,9 +24,10 @@ import itertools
 import random
 import re
 from fractions import Fraction
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from g2rl_jax.data.datasets import Example
+if TYPE_CHECKING:  # imported where used: a reward worker imports this module and must not load the data stack
+    from g2rl_jax.data.datasets import Example
 
 Split = Literal["train", "test"]
 DIGITS = range(1, 10)
@@ -235,6 +236,8 @@ def problem_text(numbers: tuple[int, ...], target: int) -> str:
 
 def examples(split: Split) -> list[Example]:
     """The examples of `split` ("test": the first TEST_SIZE shuffled problems, "train": the rest)."""
+    from g2rl_jax.data.datasets import Example
+
     problems = _problems()
     if split not in ("train", "test"):
         raise ValueError(f"unknown countdown split {split!r}; choose 'train' or 'test'")
