@@ -131,8 +131,8 @@ def load_policy(run_or_checkpoint_dir: str | Path, *, mesh=None):
     base = load_pretrained(base_dir, model_cfg.param_dtype, runtime=runtime_of(model_cfg), mesh=mesh)
     graphdef, params = nnx.split(base)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
-    with ocp.PyTreeCheckpointer() as reader:  # only "params" of {"params", "opt_state", "step", "rng"}
-        restored = reader.restore(step_dir / checkpoint.STATE_ITEM, args=ocp.args.PyTreeRestore(
+    with ocp.PyTreeCheckpointer() as reader:  # only "params" of {...}; Orbax wants an absolute path
+        restored = reader.restore(step_dir.resolve() / checkpoint.STATE_ITEM, args=ocp.args.PyTreeRestore(
             item={"params": abstract}, restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
             partial_restore=True))
     return nnx.merge(graphdef, restored["params"]), base_dir

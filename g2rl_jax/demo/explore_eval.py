@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.run_dir is not None:
         from g2rl_jax.analyze import load_policy
 
-        model, tokenizer_dir = load_policy(args.run_dir.resolve())  # Orbax wants an absolute path
+        model, tokenizer_dir = load_policy(args.run_dir)
     else:
         from g2rl_jax.model import load_pretrained
 
