@@ -122,19 +122,17 @@ class RolloutConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     truncated: Literal["keep", "penalize", "mask"] = _f(
-        "penalize", "response that hits rollout.max_new_tokens without a stop token: keep (score its text), penalize "
-        "(wrong-answer reward -1), mask (out of the loss, in the group stats as scored); penalize by default: "
-        "scoring the text lets a policy append junk up to the budget and keep its reward (the paper's configs: keep)")
-    overlong_buffer: int = _f(0, "DAPO soft overlong penalty: tokens at the end of the budget where it applies "
-                              "(0 = off); off by default, as the paper uses none")
-    overlong_penalty: float = _f(1.0, "DAPO soft overlong penalty at the full budget, falling linearly to 0 at "
-                                 "max_new_tokens - overlong_buffer (DAPO's 1.0)")
-    function: Optional[str] = _f(None, "custom reward 'package.module:function' or 'path/file.py:function', called "
-                                 "fn(response, example_row) in the verifier's worker processes, clipped to [-1, 1]; "
-                                 "null = the built-in verifier")
+        "penalize", "response at rollout.max_new_tokens without a stop token: keep | penalize (reward -1) | mask "
+        "(out of the loss); penalize as scoring it is exploitable (README); the paper's configs: keep")
+    overlong_buffer: int = _f(0, "DAPO overlong penalty: last tokens of the budget where it applies (0 = off; "
+                              "the paper uses none)")
+    overlong_penalty: float = _f(1.0, "DAPO overlong penalty at the full budget, linear from 0 at max_new_tokens "
+                                 "- overlong_buffer (DAPO: 1.0)")
+    function: Optional[str] = _f(None, "custom reward 'pkg.mod:fn' or 'file.py:fn', fn(response, example_row) in "
+                                 "the verifier workers, clipped to [-1, 1] (null = verifier)")
     on_error: Literal["raise", "fail"] = _f("raise", "custom reward that raises, returns a non-number or times out: "
-                                            "raise (stop with an error naming the row) or fail (score -1)")
-    timeout: float = _f(2.0, "seconds one verifier check or one reward-function call may take (then: not verified)")
+                                            "raise (error naming the row) or fail (-1)")
+    timeout: float = _f(2.0, "seconds one verifier check or reward-function call may take (then: not verified)")
 
     def __post_init__(self):
         _check(self.overlong_buffer >= 0, "reward.overlong_buffer",

@@ -220,3 +220,24 @@ def test_answers_found_marks_responses_without_an_answer():
     np.testing.assert_array_equal(choice, [True, False])
     with pytest.raises(ValueError, match="kind must be 'math' or 'choice'"):
         answers_found(["x"], "code")
+
+
+# -- mixed numbers ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("response, gold, expected", [
+    (r"\boxed{3\frac{1}{2}}", r"\frac{7}{2}", 1.0),      # a mixed number is its value ...
+    (r"\boxed{3\frac{1}{2}}", r"\frac{3}{2}", -1.0),     # ... not a product
+    (r"\boxed{\frac{7}{2}}", r"3\frac{1}{2}", 1.0),      # either side
+    (r"\boxed{\frac{3}{2}}", r"3\frac{1}{2}", -1.0),
+    (r"\boxed{3 \frac12}", "3.5", 1.0),
+    (r"\boxed{-2\tfrac{3}{4}}", r"-\frac{11}{4}", 1.0),  # signed as a whole
+    (r"\boxed{-2\tfrac{3}{4}}", r"-\frac{5}{4}", -1.0),
+    (r"\boxed{2\frac{\pi}{3}}", r"\frac{2\pi}{3}", 1.0),  # products where a mixed number makes no sense
+    (r"\boxed{x\frac{1}{2}}", r"\frac{x}{2}", 1.0),
+    (r"\boxed{3\cdot\frac{1}{2}}", r"\frac{3}{2}", 1.0),
+    (r"\boxed{3\times\frac12}", r"\frac32", 1.0),
+    (r"\boxed{x^3\frac12}", r"\frac{x^3}{2}", 1.0),       # an exponent does not swallow the fraction
+    (r"\boxed{1\frac{1}{0}}", "1", -1.0),
+])
+def test_mixed_numbers(response, gold, expected):
+    assert math_reward(response, gold) == expected

@@ -97,6 +97,7 @@ def _check_records(records, mode, steps):
                     "learning_rate", "rollout_seconds", "update_seconds", "tokens_per_second"):
             assert np.isfinite(r[key]), (mode, key, r[key])
         assert r["skipped_updates"] == 0
+        assert 0.0 <= r["truncated_fraction"] <= 1.0  # share of responses that hit rollout.max_new_tokens
         if mode == "g2rl":
             assert 0.0 <= r["novelty"] <= 1.0
         else:

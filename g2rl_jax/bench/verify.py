@@ -14,6 +14,13 @@ Each kind's checks are split by the path `score_batch` takes for them, and each 
 Per-check latencies (p50, max) come from sequential `is_equivalent` calls on the last --latency-n golds, which
 the batch does not see (sympy's cache would otherwise flatter them); the adversarial line times answers that hit
 the parser's guards and one that runs into the time bound.
+
+`--slow N` (e.g. 64) measures the verifier under load instead, side by side in one run:
+  queue    N checks that run into the time bound, then N fast ones queued behind them (as `score_batch` queues
+           them, one thread each on a pool of --workers processes): when the fast ones finish (median, max);
+  maj@k    the answer classes of N distinct answers that each need sympy (`(x+y+k)^E`): all pairs through
+           `is_equivalent` (eval.answer_classes, the old way) against `rewards.vote.answer_classes`, with the
+           number of worker requests each made.
 """
 from __future__ import annotations
 
@@ -53,7 +60,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=2, help="worker processes for the worker path (default 2)")
     ap.add_argument("--timeout", type=float, default=2.0, help="per-check time bound in seconds")
     ap.add_argument("--latency-n", type=int, default=100, help="golds timed one by one per kind")
+    ap.add_argument("--slow", type=int, default=0, help="measure N slow answers (queue and maj@k), nothing else")
+    ap.add_argument("--slow-exponent", type=int, default=3, help="E of the maj@k answers (x+y+k)^E")
     args = ap.parse_args(argv)
+    if args.slow:
+        return slow_answers(args.slow, args.workers, args.timeout, args.slow_exponent)
     if args.workers < 1 or args.latency_n < 1 or args.n <= args.latency_n:
         ap.error(f"need --workers >= 1 and 1 <= --latency-n < --n, got --workers {args.workers} "
                  f"--latency-n {args.latency_n} --n {args.n}")
@@ -102,5 +113,72 @@ def main(argv: list[str]) -> int:
         worst_s, worst_name = max((worst_s, worst_name), (took, name))
         print(f"adversarial {name:<24} verdict={ok} time={took:.3f}s (bound {args.timeout}s)")
     print(f"worst-case time of one check: {worst_s:.3f}s ({worst_name}; the bound is {args.timeout}s)")
+    pool.close()
+    return 0
+
+
+def _counting(pool):
+    """Wrap pool.request to count the requests sent to workers; returns the counter (a one-item list)."""
+    name = "request" if hasattr(pool, "request") else "check"  # a tree from before `request` existed: count checks
+    count, call = [0], getattr(pool, name)
+
+    def counted(*args):
+        count[0] += 1
+        return call(*args)
+    setattr(pool, name, counted)
+    return count
+
+
+def _queue(pool, n_slow: int, n_fast: int, timeout: float) -> None:
+    """n_slow checks that run into the bound, then n_fast fast ones, one thread each: when the fast ones finish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    slow = [(f"(a+b+c+d+{k})^{{60}}", f"(a+b+c+d+{k + 1})^{{60}}") for k in range(n_slow)]
+    fast = [(f"x^{{2}}+{k}x", f"x(x+{k})") for k in range(n_fast)]
+    start, done = time.perf_counter(), {}
+
+    def run(item):
+        kind, (pred, gold) = item
+        ok = pool.check(pred, gold, timeout)
+        done.setdefault(kind, []).append(time.perf_counter() - start)
+        return ok
+    with ThreadPoolExecutor(max_workers=n_slow + n_fast) as ex:
+        verdicts = list(ex.map(run, [("slow", p) for p in slow] + [("fast", p) for p in fast]))
+    wall = time.perf_counter() - start
+    fast_t, slow_t = sorted(done["fast"]), sorted(done.get("slow", [0.0]))
+    print(f"queue: {n_slow:3d} slow (bound {timeout}s) then {n_fast} fast checks: wall {wall:5.1f}s; fast ones done "
+          f"at median {statistics.median(fast_t):5.1f}s, last {fast_t[-1]:5.1f}s; slow ones last {slow_t[-1]:5.1f}s; "
+          f"accepted fast {sum(verdicts[n_slow:])}/{n_fast}, slow {sum(verdicts[:n_slow])}/{n_slow}")
+    score_batch([r"\boxed{x+1}"] * pool.max_workers, ["1+x"] * pool.max_workers)  # replacements started
+
+
+def slow_answers(n: int, workers: int, timeout: float, exponent: int) -> int:
+    """`--slow N`: queue latency of fast checks behind N slow ones, and maj@k classes of N sympy answers."""
+    from g2rl_jax import eval as ev
+
+    pool = get_pool()
+    pool.max_workers = min(workers, pool.max_workers)
+    pool.__init__(pool.max_workers, spares=min(pool.max_workers, 2))  # exactly --workers processes (and spares)
+    print(f"verify --slow {n}: pool of {pool.max_workers} worker processes, timeout {timeout}s; "
+          "shared machine: other jobs may be running")
+    score_batch([r"\boxed{x+1}"] * pool.max_workers, ["1+x"] * pool.max_workers)  # start the workers
+    for n_slow in (0, pool.max_workers, n):  # 0: the fast checks alone, the baseline of the two others
+        _queue(pool, n_slow, n, timeout)
+    answers = [f"(x+y+{k})^{{{exponent}}}" for k in range(n)]
+    count = _counting(pool)
+    try:
+        from g2rl_jax.rewards.vote import answer_classes
+    except ImportError:  # a tree without rewards.vote (before it existed)
+        answer_classes = None
+    rows = [] if answer_classes is None else [("rewards.vote.answer_classes", lambda: answer_classes(
+        answers, timeout=timeout))]
+    rows.append(("all pairs (is_equivalent)", lambda: ev.answer_classes(answers, lambda a, b: is_equivalent(
+        a, b, timeout=timeout))))
+    for name, classes in rows:
+        count[0] = 0
+        t = time.perf_counter()
+        labels = classes()
+        print(f"maj@k classes of {n} distinct (x+y+k)^{exponent}: {name:<28} {time.perf_counter() - t:7.1f}s, "
+              f"{count[0]:5d} worker requests, {len(set(labels))} classes")
     pool.close()
     return 0

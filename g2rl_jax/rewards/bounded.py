@@ -141,10 +141,13 @@ def _command(argv: list[str]) -> str:
 
 
 class BoundedPool:
-    """At most `max_workers` concurrent checks, each bounded by its timeout."""
+    """At most `max_workers` concurrent checks, each bounded by its timeout, plus up to `max_workers` stragglers;
+    `spares` idle workers are kept started ahead of need, so a check whose slot a straggler freed (or whose worker
+    was killed) does not wait for a new worker to import sympy."""
 
-    def __init__(self, max_workers: int):
+    def __init__(self, max_workers: int, spares: int = 0):
         self.max_workers = max_workers
+        self.spares = spares
         self._slots = threading.BoundedSemaphore(max_workers)
         self._stragglers = threading.BoundedSemaphore(max_workers)  # checks past STRAGGLER_AFTER_S, off the slots
         self._lock = threading.Lock()
@@ -184,6 +187,9 @@ class BoundedPool:
                 worker = min(self._idle, key=lambda w: w.start_deadline)  # the one spawned first
             if worker is not None:
                 self._idle.remove(worker)
+            missing = self.spares - len(self._idle) if len(self._all) < 2 * self.max_workers + self.spares else 0
+        for _ in range(missing):  # keep `spares` idle workers starting or ready
+            self._replace()
         try:
             worker = worker or self._spawn()
         except OSError as err:
@@ -228,12 +234,14 @@ class BoundedPool:
                     self._discard(worker)
                     self._replace()
                 return None
-            start = time.monotonic()
+            start, replaced = time.monotonic(), False
             reply = worker.reply(min(timeout, STRAGGLER_AFTER_S))
             if reply is None and not worker.closed and timeout > STRAGGLER_AFTER_S:
                 if self._stragglers.acquire(blocking=False):  # the slot goes to the next check in the queue
                     self._slots.release()
                     holding_slot = False
+                    self._replace()  # with a worker of its own, started now
+                    replaced = True
                     try:
                         reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
                     finally:
@@ -242,10 +250,15 @@ class BoundedPool:
                     reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
             if reply is None:
                 self._discard(worker)
-                self._replace()
+                if not replaced:  # a straggler's replacement was started when it left its slot
+                    self._replace()
                 return None
             with self._lock:
-                self._idle.append(worker)
+                surplus = sum(w.ready for w in self._idle) >= self.max_workers + self.spares  # enough ready ones
+                if not surplus:
+                    self._idle.append(worker)
+            if surplus:
+                self._discard(worker)
             return reply
         finally:
             if holding_slot:
@@ -268,7 +281,8 @@ def get_pool() -> BoundedPool:
     global _POOL, _POOL_PID
     with _POOL_LOCK:
         if _POOL is None or _POOL_PID != os.getpid():
-            _POOL, _POOL_PID = BoundedPool(os.cpu_count() or 2), os.getpid()
+            cores = os.cpu_count() or 2
+            _POOL, _POOL_PID = BoundedPool(cores, spares=min(cores, 2)), os.getpid()
         return _POOL
 
 

@@ -144,6 +144,8 @@ def _proportional(e1, e2, positive: bool) -> bool:
     """e1 = c * e2 for one nonzero constant c (c > 0 when positive)."""
     if not isinstance(e1, sympy.Expr) or not isinstance(e2, sympy.Expr):
         return False
+    if e1 == e2 and e1 != 0:  # c = 1, without evaluating (sums with symbolic limits evaluate slowly)
+        return True
     syms = sorted(e1.free_symbols | e2.free_symbols, key=str)
     if not syms:
         return False

@@ -50,8 +50,9 @@ def clearly_different(a: dict | None, b: dict | None) -> bool:
 
 
 def answer_classes(answers: list[str | None], *, timeout: float = 2.0) -> list[int | None]:
-    """Class label per answer (None for a missing or unreadable one): the label of the first earlier answer it
-    is equivalent to, else a new label."""
+    """Class label per answer: the label of the first earlier answer it is equivalent to, else a new label; None
+    for a missing answer, one over the length cap, or one empty after normalisation (`\\boxed{}`), which does not
+    vote (all-pairs `is_equivalent` would make each empty answer its own class)."""
     canon = [normalize_answer(a) or None for a in answers]
     distinct = list(dict.fromkeys(c for c in canon if c is not None))
     numbers = {c: fast_number(c) for c in distinct}
