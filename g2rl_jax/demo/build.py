@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -23,9 +24,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-import random
-
-from g2rl_jax.demo import countdown, task, tokenizer as demo_tokenizer
+from g2rl_jax.demo import countdown, task
+from g2rl_jax.demo import tokenizer as demo_tokenizer
 from g2rl_jax.demo.sft import SFTConfig, encode_sft, encode_variants, train_sft
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig, save_pretrained
 
