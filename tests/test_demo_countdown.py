@@ -145,3 +145,20 @@ def test_explore_measures():
     out = measure(texts, [PROBLEM] * 2, np.array([[0, 0, 0, 1], [0, 0, 0, 0]], bool))
     assert out["pass@1"] == pytest.approx((3 / 4 + 0) / 2) and out["pass@k"] == 0.5
     assert out["distinct@k"] == pytest.approx((2 + 0) / 2) and out["truncated_fraction"] == pytest.approx(1 / 8)
+
+
+def test_demo_explore_config_plugs_the_reward_into_the_worker_path(splits):
+    """configs/demo_explore.yaml loads, and its reward.function scores through the bounded worker processes."""
+    import pathlib
+
+    from g2rl_jax.config import load_config
+    from g2rl_jax.rewards.custom import custom_rewards
+
+    cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "demo_explore.yaml",
+                      ["run.output_dir=x", "model.path=x"])
+    assert cfg.reward.function == "g2rl_jax.demo.countdown:reward" and cfg.data.train_dataset == "countdown"
+    ex = splits[1][0]
+    right = f"\\boxed{{{next(iter(cd.solutions(tuple(ex.row['numbers']), ex.row['target']).values()))}}}"
+    got = custom_rewards(cfg.reward.function, [right, right + "9", "\\boxed{1+1+1+1+1}"], [ex.as_row()] * 3,
+                         timeout=cfg.reward.timeout, on_error="raise")
+    np.testing.assert_array_equal(np.asarray(got, np.float64), [1.0, -1.0, -1.0])
