@@ -47,8 +47,9 @@ def panel_title(key: str) -> str:
 
 
 def curve_keys(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
-    """Panels to draw: accuracy, every validation key any run logged (sorted), then the other CURVES."""
-    val = sorted({k for records in runs.values() for r in records for k in r if k.startswith(VAL_PREFIX)})
+    """Panels to draw: accuracy, every validation mean@k any run logged (sorted), then the other CURVES."""
+    val = sorted({k for records in runs.values() for r in records for k in r
+                  if k.startswith(VAL_PREFIX) and k.split("/")[-1].startswith("mean@")})  # not the format shares
     return ["accuracy", *val, *[k for k in CURVES if k != "accuracy"]]
 
 

@@ -10,14 +10,18 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from g2rl_jax.config import load_config
+from g2rl_jax.train import report
 from g2rl_jax.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 MARGIN = 0.15
+MAX_TRUNCATED = 0.05  # share of held-out responses that hit the token budget (issue: demo must not be hackable)
+MAX_JUNK = 0.10  # share with text after the \boxed{} answer
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +42,16 @@ def run_demo(out, model_dir, *overrides):
     return done, json.loads((out / "summary.json").read_text())
 
 
+def test_response_flags_count_format_junk_and_truncation():
+    texts = ["\\boxed{85}", " \\boxed{85} \n", "\\boxed{85}9}}", "85", "\\boxed{8", "x \\boxed{1} then \\boxed{85}"]
+    reasons = ["stop", "stop", "length", "stop", "length", "stop"]
+    np.testing.assert_array_equal(report.response_flags(texts, reasons), [
+        [1, 0, 0], [1, 0, 0], [0, 1, 1], [0, 0, 0], [0, 0, 1], [1, 0, 0]])
+    validation = {"val/a/mean@4": 0.5, "val/a/junk_fraction": 0.1, "val/b/mean@4": 0.7, "val/b/junk_fraction": 0.3}
+    assert report.accuracy(validation) == pytest.approx(0.6)
+    assert report.accuracy(validation, "junk_fraction") == pytest.approx(0.2)
+
+
 def test_shortened_demo_through_the_cli(model_dir, tmp_path):
     out = tmp_path / "run"
     done, summary = run_demo(out, model_dir, "run.total_steps=3", "run.eval_every=3", "run.checkpoint_every=3")
@@ -48,7 +62,11 @@ def test_shortened_demo_through_the_cli(model_dir, tmp_path):
     assert '"accuracy_after"' in done.stdout
 
 
-def test_full_demo_beats_its_starting_accuracy(model_dir, tmp_path):
+def test_full_demo_learns_without_hacking(model_dir, tmp_path):
+    """The README's promise: accuracy up, answers in the task's format, nothing run up to the token budget."""
     _, summary = run_demo(tmp_path / "run", model_dir)
     assert summary["steps"] == load_config(DEMO, ["run.output_dir=x", "model.path=x"]).run.total_steps
     assert summary["accuracy_after"] - summary["accuracy_before"] >= MARGIN, summary
+    assert summary["truncated_fraction"] < MAX_TRUNCATED, summary
+    assert summary["junk_fraction"] <= MAX_JUNK, summary
+    assert summary["format_fraction"] >= 1.0 - MAX_JUNK, summary

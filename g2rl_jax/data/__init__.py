@@ -8,7 +8,6 @@
 """
 
 from g2rl_jax.data.datasets import Example, dataset_names, load_dataset, register_dataset
-from g2rl_jax.data.pipeline import make_prompt_loader
 from g2rl_jax.data.prompts import SYSTEM_PROMPT, encode_prompts, render_prompt
 
 __all__ = [
@@ -21,3 +20,13 @@ __all__ = [
     "register_dataset",
     "render_prompt",
 ]
+
+
+def __getattr__(name: str):
+    """`make_prompt_loader` is imported on first use: registering or reading datasets (what a reward worker that
+    imports a demo task does) must not pay for importing grain and JAX."""
+    if name == "make_prompt_loader":
+        from g2rl_jax.data.pipeline import make_prompt_loader
+
+        return make_prompt_loader
+    raise AttributeError(f"module 'g2rl_jax.data' has no attribute {name!r}")

@@ -5,12 +5,24 @@
     tokenizer.py  a tiny BPE (digits always single tokens) saved as a Hugging Face tokenizer directory
     sft.py        the supervised warm start: imitate a teacher right 40% of the time (jitted AdamW loop)
     build.py      build_demo_model / build_demo_embedder (cached by a spec hash) and resolve_demo_paths, which
-                  turns "demo:DIR" config values into built directories
+                  turns "demo:DIR" / "countdown:DIR" config values into built directories
+    countdown.py  the exploration demo's task (configs/demo_explore.yaml): Countdown problems with many correct
+                  answers, a safe expression parser and the reward function the config plugs in
+    explore_eval.py  pass@1, pass@k and distinct correct answers of a Countdown run on held-out problems
 
 Nothing here needs a network or downloaded weights: `python -m g2rl_jax.train --config configs/demo.yaml` builds
 the model on first use (about half a minute of CPU) and then trains it with the real RL loop.
 """
-from g2rl_jax.demo import task  # noqa: F401 - registers the datasets `demo` and `demo_test`
-from g2rl_jax.demo.build import build_demo_embedder, build_demo_model, resolve_demo_paths
+from g2rl_jax.demo import task  # noqa: F401 - registers demo, demo_test, countdown, countdown_test
 
 __all__ = ["build_demo_embedder", "build_demo_model", "resolve_demo_paths"]
+
+
+def __getattr__(name: str):
+    """The builders, imported on first use: `import g2rl_jax.demo.countdown` (what a reward worker process
+    does for `reward.function`) must not pay for importing JAX and Flax."""
+    if name in __all__:
+        from g2rl_jax.demo import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module 'g2rl_jax.demo' has no attribute {name!r}")

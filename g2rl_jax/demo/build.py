@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -23,14 +24,17 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from g2rl_jax.demo import task
+from g2rl_jax.demo import countdown, task
 from g2rl_jax.demo import tokenizer as demo_tokenizer
-from g2rl_jax.demo.sft import SFTConfig, encode_sft, train_sft
+from g2rl_jax.demo.sft import SFTConfig, encode_sft, encode_variants, train_sft
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig, save_pretrained
 
 BUILD_VERSION = 1  # bump when the build changes in a way the spec below does not capture
 MARKER = "demo_build.json"
-SCHEME = "demo:"
+SCHEME = "demo:"  # the addition demo (configs/demo.yaml)
+SCHEMES = {SCHEME: "addition", "countdown:": "countdown"}  # model.path prefix -> task (countdown: demo_explore)
+TASKS = tuple(SCHEMES.values())
+COUNTDOWN_TEACHER_ACCURACY = 0.8
 POLICY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER)
 EMBEDDER_FILES = POLICY_FILES
 
@@ -57,16 +61,44 @@ def _spec_hash(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def policy_spec(seed: int, sft_steps: int) -> dict:
+def sft_config(seed: int, sft_steps: int, task_name: str) -> SFTConfig:
+    accuracy = COUNTDOWN_TEACHER_ACCURACY if task_name == "countdown" else SFTConfig.teacher_accuracy
+    return SFTConfig(steps=sft_steps, seed=seed, teacher_accuracy=accuracy)
+
+
+def task_spec(task_name: str) -> dict:
+    if task_name == "countdown":
+        return {"name": "countdown", "digits": [countdown.DIGITS.start, countdown.DIGITS.stop],
+                "numbers": countdown.NUM_NUMBERS, "stride": countdown.MULTISET_STRIDE,
+                "targets": [countdown.TARGETS.start, countdown.TARGETS.stop], "min_solutions": countdown.MIN_SOLUTIONS,
+                "shuffle_seed": countdown.SHUFFLE_SEED, "test_size": countdown.TEST_SIZE,
+                "teacher_variants": countdown.TEACHER_VARIANTS}
+    return {"operands": [task.OPERANDS.start, task.OPERANDS.stop], "shuffle_seed": task.SHUFFLE_SEED,
+            "test_size": task.TEST_SIZE, "teacher_errors": list(task.TEACHER_ERRORS)}
+
+
+def policy_spec(seed: int, sft_steps: int, task_name: str = "addition") -> dict:
     """Everything that determines the policy directory's contents."""
+    if task_name not in TASKS:
+        raise ValueError(f"unknown demo task {task_name!r}; choose one of {TASKS}")
     return {
         "kind": "policy", "version": BUILD_VERSION, "architecture": dataclasses.asdict(PolicySpec()),
-        "sft": dataclasses.asdict(SFTConfig(steps=sft_steps, seed=seed)), "init_seed": seed,
-        "task": {"operands": [task.OPERANDS.start, task.OPERANDS.stop], "shuffle_seed": task.SHUFFLE_SEED,
-                 "test_size": task.TEST_SIZE, "teacher_errors": list(task.TEACHER_ERRORS)},
+        "sft": dataclasses.asdict(sft_config(seed, sft_steps, task_name)), "init_seed": seed,
+        "task": task_spec(task_name),
         "tokenizer": {"characters": demo_tokenizer.CHARACTERS, "max_vocab": demo_tokenizer.MAX_VOCAB,
                       "corpus_examples": demo_tokenizer.CORPUS_EXAMPLES},
     }
+
+
+def sft_data(task_name: str, tokenizer, cfg: SFTConfig):
+    """(ids [N,K,L], mask [N,K,L], probs [K]) of the warm start's training rows for the task."""
+    if task_name == "countdown":
+        rng, train = random.Random(cfg.seed), countdown.examples("train")
+        ids, mask = encode_variants(train, [countdown.teacher_responses(ex, rng) for ex in train], tokenizer)
+        k = countdown.TEACHER_VARIANTS
+        return ids, mask, np.array([cfg.teacher_accuracy / k] * k + [(1 - cfg.teacher_accuracy) / k] * k)
+    ids, mask = encode_sft(task.examples("train"), tokenizer)
+    return ids, mask, cfg.variant_probs()
 
 
 def _built_hash(out: Path, files: tuple[str, ...]) -> str | None:
@@ -96,19 +128,22 @@ def _staging_dir(out: Path) -> Path:
     return tmp
 
 
-def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, sft_steps: int = SFTConfig.steps) -> Path:
-    """The warm-started demo policy as an HF directory at `out_dir` (reused when already built the same way)."""
+def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, sft_steps: int = SFTConfig.steps,
+                     task_name: str = "addition") -> Path:
+    """The warm-started demo policy for `task_name` ("addition" or "countdown") as an HF directory at
+    `out_dir` (reused when already built the same way)."""
     out = Path(out_dir)
-    spec = policy_spec(seed, sft_steps)
+    spec = policy_spec(seed, sft_steps, task_name)
     spec_hash = _spec_hash(spec)
     if _built_hash(out, POLICY_FILES) == spec_hash:
         return out
     start = time.perf_counter()
-    tokenizer = demo_tokenizer.make_tokenizer()
+    tokenizer = demo_tokenizer.make_tokenizer(countdown.corpus() if task_name == "countdown" else None)
     cfg = PolicySpec().qwen3_config(len(tokenizer))
     model = Qwen3(cfg, RuntimeConfig(), rngs=nnx.Rngs(seed))
-    ids_BxJxL, mask_BxJxL = encode_sft(task.examples("train"), tokenizer)
-    losses = train_sft(model, ids_BxJxL, mask_BxJxL, SFTConfig(steps=sft_steps, seed=seed))
+    sft = sft_config(seed, sft_steps, task_name)
+    ids_BxJxL, mask_BxJxL, probs_K = sft_data(task_name, tokenizer, sft)
+    losses = train_sft(model, ids_BxJxL, mask_BxJxL, sft, probs_K)
     tmp = _staging_dir(out)
     save_pretrained(model, tmp)
     tokenizer.save_pretrained(tmp)
@@ -147,18 +182,23 @@ def build_demo_embedder(out_dir: str | os.PathLike, policy_dir: str | os.PathLik
 def resolve_demo_paths(model_path: str, embedding_model: str | None) -> tuple[str, str | None]:
     """`model.path` and `algorithm.embedding_model` config values with "demo:DIR" built (or reused) at DIR.
 
-    "demo:DIR" as model.path is the warm-started demo policy; as embedding_model, that policy's backbone
-    (which needs model.path to be a demo policy too). Any other value is returned unchanged.
+    "demo:DIR" as model.path is the warm-started addition demo policy, "countdown:DIR" the Countdown one; as
+    embedding_model, either names that policy's backbone (which needs model.path to be a demo policy too). Any
+    other value is returned unchanged.
     """
+    def scheme_of(value: str) -> str | None:
+        return next((s for s in SCHEMES if value.startswith(s)), None)
+
     def target(value: str, key: str) -> str:
-        directory = value[len(SCHEME):]
+        scheme = scheme_of(value)
+        directory = value[len(scheme):]
         if not directory:
-            raise ValueError(f"{key}: {value!r} names no directory; write e.g. '{SCHEME}runs/demo/model'")
+            raise ValueError(f"{key}: {value!r} names no directory; write e.g. '{scheme}runs/demo/model'")
         return directory
 
-    if model_path.startswith(SCHEME):
-        model_path = str(build_demo_model(target(model_path, "model.path")))
-    if embedding_model is not None and embedding_model.startswith(SCHEME):
+    if scheme_of(model_path):
+        model_path = str(build_demo_model(target(model_path, "model.path"), task_name=SCHEMES[scheme_of(model_path)]))
+    if embedding_model is not None and scheme_of(embedding_model):
         directory = target(embedding_model, "algorithm.embedding_model")
         if _built_hash(Path(model_path), POLICY_FILES) is None:
             raise ValueError(f"algorithm.embedding_model: {embedding_model!r} is the demo policy's backbone, so "

@@ -62,14 +62,19 @@ class SFTConfig:
 
 def encode_sft(examples: Sequence[Example], tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded ids [N, K, L] of prompt + response variant k + eos, and the mask [N, K, L] of loss tokens."""
+    return encode_variants(examples, [[solution(ex, e) for e in ERRORS] for ex in examples], tokenizer)
+
+
+def encode_variants(examples: Sequence[Example], responses: Sequence[Sequence[str]], tokenizer):
+    """encode_sft for any task: `responses[i]` are the K response variants of example i (K the same for all)."""
     prompts = tokenizer([plain_prompt(ex) for ex in examples], add_special_tokens=False)["input_ids"]
     rows = []
-    for prompt, ex in zip(prompts, examples):
-        replies = tokenizer([solution(ex, e) for e in ERRORS], add_special_tokens=False)["input_ids"]
+    for prompt, variants in zip(prompts, responses):
+        replies = tokenizer(list(variants), add_special_tokens=False)["input_ids"]
         rows.append([(prompt, reply + [tokenizer.eos_token_id]) for reply in replies])
     width = max(len(p) + len(r) for variants in rows for p, r in variants)
-    ids_BxJxL = np.full((len(rows), len(ERRORS), width), tokenizer.pad_token_id, np.int32)
-    mask_BxJxL = np.zeros((len(rows), len(ERRORS), width), np.float32)
+    ids_BxJxL = np.full((len(rows), len(rows[0]), width), tokenizer.pad_token_id, np.int32)
+    mask_BxJxL = np.zeros((len(rows), len(rows[0]), width), np.float32)
     for i, variants in enumerate(rows):
         for k, (p, r) in enumerate(variants):
             ids_BxJxL[i, k, : len(p) + len(r)] = p + r
@@ -93,10 +98,13 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-def train_sft(model: Qwen3, ids_BxJxL: np.ndarray, mask_BxJxL: np.ndarray, cfg: SFTConfig) -> list[float]:
-    """Run `cfg.steps` AdamW steps on random rows with teacher-drawn variants; `model` ends trained."""
-    if ids_BxJxL.shape != mask_BxJxL.shape or ids_BxJxL.shape[1:2] != (len(ERRORS),):
-        raise ValueError(f"ids {ids_BxJxL.shape} and mask {mask_BxJxL.shape} must both be [N, {len(ERRORS)}, L]")
+def train_sft(model: Qwen3, ids_BxJxL: np.ndarray, mask_BxJxL: np.ndarray, cfg: SFTConfig,
+              probs_K: np.ndarray | None = None) -> list[float]:
+    """Run `cfg.steps` AdamW steps on random rows with teacher-drawn variants (variant k with probability
+    probs_K[k]; default: cfg.variant_probs() for the addition task); `model` ends trained."""
+    probs = cfg.variant_probs() if probs_K is None else np.asarray(probs_K, np.float64)
+    if ids_BxJxL.shape != mask_BxJxL.shape or ids_BxJxL.shape[1:2] != probs.shape:
+        raise ValueError(f"ids {ids_BxJxL.shape} and mask {mask_BxJxL.shape} must both be [N, {len(probs)}, L]")
     if len(ids_BxJxL) < cfg.batch_size:
         raise ValueError(f"{len(ids_BxJxL)} training rows are fewer than SFTConfig.batch_size={cfg.batch_size}")
     graphdef, params = nnx.split(model, nnx.Param)
@@ -110,11 +118,10 @@ def train_sft(model: Qwen3, ids_BxJxL: np.ndarray, mask_BxJxL: np.ndarray, cfg: 
         return optax.apply_updates(params, updates), opt_state, loss
 
     rng = np.random.default_rng(cfg.seed)
-    probs = cfg.variant_probs()
     losses = []
     for _ in range(cfg.steps):
         rows = rng.choice(len(ids_BxJxL), size=cfg.batch_size, replace=False)
-        variants = rng.choice(len(ERRORS), size=cfg.batch_size, p=probs)
+        variants = rng.choice(len(probs), size=cfg.batch_size, p=probs)
         params, opt_state, loss = step(params, opt_state, ids_BxJxL[rows, variants], mask_BxJxL[rows, variants])
         losses.append(loss)
     nnx.update(model, params)

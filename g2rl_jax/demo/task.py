@@ -56,3 +56,13 @@ def solution(example: Example, error: int = 0) -> str:
 
 register_dataset("demo", functools.partial(examples, "train"))  # registered here: the demo builds on `data`,
 register_dataset("demo_test", functools.partial(examples, "test"))  # never the other way round
+
+
+def _countdown(split: Literal["train", "test"]) -> list[Example]:
+    from g2rl_jax.demo.countdown import examples as countdown_examples  # the exploration demo's task
+
+    return countdown_examples(split)
+
+
+register_dataset("countdown", functools.partial(_countdown, "train"))  # g2rl_jax/demo/countdown.py
+register_dataset("countdown_test", functools.partial(_countdown, "test"))  # its held-out problems

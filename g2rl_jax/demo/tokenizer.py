@@ -34,14 +34,15 @@ def corpus() -> list[str]:
     return [plain_prompt(ex) + solution(ex) for ex in examples("train")[:CORPUS_EXAMPLES]]
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """Train the BPE (deterministic: same corpus, same merges) and wrap it for transformers."""
+def make_tokenizer(texts: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train the BPE on `texts` (default: the addition demo's `corpus()`; deterministic: same corpus, same
+    merges) and wrap it for transformers."""
     core = Tokenizer(models.BPE(unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("[0-9]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(vocab_size=MAX_VOCAB, special_tokens=list(SPECIALS),
                                   initial_alphabet=list(CHARACTERS), limit_alphabet=len(CHARACTERS),
                                   show_progress=False)
-    core.train_from_iterator(corpus(), trainer=trainer)
+    core.train_from_iterator(corpus() if texts is None else texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, pad_token=EOS, unk_token=UNK,
                                    clean_up_tokenization_spaces=False, model_max_length=256)

@@ -234,3 +234,13 @@ def extract_choice(text: str, num_choices: int = 10) -> str | None:
             return letters[-1]
     stripped = re.sub(r"[\s().*:$]", "", text)
     return stripped if stripped in valid else None
+
+
+def text_after_answer(text: str) -> str | None:
+    """What follows the last complete `\\boxed{...}` of text (None when it has none): "" for a response that ends
+    with its answer, the trailing text otherwise (the demo's summary counts non-blank tails as junk)."""
+    for m in reversed(list(_BOX_RE.finditer(text))):
+        found = _boxed_at(text, m)
+        if found is not None:
+            return text[found[2]:]
+    return None

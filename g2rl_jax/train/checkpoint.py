@@ -247,7 +247,7 @@ def read_params(step_dir: str | os.PathLike, abstract_params: Any) -> Any:
     """The `params` of a checkpoint's state item laid out as `abstract_params`; the rest is not read."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        restored = reader.restore(epath.Path(step_dir) / STATE_ITEM, args=ocp.args.PyTreeRestore(
+        restored = reader.restore(epath.Path(os.path.abspath(step_dir)) / STATE_ITEM, args=ocp.args.PyTreeRestore(
             item={"params": abstract}, restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
             partial_restore=True))
     return restored["params"]

@@ -1,9 +1,11 @@
 """What a finished run leaves besides its checkpoints and metrics.jsonl: summary.json and curves.png.
 
     summary.json  accuracy_before / accuracy_after (mean over data.eval_datasets of the validation mean@k, before
-                  the first update and after the last, under the same sampling), the validation metrics
-                  themselves, steps, and seconds (wall time of the invocation that finished the run, set-up and
-                  compilation included)
+                  the first update and after the last, under the same sampling); of the last validation's
+                  responses, format_fraction (one `\\boxed{}` answer with nothing after it), junk_fraction (text
+                  after the answer) and truncated_fraction (ended by max_new_tokens, not the end token); the
+                  validation metrics themselves, steps, and seconds (wall time of the invocation that finished the
+                  run, set-up and compilation included)
     curves.png    accuracy, validation mean@k, response length, entropy and novelty against step (g2rl_jax.figures)
 
 The "before" validation is metrics.jsonl's step-0 record (written as soon as it is measured, so a resumed run
@@ -15,15 +17,31 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 
 SUMMARY_FILE = "summary.json"
 CURVES_FILE = "curves.png"
 
 
-def accuracy(validation: dict[str, float]) -> float | None:
-    """Mean of the val/<dataset>/mean@k entries (None when nothing was validated)."""
-    values = [v for k, v in validation.items() if k.startswith("val/")]
+SHARES = ("format_fraction", "junk_fraction", "truncated_fraction")  # per dataset: val/<dataset>/<share>
+
+
+def accuracy(validation: dict[str, float], measure: str = "mean@") -> float | None:
+    """Mean over datasets of the val/<dataset>/mean@k entries, or of another `measure` such as "junk_fraction"
+    (None when nothing was validated)."""
+    values = [v for k, v in validation.items() if k.startswith("val/") and k.split("/")[-1].startswith(measure)]
     return sum(values) / len(values) if values else None
+
+
+def response_flags(texts: list[str], finish_reasons: list[str]) -> np.ndarray:
+    """bool [len(texts), len(SHARES)]: per validation response, whether it is in format / has junk after its
+    answer / was truncated (see the module docstring); their column means are the shares."""
+    from g2rl_jax.rewards.extract import text_after_answer
+
+    tails = [text_after_answer(t) for t in texts]
+    rows = [[tail is not None and not tail.strip(), tail is not None and bool(tail.strip()), reason == "length"]
+            for tail, reason in zip(tails, finish_reasons)]
+    return np.array(rows, dtype=bool).reshape(len(texts), len(SHARES))
 
 
 def before(records: list[dict]) -> dict[str, float] | None:
@@ -39,6 +57,7 @@ def finish(run_dir: Path, *, before: dict | None, after: dict | None, steps: int
     from g2rl_jax.figures import load_runs, training_figure
 
     summary = {"accuracy_before": accuracy(before or {}), "accuracy_after": accuracy(after or {}),
+               **{share: accuracy(after or {}, share) for share in SHARES},
                "validation_before": before or {}, "validation_after": after or {},
                "steps": steps, "seconds": round(seconds, 1)}
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
