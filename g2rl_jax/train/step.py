@@ -124,6 +124,14 @@ def _zeros_rows(like_B, shape, dtype=jnp.float32):
     return jnp.zeros(shape, dtype, device=sharding)
 
 
+def _serialize_across_processes(tree) -> None:
+    """Multi-host only: wait for a micro-batch's programs before launching the next. With many small programs in
+    flight, CPU (gloo) collectives of consecutive programs were seen to interleave differently on two processes and
+    deadlock; one micro-batch at a time keeps every process on the same program."""
+    if jax.process_count() > 1:
+        jax.block_until_ready(tree)
+
+
 def _per_micro(batch: Batch, plan: micro_lib.MicroPlan, run):
     """Run `run(mb) -> (per_token, per_row)` on each micro-batch of the plan (responses cut to its width T_u) and
     scatter the tuples of [X, T_u] and [X, ...] outputs back into [B, T] and [B, ...] arrays; positions that no
@@ -136,6 +144,7 @@ def _per_micro(batch: Batch, plan: micro_lib.MicroPlan, run):
             full = ([_zeros_rows(batch.rewards, (b, t)) for _ in part[0]],
                     [_zeros_rows(batch.rewards, (b, *x.shape[1:])) for x in part[1]])
         full = tuple([micro_lib.put_micro(f, rows_X, x) for f, x in zip(fs, xs)] for fs, xs in zip(full, part))
+        _serialize_across_processes(full)
     return full
 
 
@@ -324,6 +333,7 @@ def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micr
                    jnp.zeros((), jnp.float32, device=replicated),
                    {k: jnp.zeros(d.shape, d.dtype, device=replicated) for k, d in diag.items()})
         acc = accumulate(graphdef, params, acc, mb, total_tokens, settings=settings, total_rows=rows)
+        _serialize_across_processes(acc)
     return acc
 
 
