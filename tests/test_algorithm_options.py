@@ -13,7 +13,6 @@ from test_train import assets, config  # noqa: F401 - the module-scoped tiny-mod
 from g2rl_jax.config import ConfigError, format_help, load_config
 from g2rl_jax.rollout import generate
 from g2rl_jax.train import dynamic
-from g2rl_jax.train import loop as train_loop
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
 
@@ -96,9 +95,11 @@ def test_merge_rollouts_keeps_each_picked_row(assets):  # noqa: F811
         assert not merged.completion_mask_BxT[row, n:].any() and merged.completion_mask_BxT[row, :n].all()
 
 
-def _even_length_reward(texts, golds, kind):
-    """A deterministic rule with mixed outcomes on a random policy: correct iff the response has even length."""
-    return np.array([1.0 if len(t) % 2 == 0 else -1.0 for t in texts], np.float32)
+EVEN_LENGTH_REWARD = """
+def reward(response, example):
+    # correct iff the response has even length: mixed outcomes on a random policy, deterministic
+    return 1.0 if len(response) % 2 == 0 else -1.0
+"""
 
 
 OPTIONS = {"algorithm.filter_equal_groups": True, "algorithm.dynamic_sampling": True,
@@ -109,14 +110,14 @@ OPTIONS = {"algorithm.filter_equal_groups": True, "algorithm.dynamic_sampling": 
 @pytest.fixture(scope="module")
 def options_run(assets, tmp_path_factory):  # noqa: F811
     """One uninterrupted run with every option on, a reward with mixed groups, and what it logged."""
-    patch = pytest.MonkeyPatch()
-    patch.setattr(train_loop, "score_batch", _even_length_reward)
-    out = tmp_path_factory.mktemp("options") / "run"
-    trainer = Trainer(config(assets, out, steps=STEPS, **OPTIONS))
+    root = tmp_path_factory.mktemp("options")
+    (root / "even_length.py").write_text(EVEN_LENGTH_REWARD)  # a user's reward file, through reward.function
+    options = dict(OPTIONS, **{"reward.function": f"{root / 'even_length.py'}:reward", "reward.truncated": "keep"})
+    out = root / "run"
+    trainer = Trainer(config(assets, out, steps=STEPS, **options))
     trainer.resume()
     trainer.run()
-    yield {"records": read_metrics(out), "patch": patch}
-    patch.undo()
+    yield {"records": read_metrics(out), "options": options}
 
 
 def test_options_log_their_metrics(options_run):
@@ -132,10 +133,10 @@ def test_options_log_their_metrics(options_run):
 
 
 def test_dynamic_sampling_resume_equals_uninterrupted(assets, tmp_path, options_run):  # noqa: F811
-    part = Trainer(config(assets, tmp_path / "part", steps=STEPS, **OPTIONS))
+    part = Trainer(config(assets, tmp_path / "part", steps=STEPS, **options_run["options"]))
     part.resume()
     part.run(stop_after=2)
-    again = Trainer(config(assets, tmp_path / "part", steps=STEPS, **OPTIONS))
+    again = Trainer(config(assets, tmp_path / "part", steps=STEPS, **options_run["options"]))
     assert again.resume() == 2
     again.run()
     resumed, straight = read_metrics(tmp_path / "part"), options_run["records"]
