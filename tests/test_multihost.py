@@ -113,8 +113,9 @@ def _assert_same(got, want, keys):
 def test_two_processes_equal_one_process(runs):
     two, one = read_metrics(runs / "two"), read_metrics(runs / "one")[:STEPS + 1]
     assert [r["step"] for r in two] == list(range(STEPS + 1))  # step 0: the validation before any update
-    val = [k for k in one[-1] if k.startswith("val/")]
-    assert len(val) == 1 and val[0].endswith("eval.jsonl/mean@2"), one[-1].keys()
+    val = sorted(k for k in one[-1] if k.startswith("val/"))  # mean@2 and the response shares of the validation
+    assert [k.rsplit("/", 1)[-1] for k in val] == ["format_fraction", "junk_fraction", "mean@2",
+                                                   "truncated_fraction"], one[-1].keys()
     _assert_same(two, one, DETERMINISTIC + tuple(val))
 
 
