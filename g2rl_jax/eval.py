@@ -75,30 +75,17 @@ def answer_classes(answers: Sequence[str | None], equivalent: Equivalence) -> li
 
 
 def majority_vote(labels: Sequence[int | None], correct: Sequence[bool], k: int, rng: np.random.Generator) -> float:
-    """Correctness of the most frequent answer class among the first k samples, ties broken uniformly at random."""
+    """maj@k of one problem: correctness of the most frequent answer class among the first k samples (classes from
+    `score_responses`), ties broken uniformly at random by `rng`."""
+    if not 1 <= k <= len(labels) or len(labels) != len(correct):
+        raise ValueError(f"maj@k needs 1 <= k <= len(labels) == len(correct), got k={k}, {len(labels)} answer "
+                         f"labels, {len(correct)} correctness flags")
     counts = Counter(label for label in labels[:k] if label is not None)
     if not counts:
         return 0.0
     top = max(counts.values())
     winner = rng.choice(sorted(label for label, count in counts.items() if count == top))
     return float(correct[list(labels).index(winner)])
-
-
-def maj_at_k(
-    answers: Sequence[str | None], correct: Sequence[bool], k: int, *, equivalent: Equivalence | None = None,
-    seed: int = 0,
-) -> float:
-    """maj@k of one problem; by default answers are merged as g2rl_jax.rewards.is_equivalent would merge them
-    (g2rl_jax.rewards.vote.answer_classes: hashing and fingerprints first, sympy only where needed)."""
-    if not 1 <= k <= len(answers) or len(answers) != len(correct):
-        raise ValueError(f"maj_at_k needs 1 <= k <= len(answers) == len(correct), got k={k}, "
-                         f"{len(answers)} answers, {len(correct)} correctness flags")
-    if equivalent is None:
-        from g2rl_jax.rewards.vote import answer_classes as verifier_classes
-        labels = verifier_classes(list(answers[:k]))
-    else:
-        labels = answer_classes(answers[:k], equivalent)
-    return majority_vote(labels, correct, k, np.random.default_rng(seed))
 
 
 def sample_ks(n: int) -> list[int]:

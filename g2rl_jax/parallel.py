@@ -5,8 +5,8 @@ Every `nnx.Param` carries the logical names of its axes (metadata `out_sharding`
 from that one table:
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))   # config.MeshConfig; an axis of -1 takes the rest
-    model = create_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), mesh=mesh), mesh)   # initialised in place;
-    # mesh= in the model pins activations to rows over (data, fsdp), so fsdp all-gathers weights per layer
+    model = load_pretrained(path, mesh=mesh)   # each parameter read straight into its shard (g2rl_jax.model);
+    # the model's mesh pins activations to rows over (data, fsdp), so fsdp all-gathers weights per layer
     ids = jax.device_put(ids_BxL, batch_sharding(mesh))
 
 Checks, each with both numbers in the message: the mesh must use exactly the available devices (ConfigError);
@@ -29,7 +29,6 @@ import importlib.util
 import math
 import os
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
@@ -133,17 +132,6 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
         return var.replace(NamedSharding(mesh, rules.spec(tuple(logical), var.shape, mesh, what)))
 
     return jax.tree.map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def create_sharded(make_module: Callable[[], nnx.Module], mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
-    """Build `make_module()` with every parameter created directly in its sharding (never whole on one device)."""
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
-    shardings = state_shardings(abstract_state, mesh, rules)
-
-    def init():
-        return nnx.state(make_module())
-
-    return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int = 2) -> NamedSharding:

@@ -104,11 +104,6 @@ class Plan:
         return self.gradients + self.activations + self.batch
 
     @property
-    def update_step(self) -> int:
-        """What one compiled `train.step.update` holds: params, optimizer, gradients, activations, batch."""
-        return self.params + self.optimizer + self.update_phase
-
-    @property
     def peak(self) -> int:
         return self.persistent + max(self.rollout_phase, self.update_phase)
 

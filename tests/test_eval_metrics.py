@@ -6,6 +6,7 @@ import math
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from g2rl_jax import eval as ev
@@ -46,35 +47,42 @@ def test_pass_at_k_large_n_is_stable_and_checked():
 
 # ---- maj@k ----------------------------------------------------------------------------------------------------
 
+def _maj(answers, correct, k, equivalent, seed=0):
+    """maj@k as the command computes it: answer classes, then the seeded vote (`problem_metrics`)."""
+    return ev.majority_vote(ev.answer_classes(answers, equivalent), correct, k, np.random.default_rng(seed))
+
+
 def test_equivalent_answers_vote_together():
     answers = ["1/2", "0.5", "2/4", "3", "3"]
     correct = [True, True, True, False, False]
     assert ev.answer_classes(answers, _fraction_equal) == [0, 0, 0, 1, 1]
-    assert ev.maj_at_k(answers, correct, 5, equivalent=_fraction_equal) == 1.0
-    assert ev.maj_at_k(answers, correct, 5, equivalent=str.__eq__) == 0.0  # exact strings: "3" wins 2 to 1
-    assert ev.maj_at_k(answers, correct, 3, equivalent=_fraction_equal) == 1.0
-    assert ev.maj_at_k(["3", "3", "1/2", "0.5"], [False, False, True, True], 2, equivalent=_fraction_equal) == 0.0
+    assert _maj(answers, correct, 5, _fraction_equal) == 1.0
+    assert _maj(answers, correct, 5, str.__eq__) == 0.0  # exact strings: "3" wins 2 to 1
+    assert _maj(answers, correct, 3, _fraction_equal) == 1.0
+    assert _maj(["3", "3", "1/2", "0.5"], [False, False, True, True], 2, _fraction_equal) == 0.0
 
 
 def test_unanswered_samples_do_not_vote():
-    assert ev.maj_at_k([None, None, None, "5"], [False, False, False, True], 4, equivalent=str.__eq__) == 1.0
-    assert ev.maj_at_k([None, None], [False, False], 2, equivalent=str.__eq__) == 0.0
+    assert _maj([None, None, None, "5"], [False, False, False, True], 4, str.__eq__) == 1.0
+    assert _maj([None, None], [False, False], 2, str.__eq__) == 0.0
 
 
 def test_ties_are_broken_uniformly_with_a_fixed_seed():
     answers, correct = ["7", "8", "8", "7", "9"], [True, False, False, True, False]
-    picks = [ev.maj_at_k(answers, correct, 5, equivalent=str.__eq__, seed=s) for s in range(2000)]
-    assert picks == [ev.maj_at_k(answers, correct, 5, equivalent=str.__eq__, seed=s) for s in range(2000)]
+    picks = [_maj(answers, correct, 5, str.__eq__, seed=s) for s in range(2000)]
+    assert picks == [_maj(answers, correct, 5, str.__eq__, seed=s) for s in range(2000)]
     # two tied classes: Binomial(2000, 1/2) has sd 22; 4.5 sd either side
     assert 900 < sum(picks) < 1100
     three_way = ["a", "b", "c"]
-    picks = [ev.maj_at_k(three_way, [True, False, False], 3, equivalent=str.__eq__, seed=s) for s in range(3000)]
+    picks = [_maj(three_way, [True, False, False], 3, str.__eq__, seed=s) for s in range(3000)]
     assert 900 < sum(picks) < 1100  # 1/3 of 3000, sd 26
 
 
 def test_maj_at_k_checks_its_input():
-    with pytest.raises(ValueError, match="k=3, 2 answers"):
-        ev.maj_at_k(["1", "2"], [True, False], 3, equivalent=str.__eq__)
+    with pytest.raises(ValueError, match="k=3, 2 answer labels"):
+        _maj(["1", "2"], [True, False], 3, str.__eq__)
+    with pytest.raises(ValueError, match="2 answer labels, 3 correctness flags"):
+        _maj(["1", "2"], [True, False, True], 1, str.__eq__)
 
 
 # ---- verl's bootstrap metrics ---------------------------------------------------------------------------------
@@ -209,9 +217,15 @@ def test_main_resumes_from_records_without_a_model(tmp_path):
 
 
 def test_maj_at_k_with_the_real_verifier():
-    answers = ["\\frac{1}{2}", "0.5", "\\dfrac12", "3", "3"]
-    correct = [True, True, True, False, False]
-    assert ev.maj_at_k(answers, correct, 5) == 1.0  # default equivalence: g2rl_jax.rewards.is_equivalent
+    """The command's path: score_responses' classes (rewards.vote) voted by problem_metrics."""
+    from g2rl_jax.data import Example
+
+    example = Example(id="h", problem="1/2?", answer="\\frac{1}{2}")
+    texts = [f"\\boxed{{{a}}}" for a in ("\\frac{1}{2}", "0.5", "\\dfrac12", "3", "3")]
+    answers, correct, classes = ev.score_responses(example, texts)
+    assert correct == [True, True, True, False, False] and classes == [0, 0, 0, 1, 1]
+    record = {"dataset": "d", "id": "h", "answers": answers, "correct": correct, "classes": classes}
+    assert ev.problem_metrics(record)["maj@5"] == 1.0  # exact strings would elect "3"
 
 
 def test_score_responses_like_the_training_reward():

@@ -20,6 +20,8 @@ from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 
+from _helpers import create_sharded
+
 CFG = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
 RT = RuntimeConfig(param_dtype="float32", compute_dtype="float32", remat="none", attention="xla")
@@ -146,7 +148,7 @@ def test_loss_and_gradients_equal_one_unpacked_pass(model, unpacked, agg, micro)
 
 def test_on_the_8_device_mesh(unpacked):
     mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    module = parallel.create_sharded(lambda: Qwen3(CFG, RT, rngs=nnx.Rngs(0), mesh=mesh), mesh)
+    module = create_sharded(lambda: Qwen3(CFG, RT, rngs=nnx.Rngs(0), mesh=mesh), mesh)
     graphdef, params = nnx.split(module)
     put = lambda t: jax.tree.map(  # noqa: E731
         lambda x: jax.device_put(np.asarray(x), parallel.batch_sharding(mesh, ndim=np.ndim(x))), t)

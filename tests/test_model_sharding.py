@@ -10,8 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 from g2rl_jax.config import MeshConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, load_pretrained
-from g2rl_jax.parallel import DEFAULT_RULES, ShardingRules, batch_sharding, create_sharded, make_mesh, state_shardings
+from g2rl_jax.parallel import DEFAULT_RULES, ShardingRules, batch_sharding, make_mesh, state_shardings
 
+from _helpers import create_sharded
 from hf_tiny import make_tiny_qwen3_dir
 
 CFG = PRESETS["tiny"]  # 4 heads, 2 KV heads: both divide tensor=2
@@ -44,19 +45,6 @@ def test_sharded_model_matches_unsharded(mesh, tmp_path):
     s_ids, s_mask = (jax.device_put(a, batch_sharding(mesh)) for a in (ids, mask))
     out = _fwd(sharded, s_ids, s_mask)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-
-
-def test_create_sharded_equals_plain_init(mesh):
-    ids, mask = _batch()
-    sharded = create_sharded(lambda: Qwen3(CFG, rngs=nnx.Rngs(3)), mesh)
-    plain = Qwen3(CFG, rngs=nnx.Rngs(3))
-    assert sharded.layers.gate_proj[...].sharding.spec == P(None, "fsdp", "tensor")
-    # Same RNG stream; the jitted normal sampler may round the last bit differently from the eager one.
-    np.testing.assert_allclose(np.asarray(sharded.layers.gate_proj[...]), np.asarray(plain.layers.gate_proj[...]),
-                               rtol=1e-6, atol=1e-9)
-    ref = np.asarray(_fwd(plain, jnp.asarray(ids), jnp.asarray(mask)))
-    out = np.asarray(_fwd(sharded, jnp.asarray(ids), jnp.asarray(mask)))
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def _collectives(model, ids):

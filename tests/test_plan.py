@@ -14,6 +14,8 @@ from g2rl_jax.model.config import PRESETS, Qwen3Config, RuntimeConfig
 from g2rl_jax.model.qwen3 import Qwen3
 from g2rl_jax.train import step as train_step
 
+from _helpers import create_sharded
+
 PAPER_1P7B = "configs/qwen3_1p7b_g2rl.yaml"
 
 
@@ -131,7 +133,7 @@ def _sharded_model(cfg, model: Qwen3Config, devices: int):
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat, attention=cfg.model.attention,
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
-    module = parallel.create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh), mesh)
+    module = create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh), mesh)
     return (sizes, mesh, *nnx.split(module))
 
 
@@ -175,7 +177,8 @@ def test_update_estimate_within_25_percent_of_xla(tmp_path, case):
     devices, model_kwargs, overrides = XLA_CASES[case]
     model = Qwen3Config(rope_theta=10000.0, max_position_embeddings=1024, **model_kwargs)
     cfg = _config(tmp_path, model, overrides)
-    estimate = P.plan(cfg, model, devices).update_step
+    p = P.plan(cfg, model, devices)
+    estimate = p.params + p.optimizer + p.update_phase  # what the compiled update holds (no reference model)
     measured = _xla_update_bytes(cfg, model, devices)
     assert abs(estimate / measured - 1) <= 0.25, (case, estimate, measured, estimate / measured)
 

@@ -16,22 +16,16 @@ from g2rl_jax.parallel import make_mesh
 from g2rl_jax.rollout import engine, generate
 from g2rl_jax.rollout.batching import bucket, new_tokens_bucket
 from g2rl_jax.rollout.sampling import SamplerSpec, categorical, sample_tokens
+from g2rl_jax.train.step import build_batch
 
-from hf_tiny import make_tiny_qwen3_dir
+from _helpers import tiny_qwen3_fixtures
 
 PROMPTS = [[5, 17, 99, 3], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [42], [100, 3, 64, 2, 9, 88, 31]]
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # initializer_range 0.2: peaked next-token distributions (a test can tell T=0.8 from T=1, few argmax ties).
-    return make_tiny_qwen3_dir(tmp_path_factory.mktemp("tiny_qwen3"), initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_pretrained(model_dir)
+# initializer_range 0.2: peaked next-token distributions (a test can tell T=0.8 from T=1, few argmax ties).
+model_dir, model = tiny_qwen3_fixtures(initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +47,13 @@ def log_softmax64(z):
 
 
 def completion_logits(hf_model, rollout) -> np.ndarray:
-    """[B, T, V]: the logits that predicted each completion slot t (position S - 1 + t of the joined sequence)."""
+    """[B, T, V]: the logits that predicted each completion slot t (position S - 1 + t of the sequence that
+    training joins, `train.step.build_batch`)."""
     S = rollout.prompt_ids_BxS.shape[1]
-    z = hf_logits_f64(hf_model, rollout.input_ids_BxL, rollout.attention_mask_BxL)
+    B = rollout.prompt_ids_BxS.shape[0]
+    joined = build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
+                         rollout.completion_mask_BxT, np.zeros(B), np.zeros(B, bool), rollout.num_samples)
+    z = hf_logits_f64(hf_model, joined.input_ids, joined.attention_mask)
     return z[:, S - 1:-1]
 
 

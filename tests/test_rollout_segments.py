@@ -14,21 +14,14 @@ from g2rl_jax.parallel import MeshConfig, make_mesh
 from g2rl_jax.rollout import batching, engine, generate, logprob_drift
 from g2rl_jax.rollout.sampling import spec_for
 
-from hf_tiny import make_tiny_qwen3_dir
+from _helpers import tiny_qwen3_fixtures
 
 PROMPTS = [[5, 17, 99, 3], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [42], [100, 3, 64, 2, 9, 88, 31]]
 STOPS = tuple(range(0, 128, 16))  # with this model: lengths mean ~20, max ~70 over 32 samples at T = 1
 KW = dict(temperature=1.0, num_samples=8, stop_token_ids=STOPS, seed=1)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_qwen3_dir(tmp_path_factory.mktemp("tiny_qwen3"), initializer_range=0.2)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_pretrained(model_dir)
+model_dir, model = tiny_qwen3_fixtures(initializer_range=0.2)
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 `normalize_answer` turns an answer string into a canonical LaTeX string: delimiters (`$`, `\\boxed`), sizing
 (`\\left`, `\\right`), `\\dfrac`/`\\tfrac`, spacing commands, degrees, percent, currency, text units, thousands
 separators and trailing periods are removed. Two answers with the same canonical string are equivalent without
-any parsing; `maj_at_k` groups answers by it. It never evaluates anything.
+any parsing; maj@k (`vote.answer_classes`) groups answers by it. It never evaluates anything.
 
 Linear time: whitespace runs are collapsed to one space after every rewrite, so no pattern's `\\s*` can scan a
 long run from many start positions (a run of `\\,` once took cubic time in the separator rule), and `\\text{}`

@@ -65,15 +65,6 @@ class Rollout:
     completion_lengths: np.ndarray
     decode_steps: int
 
-    @property
-    def input_ids_BxL(self) -> np.ndarray:
-        """Prompt and completion side by side, L = S + T (padding on both ends; positions come from the mask)."""
-        return np.concatenate([self.prompt_ids_BxS, self.completion_ids_BxT], axis=1)
-
-    @property
-    def attention_mask_BxL(self) -> np.ndarray:
-        return np.concatenate([self.prompt_mask_BxS, self.completion_mask_BxT], axis=1)
-
 
 def _active_mesh(mesh):
     """The given `mesh`, else the one set by `jax.set_mesh`, else None (single device); with Auto axis types.

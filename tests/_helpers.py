@@ -1,0 +1,41 @@
+"""Shared test helpers (tiny HF checkpoints themselves are in hf_tiny.py).
+
+    from _helpers import create_sharded, tiny_qwen3_fixtures
+    model = create_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), mesh=mesh), mesh)   # random init, in place
+    model_dir, model = tiny_qwen3_fixtures()   # module-scoped fixtures of one tiny random Qwen3 per test module
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import pytest
+from flax import nnx
+
+from g2rl_jax.model import load_pretrained
+from g2rl_jax.parallel import DEFAULT_RULES, state_shardings
+
+from hf_tiny import make_tiny_qwen3_dir
+
+
+def create_sharded(make_module: Callable[[], nnx.Module], mesh, rules=DEFAULT_RULES):
+    """Build `make_module()` with every parameter created directly in the sharding the library gives it
+    (`parallel.state_shardings`); runs load their weights with `load_pretrained(..., mesh=mesh)` instead."""
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
+    shardings = state_shardings(abstract_state, mesh, rules)
+    return nnx.merge(graphdef, jax.jit(lambda: nnx.state(make_module()), out_shardings=shardings)())
+
+
+def tiny_qwen3_fixtures(**config_overrides):
+    """(model_dir, model): module-scoped fixtures of a tiny random Qwen3 checkpoint (hf_tiny) and the model
+    `load_pretrained` reads from it. Assign them at module level under these names."""
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory):
+        return make_tiny_qwen3_dir(tmp_path_factory.mktemp("tiny_qwen3"), **config_overrides)
+
+    @pytest.fixture(scope="module")
+    def model(model_dir):
+        return load_pretrained(model_dir)
+
+    return model_dir, model
