@@ -255,7 +255,7 @@ def teacher_responses(example: Example, rng: random.Random) -> list[str]:
     other targets: well-formed, wrong value), each as `\\boxed{expr}`."""
     numbers, target = example.row["numbers"], example.row["target"]
     table = _all_solutions(tuple(sorted(numbers)))
-    right = sorted(table[target].values())
+    right = sorted(solutions(numbers, target).values())
     wrong = sorted(expr for t, answers in table.items() if t != target for expr in answers.values())
     picks = rng.sample(right, TEACHER_VARIANTS) + rng.sample(wrong, TEACHER_VARIANTS)
     return [f"\\boxed{{{expr}}}" for expr in picks]
