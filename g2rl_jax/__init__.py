@@ -21,13 +21,18 @@ in lower case. This is the one legend; every module uses it.
   m  group size, the samples per prompt (rollout.num_samples)
   S  prompt positions (left-padded)          T  response positions (right-padded)
   L  positions of a whole sequence (S + T for a joined prompt and response)
-  C  positions in one chunk of a sequence    Q  chunks of a sequence (L / C)
+  C  entries of one chunk: positions of a sequence, or a block of the sampler's candidates
+  Q  chunks: of a sequence (L / C), or blocks of the sampler's candidates (I / C)
+  I  candidate tokens of one sampling draw (the vocabulary, or its top k)
   D  model width (hidden size)               V  vocabulary
   E  embedding width (EVOL-RL's encoder)     F  MLP width
   H  query heads     G  key/value heads     R  query heads per key/value head (H / G)     K  head dim
   N  decoder layers                          A  processes (hosts)
-  W  width of a packed host row              Z  stop token ids
-  J  variants of one demo SFT example
+  U  micro-batches of an update              X  rows of one micro-batch
+  Y  pairs of one group's responses, m(m−1)/2
+  W  another width, named where it is used: a packed host row, a KV cache's capacity, the response positions
+     one micro-batch keeps
+  Z  stop token ids                          J  variants of one demo SFT example
 """
 
 import importlib.util

@@ -10,13 +10,13 @@ Writes OUT/analysis.json (per model: gradient_cosine_mean, negative_pair_ratio, 
 histograms) and OUT/geometry.png (the paper's three panels, drawn by `g2rl_jax.figures.geometry_figure`).
 
 Pure functions (host NumPy, float64):
-    pairwise_cosines(x_GxmxD) -> cos_GxP            upper-triangle cosines per group, P = m(m-1)/2
-    geometry_stats(grad_cos_GxP, sem_cos_GxP=None)  means, negative-pair ratio, histograms
+    pairwise_cosines(x_PxmxD) -> cos_PxY            upper-triangle cosines per group, Y = m(m-1)/2
+    geometry_stats(grad_cos_PxY, sem_cos_PxY=None)  means, negative-pair ratio, histograms
     histogram(values, bins)                         counts over [-1, 1]
 Model-backed:
     load_policy(run_or_checkpoint_dir, mesh=)       (model, tokenizer_dir) of a training checkpoint
                                                     (g2rl_jax.train.checkpoint, shared with eval and export)
-    sample_group_features(...)                      Φ [G, m, D], texts, correctness of one model
+    sample_group_features(...)                      Φ [P, m, D], texts, correctness of one model
 """
 from __future__ import annotations
 
@@ -38,21 +38,21 @@ NORM_MIN = 1e-30  # a feature below this norm has no direction; reported as an e
 
 
 # ------------------------------------------------------------------------------------------------ pure functions
-def pairwise_cosines(x_GxmxD) -> np.ndarray:
-    """cos(x_i, x_j) for i < j within each group, row-major upper triangle: [G, m(m-1)/2] float64."""
-    x = np.asarray(x_GxmxD, np.float64)
+def pairwise_cosines(x_PxmxD) -> np.ndarray:
+    """cos(x_i, x_j) for i < j within each group, row-major upper triangle: [P, m(m-1)/2] float64."""
+    x = np.asarray(x_PxmxD, np.float64)
     if x.ndim != 3 or x.shape[1] < 2:
-        raise ValueError(f"pairwise_cosines needs x_GxmxD with m >= 2 responses per group, got shape {x.shape}")
-    norms_Gxm = np.linalg.norm(x, axis=-1)
-    bad = np.argwhere(~np.isfinite(norms_Gxm) | (norms_Gxm < NORM_MIN))
+        raise ValueError(f"pairwise_cosines needs x_PxmxD with m >= 2 responses per group, got shape {x.shape}")
+    norms_Pxm = np.linalg.norm(x, axis=-1)
+    bad = np.argwhere(~np.isfinite(norms_Pxm) | (norms_Pxm < NORM_MIN))
     if len(bad):
-        g, j = bad[0]
-        raise ValueError(f"pairwise_cosines: feature of group {g}, response {j} has norm {norms_Gxm[g, j]!r} "
+        p, j = bad[0]
+        raise ValueError(f"pairwise_cosines: feature of group {p}, response {j} has norm {norms_Pxm[p, j]!r} "
                          f"({len(bad)} such rows); a zero or non-finite vector has no direction")
-    unit_GxmxD = x / norms_Gxm[..., None]
-    s_Gxmxm = np.einsum("gid,gjd->gij", unit_GxmxD, unit_GxmxD)
+    unit_PxmxD = x / norms_Pxm[..., None]
+    s_Pxmxm = np.einsum("pid,pjd->pij", unit_PxmxD, unit_PxmxD)
     i, j = np.triu_indices(x.shape[1], k=1)
-    return np.clip(s_Gxmxm[:, i, j], -1.0, 1.0)  # rounding may land a hair outside [-1, 1]
+    return np.clip(s_Pxmxm[:, i, j], -1.0, 1.0)  # rounding may land a hair outside [-1, 1]
 
 
 def histogram(values, bins: int = HIST_BINS) -> dict[str, list]:
@@ -61,18 +61,18 @@ def histogram(values, bins: int = HIST_BINS) -> dict[str, list]:
     return {"edges": edges.tolist(), "counts": counts.astype(int).tolist()}
 
 
-def geometry_stats(grad_cos_GxP, sem_cos_GxP=None, bins: int = HIST_BINS) -> dict[str, Any]:
+def geometry_stats(grad_cos_PxY, sem_cos_PxY=None, bins: int = HIST_BINS) -> dict[str, Any]:
     """The figure's numbers: mean gradient cosine, share of negative (cos < 0) gradient pairs, mean semantic
     cosine (None without embeddings), and their histograms; means are over all pairs of all groups."""
-    grad = np.asarray(grad_cos_GxP, np.float64).ravel()
+    grad = np.asarray(grad_cos_PxY, np.float64).ravel()
     if grad.size == 0:
         raise ValueError("geometry_stats: no gradient cosines (need at least one group of >= 2 responses)")
     stats = {"pairs": int(grad.size), "gradient_cosine_mean": float(grad.mean()),
              "gradient_cosine_std": float(grad.std()), "negative_pair_ratio": float(np.mean(grad < 0.0)),
              "gradient_cosine_histogram": histogram(grad, bins),
              "semantic_cosine_mean": None, "semantic_cosine_histogram": None}
-    if sem_cos_GxP is not None:
-        sem = np.asarray(sem_cos_GxP, np.float64).ravel()
+    if sem_cos_PxY is not None:
+        sem = np.asarray(sem_cos_PxY, np.float64).ravel()
         if sem.shape != grad.shape:
             raise ValueError(f"geometry_stats: {sem.size} semantic cosines but {grad.size} gradient cosines; "
                              "both must come from the same response pairs")
@@ -131,12 +131,12 @@ class Sampling:
 
 @dataclasses.dataclass(frozen=True)
 class GroupFeatures:
-    """One model's responses, group-major: G problems x m samples."""
+    """One model's responses, group-major: P problems x m samples."""
 
-    phi_GxmxD: np.ndarray
+    phi_PxmxD: np.ndarray
     texts: list[str]
-    correct_Gxm: np.ndarray
-    lengths_Gxm: np.ndarray
+    correct_Pxm: np.ndarray
+    lengths_Pxm: np.ndarray
 
 
 def _padded_chunks(examples: Sequence, size: int):
@@ -185,7 +185,7 @@ def sample_group_features(model, tokenizer, examples, template: str, sampling: S
 
 def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: int, mesh,
                  max_tokens: int) -> np.ndarray:
-    """Last-token-pooled, L2-normalised embeddings [G, m, E] of the texts (the trainer's EVOL-RL encoder path:
+    """Last-token-pooled, L2-normalised embeddings [P, m, E] of the texts (the trainer's EVOL-RL encoder path:
     left padding, the tokenizer's eos appended, the final position's hidden state, each text's last `max_tokens`
     tokens), `rows_per_call` at a time."""
     from g2rl_jax.train.setup import embed_texts
@@ -316,10 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             emb = embed_groups(embedder, embed_tokenizer, features.texts, args.samples, rows_per_call, mesh,
                                args.embedding_max_tokens)
             sem_cos = pairwise_cosines(emb)
-        stats = geometry_stats(pairwise_cosines(features.phi_GxmxD), sem_cos, args.bins)
+        stats = geometry_stats(pairwise_cosines(features.phi_PxmxD), sem_cos, args.bins)
         models[source.label] = {"source": str(source.path), "kind": source.kind,
-                                "accuracy": float(features.correct_Gxm.mean()),
-                                "mean_response_length": float(features.lengths_Gxm.mean()), **stats}
+                                "accuracy": float(features.correct_Pxm.mean()),
+                                "mean_response_length": float(features.lengths_Pxm.mean()), **stats}
         print(f"{source.label}: gradient cosine {stats['gradient_cosine_mean']:.3f}, negative pairs "
               f"{100 * stats['negative_pair_ratio']:.2f}%" + ("" if sem_cos is None else
                                                               f", semantic cosine {stats['semantic_cosine_mean']:.3f}"))

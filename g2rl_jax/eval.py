@@ -101,12 +101,12 @@ def verl_metrics(correct: Sequence[bool], preds: Sequence[str], *, n_bootstrap: 
     codes = np.unique(np.asarray(preds, dtype=str), return_inverse=True)[1]
     rng = np.random.default_rng(seed)
     for k in sample_ks(n)[1:]:
-        draws_BxK = rng.integers(0, n, size=(n_bootstrap, k))
-        metrics[f"verl/best@{k}"] = float(values[draws_BxK].max(axis=1).mean())
-        votes_BxK = codes[draws_BxK]
-        counts_BxK = (votes_BxK[:, :, None] == votes_BxK[:, None, :]).sum(-1)
-        first_top_B = (counts_BxK == counts_BxK.max(axis=1, keepdims=True)).argmax(axis=1)  # earliest drawn winner
-        metrics[f"verl/maj@{k}"] = float(values[draws_BxK[np.arange(n_bootstrap), first_top_B]].mean())
+        draws = rng.integers(0, n, size=(n_bootstrap, k))  # [draw, sample]: sample indices of each draw
+        metrics[f"verl/best@{k}"] = float(values[draws].max(axis=1).mean())
+        votes = codes[draws]
+        counts = (votes[:, :, None] == votes[:, None, :]).sum(-1)  # [draw, sample]: votes for that sample's answer
+        first_top = (counts == counts.max(axis=1, keepdims=True)).argmax(axis=1)  # [draw]: earliest drawn winner
+        metrics[f"verl/maj@{k}"] = float(values[draws[np.arange(n_bootstrap), first_top]].mean())
     return metrics
 
 

@@ -179,15 +179,16 @@ def batch_block(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> tuple[int, 
     axes = rules.mesh_axes("batch")
     order = [mesh.axis_names.index(a) for a in axes]
     devices = np.moveaxis(mesh.devices, order, range(len(axes)))
-    shards_SxR = devices.reshape(math.prod(mesh.shape[a] for a in axes), -1)  # [batch shard, replicas]
+    replicas_by_shard = devices.reshape(math.prod(mesh.shape[a] for a in axes), -1)  # [batch shard, replica]
     owned: dict[int, set[int]] = {}
-    for shard, replicas in enumerate(shards_SxR):
+    for shard, replicas in enumerate(replicas_by_shard):
         for device in replicas:
             owned.setdefault(device.process_index, set()).add(shard)
     blocks = sorted({tuple(sorted(v)) for v in owned.values()})
     flat = [s for block in blocks for s in block]
-    if flat != list(range(len(shards_SxR))) or any(b != tuple(range(b[0], b[0] + len(blocks[0]))) for b in blocks):
-        raise ValueError(f"the processes hold batch shards {blocks} of {len(shards_SxR)}, not equal contiguous "
+    shards = len(replicas_by_shard)
+    if flat != list(range(shards)) or any(b != tuple(range(b[0], b[0] + len(blocks[0]))) for b in blocks):
+        raise ValueError(f"the processes hold batch shards {blocks} of {shards}, not equal contiguous "
                          "blocks; order the mesh devices so each process's devices are adjacent on the batch axes")
     return blocks.index(tuple(sorted(owned[jax.process_index()]))), len(blocks)
 
@@ -216,9 +217,9 @@ def gather_blocks(mesh: Mesh, local) -> np.ndarray:
     """Every process block's rows `local` concatenated in block order (each block once), on every process: the
     inverse of each process taking rows `process_rows(mesh, n)`. Every process passes an array of one shape."""
     block, _ = batch_block(mesh)
-    blocks_N = np.asarray(multihost_utils.process_allgather(np.int32(block))).reshape(-1).tolist()
-    every = np.asarray(multihost_utils.process_allgather(np.asarray(local))).reshape(len(blocks_N), *np.shape(local))
-    first = {b: k for k, b in reversed(list(enumerate(blocks_N)))}  # process k's rows stand for block b
+    blocks_A = np.asarray(multihost_utils.process_allgather(np.int32(block))).reshape(-1).tolist()
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(local))).reshape(len(blocks_A), *np.shape(local))
+    first = {b: k for k, b in reversed(list(enumerate(blocks_A)))}  # process k's rows stand for block b
     return np.concatenate([every[first[b]] for b in sorted(first)], axis=0)
 
 

@@ -32,11 +32,11 @@ def problem_measures(texts: Sequence[str], row: dict) -> dict[str, float]:
             "distinct@k": float(len({countdown.canonical(t) for t in correct}))}
 
 
-def measure(texts_GxK: Sequence[Sequence[str]], rows: Sequence[dict], truncated_GxK: np.ndarray) -> dict:
-    per = [problem_measures(texts, row) for texts, row in zip(texts_GxK, rows)]
+def measure(texts_Pxm: Sequence[Sequence[str]], rows: Sequence[dict], truncated_Pxm: np.ndarray) -> dict:
+    per = [problem_measures(texts, row) for texts, row in zip(texts_Pxm, rows)]
     out = {k: float(np.mean([m[k] for m in per])) for k in per[0]}
-    return out | {"truncated_fraction": float(np.mean(truncated_GxK)), "problems": len(rows),
-                  "samples": len(texts_GxK[0])}
+    return out | {"truncated_fraction": float(np.mean(truncated_Pxm)), "problems": len(rows),
+                  "samples": len(texts_Pxm[0])}
 
 
 def sample(model, tokenizer, examples, *, samples: int, max_new_tokens: int, batch_size: int, seed: int):

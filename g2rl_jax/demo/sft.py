@@ -99,10 +99,10 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
 
 
 def train_sft(model: Qwen3, ids_BxJxL: np.ndarray, mask_BxJxL: np.ndarray, cfg: SFTConfig,
-              probs_K: np.ndarray | None = None) -> list[float]:
-    """Run `cfg.steps` AdamW steps on random rows with teacher-drawn variants (variant k with probability
-    probs_K[k]; default: cfg.variant_probs() for the addition task); `model` ends trained."""
-    probs = cfg.variant_probs() if probs_K is None else np.asarray(probs_K, np.float64)
+              probs_J: np.ndarray | None = None) -> list[float]:
+    """Run `cfg.steps` AdamW steps on random rows with teacher-drawn variants (variant j with probability
+    probs_J[j]; default: cfg.variant_probs() for the addition task); `model` ends trained."""
+    probs = cfg.variant_probs() if probs_J is None else np.asarray(probs_J, np.float64)
     if ids_BxJxL.shape != mask_BxJxL.shape or ids_BxJxL.shape[1:2] != probs.shape:
         raise ValueError(f"ids {ids_BxJxL.shape} and mask {mask_BxJxL.shape} must both be [N, {len(probs)}, L]")
     if len(ids_BxJxL) < cfg.batch_size:

@@ -109,9 +109,9 @@ def decode_attention(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_Px
     dt = q_BxHxK.dtype
     q_BxGxRxK = q_BxHxK.reshape(B, G, R, K)
     scale = K ** -0.5
-    s_pre_PxMxGxRxS = jnp.einsum("pmgrk,pgsk->pmgrs", q_BxGxRxK.reshape(P, m, G, R, K), prefix_k_PxGxSxK.astype(dt),
+    s_pre_PxmxGxRxS = jnp.einsum("pmgrk,pgsk->pmgrs", q_BxGxRxK.reshape(P, m, G, R, K), prefix_k_PxGxSxK.astype(dt),
                                  preferred_element_type=jnp.float32) * scale
-    s_pre_BxGxRxS = s_pre_PxMxGxRxS.reshape(B, G, R, S)
+    s_pre_BxGxRxS = s_pre_PxmxGxRxS.reshape(B, G, R, S)
     s_suf_BxGxRxT = jnp.einsum("bgrk,bgtk->bgrt", q_BxGxRxK, suffix_k_BxGxTxK.astype(dt),
                                preferred_element_type=jnp.float32) * scale
     prefix_mask_Bx1x1xS = jnp.repeat(prefix_mask_PxS.astype(bool), m, axis=0)[:, None, None, :]
@@ -120,7 +120,7 @@ def decode_attention(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_Px
     top = jnp.maximum(s_pre_BxGxRxS.max(-1, keepdims=True), s_suf_BxGxRxT.max(-1, keepdims=True))
     e_pre, e_suf = jnp.exp(s_pre_BxGxRxS - top), jnp.exp(s_suf_BxGxRxT - top)
     denom = e_pre.sum(-1, keepdims=True) + e_suf.sum(-1, keepdims=True)
-    p_pre_PxMxGxRxS = (e_pre / denom).astype(dt).reshape(P, m, G, R, S)
-    out_BxGxRxK = (jnp.einsum("pmgrs,pgsk->pmgrk", p_pre_PxMxGxRxS, prefix_v_PxGxSxK.astype(dt)).reshape(B, G, R, K)
+    p_pre_PxmxGxRxS = (e_pre / denom).astype(dt).reshape(P, m, G, R, S)
+    out_BxGxRxK = (jnp.einsum("pmgrs,pgsk->pmgrk", p_pre_PxmxGxRxS, prefix_v_PxGxSxK.astype(dt)).reshape(B, G, R, K)
                    + jnp.einsum("bgrt,bgtk->bgrk", (e_suf / denom).astype(dt), suffix_v_BxGxTxK.astype(dt)))
     return out_BxGxRxK.reshape(B, H, K)

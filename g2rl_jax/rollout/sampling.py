@@ -50,33 +50,33 @@ def full_logprob(logits_BxV, tokens_B, temperature):
     return jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
 
 
-def nucleus_keep(sorted_logits_BxC, top_p):
+def nucleus_keep(sorted_logits_BxI, top_p):
     """Mask of the smallest descending-probability prefix whose mass reaches top_p (the first always kept)."""
-    probs_BxC = jax.nn.softmax(sorted_logits_BxC, axis=-1)
-    mass_before_BxC = jnp.cumsum(probs_BxC, axis=-1) - probs_BxC
-    return mass_before_BxC < top_p
+    probs_BxI = jax.nn.softmax(sorted_logits_BxI, axis=-1)
+    mass_before_BxI = jnp.cumsum(probs_BxI, axis=-1) - probs_BxI
+    return mass_before_BxI < top_p
 
 
-def _gumbel_argmax(logits_BxC, keys_B):
+def _gumbel_argmax(logits_BxI, keys_B):
     """One exact draw per row from softmax(logits) (Gumbel-max); -inf logits are never drawn."""
-    C = logits_BxC.shape[-1]
-    gumbel_BxC = jax.vmap(lambda key: jax.random.gumbel(key, (C,), jnp.float32))(keys_B)
-    return jnp.argmax(logits_BxC + gumbel_BxC, axis=-1)
+    n = logits_BxI.shape[-1]
+    gumbel_BxI = jax.vmap(lambda key: jax.random.gumbel(key, (n,), jnp.float32))(keys_B)
+    return jnp.argmax(logits_BxI + gumbel_BxI, axis=-1)
 
 
-def categorical(logits_BxC, keys_B, block: int = BLOCK):
-    """One exact draw per row from softmax(logits), in two stages when C > block: draw a block of `block`
-    entries with probability ∝ its mass (Gumbel-max over the blocks' logsumexp), then an entry within it.
-    P(i) = P(block(i)) * P(i | block) = softmax(logits)_i, with C/block + block Gumbel draws instead of C."""
-    B, C = logits_BxC.shape
-    if C <= block:
-        return _gumbel_argmax(logits_BxC, keys_B)
-    nb = -(-C // block)
-    padded_BxNxK = jnp.pad(logits_BxC, ((0, 0), (0, nb * block - C)), constant_values=_NEG_INF).reshape(B, nb, block)
+def categorical(logits_BxI, keys_B, block: int = BLOCK):
+    """One exact draw per row from softmax(logits), in two stages when I > block: draw one of Q blocks of
+    C = `block` entries with probability ∝ its mass (Gumbel-max over the blocks' logsumexp), then an entry within
+    it. P(i) = P(block(i)) * P(i | block) = softmax(logits)_i, with Q + C Gumbel draws instead of I."""
+    B, n = logits_BxI.shape
+    if n <= block:
+        return _gumbel_argmax(logits_BxI, keys_B)
+    nb = -(-n // block)
+    padded_BxQxC = jnp.pad(logits_BxI, ((0, 0), (0, nb * block - n)), constant_values=_NEG_INF).reshape(B, nb, block)
     keys_Bx2 = jax.vmap(jax.random.split)(keys_B)
-    block_B = _gumbel_argmax(jax.nn.logsumexp(padded_BxNxK, axis=-1), keys_Bx2[:, 0])
-    within_BxK = jnp.take_along_axis(padded_BxNxK, block_B[:, None, None], axis=1)[:, 0]
-    return block_B * block + _gumbel_argmax(within_BxK, keys_Bx2[:, 1])
+    block_B = _gumbel_argmax(jax.nn.logsumexp(padded_BxQxC, axis=-1), keys_Bx2[:, 0])
+    within_BxC = jnp.take_along_axis(padded_BxQxC, block_B[:, None, None], axis=1)[:, 0]
+    return block_B * block + _gumbel_argmax(within_BxC, keys_Bx2[:, 1])
 
 
 def sample_tokens(logits_BxV, keys_B, temperature, top_p, spec: SamplerSpec):
@@ -90,10 +90,9 @@ def sample_tokens(logits_BxV, keys_B, temperature, top_p, spec: SamplerSpec):
         tokens_B = categorical(scaled_BxV, keys_B)
     else:
         # Candidates in descending order: the top k, or the whole vocabulary sorted when only top-p is on.
-        C = spec.top_k or logits_BxV.shape[-1]
-        cand_BxC, cand_ids_BxC = jax.lax.top_k(scaled_BxV, C)
+        cand_BxI, cand_ids_BxI = jax.lax.top_k(scaled_BxV, spec.top_k or logits_BxV.shape[-1])
         if spec.use_top_p:
-            cand_BxC = jnp.where(nucleus_keep(cand_BxC, top_p), cand_BxC, _NEG_INF)
-        picked_B = categorical(cand_BxC, keys_B)
-        tokens_B = jnp.take_along_axis(cand_ids_BxC, picked_B[:, None], axis=-1)[:, 0]
+            cand_BxI = jnp.where(nucleus_keep(cand_BxI, top_p), cand_BxI, _NEG_INF)
+        picked_B = categorical(cand_BxI, keys_B)
+        tokens_B = jnp.take_along_axis(cand_ids_BxI, picked_B[:, None], axis=-1)[:, 0]
     return tokens_B.astype(jnp.int32), full_logprob(logits_BxV, tokens_B, temperature)

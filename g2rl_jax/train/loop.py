@@ -372,7 +372,7 @@ class Trainer:
         block, blocks = parallel.batch_block(self.mesh)
         out = {}
         for name, examples in self.eval_sets.items():
-            correct, flags = [], []
+            correct, all_flags = [], []
             for start in range(0, len(examples), cfg.prompts_per_step):
                 if self._stop_requested():
                     raise Preempted(f"validation on {name!r} abandoned for SIGTERM")
@@ -391,11 +391,11 @@ class Trainer:
                                              kind=local[0].kind, max_new_tokens=cfg.eval_max_new_tokens,
                                              stop_ids=self.stop_ids)
                 correct.append(parallel.gather_blocks(self.mesh, scored.correct)[:real])
-                flags_BxK = report.response_flags(texts, rollout.finish_reasons)
-                flags.append(parallel.gather_blocks(self.mesh, flags_BxK)[:real])
+                flags = report.response_flags(texts, rollout.finish_reasons)  # [B, len(report.SHARES)]
+                all_flags.append(parallel.gather_blocks(self.mesh, flags)[:real])
             out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(correct)))
-            shares_K = np.mean(np.concatenate(flags), axis=0)
-            out |= {f"val/{name}/{k}": float(v) for k, v in zip(report.SHARES, shares_K)}
+            shares = np.mean(np.concatenate(all_flags), axis=0)
+            out |= {f"val/{name}/{k}": float(v) for k, v in zip(report.SHARES, shares)}
         return out
 
     def _stop_requested(self) -> bool:
