@@ -1,0 +1,285 @@
+"""The groups of the run configuration (`g2rl_jax.config`): one frozen dataclass per YAML group, each field with
+its default, its help text and its validation in `__post_init__`. Import them from `g2rl_jax.config`.
+
+Defaults follow the paper ("Can LLMs Guide Their Own Exploration? Gradient-Guided Reinforcement Learning for LLM
+Reasoning", arXiv 2512.15687), appendix table, where it gives a value; where the paper is silent the help text says
+so and names the choice (mostly verl's defaults, the framework the paper's GRPO setup comes from).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, Optional
+
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+_REQUIRED = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the key, the source and what to do."""
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with its one-line help text kept next to it (`_REQUIRED` for no default)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+SEED_LIMIT = 2**32  # seeds are unsigned 32-bit (the data shuffle's and the RNG key's range)
+
+
+def _check_seed(seed: int, key: str) -> None:
+    _check(0 <= seed < SEED_LIMIT, key, f"must satisfy 0 <= seed < 2**32, got {seed}")
+
+
+FIELD_NAMES = ("id", "problem", "answer", "choices")  # Example fields a jsonl file's keys can be mapped to
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    output_dir: str = _f(_REQUIRED, "run directory: checkpoints/, metrics.jsonl, tensorboard/, config.yaml")
+    total_steps: int = _f(500, "RL steps (rollout + update) to train; paper silent, 500 chosen")
+    checkpoint_every: int = _f(50, "save a checkpoint every this many steps (and always at the end)")
+    keep_checkpoints: int = _f(3, "keep only the newest this many checkpoints")
+    eval_every: int = _f(50, "evaluate on data.eval_datasets every this many steps (0 = never)")
+    seed: int = _f(0, "seed of the sampling and initialisation RNG, 0 <= seed < 2**32")
+    allow_config_change: bool = _f(False, "resume even if keys that change what the run computes (model, data, "
+                                   "rollout, algorithm, optim) differ")
+    loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
+                                  "where step metrics go: jsonl (always; summaries, plots and resume read it), "
+                                  "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")
+
+    def __post_init__(self):
+        _check(self.output_dir.strip() != "", "run.output_dir",
+               "is empty; name the run directory, e.g. run.output_dir=runs/my_run")
+        for name in ("total_steps", "checkpoint_every", "keep_checkpoints"):
+            _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
+        _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
+        _check_seed(self.seed, "run.seed")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        _check(not unknown, "run.loggers", f"unknown logger(s) {unknown}; choose from {', '.join(LOGGERS)}")
+        _check("jsonl" in self.loggers, "run.loggers", f"must include jsonl (the run summary, plots and resume read "
+               f"metrics.jsonl), got {list(self.loggers)}")
+        _check(len(set(self.loggers)) == len(self.loggers), "run.loggers",
+               f"lists a logger twice: {list(self.loggers)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str = _f(_REQUIRED, "local Hugging Face directory of the policy (config.json, *.safetensors, tokenizer)")
+    param_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the trained parameters")
+    compute_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of activations and matmuls")
+    remat: Literal["none", "full", "dots"] = _f(
+        "full", "rematerialise each decoder layer in the backward pass: none, full (recompute all), dots (keep "
+        "matmul outputs, recompute the rest)")
+    attention: Literal["auto", "xla", "cudnn", "splash"] = _f(
+        "auto", "attention kernel: auto (splash on TPU, cudnn on GPU with bfloat16 compute, else xla), xla, cudnn "
+        "(GPU, bfloat16), splash (TPU); a kernel whose hardware is absent falls back to xla with a warning")
+    kv_cache_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of the rollout KV cache")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    data: int = _f(1, "data-parallel mesh axis size (-1 = all remaining devices)")
+    fsdp: int = _f(-1, "fully-sharded data-parallel axis size (-1 = all remaining devices)")
+    tensor: int = _f(1, "tensor-parallel axis size (-1 = all remaining devices)")
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            _check(size > 0 or size == -1, f"mesh.{name}", f"must be > 0 or -1 (fill), got {size}")
+        fills = [name for name, size in sizes.items() if size == -1]
+        _check(len(fills) <= 1, f"mesh.{fills[-1] if fills else 'data'}",
+               f"at most one axis may be -1, got -1 for {fills}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    train_dataset: str = _f("math_train", "registered dataset name or path to a .jsonl file (paper: MATH train)")
+    prompt_template: Literal["chat", "plain"] = _f("chat", "prompt format around the question (paper: SimpleRL-Zoo)")
+    prompts_per_step: int = _f(16, "prompts per RL step (paper: train batch size 16)")
+    max_prompt_tokens: int = _f(1024, "longer prompts are dropped; paper silent, 1024 chosen (verl default)")
+    eval_datasets: tuple[str, ...] = _f(("math500", "amc23", "aime24", "aime25"),
+                                        "datasets evaluated every run.eval_every steps")
+    eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: AIME25 mean@8)")
+    eval_temperature: float = _f(0.8, "sampling temperature for evaluation (paper: 0.8)")
+    eval_max_new_tokens: int = _f(8192, "response budget at evaluation; paper silent, the training budget chosen")
+    shuffle_seed: int = _f(0, "seed of the training-set shuffle, 0 <= seed < 2**32")
+    fields: tuple[str, ...] = _f((), "jsonl files only: FIELD=KEY pairs naming the file's keys, e.g. "
+                                 "problem=question,answer=gold")
+
+    def __post_init__(self):
+        for name in ("prompts_per_step", "max_prompt_tokens", "eval_samples", "eval_max_new_tokens"):
+            _check(getattr(self, name) > 0, f"data.{name}", f"must be > 0, got {getattr(self, name)}")
+        _check(self.eval_temperature >= 0, "data.eval_temperature", f"must be >= 0, got {self.eval_temperature}")
+        _check_seed(self.shuffle_seed, "data.shuffle_seed")
+        for pair in self.fields:
+            name, sep, key = pair.partition("=")
+            _check(bool(sep) and name.strip() in FIELD_NAMES and key.strip() != "", "data.fields",
+                   f"entry {pair!r} must be FIELD=KEY with FIELD one of {', '.join(FIELD_NAMES)} and KEY the "
+                   "file's key, e.g. data.fields=problem=question,answer=gold")
+
+    def field_map(self) -> dict[str, str]:
+        """data.fields as {Example field: the jsonl file's key}."""
+        return {name.strip(): key.strip() for name, _, key in (p.partition("=") for p in self.fields)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    num_samples: int = _f(16, "responses sampled per prompt, the group size m (paper: 16 rollouts)")
+    max_new_tokens: int = _f(8192, "response budget (paper: 8192 for 1.7B, 12288 for 4B)")
+    temperature: float = _f(1.0, "sampling temperature T, also the T of p_t = softmax(z_t/T) (paper: 1.0)")
+    top_p: float = _f(1.0, "nucleus sampling mass, 0 < top_p <= 1; paper silent, 1.0 (off) chosen")
+    top_k: Optional[int] = _f(None, "keep the top_k most likely tokens (null = off); paper silent, off chosen")
+
+    def __post_init__(self):
+        _check(self.num_samples >= 2, "rollout.num_samples", f"group size must be >= 2, got {self.num_samples}")
+        _check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        _check(self.temperature > 0, "rollout.temperature", f"must be > 0 for training, got {self.temperature}: "
+               "greedy decoding gives a group identical responses, whose advantages are all zero (no signal)")
+        _check(0 < self.top_p <= 1, "rollout.top_p", f"must satisfy 0 < top_p <= 1, got {self.top_p}")
+        _check(self.top_k is None or self.top_k > 0, "rollout.top_k", f"must be > 0 or null, got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    truncated: Literal["keep", "penalize", "mask"] = _f(
+        "penalize", "response at rollout.max_new_tokens without a stop token: keep | penalize (reward -1) | mask "
+        "(out of the loss); penalize as scoring it is exploitable (README); the paper's configs: keep")
+    overlong_buffer: int = _f(0, "DAPO overlong penalty: last tokens of the budget where it applies (0 = off; "
+                              "the paper uses none)")
+    overlong_penalty: float = _f(1.0, "DAPO overlong penalty at the full budget, linear from 0 at max_new_tokens "
+                                 "- overlong_buffer (DAPO: 1.0)")
+    function: Optional[str] = _f(None, "custom reward 'pkg.mod:fn' or 'file.py:fn', fn(response, example_row) in "
+                                 "the verifier workers, clipped to [-1, 1] (null = verifier)")
+    on_error: Literal["raise", "fail"] = _f("raise", "custom reward that raises, returns a non-number or times out: "
+                                            "raise (error naming the row) or fail (-1)")
+    timeout: float = _f(2.0, "seconds one verifier check or reward-function call may take (then: not verified)")
+
+    def __post_init__(self):
+        _check(self.overlong_buffer >= 0, "reward.overlong_buffer",
+               f"must be >= 0 (0 = off), got {self.overlong_buffer}")
+        _check(self.overlong_penalty >= 0, "reward.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
+        _check(self.timeout > 0, "reward.timeout", f"must be > 0 seconds, got {self.timeout}")
+        if self.function is not None:
+            from g2rl_jax.rewards.custom import parse_spec, resolve_spec
+            try:
+                parse_spec(self.function)
+                resolve_spec(self.function)
+            except ValueError as err:
+                raise ConfigError(f"reward.function: {err}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    exploration: Literal["grpo", "entropy_bonus", "evol", "g2rl"] = _f("g2rl", "exploration signal added to GRPO")
+    lam: float = _f(0.5, "g2rl: novelty strength λ >= 0 in r·(1 + λ·ν̄); paper gives no value, 0.5 chosen")
+    reward_clip: float = _f(3.0, "g2rl: shaped rewards are clipped to [-c, c]")
+    shaping_mode: Literal["text", "literal"] = _f("text", "g2rl: text = r·(1+λν̄) as the paper's prose; "
+                                                  "literal = r + λν̄ as its equation (see README)")
+    entropy_coef: float = _f(0.0, "entropy_bonus: coefficient of the entropy bonus (> 0 there, 0 otherwise)")
+    embedding_model: Optional[str] = _f(None, "evol: local HF dir of a Qwen3-architecture embedding model")
+    embedding_max_tokens: int = _f(1024, "evol: tokens embedded per response, end token included; a longer response "
+                                   "keeps its tail (EVOL-RL's code embeds whole responses, up to 16,384 tokens)")
+    filter_equal_groups: bool = _f(False, "drop groups whose BASE correctness is all equal (all right or all "
+                                   "wrong), keyed on correctness, not on the shaped reward; off by default")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling (needs filter_equal_groups): draw more prompts until "
+                                "the step holds data.prompts_per_step mixed groups, at most max_sampling_rounds")
+    max_sampling_rounds: int = _f(4, "dynamic_sampling: rollout rounds per step at most; short of mixed groups, the "
+                                  "step is topped up with single-class groups, which the filter masks; 4 chosen")
+    single_class_groups: Literal["shaped", "zero"] = _f(
+        "shaped", "groups whose base rewards are all equal: shaped = the paper's equations (G2RL/EVOL give them "
+        "unit-scale advantages from novelty alone), zero = zero advantage as in GRPO (see README)")
+    kl_coef: float = _f(0.001, "β of the KL-to-reference loss (paper: 0.001; 0 = no reference model)")
+    kl_kind: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator; paper silent ('KL loss 0.001'), k3 = verl's "
+                                            "low_var_kl chosen")
+    clip_low: float = _f(0.2, "PPO ratio clip below 1 - clip_low; paper silent, 0.2 chosen (verl default)")
+    clip_high: float = _f(0.2, "PPO ratio clip above 1 + clip_high (DAPO-style separate bound); 0.2 chosen")
+    dual_clip: Optional[float] = _f(None, "dual-clip bound c > 1 for negative advantages (null = off)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = _f(
+        "token-mean", "how per-token losses are averaged (verl's names); the paper's eq. grpo-obj averages per "
+        "response (seq-mean-token-mean with ratio_level=sequence); token-mean chosen (verl default)")
+    ratio_level: Literal["token", "sequence"] = _f(
+        "token", "importance ratio: token (per token, verl default) or sequence (GSPO: exp of the mean token "
+        "log-ratio of each response, clipped per response; the length-normalised form of the paper's ρ)")
+    rollout_is_cap: Optional[float] = _f(None, "truncated importance sampling against the sampler: weight each "
+                                         "token's loss by min(π_old/π_sampler, cap), cap >= 1 (null = off)")
+    ppo_epochs: int = _f(1, "passes over each step's rollouts; paper silent, 1 chosen (verl default)")
+    mini_batch_size: int = _f(32, "responses per optimizer update; paper '1 (effective size of 32)', read as 32 "
+                              "(16 = the other reading, 1 prompt x 16 rollouts, 16 updates per step; see README)")
+    micro_batch_size: int = _f(16, "responses per forward/backward, global over devices (paper: "
+                               "'micro-batch size 2', read as 2 per GPU x 8 GPUs)")
+
+    def __post_init__(self):
+        _check(self.lam >= 0, "algorithm.lam", f"must be >= 0, got {self.lam}")
+        _check(self.reward_clip > 0, "algorithm.reward_clip", f"must be > 0, got {self.reward_clip}")
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _check(self.clip_low > 0 and self.clip_low < 1, "algorithm.clip_low",
+               f"must satisfy 0 < clip_low < 1, got {self.clip_low}")
+        _check(self.clip_high > 0, "algorithm.clip_high", f"must be > 0, got {self.clip_high}")
+        _check(self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip",
+               f"must be > 1 or null, got {self.dual_clip}")
+        _check(self.rollout_is_cap is None or self.rollout_is_cap >= 1, "algorithm.rollout_is_cap",
+               f"must be >= 1 or null (a cap below 1 would down-weight tokens the sampler and trainer agree on), "
+               f"got {self.rollout_is_cap}")
+        _check(not self.dynamic_sampling or self.filter_equal_groups, "algorithm.dynamic_sampling",
+               "needs algorithm.filter_equal_groups=true (it draws more prompts to replace the groups that filter "
+               "drops); set both")
+        _check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds",
+               f"must be >= 1, got {self.max_sampling_rounds}")
+        _check(self.embedding_max_tokens >= 2, "algorithm.embedding_max_tokens",
+               f"must be >= 2 (some text and the end token pooled on), got {self.embedding_max_tokens}")
+        for name in ("ppo_epochs", "mini_batch_size", "micro_batch_size"):
+            _check(getattr(self, name) > 0, f"algorithm.{name}", f"must be > 0, got {getattr(self, name)}")
+        _check(self.mini_batch_size % self.micro_batch_size == 0, "algorithm.micro_batch_size",
+               f"must divide algorithm.mini_batch_size={self.mini_batch_size}, got {self.micro_batch_size}")
+        bonus = self.exploration == "entropy_bonus"
+        _check(self.entropy_coef > 0 if bonus else self.entropy_coef == 0, "algorithm.entropy_coef",
+               f"must be > 0 with exploration=entropy_bonus and 0 otherwise (exploration={self.exploration}, "
+               f"entropy_coef={self.entropy_coef}); set algorithm.exploration=entropy_bonus for an entropy bonus")
+        evol = self.exploration == "evol"
+        _check((self.embedding_model is not None) == evol, "algorithm.embedding_model",
+               "is required with exploration=evol and must be null otherwise "
+               f"(exploration={self.exploration}, embedding_model={self.embedding_model!r})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    learning_rate: float = _f(5e-7, "peak AdamW learning rate (paper: 5e-7)")
+    warmup_steps: int = _f(0, "linear warmup updates; paper silent, 0 chosen (verl default)")
+    weight_decay: float = _f(0.01, "AdamW decoupled weight decay; paper silent, 0.01 chosen (verl default)")
+    b1: float = _f(0.9, "AdamW β1")
+    b2: float = _f(0.999, "AdamW β2")
+    eps: float = _f(1e-8, "AdamW ε")
+    max_grad_norm: float = _f(1.0, "global gradient-norm clip; paper silent, 1.0 chosen (verl default)")
+    min_lr_ratio: float = _f(1.0, "cosine decay to this fraction of the peak (1.0 = constant, verl default)")
+
+    def __post_init__(self):
+        _check(math.isfinite(self.learning_rate) and self.learning_rate > 0, "optim.learning_rate",
+               f"must be a finite number > 0, got {self.learning_rate}")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.b1 < 1, "optim.b1", f"must satisfy 0 <= b1 < 1, got {self.b1}")
+        _check(0 <= self.b2 < 1, "optim.b2", f"must satisfy 0 <= b2 < 1, got {self.b2}")
+        _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
+        _check(self.max_grad_norm > 0, "optim.max_grad_norm", f"must be > 0, got {self.max_grad_norm}")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    coordinator_address: Optional[str] = _f(None, "host:port of process 0 for jax.distributed (null = auto)")
+    num_processes: Optional[int] = _f(None, "number of processes (hosts) in the job (null = auto)")
+    process_id: Optional[int] = _f(None, "this process's index, 0 <= process_id < num_processes (null = auto)")
+
+    def __post_init__(self):
+        _check(self.num_processes is None or self.num_processes > 0, "distributed.num_processes",
+               f"must be > 0 or null, got {self.num_processes}")
+        if self.process_id is not None:
+            bound = self.num_processes if self.num_processes is not None else float("inf")
+            _check(0 <= self.process_id < bound, "distributed.process_id",
+                   f"must satisfy 0 <= process_id < num_processes={self.num_processes}, got {self.process_id}")
