@@ -11,7 +11,8 @@ tuples and intervals `(a,b]`, sets `\\{..\\}`, `\\cup`/`\\cap`/`\\setminus`, mat
 `normalize_answer`; results are sympy objects or the containers of `values.py`.
 
 Size guards run before sympy evaluates anything: nesting depth, literal digits, power and factorial
-magnitudes. They raise `TooBig` (scored not equivalent).
+magnitudes. They raise `TooBig` (scored not equivalent). The tokenizer, the command tables and the guarded
+arithmetic are in `latex_lexer.py`; this module is the grammar.
 """
 from __future__ import annotations
 
@@ -19,81 +20,29 @@ import re
 
 import sympy
 
-from g2rl_jax.rewards.values import PM, Bracket, ListOf, Relation, SetOf, SetOp, is_label
+from g2rl_jax.rewards.latex_lexer import (
+    ATOM_CMDS,
+    CONSTS,
+    FUNCS,
+    GREEK,
+    MATRIX_ENVS,
+    MAX_DEPTH,
+    MAX_FACTORIAL,
+    MAX_LITERAL_DIGITS,
+    NOT_SYMBOLS,
+    RELOPS,
+    SETOPS,
+    LatexError,
+    TooBig,
+    arith,
+    bounded_power,
+    need_sympy,
+    number_literal,
+    tokenize,
+)
+from g2rl_jax.rewards.values import Bracket, ListOf, Relation, SetOf, SetOp, is_label
 
-MAX_DEPTH = 60            # nesting of brackets / braces / sub-expressions
-MAX_LITERAL_DIGITS = 300  # digits in one number literal
-MAX_POWER_DIGITS = 2_000  # digits of an evaluated numeric power
-MAX_EXPONENT = 1_000      # |integer exponent| on a symbolic base
-MAX_FACTORIAL = 500
-
-
-
-class LatexError(ValueError):
-    """The answer is not LaTeX this parser understands (the caller falls back to string comparison)."""
-
-
-class TooBig(LatexError):
-    """The answer would make sympy build an enormous object (scored not equivalent)."""
-
-
-_TOKEN_RE = re.compile(r"\s*(?:(\d+(?:\.\d+)?|\.\d+)|(\\[a-zA-Z]+|\\\\|\\[{}|])|([a-zA-Z])|"
-                       r"(<=|>=|!=|[-+*/^_()\[\]{}=<>,;:|!&']))")
-_RELOPS = {"=": "=", "<": "<", ">": ">", "<=": "<=", ">=": ">=", "!=": "!=", r"\leq": "<=", r"\geq": ">=",
-           r"\lt": "<", r"\gt": ">", r"\neq": "!=", r"\in": "in", r"\approx": "~", r"\equiv": "="}
-_FUNCS = {r"\sin": sympy.sin, r"\cos": sympy.cos, r"\tan": sympy.tan, r"\sec": sympy.sec, r"\csc": sympy.csc,
-          r"\cot": sympy.cot, r"\arcsin": sympy.asin, r"\arccos": sympy.acos, r"\arctan": sympy.atan,
-          r"\sinh": sympy.sinh, r"\cosh": sympy.cosh, r"\tanh": sympy.tanh, r"\ln": sympy.log,
-          r"\log": sympy.log, r"\exp": sympy.exp}
-_CONSTS = {r"\pi": sympy.pi, r"\infty": sympy.oo, r"\emptyset": sympy.S.EmptySet,
-           r"\varnothing": sympy.S.EmptySet}
-_GREEK = set(r"\alpha \beta \gamma \delta \epsilon \varepsilon \zeta \eta \theta \vartheta \iota \kappa \lambda \mu "
-             r"\nu \xi \rho \sigma \tau \upsilon \phi \varphi \chi \psi \omega \Gamma \Delta \Theta \Lambda \Xi \Pi "
-             r"\Sigma \Phi \Psi \Omega".split())
-_MATRIX_ENVS = {"pmatrix", "bmatrix", "matrix", "vmatrix", "Bmatrix", "smallmatrix", "array"}
-_SETOPS = {r"\cup": "cup", r"\cap": "cap", r"\setminus": "setminus"}
-_NOT_SYMBOLS = {r"\dots", r"\cdots", r"\ldots", r"\vdots", r"\ddots", r"\end", r"\rfloor", r"\rceil",
-                r"\text", r"\over", r"\choose", r"\mod", r"\pmod", r"\bmod", r"\to", r"\infty", r"\rightarrow",
-                r"\Rightarrow", r"\implies", r"\iff", r"\forall", r"\exists", r"\subset", r"\subseteq"}
-_ATOM_CMDS = {r"\frac", r"\sqrt", r"\binom", r"\lfloor", r"\lceil", r"\begin", r"\sum", r"\prod", r"\{"}
-
-
-def tokenize(s: str) -> list[str]:
-    tokens, pos = [], 0
-    s = s.rstrip()
-    while pos < len(s):
-        m = _TOKEN_RE.match(s, pos)
-        if m is None or m.end() == pos:
-            raise LatexError(f"cannot tokenize {s[pos:pos + 10]!r}")
-        tokens.append(m.group(m.lastindex))
-        pos = m.end()
-    return tokens
-
-
-def _number(text: str) -> sympy.Expr:
-    if len(text) > MAX_LITERAL_DIGITS:
-        raise TooBig(f"number literal with {len(text)} digits")
-    return sympy.Rational(text) if "." in text else sympy.Integer(text)
-
-
-def _digits(x: sympy.Expr) -> float:
-    """Decimal digits of a numeric sympy value (for the power guard)."""
-    if x.is_Rational:
-        return max(len(str(abs(x.p))), len(str(x.q)))
-    return 1.0
-
-
-def _power(base, exp):
-    """base**exp, refusing results that would be enormous."""
-    if isinstance(base, sympy.MatrixBase):
-        if not (exp.is_Integer and 0 <= exp <= 20):
-            raise LatexError("matrix power must be a small non-negative integer")
-        return base ** int(exp)
-    if exp.is_Number and abs(exp) > MAX_EXPONENT and not (base.is_Number and abs(base) in (0, 1)):
-        raise TooBig(f"exponent {exp} too large")
-    if base.is_Number and exp.is_Number and _digits(base) * float(abs(exp)) > MAX_POWER_DIGITS:
-        raise TooBig(f"power {base}^{exp} too large")
-    return base ** exp
+__all__ = ["LatexError", "TooBig", "parse_answer", "tokenize"]
 
 
 class _Parser:
@@ -141,8 +90,8 @@ class _Parser:
 
     def item(self):
         terms, ops = [self.union()], []
-        while self.peek() in _RELOPS:
-            op = _RELOPS[self.take()]
+        while self.peek() in RELOPS:
+            op = RELOPS[self.take()]
             if op == "~" and "=" in ops:  # `x = 1/3 \approx 0.33`: the approximation is commentary
                 self.union()
                 continue
@@ -156,8 +105,8 @@ class _Parser:
 
     def union(self):
         parts, op = [self.expr()], None
-        while self.peek() in _SETOPS:
-            this = _SETOPS[self.take()]
+        while self.peek() in SETOPS:
+            this = SETOPS[self.take()]
             if op is not None and this != op:
                 parts, op = [SetOp(op, tuple(parts))], None
             op = this
@@ -171,7 +120,7 @@ class _Parser:
         while self.peek() in ("+", "-", r"\pm", r"\mp"):
             op = self.take()
             rhs = self.term()
-            value = _arith(value, rhs, op)
+            value = arith(value, rhs, op)
         self.depth -= 1
         return value
 
@@ -181,12 +130,12 @@ class _Parser:
             tok = self.peek()
             if tok in ("*", r"\cdot", r"\times"):
                 self.take()
-                value = _arith(value, self.unary(), "*")
+                value = arith(value, self.unary(), "*")
             elif tok in ("/", r"\div", ":"):
                 self.take()
-                value = _arith(value, self.unary(), "/")
+                value = arith(value, self.unary(), "/")
             elif self.starts_atom(tok):
-                value = _arith(value, self.power(), "*")
+                value = arith(value, self.power(), "*")
             else:
                 return value
 
@@ -197,7 +146,7 @@ class _Parser:
             self.enter()
             inner = self.unary()
             self.depth -= 1
-            return _arith(sympy.Integer(0), inner, tok)
+            return arith(sympy.Integer(0), inner, tok)
         return self.power()
 
     def starts_atom(self, tok: str | None) -> bool:
@@ -206,7 +155,7 @@ class _Parser:
         if tok == "|":
             return self.abs_depth == 0
         return (tok[0].isdigit() or tok[0] == "." or tok.isalpha() or tok in ("(", "[", "{")
-                or tok in _ATOM_CMDS or tok in _FUNCS or tok in _CONSTS or tok in _GREEK)
+                or tok in ATOM_CMDS or tok in FUNCS or tok in CONSTS or tok in GREEK)
 
     def power(self):
         base = self.atom()
@@ -220,8 +169,8 @@ class _Parser:
             self.enter()
             exp = self.single_arg()
             self.depth -= 1
-            _need_sympy(base, exp)
-            base = _power(base, exp)
+            need_sympy(base, exp)
+            base = bounded_power(base, exp)
         return base
 
     def single_arg(self):
@@ -281,7 +230,7 @@ class _Parser:
 
     def _atom(self, tok: str, mixed: bool = True):
         if tok[0].isdigit() or tok[0] == ".":
-            value = _number(tok)
+            value = number_literal(tok)
             fraction = self.mixed_fraction() if mixed and tok.isdigit() else None
             if fraction is not None:  # `3\frac{1}{2}` is 7/2, the way MATH and graders read it
                 return value + fraction
@@ -293,10 +242,10 @@ class _Parser:
                 except (ValueError, TypeError) as err:
                     raise LatexError(f"bad base numeral {tok}_{base}") from err
             return value
-        if tok.isalpha() or tok in _GREEK:
+        if tok.isalpha() or tok in GREEK:
             return self.symbol(tok.lstrip("\\"))
-        if tok in _CONSTS:
-            return _CONSTS[tok]
+        if tok in CONSTS:
+            return CONSTS[tok]
         if tok in ("(", "["):
             return self.bracket(tok)
         if tok == "{":
@@ -312,18 +261,18 @@ class _Parser:
             inner = self.expr()
             self.abs_depth -= 1
             self.expect("|")
-            return sympy.Abs(_need_sympy(inner))
+            return sympy.Abs(need_sympy(inner))
         if tok == r"\frac":
             num = self.single_arg()
             den = self.single_arg()
-            return _arith(num, den, "/")
+            return arith(num, den, "/")
         if tok == r"\sqrt":
             if self.peek() == "[":
                 self.take()
                 n = self.expr()
                 self.expect("]")
-                return _power(_need_sympy(self.single_arg()), 1 / _need_sympy(n))
-            return sympy.sqrt(_need_sympy(self.single_arg()))
+                return bounded_power(need_sympy(self.single_arg()), 1 / need_sympy(n))
+            return sympy.sqrt(need_sympy(self.single_arg()))
         if tok == r"\binom":
             n, k = self.single_arg(), self.single_arg()
             if not (n.is_Number and abs(n) <= MAX_FACTORIAL or not n.is_Number):
@@ -332,14 +281,14 @@ class _Parser:
         if tok in (r"\lfloor", r"\lceil"):
             inner = self.expr()
             self.expect(r"\rfloor" if tok == r"\lfloor" else r"\rceil")
-            return (sympy.floor if tok == r"\lfloor" else sympy.ceiling)(_need_sympy(inner))
-        if tok in _FUNCS:
+            return (sympy.floor if tok == r"\lfloor" else sympy.ceiling)(need_sympy(inner))
+        if tok in FUNCS:
             return self.function(tok)
         if tok in (r"\sum", r"\prod"):
             return self.big_operator(tok)
         if tok == r"\begin":
             return self.matrix()
-        if re.fullmatch(r"\\[a-zA-Z]+", tok) and tok not in _NOT_SYMBOLS:
+        if re.fullmatch(r"\\[a-zA-Z]+", tok) and tok not in NOT_SYMBOLS:
             return self.symbol(tok[1:])  # an unknown command such as `\zeta` or `\zzz` names a symbol
         raise LatexError(f"unsupported token {tok!r}")
 
@@ -381,8 +330,8 @@ class _Parser:
             self.expect(")")
         else:
             arg = self.power()
-        value = _FUNCS[tok](_need_sympy(arg)) if base is None else sympy.log(arg, base)
-        return value if exponent is None else _power(value, exponent)
+        value = FUNCS[tok](need_sympy(arg)) if base is None else sympy.log(arg, base)
+        return value if exponent is None else bounded_power(value, exponent)
 
     def big_operator(self, tok: str):
         self.expect("_")
@@ -395,12 +344,12 @@ class _Parser:
         upper = self.single_arg()
         body = self.term()
         cls = sympy.Sum if tok == r"\sum" else sympy.Product
-        return cls(_need_sympy(body), (var, lower, upper))
+        return cls(need_sympy(body), (var, lower, upper))
 
     def matrix(self):
         self.expect("{")
         env = "".join(iter(self.take, "}"))
-        if env not in _MATRIX_ENVS:
+        if env not in MATRIX_ENVS:
             raise LatexError(f"unsupported environment {env!r}")
         if env == "array" and self.peek() == "{":
             while self.take() != "}":
@@ -427,29 +376,7 @@ class _Parser:
                 raise LatexError(f"unexpected {tok!r} in matrix")
         if len({len(r) for r in rows}) != 1:
             raise LatexError("ragged matrix")
-        return sympy.ImmutableMatrix([[_need_sympy(x) for x in r] for r in rows])
-
-
-def _need_sympy(*values):
-    for v in values:
-        if not isinstance(v, (sympy.Basic, sympy.MatrixBase)):
-            raise LatexError(f"{type(v).__name__} used in arithmetic")
-    return values[0]
-
-
-def _arith(a, b, op: str):
-    _need_sympy(a, b)
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op in (r"\pm", r"\mp"):
-        return a + (PM if op == r"\pm" else -PM) * b
-    if op == "*":
-        return a * b
-    if isinstance(b, sympy.MatrixBase) or b == 0:
-        raise LatexError("division by zero or by a matrix")
-    return a / b
+        return sympy.ImmutableMatrix([[need_sympy(x) for x in r] for r in rows])
 
 
 def parse_answer(canonical: str):
