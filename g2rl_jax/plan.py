@@ -25,34 +25,39 @@ batch). Shapes are the ones the code runs: prompt count, prompt length and max_n
 g2rl_jax.rollout.batching (the worst case: every response reaching the budget), L = S + T. `fits()` then
 tries TPU v5e/v5p/v6e and H100/H200 slices, fsdp filling each, with tensor-parallel sizes 1/2/4/8 when the config
 leaves mesh.tensor at 1 (its data size and other tensor sizes kept), and reports the smallest slice that
-holds the peak within USABLE_FRACTION of each chip's memory. tests/test_plan.py checks the update-phase estimate
-against XLA's compiled memory analysis of the real `train.step.update`, and the rollout phase against the sampler's
-compiled prefill and decode, on CPU for small configs (within 25%).
+holds the peak within USABLE_FRACTION of each chip's memory. The byte counts are in g2rl_jax.memory.
+tests/test_plan.py checks the update-phase estimate against XLA's compiled memory analysis of the real
+`train.step.update`, and the rollout phase against the sampler's compiled prefill and decode, on CPU for small
+configs (within 25%).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from g2rl_jax.config import Config, ConfigError, load_config
-from g2rl_jax.g2rl import DEFAULT_CHUNK
-from g2rl_jax.model.config import DTYPES, PRESETS, Qwen3Config, RuntimeConfig
-from g2rl_jax.parallel import DEFAULT_RULES, mesh_sizes
-from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket, new_tokens_bucket
+from g2rl_jax.memory import (
+    F32,
+    PlanError,
+    activation_parts,
+    attention_scores_bytes,
+    check_divisible,
+    decode_weight_bytes,
+    kv_cache_bytes,
+    kv_token_bytes,
+    micro_rows_per_device,
+    nbytes,
+    param_elements,
+    resolve_mesh,
+    shards,
+)
+from g2rl_jax.model.config import PRESETS, Qwen3Config, RuntimeConfig
 
 GiB = 2**30
 USABLE_FRACTION = 0.90  # share of HBM a run can use (runtime reserve; gpu.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION)
-F32 = 4
-
-
-class PlanError(ValueError):
-    """A config or mesh the planner cannot lay out; the message names both numbers that disagree."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,132 +111,6 @@ class Plan:
     @property
     def peak(self) -> int:
         return self.persistent + max(self.rollout_phase, self.update_phase)
-
-
-# ------------------------------------------------------------------------------------------------ the mesh
-def resolve_mesh(cfg: Config, devices: int) -> dict[str, int]:
-    """Mesh sizes for `devices` devices (parallel.mesh_sizes: -1 fills); PlanError names both numbers."""
-    try:
-        return mesh_sizes(cfg.mesh, devices)
-    except ConfigError as err:
-        raise PlanError(str(err)) from err
-
-
-def shards(logical: str | None, mesh: dict[str, int]) -> int:
-    """How many ways DEFAULT_RULES split a dimension with this logical name on `mesh`."""
-    return math.prod(mesh[a] for a in DEFAULT_RULES.mesh_axes(logical))
-
-
-def check_divisible(model: Qwen3Config, mesh: dict[str, int]) -> None:
-    """Every sharded model dimension must divide by its mesh axes; the error names both numbers."""
-    dims = {"heads": model.num_attention_heads, "kv_heads": model.num_key_value_heads,
-            "mlp": model.intermediate_size, "vocab": model.vocab_size, "embed": model.hidden_size}
-    for logical, size in dims.items():
-        parts = shards(logical, mesh)
-        if size % parts:
-            axes = DEFAULT_RULES.mesh_axes(logical)
-            raise PlanError(f"model {logical} = {size} is not divisible by mesh axes {axes} of size {parts}; "
-                            f"choose a mesh whose {'*'.join(axes)} divides {size}")
-
-
-# ------------------------------------------------------------------------------------------------ components
-def param_elements(model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int]) -> int:
-    """Parameter elements per device: each Variable's shape divided along its logical axes (DEFAULT_RULES)."""
-    import jax
-    from flax import nnx
-
-    from g2rl_jax.model.qwen3 import Qwen3
-
-    abstract = nnx.state(nnx.eval_shape(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0))))
-    total = 0
-    for var in jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        logical = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
-        DEFAULT_RULES.spec(tuple(logical))  # rejects two dims on one mesh axis
-        total += math.prod(-(-n // shards(name, mesh)) for n, name in zip(var.shape, logical))
-    return total
-
-
-def nbytes(name: str) -> int:
-    return np.dtype(DTYPES[name]).itemsize
-
-
-def kv_token_bytes(cfg: Config, model: Qwen3Config) -> int:
-    """K and V of one token in one layer, all KV heads, in the KV-cache dtype."""
-    return 2 * model.num_key_value_heads * model.head_dim * nbytes(cfg.model.kv_cache_dtype)
-
-
-def kv_cache_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> tuple[int, int, int, int]:
-    """(bytes per device, P, S, T): prefix K/V once per prompt + suffix K/V per sample, bucketed as the sampler."""
-    batch_shards = shards("batch", mesh)
-    p = -(-bucket(cfg.data.prompts_per_step, 1) // batch_shards) * batch_shards
-    s = bucket(cfg.data.max_prompt_tokens, MIN_PROMPT_BUCKET)
-    t = new_tokens_bucket(cfg.rollout.max_new_tokens)
-    rows = p * s + p * cfg.rollout.num_samples * t
-    total = model.num_hidden_layers * rows * kv_token_bytes(cfg, model) // (batch_shards * shards("kv_heads", mesh))
-    return total, p, s, t
-
-
-def layer_internal_elements(model: Qwen3Config, b: int, length: int, tp: int) -> tuple[int, int]:
-    """(compute-dtype, float32) elements one decoder layer materialises for b rows of `length` tokens."""
-    d, f, k = model.hidden_size, model.intermediate_size // tp, model.head_dim
-    h, g = model.num_attention_heads // tp, model.num_key_value_heads // tp
-    compute = b * length * (3 * d + (2 * h + 2 * g) * k + 3 * f)  # x, norms, q/k/v, attn out, gate/up/act
-    f32 = b * length * (2 * d + (h + g) * k)  # rms_norm and rope compute in float32
-    return compute, f32
-
-
-def attention_scores_bytes(runtime: RuntimeConfig, heads: int, b: int, length: int) -> int:
-    """The xla backend's [b, H, L, L] scores in the backward pass: scores, softmax and their cotangent in float32,
-    the probabilities in the compute dtype and the boolean mask (fused kernels keep O(L) instead)."""
-    if runtime.attention != "xla":
-        return 0
-    return b * heads * length * length * (3 * F32 + nbytes(runtime.compute_dtype) + 1)
-
-
-def micro_rows_per_device(cfg: Config, mesh: dict[str, int]) -> int:
-    """Rows of one update micro-batch on each device. train.micro.take_micro spreads each micro-batch's rows over
-    all n batch shards (padding rounds up when micro < n)."""
-    return -(-cfg.algorithm.micro_batch_size // shards("batch", mesh))
-
-
-def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int], length: int,
-                     t: int) -> dict[str, int]:
-    """Bytes of one micro-batch of the update (forward + backward) with the configured rematerialisation."""
-    c = nbytes(cfg.model.compute_dtype)
-    b = micro_rows_per_device(cfg, mesh)
-    tp = shards("heads", mesh)
-    inner_c, inner_f32 = layer_internal_elements(model, b, length, tp)
-    internals = inner_c * c + inner_f32 * F32  # one layer's values (cotangents reuse freed buffers, fused)
-    scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, b, length)
-    layers = model.num_hidden_layers
-    vocab = model.vocab_size // shards("vocab", mesh)
-    per_layer_params = sum(math.prod(s) for s in _layer_shapes(model)) // tp
-    return {
-        # remat: only each layer's input [b, L, D] is kept; none: every layer's internals are kept
-        "saved": layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
-        else (layers - 1) * (internals + scores),
-        "layer": internals + scores,
-        "gathered": per_layer_params * (c + F32),  # one layer's all-gathered weights and their float32 gradient
-        "logits": 3 * b * min(DEFAULT_CHUNK, t) * vocab * F32,  # logits, softmax, cotangent of one chunk
-        "head": vocab * model.hidden_size // shards("embed", mesh) * c,  # lm head cast to the compute dtype
-        "hidden": 2 * b * length * model.hidden_size * (c + F32),  # final hidden states and their cotangent
-    }
-
-
-def decode_weight_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> int:
-    """The decoder layers' weights in the compute dtype, one array per layer, made once per rollout
-    (`Qwen3.decode_layers`), sharded like the parameters."""
-    from g2rl_jax.model.qwen3 import LAYER_AXES, layer_shapes
-
-    per_layer = sum(math.prod(-(-n // shards(ax, mesh)) for n, ax in zip(shape, LAYER_AXES[name]))
-                    for name, shape in layer_shapes(model).items())
-    return model.num_hidden_layers * per_layer * nbytes(cfg.model.compute_dtype)
-
-
-def _layer_shapes(model: Qwen3Config):
-    from g2rl_jax.model.qwen3 import layer_shapes
-
-    return layer_shapes(model).values()
 
 
 def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:

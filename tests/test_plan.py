@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from g2rl_jax import memory as M
 from g2rl_jax import parallel
 from g2rl_jax import plan as P
 from g2rl_jax.config import load_config
@@ -128,7 +129,7 @@ XLA_CASES = {
 
 def _sharded_model(cfg, model: Qwen3Config, devices: int):
     """(mesh sizes, mesh, graphdef, params) of a randomly initialised model placed as the plan assumes."""
-    sizes = P.resolve_mesh(cfg, devices)
+    sizes = M.resolve_mesh(cfg, devices)
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:devices])
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat, attention=cfg.model.attention,
@@ -142,7 +143,7 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     sizes, mesh, graphdef, params = _sharded_model(cfg, model, devices)
     optimizer = train_step.make_optimizer(cfg.optim, 10)
     opt_state = jax.jit(optimizer.init)(params)
-    _, _, s, t = P.kv_cache_bytes(cfg, model, sizes)
+    _, _, s, t = M.kv_cache_bytes(cfg, model, sizes)
     rows = cfg.algorithm.mini_batch_size
 
     def put(shape, dtype):
@@ -191,7 +192,7 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     from g2rl_jax.rollout.sampling import spec_for
 
     sizes, mesh, graphdef, state = _sharded_model(cfg, model, devices)
-    _, p, s, t = P.kv_cache_bytes(cfg, model, sizes)
+    _, p, s, t = M.kv_cache_bytes(cfg, model, sizes)
     m, G, L = cfg.rollout.num_samples, model.num_key_value_heads, model.num_hidden_layers
     ids = jax.device_put(jnp.ones((p, s), jnp.int32), engine.batch_sharding(mesh, 2))
     mask = jax.device_put(jnp.ones((p, s), bool), engine.batch_sharding(mesh, 2))
