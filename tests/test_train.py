@@ -347,7 +347,7 @@ def test_masked_rows_do_not_move_the_params(step_parts):
 
 
 def test_stage_errors_name_the_stage_and_shapes(step_parts):
-    from g2rl_jax.train.loop import stage
+    from g2rl_jax.train.stages import stage
 
     with pytest.raises(train_step.StageError, match=r"stage 'score' failed on inputs \[input_ids=\(8, 24\), "
                                            r"rewards=\(8,\)\]: ValueError: boom"):

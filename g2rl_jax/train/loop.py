@@ -5,8 +5,9 @@
     trainer.run()                  # rollout → rewards → score → novelty/advantages → update → metrics/ckpt
 
 `Trainer.step_stages(step)` runs one step and returns every intermediate (rollout, batch, scores, signal, info),
-which is what the Colab notebook shows. One mesh serves the policy, the reference model and the sampler: the
-sampler reads the very arrays the optimizer updates, so no weights are copied or synchronised between them.
+which is what the Colab notebook shows; its rollout rounds and the validation are in train/sampling_rounds.py.
+One mesh serves the policy, the reference model and the sampler: the sampler reads the very arrays the optimizer
+updates, so no weights are copied or synchronised between them.
 
 Multi-host (`distributed.*`, see parallel.initialize_distributed): every process runs this same loop. Process
 block i of n (parallel.batch_block) reads rows [i·P/n, (i+1)·P/n) of each global prompt batch, gets its own
@@ -17,7 +18,6 @@ metrics; checkpoints are Orbax multi-host (every process saves its shards and it
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
@@ -28,18 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
-from g2rl_jax.data import encode_prompts, make_prompt_loader
+from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
-from g2rl_jax.rewards.scoring import compute_rewards
-from g2rl_jax.rollout import Rollout, generate, logprob_drift
-from g2rl_jax.train import dynamic, report
+from g2rl_jax.rollout import Rollout, logprob_drift
 from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import report
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, checkpoint_dir, latest_step
 from g2rl_jax.train.lifecycle import (
@@ -51,6 +49,7 @@ from g2rl_jax.train.lifecycle import (
     check_resume_config,
 )
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics
+from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_platforms,
     embed_texts,
@@ -63,28 +62,7 @@ from g2rl_jax.train.setup import (
     stop_token_ids,
     usable_examples,
 )
-
-
-@contextlib.contextmanager
-def stage(name: str, **arrays):
-    """Re-raise any failure inside a stage as StageError naming the stage and its input arrays' shapes."""
-    try:
-        yield
-    except train_step.StageError:
-        raise
-    except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
-        shapes = ", ".join(f"{k}={_shape_of(v)}" for k, v in arrays.items())
-        message = f"stage {name!r} failed on inputs [{shapes}]: {type(err).__name__}: {err}"
-        raise train_step.StageError(message) from err
-
-
-def _shape_of(x) -> str:
-    leaves = jax.tree.leaves(x)
-    if len(leaves) == 1 and hasattr(leaves[0], "shape"):
-        return f"{tuple(leaves[0].shape)}"
-    if isinstance(x, (list, tuple)):
-        return f"list[{len(x)}]"
-    return "{" + ", ".join(f"{tuple(np.shape(leaf))}" for leaf in leaves[:6]) + ("…}" if len(leaves) > 6 else "}")
+from g2rl_jax.train.stages import stage
 
 
 @dataclasses.dataclass
@@ -101,7 +79,7 @@ class StepResult:
     metrics: dict[str, float]
 
 
-class Trainer:
+class Trainer(SamplingRounds):
     """Holds the run: mesh, policy (graphdef, params), reference params, optimizer, data iterator, checkpoints."""
 
     def __init__(self, cfg: Config):
@@ -203,56 +181,6 @@ class Trainer:
         return nnx.merge(self.graphdef, self.params)
 
     # ------------------------------------------------------------------------------------------- one step
-    def _step_seed(self, step: int, round_: int = 0) -> int:
-        key = jax.random.fold_in(jax.random.wrap_key_data(self.rng_key_data), step)
-        key = jax.random.fold_in(key, round_) if round_ else key  # round 0 keeps the seed of a one-round step
-        return int(jax.random.randint(key, (), 0, 2**31 - 1))
-
-    def _sample_round(self, step: int, round_: int):
-        """One rollout round: the next prompts from the data iterator, their samples and ±1 rewards."""
-        cfg, m = self.cfg, self.cfg.rollout.num_samples
-        examples = next(self.loader)
-        prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
-        t0 = time.perf_counter()
-        with stage("rollout", prompts=prompts):
-            rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
-                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                               top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
-                               seed=self._step_seed(step, round_), mesh=self.mesh)
-        t1 = time.perf_counter()
-        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        rows = [ex.as_row() for ex in examples for _ in range(m)]
-        with stage("rewards", texts=texts):
-            scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg, kind=examples[0].kind,
-                                     max_new_tokens=cfg.rollout.max_new_tokens, stop_ids=self.stop_ids)
-        return examples, rollout, texts, scored, t1 - t0
-
-    def _sample(self, step: int):
-        """The step's groups: one round, or DAPO dynamic sampling over rounds (train/dynamic.py). Returns examples,
-        rollout, texts, rewards (this process's rows, a RewardResult), rollout seconds, and each round's global
-        correctness (dynamic sampling only)."""
-        algo, m = self.cfg.algorithm, self.cfg.rollout.num_samples
-        block, blocks = parallel.batch_block(self.mesh)
-        rounds, correct, mixed, rollout_s = [], [], [], 0.0
-        while True:
-            examples, rollout, texts, scored, seconds = self._sample_round(step, len(rounds))
-            rounds.append((examples, rollout, texts, scored))
-            rollout_s += seconds
-            if not algo.dynamic_sampling:
-                return examples, rollout, texts, scored, rollout_s, []
-            correct.append(parallel.gather_blocks(self.mesh, scored.correct))  # global: every process decides alike
-            mixed.append(dynamic.mixed_groups(correct[-1], m))
-            if dynamic.enough(mixed, blocks) or len(rounds) == algo.max_sampling_rounds:
-                break
-        picks = dynamic.choose_groups(mixed, blocks, block)
-        rows = [(r, g * m + j) for r, g in picks for j in range(m)]
-        examples = [rounds[r][0][g] for r, g in picks]
-        texts = [rounds[r][2][b] for r, b in rows]
-        scored = type(rounds[0][3])(**{f.name: np.array([getattr(rounds[r][3], f.name)[b] for r, b in rows])
-                                       for f in dataclasses.fields(rounds[0][3])})
-        rollout = dynamic.merge_rollouts([x[1] for x in rounds], picks)
-        return examples, rollout, texts, scored, rollout_s, correct
-
     def step_stages(self, step: int) -> StepResult:
         """Run step `step` stage by stage and return every intermediate; the params are updated in place."""
         cfg, algo = self.cfg, self.cfg.algorithm
@@ -355,56 +283,7 @@ class Trainer:
             "single_class_fraction": float(jnp.mean(signal["single_class"])),
         } | {k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
 
-    def _sampling_metrics(self, sampled_correct: list[np.ndarray]) -> dict[str, float]:
-        """Dynamic sampling only: rollout rounds this step, and the accuracy over every response they drew (the
-        step's own `accuracy` is biased toward 0.5 by the choice of mixed groups)."""
-        if not self.cfg.algorithm.dynamic_sampling:
-            return {}
-        return {"sampling_rounds": len(sampled_correct),
-                "sampled_accuracy": float(np.mean(np.concatenate(sampled_correct)))}
-
     # ------------------------------------------------------------------------------------------- the loop
-    def validate(self) -> dict[str, float]:
-        """mean@k accuracy on data.eval_datasets under the evaluation sampling settings (k = data.eval_samples),
-        over the prompts that fit data.max_prompt_tokens (the training filter); {} when run.eval_every=0 (nothing
-        is loaded then). A SIGTERM abandons it."""
-        cfg = self.cfg.data
-        block, blocks = parallel.batch_block(self.mesh)
-        out = {}
-        for name, examples in self.eval_sets.items():
-            correct, all_flags = [], []
-            for start in range(0, len(examples), cfg.prompts_per_step):
-                if self._stop_requested():
-                    raise Preempted(f"validation on {name!r} abandoned for SIGTERM")
-                chunk = examples[start:start + cfg.prompts_per_step]
-                real = len(chunk) * cfg.eval_samples
-                chunk = chunk + chunk[-1:] * (-len(chunk) % blocks)  # equal blocks per process; copies not counted
-                local = chunk[block * len(chunk) // blocks:(block + 1) * len(chunk) // blocks]
-                prompts = encode_prompts(local, self.tokenizer, cfg.prompt_template)
-                with stage("validate", dataset=name, prompts=prompts):
-                    rollout = generate(self.model, prompts, max_new_tokens=cfg.eval_max_new_tokens,
-                                       temperature=cfg.eval_temperature, num_samples=cfg.eval_samples,
-                                       stop_token_ids=self.stop_ids, seed=self.cfg.run.seed + start, mesh=self.mesh)
-                    texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-                    rows = [ex.as_row() for ex in local for _ in range(cfg.eval_samples)]
-                    scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg,
-                                             kind=local[0].kind, max_new_tokens=cfg.eval_max_new_tokens,
-                                             stop_ids=self.stop_ids)
-                correct.append(parallel.gather_blocks(self.mesh, scored.correct)[:real])
-                flags = report.response_flags(texts, rollout.finish_reasons)  # [B, len(report.SHARES)]
-                all_flags.append(parallel.gather_blocks(self.mesh, flags)[:real])
-            out[f"val/{name}/mean@{cfg.eval_samples}"] = float(np.mean(np.concatenate(correct)))
-            shares = np.mean(np.concatenate(all_flags), axis=0)
-            out |= {f"val/{name}/{k}": float(v) for k, v in zip(report.SHARES, shares)}
-        return out
-
-    def _stop_requested(self) -> bool:
-        """Whether a SIGTERM asked to stop; every process agrees (any process's request stops them all)."""
-        flag = self.stop.requested
-        if jax.process_count() > 1:
-            flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
-        return flag
-
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
         """Train until run.total_steps (or, for tests and notebooks, until step `stop_after`). With
         run.eval_every > 0 it validates before the first update and after the last, and a finished run writes
