@@ -5,8 +5,9 @@ Pipeline for a math response:
   -> normalize (`normalize.py`: MATH-style canonical string; equal strings are equivalent at once)
   -> fast path in this process (plain numbers and fractions compared exactly with `fractions.Fraction`)
   -> bounded path (`bounded.py`): a persistent worker subprocess parses both answers with our own LaTeX parser
-     (`latex.py`, builds sympy objects directly; nothing reaches `eval`/`sympify`/`parse_expr`) and compares
-     them (`compare.py`: numbers, tuples, intervals, sets, matrices, equations, inequalities, sympy identity).
+     (`latex.py` over `latex_lexer.py`; it builds sympy objects directly, nothing reaches `eval`/`sympify`/
+     `parse_expr`) and compares them (`compare.py`: numbers, tuples, intervals, sets, matrices, equations,
+     inequalities, sympy identity).
      A check that exceeds its timeout (2 s by default) kills its worker and scores False. This works from any
      thread and inside other worker processes, because workers are plain subprocesses, not signal alarms. The
      killed worker's replacement is spawned at once and starts in the background; a worker that cannot start

@@ -5,6 +5,8 @@
   metrics.py     MetricsWriter (run.loggers: jsonl + TensorBoard / W&B, process 0 only, truncated on resume),
                  ProgressBar
   dynamic.py     DAPO dynamic sampling: which groups a step keeps over rollout rounds, merging the rounds
+  loop.py        the Trainer and `python -m g2rl_jax.train`; its rollout rounds and validation: sampling_rounds.py;
+                 stages.py: the `stage` context that names a failing stage and its input shapes
 """
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar
