@@ -19,7 +19,6 @@ Two lanes (the design that makes queue order irrelevant):
         the one an uninterrupted run gives).
 A fast check thus waits at most for the checks ahead of it to use up their slices, never for their bounds. At
 most `2 * max_workers` checks compute at once, each in a process under the address-space cap (bounded memory).
-Slow-lane checkers run at a lower priority (`SLOW_NICE`), so on a busy machine the fast lane gets the CPU first.
 
 Every process dies with its parent (the template with this process, a checker with the template): see
 `workers.py`. The template is spawned from one long-lived spawner thread, since on Linux the death signal
@@ -47,7 +46,6 @@ from g2rl_jax.rewards.workers import PARENT_ENV, WORKER_MEMORY_BYTES
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can take a while
 TEMPLATE_ARGV = [sys.executable, "-c", "from g2rl_jax.rewards.workers import template; template()"]
 SLICE_S = 0.05                  # a check's time in the fast lane before it moves (or restarts) in the slow lane
-SLOW_NICE = 10                  # niceness of a slow-lane checker: fast-lane checkers get the CPU first
 _SRC_ROOT = str(Path(__file__).resolve().parents[2])
 _LOG = logging.getLogger(__name__)
 _SPAWNERS: dict[int, ThreadPoolExecutor] = {}  # per pid (a forked child needs its own thread)
@@ -198,14 +196,6 @@ class _Worker:
                 pass
 
 
-def _lower_priority(worker: _Worker) -> None:
-    """Renice a checker entering the slow lane to SLOW_NICE (a checker that already exited is left alone)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, worker.pid, SLOW_NICE)
-    except OSError:
-        pass
-
-
 def _command(argv: list[str]) -> str:
     return " ".join(repr(a) if " " in a else a for a in argv)
 
@@ -289,11 +279,11 @@ class BoundedPool:
             if worker in self._all:
                 self._all.remove(worker)
 
-    def _finish(self, worker: _Worker, reply: bytes | None, slow: bool = False) -> bytes | None:
-        """Keep a fast-lane checker that answered (up to max_workers idle ones); kill one that did not, and every
-        slow-lane one (its lowered priority cannot be raised back)."""
+    def _finish(self, worker: _Worker, reply: bytes | None) -> bytes | None:
+        """Keep a checker that answered (up to max_workers idle ones, with what they imported, e.g. a reward
+        function's module), kill one that did not."""
         with self._lock:
-            keep = reply is not None and not slow and worker in self._all and len(self._idle) < self.max_workers
+            keep = reply is not None and worker in self._all and len(self._idle) < self.max_workers
             if keep:
                 self._idle.append(worker)
         if not keep:
@@ -323,18 +313,14 @@ class BoundedPool:
                 self._discard(worker)  # the fast slot is freed now; the check restarts in the slow lane
         if moved:
             try:
-                _lower_priority(worker)
-                return self._finish(worker, worker.reply(max(0.0, timeout - (time.monotonic() - start))), slow=True)
+                return self._finish(worker, worker.reply(max(0.0, timeout - (time.monotonic() - start))))
             finally:
                 self._slow.release()
         with self._slow:
             with self._lock:
                 self.restarted += 1
             worker = self._take(generation)
-            if worker is None:
-                return None
-            _lower_priority(worker)
-            return self._finish(worker, worker.ask(request, timeout), slow=True)
+            return None if worker is None else self._finish(worker, worker.ask(request, timeout))
 
     def close(self) -> None:
         """Kill every checker and the template; checks in flight score False, later ones start a new template."""
