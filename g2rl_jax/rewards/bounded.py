@@ -4,21 +4,24 @@ behind it, whatever the order they come in.
 Checkers are forks of one template process per pool (`workers.py`): a plain `python` subprocess (not a
 `multiprocessing` child, so it can be started from any thread, from daemonic pool workers and from other worker
 processes) that imports sympy once, runs with a capped address space, and forks a checker in milliseconds. The
-pool waits for a checker's answer with `select` and a deadline; a checker that misses it is killed (SIGKILL,
-through the template, which reaps it) and the check scores False. Start-up of the template (importing sympy) is
-never counted against a check's bound; a template that does not start within `WORKER_START_TIMEOUT_S` makes the
-check score False with one warning once some template has started in this process; if none ever has, the
-installation is broken and the check raises `RuntimeError`.
+pool waits for a checker's answer with `select` and a deadline; a checker that misses it is killed (SIGKILL) and
+the check scores False. A filler thread keeps `max_workers` idle checkers forked and warmed, and has the template
+reap killed ones. Start-up of the template (importing sympy) is never counted against a check's bound; a template
+that does not start within `WORKER_START_TIMEOUT_S` makes the check score False with one warning once some
+template has started in this process; if none ever has, the installation is broken and the check raises
+`RuntimeError`.
 
 Two lanes (the design that makes queue order irrelevant):
-  fast  `max_workers` slots; every check starts here and may run `SLICE_S` seconds. Most checks end here.
-  slow  `max_workers` slots for the checks that did not. When the slow lane has room, the checker moves there
+  fast  `max_workers` slots; every check starts here. A checker says `slow` once its check has used
+        `workers.SLICE_S` (20 ms) of CPU time: CPU, so a fast check on a busy machine is not mistaken for a slow one.
+        Most checks answer before that.
+  slow  `max_workers` slots for the checks that said `slow`. When the slow lane has room, the checker moves there
         with its check and keeps computing until `timeout` from the check's start. When it is full, the checker
         is killed and the check queues for the slow lane, where it restarts from scratch on a fresh checker with
-        its full `timeout` (a fork of the template: the same state every checker starts from, so the verdict is
-        the one an uninterrupted run gives).
+        its full `timeout` (a fork of the template: the state every checker starts from, so the verdict is the
+        one an uninterrupted check gives).
 A fast check thus waits at most for the checks ahead of it to use up their slices, never for their bounds. At
-most `2 * max_workers` checks compute at once, each in a process under the address-space cap (bounded memory).
+most `3 * max_workers` checkers live at once (fast, slow, idle), each under the address-space cap.
 
 Every process dies with its parent (the template with this process, a checker with the template): see
 `workers.py`. The template is spawned from one long-lived spawner thread, since on Linux the death signal
@@ -33,6 +36,7 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -45,7 +49,6 @@ from g2rl_jax.rewards.workers import PARENT_ENV, WORKER_MEMORY_BYTES
 
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can take a while
 TEMPLATE_ARGV = [sys.executable, "-c", "from g2rl_jax.rewards.workers import template; template()"]
-SLICE_S = 0.05                  # a check's time in the fast lane before it moves (or restarts) in the slow lane
 _SRC_ROOT = str(Path(__file__).resolve().parents[2])
 _LOG = logging.getLogger(__name__)
 _SPAWNERS: dict[int, ThreadPoolExecutor] = {}  # per pid (a forked child needs its own thread)
@@ -99,6 +102,7 @@ class _Template:
             theirs.close()
         self._lines = _Lines(self.proc.stdout.fileno())
         self._lock = threading.Lock()  # one request at a time on the control socket
+        self._to_reap: list[int] = []
 
     def wait_ready(self) -> str:
         """'' once the template said `ready` (waiting up to WORKER_START_TIMEOUT_S), else why it did not."""
@@ -141,8 +145,23 @@ class _Template:
             return f"could not fork a checker ({(reply or b'the template is gone').decode(errors='replace')})"
         return _Worker(self, int(reply), in_w, out_r)
 
-    def kill(self, pid: int) -> None:
-        self._ask(f"kill {pid}".encode(), [])
+    def signal(self, pid: int) -> None:
+        """SIGKILL checker pid now; it is reaped later (`reap`). Safe from pid reuse: the template reaps a checker
+        only when asked, so until then the pid stays this checker's (while the template lives)."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        with self._lock:
+            self._to_reap.append(pid)
+
+    def reap(self) -> None:
+        """Have the template reap the checkers killed so far."""
+        with self._lock:
+            pids, self._to_reap = self._to_reap, []
+        for pid in pids:
+            self._ask(f"kill {pid}".encode(), [])
 
     def close(self) -> None:
         self.proc.kill()  # first: a request in flight then ends (end of file) and frees the socket
@@ -179,12 +198,17 @@ class _Worker:
         """The reply to the request sent last, if it comes within timeout more seconds."""
         return self._lines.read(timeout)
 
+    def answer(self, request: list, timeout: float) -> bytes | None:
+        """`ask`, past a `slow` line: the reply within timeout seconds, however much CPU it took."""
+        start, line = time.monotonic(), self.ask(request, timeout)
+        return self.reply(max(0.0, timeout - (time.monotonic() - start))) if line == b"slow" else line
+
     def kill(self) -> None:
         """Kill the process (any thread may); a thread waiting on its reply then sees the pipe close."""
         with self._kill_lock:
             if not self.killed:
                 self.killed = True
-                self.template.kill(self.pid)
+                self.template.signal(self.pid)
 
     def close(self) -> None:
         """Kill it and close this side's pipe ends: only the thread that holds the checker (or none) may."""
@@ -201,7 +225,7 @@ def _command(argv: list[str]) -> str:
 
 
 class BoundedPool:
-    """Checks in a fast lane of `max_workers` slots (SLICE_S each) and a slow lane of `max_workers` more; see the
+    """Checks in a fast lane of `max_workers` slots (a CPU slice each) and a slow lane of `max_workers` more; see the
     module docstring. `restarted` counts the checks that restarted in the slow lane."""
 
     def __init__(self, max_workers: int):
@@ -215,6 +239,8 @@ class BoundedPool:
         self._idle: list[_Worker] = []
         self._all: list[_Worker] = []
         self._generation = 0  # bumped by close(): checks in flight then score False
+        self._wake = threading.Event()  # the filler thread has work: an idle checker was taken, or one was killed
+        self._filler: threading.Thread | None = None
         self._ever_ready = False  # some template has started: a later failure to start is not a broken install
         self._warned = False
 
@@ -243,11 +269,14 @@ class BoundedPool:
         with self._lock:
             if self._generation != generation:
                 return None
-            if self._idle:
-                return self._idle.pop()
+            worker = self._idle.pop() if self._idle else None
+        self._wake.set()  # refill the idle checkers
+        if worker is not None:
+            return worker
         template = self._started_template()
         if template is None:
             return None
+        self._start_filler(generation)
         worker = template.fork()
         if isinstance(worker, str):
             with self._template_lock:  # the template is broken: the next check starts a new one
@@ -258,6 +287,39 @@ class BoundedPool:
         with self._lock:
             self._all.append(worker)
         return worker
+
+    def _start_filler(self, generation: int) -> None:
+        name = f"verifier-filler-{generation}"  # one per generation: a closed pool's filler ends
+        with self._lock:
+            if self._filler is None or not self._filler.is_alive() or self._filler.name != name:
+                self._filler = threading.Thread(target=self._fill, args=(generation,), name=name, daemon=True)
+                self._filler.start()
+
+    def _fill(self, generation: int) -> None:
+        """Background thread: reap killed checkers and keep max_workers idle ones forked and warmed (a fresh fork's
+        first check pays its copy-on-write page faults: here, not in a check's slice). Ends with the generation."""
+        while True:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            with self._lock:
+                if self._generation != generation:
+                    return
+                template, missing = self._template, self.max_workers - len(self._idle)
+            if template is None:
+                continue
+            template.reap()
+            for _ in range(missing):
+                worker = template.fork()
+                if isinstance(worker, str):
+                    break
+                warm = worker.answer(["eq", "x+x", "2x"], WORKER_START_TIMEOUT_S) == b"1"
+                with self._lock:
+                    keep = warm and self._generation == generation and len(self._idle) < self.max_workers
+                    if keep:
+                        self._all.append(worker)
+                        self._idle.append(worker)
+                if not keep:
+                    worker.close()
 
     def _start_failed(self, why: str, command: str) -> None:
         hint = (f"check that `PYTHONPATH={_SRC_ROOT} {command}` prints 'ready' in a shell (g2rl_jax and sympy must "
@@ -273,8 +335,9 @@ class BoundedPool:
         return None
 
     def _discard(self, worker: _Worker) -> None:
-        """Kill a checker this thread holds and close its pipes."""
+        """Kill a checker this thread holds and close its pipes (the filler reaps it)."""
         worker.close()
+        self._wake.set()
         with self._lock:
             if worker in self._all:
                 self._all.remove(worker)
@@ -297,7 +360,7 @@ class BoundedPool:
 
     def request(self, request: list, timeout: float) -> bytes | None:
         """A checker's reply line to `request`, or None if it took longer than timeout seconds of computing (the
-        checker is then killed), the checker died, or none could be had. SLICE_S in the fast lane, then the slow
+        checker is then killed), the checker died, or none could be had. A CPU slice in the fast lane, then the slow
         lane (module docstring)."""
         generation = self._generation
         with self._fast:
@@ -305,8 +368,8 @@ class BoundedPool:
             if worker is None:
                 return None
             start = time.monotonic()
-            reply = worker.ask(request, min(timeout, SLICE_S))
-            if reply is not None or worker.closed or timeout <= SLICE_S:
+            reply = worker.ask(request, timeout)
+            if reply != b"slow":  # its answer within the slice, or nothing within timeout (then killed)
                 return self._finish(worker, reply)
             moved = self._slow.acquire(blocking=False)
             if not moved:
@@ -320,12 +383,13 @@ class BoundedPool:
             with self._lock:
                 self.restarted += 1
             worker = self._take(generation)
-            return None if worker is None else self._finish(worker, worker.ask(request, timeout))
+            return None if worker is None else self._finish(worker, worker.answer(request, timeout))
 
     def close(self) -> None:
         """Kill every checker and the template; checks in flight score False, later ones start a new template."""
         with self._lock:
             self._generation += 1
+            self._wake.set()  # the filler of this generation ends
             busy = [w for w in self._all if w not in self._idle]
             idle, self._all, self._idle = self._idle, [], []
         for worker in idle:

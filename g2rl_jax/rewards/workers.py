@@ -29,6 +29,8 @@ import time
 
 WORKER_MEMORY_BYTES = 4 << 30  # address-space cap of the template and so of every checker
 WATCHDOG_PERIOD_S = 0.2        # how often a process checks that its parent is alive
+SLICE_S = 0.02                 # CPU seconds a request may use before its checker says `slow` (the fast lane's slice)
+SLICE_POLL_S = 0.005           # how often a busy checker looks at its CPU time
 PARENT_ENV = "G2RL_VERIFIER_PARENT_PID"
 WATCHDOG_ONLY_ENV = "G2RL_VERIFIER_WATCHDOG_ONLY"
 
@@ -74,15 +76,48 @@ def _answer(request: list) -> bytes:
     return json.dumps({"error": f"unknown request {op!r}"}).encode()
 
 
+class _Slice:
+    """Says `slow` (one line, before the reply) once the request being answered has used SLICE_S of CPU time: CPU,
+    not wall-clock, so a fast check on a busy machine is never taken for a slow one."""
+
+    def __init__(self, out):
+        self.out, self.lock, self.busy, self.cpu0 = out, threading.Lock(), threading.Event(), None
+        threading.Thread(target=self._watch, name="slice", daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.busy.wait():
+            time.sleep(SLICE_POLL_S)
+            with self.lock:
+                if self.cpu0 is not None and time.process_time() - self.cpu0 >= SLICE_S:
+                    self.cpu0 = None
+                    self.busy.clear()
+                    self.out.write(b"slow\n")
+                    self.out.flush()
+
+    def start(self) -> None:
+        with self.lock:
+            self.cpu0 = time.process_time()
+            self.busy.set()
+
+    def reply(self, line: bytes) -> None:
+        with self.lock:
+            self.cpu0 = None
+            self.busy.clear()
+            self.out.write(line + b"\n")
+            self.out.flush()
+
+
 def _serve(inp, out) -> None:
-    """A checker's loop: one JSON request per input line, one reply per output line, until its input closes."""
+    """A checker's loop: one JSON request per input line, one reply per output line (after a `slow` line if it
+    used up its slice), until its input closes."""
+    slice_ = _Slice(out)
     for line in inp:
+        slice_.start()
         try:
             reply = _answer(json.loads(line))
         except Exception as err:  # noqa: BLE001 -- a malformed request gets an error reply, never a crash
             reply = json.dumps({"error": f"bad request: {type(err).__name__}: {err}"}).encode()
-        out.write(reply + b"\n")
-        out.flush()
+        slice_.reply(reply)
 
 
 def _checker(control: socket.socket, fd_in: int, fd_out: int) -> None:
