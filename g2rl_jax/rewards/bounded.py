@@ -241,6 +241,7 @@ class BoundedPool:
         self._generation = 0  # bumped by close(): checks in flight then score False
         self._wake = threading.Event()  # the filler thread has work: an idle checker was taken, or one was killed
         self._filler: threading.Thread | None = None
+        self._busy_fast = 0  # checkers answering in the fast lane: with the idle ones, the filler's target
         self._ever_ready = False  # some template has started: a later failure to start is not a broken install
         self._warned = False
 
@@ -304,7 +305,7 @@ class BoundedPool:
             with self._lock:
                 if self._generation != generation:
                     return
-                template, missing = self._template, self.max_workers - len(self._idle)
+                template, missing = self._template, self.max_workers - len(self._idle) - self._busy_fast
             if template is None:
                 continue
             template.reap()
@@ -367,13 +368,19 @@ class BoundedPool:
             worker = self._take(generation)
             if worker is None:
                 return None
-            start = time.monotonic()
-            reply = worker.ask(request, timeout)
-            if reply != b"slow":  # its answer within the slice, or nothing within timeout (then killed)
-                return self._finish(worker, reply)
-            moved = self._slow.acquire(blocking=False)
-            if not moved:
-                self._discard(worker)  # the fast slot is freed now; the check restarts in the slow lane
+            with self._lock:
+                self._busy_fast += 1
+            try:
+                start = time.monotonic()
+                reply = worker.ask(request, timeout)
+                if reply != b"slow":  # its answer within the slice, or nothing within timeout (then killed)
+                    return self._finish(worker, reply)
+                moved = self._slow.acquire(blocking=False)
+                if not moved:
+                    self._discard(worker)  # the fast slot is freed now; the check restarts in the slow lane
+            finally:
+                with self._lock:
+                    self._busy_fast -= 1
         if moved:
             try:
                 return self._finish(worker, worker.reply(max(0.0, timeout - (time.monotonic() - start))))
