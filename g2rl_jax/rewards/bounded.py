@@ -25,199 +25,25 @@ most `3 * max_workers` checkers live at once (fast, slow, idle), each under the 
 
 Every process dies with its parent (the template with this process, a checker with the template): see
 `workers.py`. The template is spawned from one long-lived spawner thread, since on Linux the death signal
-follows the thread that spawned a child.
+follows the thread that spawned a child (`processes.py`: the pool's handles on the template and checkers).
 
 One pool per process (re-created after `fork`), sized to the CPU count; threads share it.
 """
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import select
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from g2rl_jax.rewards.workers import PARENT_ENV, WORKER_MEMORY_BYTES
+from g2rl_jax.rewards.processes import SRC_ROOT, Checker, Template
+from g2rl_jax.rewards.workers import WORKER_MEMORY_BYTES
 
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can take a while
 TEMPLATE_ARGV = [sys.executable, "-c", "from g2rl_jax.rewards.workers import template; template()"]
-_SRC_ROOT = str(Path(__file__).resolve().parents[2])
 _LOG = logging.getLogger(__name__)
-_SPAWNERS: dict[int, ThreadPoolExecutor] = {}  # per pid (a forked child needs its own thread)
-_SPAWNERS_LOCK = threading.Lock()
-
-
-def _spawner() -> ThreadPoolExecutor:
-    """This process's spawner: one thread that lives as long as the process and starts every template."""
-    with _SPAWNERS_LOCK:
-        if os.getpid() not in _SPAWNERS:
-            _SPAWNERS[os.getpid()] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-spawner")
-        return _SPAWNERS[os.getpid()]
-
-
-class _Lines:
-    """Lines read from a pipe with a deadline; a partial line is kept for the next call."""
-
-    def __init__(self, fd: int):
-        self.fd, self.closed, self._buf = fd, False, b""
-
-    def read(self, timeout: float) -> bytes | None:
-        """The next line, or None if none is complete within timeout seconds (0: poll) or the pipe closed."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            if self.closed or not select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                return None
-            chunk = os.read(self.fd, 4096)
-            if not chunk:
-                self.closed = True
-                return None
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line.strip()
-
-
-class _Template:
-    """The template subprocess: forks checkers on request (`spawn`) and kills and reaps them (`kill`)."""
-
-    def __init__(self):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_SRC_ROOT, os.environ.get("PYTHONPATH")])))
-        env[PARENT_ENV] = str(os.getpid())
-        self.argv = list(TEMPLATE_ARGV)
-        self._control, theirs = socket.socketpair()
-        popen = lambda: subprocess.Popen(  # noqa: E731
-            self.argv, stdin=theirs, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-            start_new_session=True)
-        spawner = threading.current_thread().name.startswith("verifier-spawner")
-        try:
-            self.proc = popen() if spawner else _spawner().submit(popen).result()
-        finally:
-            theirs.close()
-        self._lines = _Lines(self.proc.stdout.fileno())
-        self._lock = threading.Lock()  # one request at a time on the control socket
-        self._to_reap: list[int] = []
-
-    def wait_ready(self) -> str:
-        """'' once the template said `ready` (waiting up to WORKER_START_TIMEOUT_S), else why it did not."""
-        line = self._lines.read(WORKER_START_TIMEOUT_S)
-        if line == b"ready":
-            return ""
-        if line is not None:
-            return f"said {line[:80]!r} instead of 'ready'"
-        if self._lines.closed:
-            try:  # its output closed: it is exiting (start-up time, not a check's)
-                return f"exited (status {self.proc.wait(timeout=5.0)}) before saying 'ready'"
-            except subprocess.TimeoutExpired:
-                return "closed its output without saying 'ready'"
-        return f"did not say 'ready' within {WORKER_START_TIMEOUT_S:.0f}s of being spawned"
-
-    def _ask(self, message: bytes, fds: list[int]) -> bytes | None:
-        with self._lock:
-            try:
-                socket.send_fds(self._control, [message], fds)
-                reply = b""
-                while not reply.endswith(b"\n"):
-                    chunk = self._control.recv(64)
-                    if not chunk:
-                        return None
-                    reply += chunk
-            except OSError:
-                return None
-        return reply.strip()
-
-    def fork(self) -> _Worker | str:
-        """A new checker, or why none could be forked."""
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        reply = self._ask(b"spawn", [in_r, out_w])
-        os.close(in_r)
-        os.close(out_w)
-        if reply is None or not reply.isdigit():
-            os.close(in_w)
-            os.close(out_r)
-            return f"could not fork a checker ({(reply or b'the template is gone').decode(errors='replace')})"
-        return _Worker(self, int(reply), in_w, out_r)
-
-    def signal(self, pid: int) -> None:
-        """SIGKILL checker pid now; it is reaped later (`reap`). Safe from pid reuse: the template reaps a checker
-        only when asked, so until then the pid stays this checker's (while the template lives)."""
-        if self.proc.poll() is None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        with self._lock:
-            self._to_reap.append(pid)
-
-    def reap(self) -> None:
-        """Have the template reap the checkers killed so far."""
-        with self._lock:
-            pids, self._to_reap = self._to_reap, []
-        for pid in pids:
-            self._ask(f"kill {pid}".encode(), [])
-
-    def close(self) -> None:
-        self.proc.kill()  # first: a request in flight then ends (end of file) and frees the socket
-        self.proc.wait()
-        with self._lock:
-            self._control.close()
-        self.proc.stdout.close()
-
-
-class _Worker:
-    """One checker (a fork of the template) speaking the line protocol of `workers._serve`."""
-
-    def __init__(self, template: _Template, pid: int, fd_in: int, fd_out: int):
-        self.template, self.pid, self.killed = template, pid, False
-        self._kill_lock = threading.Lock()  # one kill request per pid: a reaped pid may be reused by a new fork
-        self._stdin = os.fdopen(fd_in, "wb")
-        self._lines = _Lines(fd_out)
-
-    @property
-    def closed(self) -> bool:
-        return self._lines.closed
-
-    def ask(self, request: list, timeout: float) -> bytes | None:
-        """Send one request; its reply line, or None if none came within timeout (or the checker is gone)."""
-        try:
-            self._stdin.write(json.dumps(request).encode() + b"\n")
-            self._stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._lines.closed = True
-            return None
-        return self._lines.read(timeout)
-
-    def reply(self, timeout: float) -> bytes | None:
-        """The reply to the request sent last, if it comes within timeout more seconds."""
-        return self._lines.read(timeout)
-
-    def answer(self, request: list, timeout: float) -> bytes | None:
-        """`ask`, past a `slow` line: the reply within timeout seconds, however much CPU it took."""
-        start, line = time.monotonic(), self.ask(request, timeout)
-        return self.reply(max(0.0, timeout - (time.monotonic() - start))) if line == b"slow" else line
-
-    def kill(self) -> None:
-        """Kill the process (any thread may); a thread waiting on its reply then sees the pipe close."""
-        with self._kill_lock:
-            if not self.killed:
-                self.killed = True
-                self.template.signal(self.pid)
-
-    def close(self) -> None:
-        """Kill it and close this side's pipe ends: only the thread that holds the checker (or none) may."""
-        self.kill()
-        for close in (self._stdin.close, lambda: os.close(self._lines.fd)):
-            try:
-                close()
-            except OSError:
-                pass
 
 
 def _command(argv: list[str]) -> str:
@@ -235,9 +61,9 @@ class BoundedPool:
         self._slow = threading.BoundedSemaphore(max_workers)
         self._lock = threading.Lock()
         self._template_lock = threading.Lock()
-        self._template: _Template | None = None
-        self._idle: list[_Worker] = []
-        self._all: list[_Worker] = []
+        self._template: Template | None = None
+        self._idle: list[Checker] = []
+        self._all: list[Checker] = []
         self._generation = 0  # bumped by close(): checks in flight then score False
         self._wake = threading.Event()  # the filler thread has work: an idle checker was taken, or one was killed
         self._filler: threading.Thread | None = None
@@ -245,7 +71,7 @@ class BoundedPool:
         self._ever_ready = False  # some template has started: a later failure to start is not a broken install
         self._warned = False
 
-    def _started_template(self) -> _Template | None:
+    def _started_template(self) -> Template | None:
         """The running template, started (and waited for) if there is none; None if it cannot start."""
         with self._template_lock:
             if self._template is not None and self._template.proc.poll() is None:
@@ -254,17 +80,17 @@ class BoundedPool:
                 self._template.close()
                 self._template = None
             try:
-                template = _Template()
+                template = Template(TEMPLATE_ARGV)
             except OSError as err:
                 return self._start_failed(f"could not be spawned ({err})", _command(TEMPLATE_ARGV))
-            why = template.wait_ready()
+            why = template.wait_ready(WORKER_START_TIMEOUT_S)
             if why:
                 template.close()
                 return self._start_failed(why, _command(template.argv))
             self._ever_ready, self._template = True, template
             return template
 
-    def _take(self, generation: int) -> _Worker | None:
+    def _take(self, generation: int) -> Checker | None:
         """An idle checker, else a new fork; None when none can be had (the check then scores False) or the pool
         was closed since the check began (its generation)."""
         with self._lock:
@@ -323,7 +149,7 @@ class BoundedPool:
                     worker.close()
 
     def _start_failed(self, why: str, command: str) -> None:
-        hint = (f"check that `PYTHONPATH={_SRC_ROOT} {command}` prints 'ready' in a shell (g2rl_jax and sympy must "
+        hint = (f"check that `PYTHONPATH={SRC_ROOT} {command}` prints 'ready' in a shell (g2rl_jax and sympy must "
                 "import; its error shows there), "
                 f"and that memory ({WORKER_MEMORY_BYTES >> 30} GiB address space per worker) and process limits "
                 "(ulimit -u) allow two worker processes per core")
@@ -335,7 +161,7 @@ class BoundedPool:
                          "check whose worker cannot start (warned once); %s", why, hint)
         return None
 
-    def _discard(self, worker: _Worker) -> None:
+    def _discard(self, worker: Checker) -> None:
         """Kill a checker this thread holds and close its pipes (the filler reaps it)."""
         worker.close()
         self._wake.set()
@@ -343,7 +169,7 @@ class BoundedPool:
             if worker in self._all:
                 self._all.remove(worker)
 
-    def _finish(self, worker: _Worker, reply: bytes | None) -> bytes | None:
+    def _finish(self, worker: Checker, reply: bytes | None) -> bytes | None:
         """Keep a checker that answered (up to max_workers idle ones, with what they imported, e.g. a reward
         function's module), kill one that did not."""
         with self._lock:
