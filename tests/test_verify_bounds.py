@@ -145,6 +145,29 @@ def test_fast_checks_queued_behind_slow_ones_finish_quickly():
     assert all(not done[("slow", k)][0] for k in range(n_slow))
 
 
+def test_a_request_that_waits_without_cpu_leaves_the_fast_lane(tmp_path):
+    """A reward function that sleeps uses no CPU: it leaves the fast lane after workers.SLICE_WALL_S of wall-clock
+    time, so a check queued behind it on a one-slot pool does not wait out the sleep, and its value still comes."""
+    import json
+
+    fn = tmp_path / "sleepy.py"
+    fn.write_text("import time\n\ndef reward(response, example):\n    time.sleep(5)\n    return 0.5\n")
+    pool = bounded.BoundedPool(1)
+    try:
+        assert pool.check("x+x", "2x", 60.0)
+        out = []
+        sleeper = threading.Thread(target=lambda: out.append(pool.request(["fn", f"{fn}:reward", "r", {}], 30.0)))
+        sleeper.start()
+        time.sleep(0.2)
+        t = time.monotonic()
+        assert pool.check(r"\sqrt{8}", r"2\sqrt{2}", 30.0)
+        assert time.monotonic() - t < 3.0, "the fast check waited for the sleeping reward function"
+        sleeper.join(timeout=60)
+        assert json.loads(out[0]) == {"value": 0.5}
+    finally:
+        pool.close()
+
+
 def test_slice_restart_gives_the_verdict_of_an_uninterrupted_check():
     """A check that outruns its fast-lane slice while the slow lane is full restarts from scratch: its verdict is
     the one an uninterrupted check gives (same answers, one of them slower than the slice)."""

@@ -13,8 +13,9 @@ template has started in this process; if none ever has, the installation is brok
 
 Two lanes (the design that makes queue order irrelevant):
   fast  `max_workers` slots; every check starts here. A checker says `slow` once its check has used
-        `workers.SLICE_S` (20 ms) of CPU time: CPU, so a fast check on a busy machine is not mistaken for a slow one.
-        Most checks answer before that.
+        `workers.SLICE_S` (20 ms) of CPU time: CPU, so a fast check on a busy machine is not mistaken for a slow one
+        (or `workers.SLICE_WALL_S`, 0.5 s, of wall-clock time: a reward function that sleeps uses no CPU). Most
+        checks answer before that.
   slow  `max_workers` slots for the checks that said `slow`. When the slow lane has room, the checker moves there
         with its check and keeps computing until `timeout` from the check's start. When it is full, the checker
         is killed and the check queues for the slow lane, where it restarts from scratch on a fresh checker with

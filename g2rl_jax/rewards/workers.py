@@ -30,6 +30,7 @@ import time
 WORKER_MEMORY_BYTES = 4 << 30  # address-space cap of the template and so of every checker
 WATCHDOG_PERIOD_S = 0.2        # how often a process checks that its parent is alive
 SLICE_S = 0.02                 # CPU seconds a request may use before its checker says `slow` (the fast lane's slice)
+SLICE_WALL_S = 0.5             # ... or wall-clock seconds, for a request that waits without using CPU
 SLICE_POLL_S = 0.005           # how often a busy checker looks at its CPU time
 PARENT_ENV = "G2RL_VERIFIER_PARENT_PID"
 WATCHDOG_ONLY_ENV = "G2RL_VERIFIER_WATCHDOG_ONLY"
@@ -78,17 +79,19 @@ def _answer(request: list) -> bytes:
 
 class _Slice:
     """Says `slow` (one line, before the reply) once the request being answered has used SLICE_S of CPU time: CPU,
-    not wall-clock, so a fast check on a busy machine is never taken for a slow one."""
+    not wall-clock, so a fast check on a busy machine is never taken for a slow one. A request that waits (a
+    reward function that sleeps) says it after SLICE_WALL_S."""
 
     def __init__(self, out):
-        self.out, self.lock, self.busy, self.cpu0 = out, threading.Lock(), threading.Event(), None
+        self.out, self.lock, self.busy, self.cpu0, self.wall0 = out, threading.Lock(), threading.Event(), None, 0.0
         threading.Thread(target=self._watch, name="slice", daemon=True).start()
 
     def _watch(self) -> None:
         while self.busy.wait():
             time.sleep(SLICE_POLL_S)
             with self.lock:
-                if self.cpu0 is not None and time.process_time() - self.cpu0 >= SLICE_S:
+                if self.cpu0 is not None and (time.process_time() - self.cpu0 >= SLICE_S
+                                              or time.monotonic() - self.wall0 >= SLICE_WALL_S):
                     self.cpu0 = None
                     self.busy.clear()
                     self.out.write(b"slow\n")
@@ -96,7 +99,7 @@ class _Slice:
 
     def start(self) -> None:
         with self.lock:
-            self.cpu0 = time.process_time()
+            self.cpu0, self.wall0 = time.process_time(), time.monotonic()
             self.busy.set()
 
     def reply(self, line: bytes) -> None:
@@ -120,13 +123,13 @@ def _serve(inp, out) -> None:
         slice_.reply(reply)
 
 
-def _checker(control: socket.socket, fd_in: int, fd_out: int) -> None:
+def _checker(control: socket.socket, template_pid: int, fd_in: int, fd_out: int) -> None:
     """In a fresh fork of the template: serve on the two pipe ends, then exit (never returns)."""
     try:
         control.close()
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)  # drop the template's stdout (its `ready` pipe to the pool)
-        die_with_parent(os.getppid())
+        die_with_parent(template_pid)  # (not getppid(): the template may already be gone)
         _serve(os.fdopen(fd_in, "rb"), os.fdopen(fd_out, "wb"))
     finally:
         os._exit(0)
@@ -139,7 +142,7 @@ def template() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     from g2rl_jax.rewards.compare import equivalent_canonical
     equivalent_canonical("x^{2}+2x", "x(x+2)")  # the parser and sympy warmed once, for every checker
-    control = socket.socket(fileno=0)
+    control, template_pid = socket.socket(fileno=0), os.getpid()
     sys.stdout.buffer.write(b"ready\n")
     sys.stdout.buffer.flush()
     while True:
@@ -152,7 +155,7 @@ def template() -> None:
             except OSError as err:
                 pid, why = -1, err
             if pid == 0:
-                _checker(control, *fds)
+                _checker(control, template_pid, *fds)
             for fd in fds:
                 os.close(fd)
             control.sendall(f"{pid}\n".encode() if pid > 0 else f"error {why}\n".encode())
