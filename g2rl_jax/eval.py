@@ -397,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
     try:
-        datasets, dropped = length_filtered(datasets, load_tokenizer(args, settings), args)
+        tokenizer = load_tokenizer(args, settings)
+        datasets, dropped = length_filtered(datasets, tokenizer, args)
     except (OSError, ValueError) as err:  # no tokenizer there, or no prompt of a dataset fits
         print(f"eval error: {err}", file=sys.stderr)
         return 2
