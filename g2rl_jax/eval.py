@@ -5,6 +5,7 @@ command that samples a model on benchmarks and writes them.
 
     python -m g2rl_jax.eval --table runA/results.json runB/results.json   # one table, a row per run
 
+Prompts longer than `--max-prompt-tokens` (training's `data.max_prompt_tokens` filter) are left out and counted.
 Per problem it samples `--samples` responses, extracts and verifies their answers exactly as the training reward
 does, and appends one record to `OUT/records/<key>.jsonl`, where the key names the checkpoint step (for
 `--checkpoint`, resolved when the command starts) and a digest of every sampling setting (kept beside it in
