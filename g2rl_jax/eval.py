@@ -5,6 +5,7 @@ command that samples a model on benchmarks and writes them.
 
     python -m g2rl_jax.eval --table runA/results.json runB/results.json   # one table, a row per run
 
+Prompts longer than `--max-prompt-tokens` (training's `data.max_prompt_tokens` filter) are left out and counted.
 Per problem it samples `--samples` responses, extracts and verifies their answers exactly as the training reward
 does, and appends one record to `OUT/records/<key>.jsonl`, where the key names the checkpoint step (for
 `--checkpoint`, resolved when the command starts) and a digest of every sampling setting (kept beside it in
@@ -195,10 +196,13 @@ def records_path(out: Path, settings: RunSettings) -> Path:
     return folder / f"{settings.key()}.jsonl"
 
 
-def write_results(out: Path, model_name: str, datasets: dict[str, list[dict[str, Any]]], settings: RunSettings) -> dict:
-    """results.json (settings, per-dataset metrics and per-problem records) and results.md (the paper's table)."""
+def write_results(out: Path, model_name: str, datasets: dict[str, list[dict[str, Any]]], settings: RunSettings,
+                  dropped_for_length: dict[str, int] | None = None) -> dict:
+    """results.json (settings, per-dataset metrics, prompts left out for length and per-problem records) and
+    results.md (the paper's table)."""
     metrics = {name: dataset_metrics(records, settings.seed) for name, records in datasets.items() if records}
-    results = {"model": model_name, "settings": dataclasses.asdict(settings), "metrics": metrics, "problems": datasets}
+    results = {"model": model_name, "settings": dataclasses.asdict(settings), "metrics": metrics,
+               "dropped_for_length": dropped_for_length or {}, "problems": datasets}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(results_table({model_name: metrics}, list(metrics)))
     return results
@@ -227,12 +231,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="prompt template; default: a --checkpoint run's data.prompt_template, else chat")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, help="first N problems of each dataset")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="longer prompts are left out (and counted), as in training; default: a --checkpoint run's "
+                   "data.max_prompt_tokens, else the training default")
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--model-name", help="row label in results.md (default: the model folder's name)")
     args = p.parse_args(argv)
     _run_defaults(p, args)
-    if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
-        p.error("--samples, --batch-size and --max-new-tokens must be positive")
+    if args.samples < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
+        p.error("--samples, --batch-size, --max-new-tokens and --max-prompt-tokens must be positive")
     return args
 
 
@@ -246,10 +253,13 @@ def _run_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         try:
             run = run_defaults([Path(args.checkpoint)], lambda c: {
                 "temperature": c.data.eval_temperature, "max_new_tokens": c.data.eval_max_new_tokens,
-                "template": c.data.prompt_template}, args)
+                "template": c.data.prompt_template, "max_prompt_tokens": c.data.max_prompt_tokens}, args)
         except (FileNotFoundError, ValueError) as err:
             p.error(str(err))
-    for flag, fallback in (("temperature", 0.8), ("max_new_tokens", 8192), ("template", "chat")):
+    from g2rl_jax.config import DataConfig
+
+    for flag, fallback in (("temperature", 0.8), ("max_new_tokens", 8192), ("template", "chat"),
+                           ("max_prompt_tokens", DataConfig().max_prompt_tokens)):
         if getattr(args, flag) is None:
             setattr(args, flag, run.get(flag, fallback))
 
@@ -269,18 +279,46 @@ def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | 
     return answers, [bool(s > 0) for s in scores], verifier_classes(answers)
 
 
-def load_policy(args: argparse.Namespace, settings: RunSettings):
-    """(model, tokenizer) from --model-path, or from the checkpoint step `settings` resolved --checkpoint to."""
+def load_tokenizer(args: argparse.Namespace, settings: RunSettings):
+    """--tokenizer, else the model folder's (for --checkpoint: the run's base model's)."""
     from transformers import AutoTokenizer
 
+    if args.tokenizer or args.checkpoint is None:
+        return AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+    from g2rl_jax.train.checkpoint import base_model_dir
+
+    return AutoTokenizer.from_pretrained(base_model_dir(settings.model))
+
+
+def load_policy(args: argparse.Namespace, settings: RunSettings):
+    """The model of --model-path, or of the checkpoint step `settings` resolved --checkpoint to."""
     if args.checkpoint is not None:  # trained params restored onto the run's base model
         from g2rl_jax.train.checkpoint import load_policy as load_checkpoint
 
-        model, tokenizer_dir = load_checkpoint(settings.model)  # the step the records are keyed by
-        return model, AutoTokenizer.from_pretrained(args.tokenizer or tokenizer_dir)
+        return load_checkpoint(settings.model)[0]  # the step the records are keyed by
     from g2rl_jax.model import load_pretrained
 
-    return load_pretrained(args.model_path), AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+    return load_pretrained(args.model_path)
+
+
+def length_filtered(datasets: dict[str, list[Example]], tokenizer, args) -> tuple[dict[str, list[Example]],
+                                                                                   dict[str, int]]:
+    """(the examples whose prompt fits --max-prompt-tokens, {name: number left out}): training's filter, with the
+    count printed as training prints it; ValueError when no prompt of a dataset fits."""
+    from g2rl_jax.config import DataConfig
+    from g2rl_jax.train.setup import length_filter
+
+    data_cfg = DataConfig(prompt_template=args.template, max_prompt_tokens=args.max_prompt_tokens)
+    kept, dropped = {}, {}
+    for name, examples in datasets.items():
+        kept[name], dropped[name] = length_filter(examples, tokenizer, data_cfg)
+        if dropped[name]:
+            print(f"--datasets: {dropped[name]} of {len(examples)} prompts of {name!r} are longer than "
+                  f"--max-prompt-tokens={args.max_prompt_tokens} tokens and are left out", flush=True)
+        if examples and not kept[name]:
+            raise ValueError(f"no prompt of {name!r} fits --max-prompt-tokens={args.max_prompt_tokens}; raise it or "
+                             "drop the dataset from --datasets")
+    return kept, dropped
 
 
 def run_settings(args: argparse.Namespace) -> RunSettings:
@@ -346,18 +384,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     import g2rl_jax.demo  # noqa: F401 - registers the demo's datasets
 
     datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
+    try:
+        tokenizer = load_tokenizer(args, settings)
+        datasets, dropped = length_filtered(datasets, tokenizer, args)
+    except (OSError, ValueError) as err:  # no tokenizer there, or no prompt of a dataset fits
+        print(f"eval error: {err}", file=sys.stderr)
+        return 2
     path = records_path(out, settings)
     records = read_records(path)
     done = {(r["dataset"], r["id"]) for r in records}
     if any((name, e.id) not in done for name, examples in datasets.items() for e in examples):
-        model, tokenizer = load_policy(args, settings)
+        model = load_policy(args, settings)
         for name, examples in datasets.items():
             ids = {r_id for d, r_id in done if d == name}
             evaluate_dataset(name, examples, ids, model, tokenizer, args, path)
         records = read_records(path)
     by_key = {(r["dataset"], r["id"]): r for r in records}
     chosen = {name: [by_key[(name, e.id)] for e in examples] for name, examples in datasets.items()}
-    results = write_results(out, args.model_name or Path(args.model_path or args.checkpoint).name, chosen, settings)
+    results = write_results(out, args.model_name or Path(args.model_path or args.checkpoint).name, chosen, settings,
+                            dropped)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'} and {out / 'results.md'} ({sum(map(len, chosen.values()))} problems)")
     return 0 if results["metrics"] else 1

@@ -278,7 +278,8 @@ def test_eval_accepts_a_training_checkpoint(tiny, tmp_path):
 
 def test_cli_defaults_come_from_the_run(tiny, tmp_path, capsys):
     """--checkpoint RUN: unset sampling flags take the run's config.yaml values (analyze: rollout.*, the T that
-    Φ was scored at in training; eval: data.eval_* and data.prompt_template); flags still override."""
+    Φ was scored at in training; eval: data.eval_*, data.prompt_template and data.max_prompt_tokens); flags still
+    override."""
     import dataclasses
 
     from g2rl_jax import eval as ev
@@ -288,7 +289,7 @@ def test_cli_defaults_come_from_the_run(tiny, tmp_path, capsys):
     other = tmp_path / "other_run"
     save_resolved(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=32, temperature=0.7),
                                       data=dataclasses.replace(cfg.data, eval_max_new_tokens=24, eval_temperature=0.3,
-                                                               prompt_template="plain")), other)
+                                                               prompt_template="plain", max_prompt_tokens=77)), other)
     shutil.copytree(tiny["run"] / "checkpoints", other / "checkpoints")
     args = analyze.parse_args(["--checkpoint", str(other)])
     assert (args.temperature, args.max_new_tokens) == (0.7, 32)
@@ -306,9 +307,10 @@ def test_cli_defaults_come_from_the_run(tiny, tmp_path, capsys):
                                "--temperature", "1", "--label", "a", "--label", "b"])
     assert args.max_new_tokens == 8
     args = ev.parse_args(["--checkpoint", str(other / "checkpoints" / "1")])
-    assert (args.temperature, args.max_new_tokens, args.template) == (0.3, 24, "plain")
-    args = ev.parse_args(["--checkpoint", str(other), "--template", "chat", "--temperature", "1"])
-    assert (args.temperature, args.max_new_tokens, args.template) == (1.0, 24, "chat")
+    assert (args.temperature, args.max_new_tokens, args.template, args.max_prompt_tokens) == (0.3, 24, "plain", 77)
+    args = ev.parse_args(["--checkpoint", str(other), "--template", "chat", "--temperature", "1",
+                          "--max-prompt-tokens", "5"])
+    assert (args.temperature, args.max_new_tokens, args.template, args.max_prompt_tokens) == (1.0, 24, "chat", 5)
     with pytest.raises(SystemExit):
         ev.parse_args(["--checkpoint", str(tmp_path / "nothing")])
     assert "neither a run directory" in capsys.readouterr().err

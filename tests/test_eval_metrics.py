@@ -11,6 +11,8 @@ import pytest
 
 from g2rl_jax import eval as ev
 
+TOKENIZER = Path(__file__).parent / "assets" / "qwen3_tokenizer"
+
 
 def _fraction_equal(a: str, b: str) -> bool:
     return Fraction(a) == Fraction(b)
@@ -188,8 +190,13 @@ def test_records_are_keyed_by_checkpoint_step_and_settings(tmp_path):
 
 
 def test_parse_args():
+    from g2rl_jax.config import DataConfig
+
     args = ev.parse_args(["--model-path", "m", "--datasets", "aime24", "--samples", "4"])
     assert (args.samples, args.temperature, args.max_new_tokens, args.template) == (4, 0.8, 8192, "chat")
+    assert args.max_prompt_tokens == DataConfig().max_prompt_tokens  # training's default filter
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--model-path", "m", "--max-prompt-tokens", "0"])
     with pytest.raises(SystemExit):
         ev.parse_args(["--model-path", "m", "--checkpoint", "c"])
     with pytest.raises(SystemExit):
@@ -204,7 +211,8 @@ def test_main_resumes_from_records_without_a_model(tmp_path):
     settings = _settings(model=str(model_dir.resolve()), samples=4, max_new_tokens=8192)
     for r, example_id in zip(RECORDS, ["2024-I-1", "2024-I-2"]):
         ev.append_record(ev.records_path(out, settings), {**r, "id": example_id})
-    argv = ["--model-path", str(model_dir), "--datasets", "aime24", "--samples", "4", "--limit", "2", "--out", str(out)]
+    argv = ["--model-path", str(model_dir), "--datasets", "aime24", "--samples", "4", "--limit", "2", "--out", str(out),
+            "--tokenizer", str(TOKENIZER)]  # the length filter needs the tokenizer, not the model
     assert ev.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["model"] == "no_model_here" and results["metrics"]["aime24"]["problems"] == 2
@@ -214,6 +222,35 @@ def test_main_resumes_from_records_without_a_model(tmp_path):
     (tmp_path / "copy.json").write_text((out / "results.json").read_text())
     table = ev.merged_table([out / "results.json", tmp_path / "copy.json"])
     assert table.count("| no_model_here (") == 2 and table.count(" | 50.0 |") == 2
+
+
+def test_eval_sets_get_the_training_length_filter(tmp_path, capsys):
+    """Prompts longer than --max-prompt-tokens are left out, counted, printed and stored as training does; the
+    problems that fit are the ones evaluated (their records exist: no model is loaded)."""
+    from transformers import AutoTokenizer
+
+    from g2rl_jax.data import Example, encode_prompts, load_dataset
+
+    rows = [Example(id=str(i), problem="What is 1+1?" * (1 if i % 3 else 40), answer="2") for i in range(6)]
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps({"id": r.id, "problem": r.problem, "answer": r.answer}) + "\n" for r in rows))
+    lengths = [len(p) for p in encode_prompts(load_dataset(str(data)), AutoTokenizer.from_pretrained(TOKENIZER),
+                                              "chat")]
+    limit = min(lengths) + 10
+    assert sorted(n > limit for n in lengths) == [False] * 4 + [True] * 2  # an independent count: ids 0 and 3 long
+    out, model_dir = tmp_path / "out", tmp_path / "no_model_here"
+    argv = ["--model-path", str(model_dir), "--datasets", str(data), "--samples", "4", "--out", str(out),
+            "--tokenizer", str(TOKENIZER), "--max-prompt-tokens", str(limit)]
+    settings = ev.run_settings(ev.parse_args(argv))
+    for example_id in ("1", "2", "4", "5"):
+        ev.append_record(ev.records_path(out, settings), {**RECORDS[0], "dataset": str(data), "id": example_id})
+    assert ev.main(argv) == 0
+    assert f"2 of 6 prompts of {str(data)!r} are longer than --max-prompt-tokens={limit}" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert [p["id"] for p in results["problems"][str(data)]] == ["1", "2", "4", "5"]
+    assert results["dropped_for_length"] == {str(data): 2} and results["metrics"][str(data)]["problems"] == 4
+    assert ev.main([*argv[:-1], str(min(lengths) - 1)]) == 2  # nothing fits: an error, nothing evaluated
+    assert f"no prompt of {str(data)!r} fits --max-prompt-tokens={min(lengths) - 1}" in capsys.readouterr().err
 
 
 def test_maj_at_k_with_the_real_verifier():

@@ -160,17 +160,29 @@ def _env():
     return env
 
 
-def _kill_when(proc, ready, timeout=240):
-    t0 = time.time()
-    while time.time() - t0 < timeout and proc.poll() is None:
+HANG_S = 3600  # only a run that neither ends nor reaches the awaited state in an hour is reported as hung
+
+
+def _kill_when(proc, ready, log) -> bool:
+    """SIGKILL proc the moment ready() holds; False if the run ended first. It waits on the condition (or the run's
+    end), not on a fixed time, so a slow, loaded machine only makes it wait longer; HANG_S only guards a hang."""
+    t0 = time.monotonic()
+    while proc.poll() is None:
         if ready():
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             return True
+        if time.monotonic() - t0 > HANG_S:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"the run neither ended nor got there in {HANG_S}s: {_tail(log)}")
         time.sleep(0.005)
-    proc.kill()
-    proc.wait()
     return False
+
+
+def _tail(log) -> str:
+    log.flush()
+    return pathlib.Path(log.name).read_text(errors="replace")[-3000:]
 
 
 def test_kill_9_mid_run_and_mid_save_then_resume(assets, tmp_path, reference):
@@ -179,18 +191,21 @@ def test_kill_9_mid_run_and_mid_save_then_resume(assets, tmp_path, reference):
     env = _env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     cmd = _train_cmd(assets, out, steps=STEPS)
-    # 1) mid-save: kill the moment a temporary (uncommitted) checkpoint directory appears
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    mid_save = lambda: ckpts.is_dir() and any("tmp" in p.name for p in ckpts.iterdir())  # noqa: E731
-    assert _kill_when(proc, mid_save), "no checkpoint save was observed before the run ended"
-    # 2) mid-run: rerun, kill once a later step's checkpoint is committed
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    committed = lambda: ckpts.is_dir() and any(p.name.isdigit() and int(p.name) >= 2 for p in ckpts.iterdir())  # noqa: E731
-    _kill_when(proc, committed)
+    # stderr goes to a file: a pipe nobody reads fills up and stalls the trainer before the awaited state
+    with open(tmp_path / "trainer.err", "w") as log:
+        # 1) mid-save: kill the moment a temporary (uncommitted) checkpoint directory appears
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        mid_save = lambda: ckpts.is_dir() and any("tmp" in p.name for p in ckpts.iterdir())  # noqa: E731
+        assert _kill_when(proc, mid_save, log), f"no checkpoint save was observed before the run ended: {_tail(log)}"
+        # 2) mid-run: rerun, kill once a later step's checkpoint is committed
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        def committed():
+            return ckpts.is_dir() and any(p.name.isdigit() and int(p.name) >= 2 for p in ckpts.iterdir())
+        _kill_when(proc, committed, log)
     # 3) rerun to the end: it resumes from a committed checkpoint, and the metrics equal an uninterrupted run
     committed_steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()]
     assert committed_steps, "the mid-run kill left no committed checkpoint to resume from"
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from the checkpoint of step {max(committed_steps)}" in done.stdout, done.stdout[-2000:]
     _assert_same_metrics(read_metrics(out), reference["records"])

@@ -1,6 +1,7 @@
 """Adversarial answers: each scores -1 within its time bound, nothing is executed, and the bound holds from a
-thread and from inside a (daemonic) multiprocessing child; a killed worker is replaced at once, and a worker that
-cannot start scores -1 with one warning (an error only when no worker can ever start)."""
+thread and from inside a (daemonic) multiprocessing child; a killed worker is reaped and the next check gets a fresh
+fork of the same template, a killed template is restarted, and a template that cannot start scores -1 with one
+warning (an error only when none can ever start)."""
 import logging
 import multiprocessing
 import os
@@ -38,8 +39,7 @@ ADVERSARIAL = [
 
 
 def _warm():
-    """Make sure an idle, ready worker exists: the replacement of a worker killed by the previous timeout may still
-    be importing sympy, and that start-up is not part of any check's bound."""
+    """Make sure the pool's template has started (importing sympy is not part of any check's bound)."""
     assert is_equivalent("x+x", "2x")
 
 
@@ -136,29 +136,55 @@ def pool():
     p.close()
 
 
-def test_killed_worker_is_replaced_at_once_and_the_replacement_serves_the_next_check(pool):
+def _gone(pid: int) -> bool:
+    """No such process, not even a zombie: it was killed and reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_killed_worker_is_reaped_and_the_next_check_gets_a_fresh_fork(pool):
     assert pool.check("x+x", "2x", BOUND_S)
     (first,) = pool._all
+    template = pool._template.proc.pid
     assert not pool.check(*SLOW, 0.5)
-    assert first.proc.returncode is not None, "the worker that ran over its bound was not killed"
-    assert len(pool._all) == 1 and pool._all[0] is not first, "the kill did not spawn a replacement"
-    replacement = pool._all[0]
-    assert replacement.proc.poll() is None
-    assert replacement.poll_ready(wait=True)  # start-up (sympy import) happens here, outside any check
+    assert first.killed and first not in pool._all, "the worker that ran over its bound was not killed"
+    deadline = time.monotonic() + 5.0  # the pool's filler thread has the template reap it
+    while not _gone(first.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(first.pid), "the killed worker was not reaped within 5 s"
+    start = time.monotonic()
     assert pool.check(r"\sqrt{8}", r"2\sqrt{2}", 0.5)
-    assert pool._all == [replacement]
+    assert time.monotonic() - start < 0.5 + SLACK_S
+    assert first not in pool._all and pool._all, "no fresh worker answered"
+    assert pool._template.proc.pid == template, "a new template was started (sympy imported again)"
+
+
+def test_killed_template_is_restarted_and_takes_its_workers_with_it(pool):
+    assert pool.check("x+x", "2x", BOUND_S)
+    (worker,) = pool._all
+    pool._template.proc.kill()
+    pool._template.proc.wait()
+    deadline = time.monotonic() + 5.0
+    while not _gone(worker.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(worker.pid), "a worker outlived its template by 5 s"
+    pool.check("x+x", "2x", BOUND_S)  # the idle worker is gone: scores False, and is discarded
+    assert pool.check("x+x", "2x", BOUND_S)  # a new template, a new worker
 
 
 def _failures(caplog):
     return [r for r in caplog.records if r.name == bounded.__name__ and r.levelno == logging.WARNING]
 
 
-def test_worker_that_cannot_start_scores_minus_one_with_one_warning(pool, monkeypatch, caplog):
+def test_template_that_cannot_start_scores_minus_one_with_one_warning(pool, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger=bounded.__name__)
-    working = bounded.WORKER_ARGV
+    working = bounded.TEMPLATE_ARGV
     assert pool.check("x+x", "2x", BOUND_S)
-    monkeypatch.setattr(bounded, "WORKER_ARGV", [sys.executable, "-c", "import sys; sys.exit(3)"])
-    assert not pool.check(*SLOW, 0.5)  # the kill spawns a replacement, which exits at once
+    pool.close()  # the next check starts a new template
+    monkeypatch.setattr(bounded, "TEMPLATE_ARGV", [sys.executable, "-c", "import sys; sys.exit(3)"])
     monkeypatch.setattr(rewards, "get_pool", lambda: pool)
     got = score_batch([r"\boxed{x+x}", r"\boxed{5}"], ["2x", "5"])  # must not raise
     assert got.tolist() == [-1.0, 1.0]  # the worker path scores -1; the fast path is unaffected
@@ -167,18 +193,16 @@ def test_worker_that_cannot_start_scores_minus_one_with_one_warning(pool, monkey
     assert "scores -1" in warning.getMessage() and "check that" in warning.getMessage()
     assert not pool.check("x+x", "2x", BOUND_S)
     assert len(_failures(caplog)) == 1, "warned more than once"
-    monkeypatch.setattr(bounded, "WORKER_ARGV", working)
-    assert not pool.check("x+x", "2x", BOUND_S)  # the replacement spawned after the last failure (exits again)
-    assert pool.check("x+x", "2x", BOUND_S)  # then a working one: the pool recovers
+    monkeypatch.setattr(bounded, "TEMPLATE_ARGV", working)
+    assert pool.check("x+x", "2x", BOUND_S)  # a working template again: the pool recovers
 
 
-def test_worker_that_hangs_at_start_scores_minus_one_after_the_start_timeout(pool, monkeypatch, caplog):
+def test_template_that_hangs_at_start_scores_minus_one_after_the_start_timeout(pool, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger=bounded.__name__)
     assert pool.check("x+x", "2x", BOUND_S)
-    assert not pool.check(*SLOW, 0.5)
-    pool.close()  # drop the healthy replacement: the next check spawns a worker that never says "ready"
+    pool.close()  # the next check starts a template that never says "ready"
     monkeypatch.setattr(bounded, "WORKER_START_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(bounded, "WORKER_ARGV", [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(bounded, "TEMPLATE_ARGV", [sys.executable, "-c", "import time; time.sleep(60)"])
     start = time.monotonic()
     assert not pool.check("x+x", "2x", BOUND_S)
     assert time.monotonic() - start < 1.0 + SLACK_S
@@ -187,7 +211,7 @@ def test_worker_that_hangs_at_start_scores_minus_one_after_the_start_timeout(poo
 
 
 def test_no_worker_can_ever_start_is_an_error(pool, monkeypatch):
-    monkeypatch.setattr(bounded, "WORKER_ARGV", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    monkeypatch.setattr(bounded, "TEMPLATE_ARGV", [sys.executable, "-c", "import sys; sys.exit(3)"])
     with pytest.raises(RuntimeError, match=r"no verifier worker process could start: the first one exited "
                                            r"\(status 3\).*check that"):
         pool.check("x+x", "2x", BOUND_S)

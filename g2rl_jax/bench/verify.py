@@ -17,7 +17,8 @@ the parser's guards and one that runs into the time bound.
 
 `--slow N` (e.g. 64) measures the verifier under load instead, side by side in one run:
   queue    N checks that run into the time bound, then N fast ones queued behind them (as `score_batch` queues
-           them, one thread each on a pool of --workers processes): when the fast ones finish (median, max);
+           them, one thread each on a pool of --workers processes, in a fresh process): when the fast ones finish
+           (median, max); with `--before DIR`, the same for the source tree DIR of an earlier version, alternating;
   maj@k    the answer classes of N distinct answers that each need sympy (`(x+y+k)^E`): all pairs through
            `is_equivalent` (eval.answer_classes, the old way) against `rewards.vote.answer_classes`, with the
            number of worker requests each made.
@@ -25,12 +26,19 @@ the parser's guards and one that runs into the time bound.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from g2rl_jax.data.datasets import load_dataset
 from g2rl_jax.rewards import _canonical_pairs, extract_answer, is_equivalent, score_batch
 from g2rl_jax.rewards.bounded import get_pool
+
+_SRC_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _reformat(gold: str) -> str:
@@ -62,9 +70,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--latency-n", type=int, default=100, help="golds timed one by one per kind")
     ap.add_argument("--slow", type=int, default=0, help="measure N slow answers (queue and maj@k), nothing else")
     ap.add_argument("--slow-exponent", type=int, default=3, help="E of the maj@k answers (x+y+k)^E")
+    ap.add_argument("--before", default=None, help="with --slow: the source tree of an earlier version (e.g. from "
+                    "`git archive COMMIT | tar -x -C DIR`), whose queue is measured side by side in the same run")
     args = ap.parse_args(argv)
     if args.slow:
-        return slow_answers(args.slow, args.workers, args.timeout, args.slow_exponent)
+        return slow_answers(args.slow, args.workers, args.timeout, args.slow_exponent, args.before)
     if args.workers < 1 or args.latency_n < 1 or args.n <= args.latency_n:
         ap.error(f"need --workers >= 1 and 1 <= --latency-n < --n, got --workers {args.workers} "
                  f"--latency-n {args.latency_n} --n {args.n}")
@@ -119,61 +129,81 @@ def main(argv: list[str]) -> int:
 
 def _counting(pool):
     """Wrap pool.request to count the requests sent to workers; returns the counter (a one-item list)."""
-    name = "request" if hasattr(pool, "request") else "check"  # a tree from before `request` existed: count checks
-    count, call = [0], getattr(pool, name)
+    count, call = [0], pool.request
 
     def counted(*args):
         count[0] += 1
         return call(*args)
-    setattr(pool, name, counted)
+    pool.request = counted
     return count
 
 
-def _queue(pool, n_slow: int, n_fast: int, timeout: float) -> None:
-    """n_slow checks that run into the bound, then n_fast fast ones, one thread each: when the fast ones finish."""
-    from concurrent.futures import ThreadPoolExecutor
+# Run in a fresh process with PYTHONPATH set to the tree measured (this one, or --before's): only APIs that every
+# version of the pool has (`BoundedPool(n[, spares])`, `check`, `close`); prints one JSON line.
+_QUEUE_DRIVER = r"""
+import inspect, json, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from g2rl_jax.rewards import bounded
+n_slow, n_fast, workers, timeout = json.loads(sys.argv[1])
+spares = {"spares": min(workers, 2)} if "spares" in inspect.signature(bounded.BoundedPool).parameters else {}
+pool = bounded.BoundedPool(workers, **spares)
+warm = [threading.Thread(target=pool.check, args=("x+x", "2x", 300.0)) for _ in range(workers)]
+for t in warm:
+    t.start()
+for t in warm:
+    t.join()
+time.sleep(3.0)  # spare workers (where the pool keeps some) have started: start-up is not what is measured
+slow = [(f"(a+b+c+d+{k})^{{60}}", f"(a+b+c+d+{k + 1})^{{60}}") for k in range(n_slow)]
+fast = [(f"x^{{2}}+{k}x", f"x(x+{k})") for k in range(n_fast)]
+start, done = time.perf_counter(), {"slow": [], "fast": []}
+def run(item):
+    kind, (pred, gold) = item
+    ok = pool.check(pred, gold, timeout)
+    done[kind].append(time.perf_counter() - start)
+    return ok
+with ThreadPoolExecutor(max_workers=n_slow + n_fast) as ex:
+    verdicts = list(ex.map(run, [("slow", p) for p in slow] + [("fast", p) for p in fast]))
+print(json.dumps({"wall": time.perf_counter() - start, "fast": done["fast"], "slow": done["slow"],
+                  "ok_fast": sum(verdicts[n_slow:]), "ok_slow": sum(verdicts[:n_slow]),
+                  "restarted": getattr(pool, "restarted", None)}))
+pool.close()
+"""
 
-    slow = [(f"(a+b+c+d+{k})^{{60}}", f"(a+b+c+d+{k + 1})^{{60}}") for k in range(n_slow)]
-    fast = [(f"x^{{2}}+{k}x", f"x(x+{k})") for k in range(n_fast)]
-    start, done = time.perf_counter(), {}
 
-    def run(item):
-        kind, (pred, gold) = item
-        ok = pool.check(pred, gold, timeout)
-        done.setdefault(kind, []).append(time.perf_counter() - start)
-        return ok
-    with ThreadPoolExecutor(max_workers=n_slow + n_fast) as ex:
-        verdicts = list(ex.map(run, [("slow", p) for p in slow] + [("fast", p) for p in fast]))
-    wall = time.perf_counter() - start
-    fast_t, slow_t = sorted(done["fast"]), sorted(done.get("slow", [0.0]))
-    print(f"queue: {n_slow:3d} slow (bound {timeout}s) then {n_fast} fast checks: wall {wall:5.1f}s; fast ones done "
-          f"at median {statistics.median(fast_t):5.1f}s, last {fast_t[-1]:5.1f}s; slow ones last {slow_t[-1]:5.1f}s; "
-          f"accepted fast {sum(verdicts[n_slow:])}/{n_fast}, slow {sum(verdicts[:n_slow])}/{n_slow}")
-    score_batch([r"\boxed{x+1}"] * pool.max_workers, ["1+x"] * pool.max_workers)  # replacements started
+def _queue(tree: str, n_slow: int, n_fast: int, workers: int, timeout: float) -> dict:
+    """n_slow checks that run into the bound, then n_fast fast ones, one thread each (as `score_batch` queues
+    them), on a pool of `workers` from the source tree `tree`, in a fresh process: when the fast ones finish."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", _QUEUE_DRIVER, json.dumps([n_slow, n_fast, workers, timeout])],
+                         env=env, cwd=tree, capture_output=True, text=True, timeout=3600)  # cwd: `-c` imports from it
+    if out.returncode:
+        raise SystemExit(f"the queue measurement of {tree} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def slow_answers(n: int, workers: int, timeout: float, exponent: int) -> int:
-    """`--slow N`: queue latency of fast checks behind N slow ones, and maj@k classes of N sympy answers."""
+def slow_answers(n: int, workers: int, timeout: float, exponent: int, before: str | None) -> int:
+    """`--slow N`: queue latency of fast checks behind N slow ones (this tree, and --before's side by side), and
+    maj@k classes of N sympy answers."""
     from g2rl_jax import eval as ev
+    from g2rl_jax.rewards.vote import answer_classes
 
-    pool = get_pool()
-    pool.max_workers = min(workers, pool.max_workers)
-    pool.__init__(pool.max_workers, spares=min(pool.max_workers, 2))  # exactly --workers processes (and spares)
-    print(f"verify --slow {n}: pool of {pool.max_workers} worker processes, timeout {timeout}s; "
-          "shared machine: other jobs may be running")
-    score_batch([r"\boxed{x+1}"] * pool.max_workers, ["1+x"] * pool.max_workers)  # start the workers
-    for n_slow in (0, pool.max_workers, n):  # 0: the fast checks alone, the baseline of the two others
-        _queue(pool, n_slow, n, timeout)
+    trees = ([("before", str(Path(before).resolve()))] if before else []) + [("after", _SRC_ROOT)]
+    print(f"verify --slow {n}: pools of {workers} worker processes, timeout {timeout}s, {os.cpu_count()} CPUs"
+          + (f"; before = {trees[0][1]}" if before else "") + "; shared machine: other jobs may be running")
+    for n_slow in (0, workers, n):  # 0: the fast checks alone, the baseline of the two others
+        for label, tree in trees:
+            r = _queue(tree, n_slow, n, workers, timeout)
+            fast_t, slow_t = sorted(r["fast"]), sorted(r["slow"] or [0.0])
+            restarted = "" if r["restarted"] is None else f"; {r['restarted']} restarted in the slow lane"
+            print(f"queue {label:<6} {n_slow:3d} slow (bound {timeout}s) then {n} fast: wall {r['wall']:5.1f}s; "
+                  f"fast done at median {statistics.median(fast_t):5.1f}s, last {fast_t[-1]:5.1f}s; slow last "
+                  f"{slow_t[-1]:5.1f}s; accepted fast {r['ok_fast']}/{n}, slow {r['ok_slow']}/{n_slow}{restarted}")
+    pool = get_pool()  # maj@k: this process's pool, one worker per CPU
     answers = [f"(x+y+{k})^{{{exponent}}}" for k in range(n)]
     count = _counting(pool)
-    try:
-        from g2rl_jax.rewards.vote import answer_classes
-    except ImportError:  # a tree without rewards.vote (before it existed)
-        answer_classes = None
-    rows = [] if answer_classes is None else [("rewards.vote.answer_classes", lambda: answer_classes(
-        answers, timeout=timeout))]
-    rows.append(("all pairs (is_equivalent)", lambda: ev.answer_classes(answers, lambda a, b: is_equivalent(
-        a, b, timeout=timeout))))
+    rows = [("rewards.vote.answer_classes", lambda: answer_classes(answers, timeout=timeout)),
+            ("all pairs (is_equivalent)", lambda: ev.answer_classes(answers, lambda a, b: is_equivalent(
+                a, b, timeout=timeout)))]
     for name, classes in rows:
         count[0] = 0
         t = time.perf_counter()

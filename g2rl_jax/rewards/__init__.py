@@ -4,14 +4,15 @@ Pipeline for a math response:
   extract (`extract.py`: last `\\boxed{}` run, "final answer is ...", math spans, plain numbers)
   -> normalize (`normalize.py`: MATH-style canonical string; equal strings are equivalent at once)
   -> fast path in this process (plain numbers and fractions compared exactly with `fractions.Fraction`)
-  -> bounded path (`bounded.py`): a persistent worker subprocess parses both answers with our own LaTeX parser
-     (`latex.py` over `latex_lexer.py`; it builds sympy objects directly, nothing reaches `eval`/`sympify`/
-     `parse_expr`) and compares them (`compare.py`: numbers, tuples, intervals, sets, matrices, equations,
-     inequalities, sympy identity).
-     A check that exceeds its timeout (2 s by default) kills its worker and scores False. This works from any
-     thread and inside other worker processes, because workers are plain subprocesses, not signal alarms. The
-     killed worker's replacement is spawned at once and starts in the background; a worker that cannot start
-     scores False with one warning (a `RuntimeError` only if no worker has ever started: a broken install).
+  -> bounded path (`bounded.py`): a worker process (a fork of a template that imported sympy once, `workers.py`)
+     parses both answers with our own LaTeX parser (`latex.py` over `latex_lexer.py`; it builds sympy objects
+     directly; nothing reaches `eval`/`sympify`/`parse_expr`) and compares them (`compare.py`: numbers, tuples,
+     intervals, sets, matrices, equations, inequalities, sympy identity). A check that exceeds its timeout (2 s by
+     default) kills its worker and scores False. This works from any thread and inside other worker processes, because
+     workers are plain processes, not signal alarms. Every check gets a 20 ms CPU slice in a fast lane first; one that
+     needs more continues (or restarts) in a slow lane, so slow checks never hold up the fast ones queued behind them.
+     A template that cannot start scores False with one warning (a `RuntimeError` only if none has ever started: a
+     broken install).
 
 Guards: answers over 10,000 characters are not equivalent; the parser refuses nesting deeper than 60, number
 literals over 300 digits, powers over 2,000 digits, exponents over 1,000 and factorials over 500, before sympy

@@ -1,139 +1,50 @@
-"""Time-bounded equivalence checks in a pool of persistent worker processes.
+"""Time-bounded checks in worker processes, scheduled so that a slow check never holds up the fast ones queued
+behind it, whatever the order they come in.
 
-Each worker is a plain `python` subprocess (not a `multiprocessing` child, so it can be started from any thread,
-from daemonic pool workers and from other worker processes) that imports sympy once, answers one check per line
-on its stdin/stdout pipes, and runs with a capped address space. The parent waits for an answer with
-`select` and a deadline; a worker that misses the deadline is killed (SIGKILL) and the check scores False.
+Checkers are forks of one template process per pool (`workers.py`): a plain `python` subprocess (not a
+`multiprocessing` child, so it can be started from any thread, from daemonic pool workers and from other worker
+processes) that imports sympy once, runs with a capped address space, and forks a checker in milliseconds. The
+pool waits for a checker's answer with `select` and a deadline; a checker that misses it is killed (SIGKILL) and
+the check scores False. A filler thread keeps `max_workers` idle checkers forked and warmed, and has the template
+reap killed ones. Start-up of the template (importing sympy) is never counted against a check's bound; a template
+that does not start within `WORKER_START_TIMEOUT_S` makes the check score False with one warning once some
+template has started in this process; if none ever has, the installation is broken and the check raises
+`RuntimeError`.
 
-A replacement is spawned right after the kill, without waiting for it: it imports sympy in the background, so the
-next check usually finds it ready. A check that takes a worker still starting waits for its `ready` line (start-up
-is never counted against a check's bound). A worker that does not start within `WORKER_START_TIMEOUT_S` of its
-spawn makes its check score False with one warning, once some worker has started in this process; if none ever
-has, the installation is broken and the check raises `RuntimeError`.
+Two lanes (the design that makes queue order irrelevant):
+  fast  `max_workers` slots; every check starts here. A checker says `slow` once its check has used
+        `workers.SLICE_S` (20 ms) of CPU time: CPU, so a fast check on a busy machine is not mistaken for a slow one
+        (or `workers.SLICE_WALL_S`, 0.5 s, of wall-clock time: a reward function that sleeps uses no CPU). Most
+        checks answer before that.
+  slow  `max_workers` slots for the checks that said `slow`. When the slow lane has room, the checker moves there
+        with its check and keeps computing until `timeout` from the check's start. When it is full, the checker
+        is killed and the check queues for the slow lane, where it restarts from scratch on a fresh checker with
+        its full `timeout` (a fork of the template: the state every checker starts from, so the verdict is the
+        one an uninterrupted check gives).
+A fast check thus waits at most for the checks ahead of it to use up their slices, never for their bounds. At
+most `3 * max_workers` checkers live at once (fast, slow, idle), each under the address-space cap.
 
-A slow check does not hold up the checks queued behind it: once a check has run `STRAGGLER_AFTER_S` it hands
-its slot to the next check and finishes (or times out) in a straggler lane of at most `max_workers` more
-processes, so fast checks keep flowing while up to `max_workers` slow ones run out their bound.
-
-Workers die with their parent: a watchdog thread in each worker kills it (SIGKILL of itself) as soon as its
-parent process is gone (SIGKILL, SIGTERM, a crash: the worker's parent pid changes), checking every
-`WATCHDOG_PERIOD_S`; on Linux the kernel also delivers SIGKILL at once through PR_SET_PDEATHSIG, which is why
-workers are spawned from one long-lived spawner thread (the death signal follows the spawning thread).
-
-Requests are JSON lines `[op, ...]`: `["eq", pred, gold]` -> `1`/`0`; `["fp", answer]` -> a JSON fingerprint or
-null (`compare.fingerprint`, for maj@k); `["fn", spec, response, example]` -> a JSON
-`{"value": x}` or `{"error": "..."}` (a user reward function, see `custom.py`); `["load", spec]` -> the same,
-value null, to check that a function imports.
+Every process dies with its parent (the template with this process, a checker with the template): see
+`workers.py`. The template is spawned from one long-lived spawner thread, since on Linux the death signal
+follows the thread that spawned a child (`processes.py`: the pool's handles on the template and checkers).
 
 One pool per process (re-created after `fork`), sized to the CPU count; threads share it.
 """
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import select
-import signal
-import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-WORKER_MEMORY_BYTES = 4 << 30   # address-space cap of one worker
+from g2rl_jax.rewards.processes import SRC_ROOT, Checker, Template
+from g2rl_jax.rewards.workers import WORKER_MEMORY_BYTES
+
 WORKER_START_TIMEOUT_S = 120.0  # importing sympy on a loaded machine can take a while
-WORKER_ARGV = [sys.executable, "-c", "from g2rl_jax.rewards.bounded import serve; serve()"]
-STRAGGLER_AFTER_S = 0.25        # a check running longer yields its slot to the next queued check
-WATCHDOG_PERIOD_S = 0.2         # how often a worker checks that its parent is alive
-PARENT_ENV = "G2RL_VERIFIER_PARENT_PID"
-_SPAWNERS: dict[int, ThreadPoolExecutor] = {}  # per pid (a forked child needs its own thread)
-_SPAWNERS_LOCK = threading.Lock()
-
-
-def _spawner() -> ThreadPoolExecutor:
-    """This process's spawner: one thread that lives as long as the process and starts every worker."""
-    with _SPAWNERS_LOCK:
-        pid = os.getpid()
-        if pid not in _SPAWNERS:
-            _SPAWNERS[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-spawner")
-        return _SPAWNERS[pid]
-_SRC_ROOT = str(Path(__file__).resolve().parents[2])
+TEMPLATE_ARGV = [sys.executable, "-c", "from g2rl_jax.rewards.workers import template; template()"]
 _LOG = logging.getLogger(__name__)
-
-
-class _Worker:
-    """One checker subprocess speaking the line protocol of `serve`; spawning it does not wait for it to start."""
-
-    def __init__(self):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_SRC_ROOT, os.environ.get("PYTHONPATH")])))
-        self.argv = list(WORKER_ARGV)
-        self.start_deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        self.ready = False
-        self.failure = ""  # why it did not start, once known
-        self.closed = False  # its output pipe reached end of file
-        self._buf = b""
-        env[PARENT_ENV] = str(os.getpid())
-        popen = lambda: subprocess.Popen(  # noqa: E731
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-            start_new_session=True)
-        spawner = threading.current_thread().name.startswith("verifier-spawner")
-        self.proc = popen() if spawner else _spawner().submit(popen).result()
-
-    def _read_line(self, timeout: float) -> bytes | None:
-        """The next output line, or None if none is complete within timeout seconds (0: poll) or the pipe closed.
-        A partial line is kept for the next call."""
-        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                return None
-            chunk = os.read(fd, 64)
-            if not chunk:
-                self.closed = True
-                return None
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line.strip()
-
-    def poll_ready(self, wait: bool) -> bool:
-        """Whether the worker has said `ready`; with wait, waits until its start deadline, and a worker not ready
-        by then (or one that exited or said something else) gets a `failure`."""
-        if self.ready or self.failure:
-            return self.ready
-        line = self._read_line(max(0.0, self.start_deadline - time.monotonic()) if wait else 0.0)
-        if line == b"ready":
-            self.ready = True
-        elif line is not None:
-            self.failure = f"said {line[:80]!r} instead of 'ready'"
-        elif self.closed:
-            try:  # its output closed: it is exiting (start-up time, not a check's)
-                self.failure = f"exited (status {self.proc.wait(timeout=5.0)}) before saying 'ready'"
-            except subprocess.TimeoutExpired:
-                self.failure = "closed its output without saying 'ready'"
-        elif wait:
-            self.failure = f"did not say 'ready' within {WORKER_START_TIMEOUT_S:.0f}s of being spawned"
-        return self.ready
-
-    def send(self, request: list) -> bool:
-        """Write one request line; False if the worker is gone."""
-        try:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self.closed = True
-            return False
-        return True
-
-    def reply(self, timeout: float) -> bytes | None:
-        """The reply line to the request sent last, or None if none came within timeout (or the worker died)."""
-        return self._read_line(timeout)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            stream.close()
 
 
 def _command(argv: list[str]) -> str:
@@ -141,72 +52,108 @@ def _command(argv: list[str]) -> str:
 
 
 class BoundedPool:
-    """At most `max_workers` concurrent checks, each bounded by its timeout, plus up to `max_workers` stragglers;
-    `spares` idle workers are kept started ahead of need, so a check whose slot a straggler freed (or whose worker
-    was killed) does not wait for a new worker to import sympy."""
+    """Checks in a fast lane of `max_workers` slots (a CPU slice each) and a slow lane of `max_workers` more; see the
+    module docstring. `restarted` counts the checks that restarted in the slow lane."""
 
-    def __init__(self, max_workers: int, spares: int = 0):
+    def __init__(self, max_workers: int):
         self.max_workers = max_workers
-        self.spares = spares
-        self._slots = threading.BoundedSemaphore(max_workers)
-        self._stragglers = threading.BoundedSemaphore(max_workers)  # checks past STRAGGLER_AFTER_S, off the slots
+        self.restarted = 0
+        self._fast = threading.BoundedSemaphore(max_workers)
+        self._slow = threading.BoundedSemaphore(max_workers)
         self._lock = threading.Lock()
-        self._idle: list[_Worker] = []  # started or still starting, none busy
-        self._all: list[_Worker] = []
-        self._ever_ready = False  # some worker has started: a later failure to start is not a broken install
+        self._template_lock = threading.Lock()
+        self._template: Template | None = None
+        self._idle: list[Checker] = []
+        self._all: list[Checker] = []
+        self._generation = 0  # bumped by close(): checks in flight then score False
+        self._wake = threading.Event()  # the filler thread has work: an idle checker was taken, or one was killed
+        self._filler: threading.Thread | None = None
+        self._busy_fast = 0  # checkers answering in the fast lane: with the idle ones, the filler's target
+        self._ever_ready = False  # some template has started: a later failure to start is not a broken install
         self._warned = False
 
-    def _spawn(self) -> _Worker:
-        """A new worker process, registered but not waited for; OSError if the process cannot be created."""
-        worker = _Worker()
+    def _started_template(self) -> Template | None:
+        """The running template, started (and waited for) if there is none; None if it cannot start."""
+        with self._template_lock:
+            if self._template is not None and self._template.proc.poll() is None:
+                return self._template
+            if self._template is not None:
+                self._template.close()
+                self._template = None
+            try:
+                template = Template(TEMPLATE_ARGV)
+            except OSError as err:
+                return self._start_failed(f"could not be spawned ({err})", _command(TEMPLATE_ARGV))
+            why = template.wait_ready(WORKER_START_TIMEOUT_S)
+            if why:
+                template.close()
+                return self._start_failed(why, _command(template.argv))
+            self._ever_ready, self._template = True, template
+            return template
+
+    def _take(self, generation: int) -> Checker | None:
+        """An idle checker, else a new fork; None when none can be had (the check then scores False) or the pool
+        was closed since the check began (its generation)."""
+        with self._lock:
+            if self._generation != generation:
+                return None
+            worker = self._idle.pop() if self._idle else None
+        self._wake.set()  # refill the idle checkers
+        if worker is not None:
+            return worker
+        template = self._started_template()
+        if template is None:
+            return None
+        self._start_filler(generation)
+        worker = template.fork()
+        if isinstance(worker, str):
+            with self._template_lock:  # the template is broken: the next check starts a new one
+                if self._template is template:
+                    template.close()
+                    self._template = None
+            return self._start_failed(worker, _command(template.argv))
         with self._lock:
             self._all.append(worker)
         return worker
 
-    def _discard(self, worker: _Worker) -> None:
-        worker.kill()
+    def _start_filler(self, generation: int) -> None:
+        name = f"verifier-filler-{generation}"  # one per generation: a closed pool's filler ends
         with self._lock:
-            if worker in self._all:
-                self._all.remove(worker)
+            if self._filler is None or not self._filler.is_alive() or self._filler.name != name:
+                self._filler = threading.Thread(target=self._fill, args=(generation,), name=name, daemon=True)
+                self._filler.start()
 
-    def _replace(self) -> None:
-        """Spawn a worker now, for a later check; if even that fails, the next check spawns one itself."""
-        try:
-            worker = self._spawn()
-        except OSError:
-            return
-        with self._lock:
-            self._idle.append(worker)
-
-    def _take(self) -> _Worker | None:
-        """A ready worker: an idle ready one, else a starting one (waited for), else a new one. None when the one
-        taken cannot start (the check then scores False); RuntimeError if no worker has ever started."""
-        with self._lock:
-            worker = next((w for w in reversed(self._idle) if w.poll_ready(wait=False)), None)
-            if worker is None and self._idle:
-                worker = min(self._idle, key=lambda w: w.start_deadline)  # the one spawned first
-            if worker is not None:
-                self._idle.remove(worker)
-            missing = self.spares - len(self._idle) if len(self._all) < 2 * self.max_workers + self.spares else 0
-        for _ in range(missing):  # keep `spares` idle workers starting or ready
-            self._replace()
-        try:
-            worker = worker or self._spawn()
-        except OSError as err:
-            return self._start_failed(f"could not be spawned ({err})", _command(WORKER_ARGV))
-        if worker.poll_ready(wait=True):
-            self._ever_ready = True
-            return worker
-        self._discard(worker)
-        result = self._start_failed(worker.failure, _command(worker.argv))
-        self._replace()  # try again in the background for the next check
-        return result
+    def _fill(self, generation: int) -> None:
+        """Background thread: reap killed checkers and keep max_workers idle ones forked and warmed (a fresh fork's
+        first check pays its copy-on-write page faults: here, not in a check's slice). Ends with the generation."""
+        while True:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            with self._lock:
+                if self._generation != generation:
+                    return
+                template, missing = self._template, self.max_workers - len(self._idle) - self._busy_fast
+            if template is None:
+                continue
+            template.reap()
+            for _ in range(missing):
+                worker = template.fork()
+                if isinstance(worker, str):
+                    break
+                warm = worker.answer(["eq", "x+x", "2x"], WORKER_START_TIMEOUT_S) == b"1"
+                with self._lock:
+                    keep = warm and self._generation == generation and len(self._idle) < self.max_workers
+                    if keep:
+                        self._all.append(worker)
+                        self._idle.append(worker)
+                if not keep:
+                    worker.close()
 
     def _start_failed(self, why: str, command: str) -> None:
-        hint = (f"check that `PYTHONPATH={_SRC_ROOT} {command}` prints 'ready' in a shell (g2rl_jax and sympy must "
+        hint = (f"check that `PYTHONPATH={SRC_ROOT} {command}` prints 'ready' in a shell (g2rl_jax and sympy must "
                 "import; its error shows there), "
                 f"and that memory ({WORKER_MEMORY_BYTES >> 30} GiB address space per worker) and process limits "
-                "(ulimit -u) allow one worker process per core")
+                "(ulimit -u) allow two worker processes per core")
         if not self._ever_ready:
             raise RuntimeError(f"no verifier worker process could start: the first one {why}; {hint}")
         if not self._warned:
@@ -215,60 +162,78 @@ class BoundedPool:
                          "check whose worker cannot start (warned once); %s", why, hint)
         return None
 
+    def _discard(self, worker: Checker) -> None:
+        """Kill a checker this thread holds and close its pipes (the filler reaps it)."""
+        worker.close()
+        self._wake.set()
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)
+
+    def _finish(self, worker: Checker, reply: bytes | None) -> bytes | None:
+        """Keep a checker that answered (up to max_workers idle ones, with what they imported, e.g. a reward
+        function's module), kill one that did not."""
+        with self._lock:
+            keep = reply is not None and worker in self._all and len(self._idle) < self.max_workers
+            if keep:
+                self._idle.append(worker)
+        if not keep:
+            self._discard(worker)
+        return reply
+
     def check(self, pred: str, gold: str, timeout: float) -> bool:
-        """Whether canonical answers pred and gold are equivalent; False if the check exceeds timeout, or if its
-        worker cannot start (after some worker has; RuntimeError if none ever could)."""
-        reply = self.request(["eq", pred, gold], timeout)
-        return reply == b"1"
+        """Whether canonical answers pred and gold are equivalent; False if the check exceeds timeout, or if no
+        checker can be had (after some template has started; RuntimeError if none ever could)."""
+        return self.request(["eq", pred, gold], timeout) == b"1"
 
     def request(self, request: list, timeout: float) -> bytes | None:
-        """A worker's reply line to `request`, or None if it took longer than timeout seconds (the worker is then
-        killed and replaced), the worker died, or no worker could start (after some worker has; RuntimeError if
-        none ever could). Past STRAGGLER_AFTER_S the request moves to the straggler lane when it has room."""
-        self._slots.acquire()
-        holding_slot = True
-        try:
-            worker = self._take()
-            if worker is None or not worker.send(request):
-                if worker is not None:
-                    self._discard(worker)
-                    self._replace()
-                return None
-            start, replaced = time.monotonic(), False
-            reply = worker.reply(min(timeout, STRAGGLER_AFTER_S))
-            if reply is None and not worker.closed and timeout > STRAGGLER_AFTER_S:
-                if self._stragglers.acquire(blocking=False):  # the slot goes to the next check in the queue
-                    self._slots.release()
-                    holding_slot = False
-                    self._replace()  # with a worker of its own, started now
-                    replaced = True
-                    try:
-                        reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
-                    finally:
-                        self._stragglers.release()
-                else:
-                    reply = worker.reply(max(0.0, timeout - (time.monotonic() - start)))
-            if reply is None:
-                self._discard(worker)
-                if not replaced:  # a straggler's replacement was started when it left its slot
-                    self._replace()
+        """A checker's reply line to `request`, or None if it took longer than timeout seconds of computing (the
+        checker is then killed), the checker died, or none could be had. A CPU slice in the fast lane, then the slow
+        lane (module docstring)."""
+        generation = self._generation
+        with self._fast:
+            worker = self._take(generation)
+            if worker is None:
                 return None
             with self._lock:
-                surplus = sum(w.ready for w in self._idle) >= self.max_workers + self.spares  # enough ready ones
-                if not surplus:
-                    self._idle.append(worker)
-            if surplus:
-                self._discard(worker)
-            return reply
-        finally:
-            if holding_slot:
-                self._slots.release()
+                self._busy_fast += 1
+            try:
+                start = time.monotonic()
+                reply = worker.ask(request, timeout)
+                if reply != b"slow":  # its answer within the slice, or nothing within timeout (then killed)
+                    return self._finish(worker, reply)
+                moved = self._slow.acquire(blocking=False)
+                if not moved:
+                    self._discard(worker)  # the fast slot is freed now; the check restarts in the slow lane
+            finally:
+                with self._lock:
+                    self._busy_fast -= 1
+        if moved:
+            try:
+                return self._finish(worker, worker.reply(max(0.0, timeout - (time.monotonic() - start))))
+            finally:
+                self._slow.release()
+        with self._slow:
+            with self._lock:
+                self.restarted += 1
+            worker = self._take(generation)
+            return None if worker is None else self._finish(worker, worker.answer(request, timeout))
 
     def close(self) -> None:
+        """Kill every checker and the template; checks in flight score False, later ones start a new template."""
         with self._lock:
-            workers, self._all, self._idle = self._all, [], []
-        for worker in workers:
+            self._generation += 1
+            self._wake.set()  # the filler of this generation ends
+            busy = [w for w in self._all if w not in self._idle]
+            idle, self._all, self._idle = self._idle, [], []
+        for worker in idle:
+            worker.close()
+        for worker in busy:  # their threads close the pipes when the reply does not come
             worker.kill()
+        with self._template_lock:
+            if self._template is not None:
+                self._template.close()
+                self._template = None
 
 
 _POOL: BoundedPool | None = None
@@ -281,8 +246,7 @@ def get_pool() -> BoundedPool:
     global _POOL, _POOL_PID
     with _POOL_LOCK:
         if _POOL is None or _POOL_PID != os.getpid():
-            cores = os.cpu_count() or 2
-            _POOL, _POOL_PID = BoundedPool(cores, spares=min(cores, 2)), os.getpid()
+            _POOL, _POOL_PID = BoundedPool(os.cpu_count() or 2), os.getpid()
         return _POOL
 
 
@@ -290,63 +254,3 @@ def get_pool() -> BoundedPool:
 def _close_pool() -> None:
     if _POOL is not None and _POOL_PID == os.getpid():
         _POOL.close()
-
-
-def _die_with_parent() -> None:
-    """Exit (SIGKILL of this process) as soon as the parent that spawned it is gone: PR_SET_PDEATHSIG on Linux,
-    and on every platform a daemon thread that watches the parent pid (an orphan is re-parented)."""
-    parent = int(os.environ.get(PARENT_ENV, "0")) or os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass  # the watchdog below still applies
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(WATCHDOG_PERIOD_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if os.getppid() != parent:  # the parent died before the death signal was armed
-        os.kill(os.getpid(), signal.SIGKILL)
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
-def _answer(request: list) -> bytes:
-    """The reply line (without newline) to one request."""
-    op = request[0]
-    if op == "eq":
-        from g2rl_jax.rewards.compare import equivalent_canonical
-        try:
-            return b"1" if equivalent_canonical(request[1], request[2]) else b"0"
-        except Exception:  # noqa: BLE001 -- any failure inside sympy means "not verified", never a crash
-            return b"0"
-    if op == "fp":
-        from g2rl_jax.rewards.compare import fingerprint
-        try:
-            return json.dumps(fingerprint(request[1])).encode()
-        except Exception:  # noqa: BLE001 -- no fingerprint: compared pair by pair instead
-            return b"null"
-    if op in ("fn", "load"):
-        from g2rl_jax.rewards.custom import call_in_worker
-        return json.dumps(call_in_worker(op, *request[1:])).encode()
-    return json.dumps({"error": f"unknown request {op!r}"}).encode()
-
-
-def serve() -> None:
-    """Worker main loop: one JSON request per input line, one reply per output line, until stdin closes."""
-    import resource
-    _die_with_parent()
-    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
-    import g2rl_jax.rewards.compare  # noqa: F401 -- sympy imported before `ready`
-    out = sys.stdout.buffer
-    out.write(b"ready\n")
-    out.flush()
-    for line in sys.stdin.buffer:
-        try:
-            reply = _answer(json.loads(line))
-        except Exception as err:  # noqa: BLE001 -- a malformed request gets an error reply, never a crash
-            reply = json.dumps({"error": f"bad request: {type(err).__name__}: {err}"}).encode()
-        out.write(reply + b"\n")
-        out.flush()

@@ -253,23 +253,33 @@ def read_params(step_dir: str | os.PathLike, abstract_params: Any) -> Any:
     return restored["params"]
 
 
+def base_model_dir(run_or_checkpoint_dir: str | os.PathLike) -> Path:
+    """The base model dir (config and tokenizer) of a run, from its config.yaml's model.path; FileNotFoundError
+    naming it when it is not a Hugging Face model dir here."""
+    from g2rl_jax.demo import resolve_demo_paths
+
+    run_dir = resolve_checkpoint(run_or_checkpoint_dir)[0]
+    path = run_config(run_dir).model.path
+    base_dir = Path(resolve_demo_paths(path, None)[0])  # "demo:DIR" is (re)built at DIR
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {path!r} is not a Hugging Face "
+                                "model directory here; the checkpoint holds only the trained params, so the base "
+                                "model dir (for its config and tokenizer) must exist at that path")
+    return base_dir
+
+
 def load_policy(run_or_checkpoint_dir: str | os.PathLike, *, mesh=None):
     """(model, base_dir): the policy of a training checkpoint, its params restored onto the structure (and `mesh`
     shardings) of `load_pretrained(config.yaml's model.path)` in the run's model dtypes, without remat; base_dir
     holds the base model's config and tokenizer."""
     from flax import nnx
 
-    from g2rl_jax.demo import resolve_demo_paths
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.train.setup import runtime_config
 
     run_dir, step_dir = resolve_checkpoint(run_or_checkpoint_dir)
     model_cfg = run_config(run_dir).model
-    base_dir = Path(resolve_demo_paths(model_cfg.path, None)[0])  # "demo:DIR" is (re)built at DIR
-    if not (base_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {model_cfg.path!r} is not a Hugging Face "
-                                "model directory here; the checkpoint holds only the trained params, so the base "
-                                "model dir (for its config and tokenizer) must exist at that path")
+    base_dir = base_model_dir(run_or_checkpoint_dir)
     runtime = runtime_config(model_cfg, remat="none")
     graphdef, params = nnx.split(load_pretrained(base_dir, model_cfg.param_dtype, runtime=runtime, mesh=mesh))
     return nnx.merge(graphdef, read_params(step_dir, params)), base_dir
