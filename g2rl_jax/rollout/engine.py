@@ -7,12 +7,12 @@ compact the batch between them, so a step costs the slots filled and the samples
            rows = live_rows(state, new_batch); per layer: regroup(...) # compact and/or grow the cache
 
 A segment ends when the cache is full (t_end), when every sample has stopped, or as soon as at most `min_live`
-samples still run (then a smaller batch bucket holds them). Between segments the host (`generate.py`) picks the
-next capacity (a doubling ladder, `capacity_ladder`) and batch bucket (`batch_bucket`), and each layer's K/V
-buffers move to their new shape one layer at a time (the old buffers are donated), so a regroup never holds a
-second copy of the whole cache. Compaction gathers the live rows first (stable order); the first compaction
-also gives each row its own copy of its prompt's prefix (P = rows, m = 1), so rows of different prompts can
-share a batch.
+samples still run (then a smaller batch bucket holds them; only while more than COMPACT_MIN_STEPS steps remain).
+Between segments the host (`generate.py`) picks the next capacity (a doubling ladder, `capacity_ladder`) and
+batch bucket (`batch_bucket`), and each layer's K/V buffers move to their new shape one layer at a time (the old
+buffers are donated), so a regroup never holds a second copy of the whole cache. Compaction gathers the live rows
+first (stable order); the first compaction also gives each row its own copy of its prompt's prefix (P = rows,
+m = 1), so rows of different prompts can share a batch.
 
 Per-sample determinism: token t of sample b (b = p*m + j in the global batch) is drawn with the key
 fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the draws do not depend on the batch
@@ -42,6 +42,10 @@ from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 FIRST_CAPACITY = 128  # suffix slots of the first segment (the budget's bucket when smaller)
+# A segment may end early to compact only while more than this many decode steps remain: a compaction (a gather per
+# layer, and one more segment executable per new batch bucket) cannot pay for itself over a few steps; short
+# budgets (the demo's 8 tokens) then decode in one segment, one batch bucket, one compiled shape.
+COMPACT_MIN_STEPS = 8
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -154,7 +154,8 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     t, level, per_prefix = 1, 0, num_samples
     while True:
         rows = ds.last_B.shape[0]
-        min_live = rows // 2 if rows // 2 >= shards else -1  # end the segment once half the rows could go
+        compactable = rows // 2 >= shards and max_new_tokens - t > engine.COMPACT_MIN_STEPS
+        min_live = rows // 2 if compactable else -1  # end the segment once half the rows could go
         t_end = min(ladder[level] + 1, max_new_tokens)
         ds, suffix, t_dev, live_dev = engine.segment_fn(mesh, G, L)(
             graphdef, state, layers, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,

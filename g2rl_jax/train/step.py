@@ -187,10 +187,12 @@ def _plan(batch: Batch, micro: int, stage: str, padded: bool = False) -> micro_l
         raise StageError(f"{stage}: {err}") from None
 
 
+@functools.partial(jax.jit, static_argnames=("algo",))
 def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None,
                valid_B=None) -> dict[str, jax.Array]:
     """ν, shaped rewards and group advantages [B] for the configured exploration signal (eqs. novelty,
-    shaped-reward, grpo-adv); rewards are regrouped [P, m] and the group functions are vmapped over P.
+    shaped-reward, grpo-adv); rewards are regrouped [P, m] and the group functions are vmapped over P. One
+    program (jitted): run op by op, its dispatches cost the tiny demo more than the math.
     evol only: embeddings_BxE from the embedding model, valid_B (default all) marks responses with an answer."""
     m = batch.group_size
     r_Pxm, correct_Pxm = batch.rewards.reshape(-1, m), batch.correct.reshape(-1, m)
@@ -314,6 +316,19 @@ def accumulate(graphdef, params, acc, mb: MiniBatch, total_tokens, *, settings: 
     return grads_acc, loss_acc + w * loss, diag_acc
 
 
+_DIAG_SHAPES: dict = {}
+
+
+def _diag_shapes(graphdef, params, mb: MiniBatch, settings: LossSettings) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of policy_loss's diagnostics, traced once per (model, settings, micro-batch shapes): a trace per
+    mini-batch cost more host time than the tiny demo's whole update."""
+    leaves, tree = jax.tree.flatten((params, mb))
+    key = (graphdef, settings, tree, tuple((x.shape, x.dtype) for x in leaves))
+    if key not in _DIAG_SHAPES:
+        _DIAG_SHAPES[key] = jax.eval_shape(lambda: policy_loss(params, graphdef, mb, settings)[1])
+    return _DIAG_SHAPES[key]
+
+
 def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False):
     """(grads f32, loss, diagnostics) of a mini-batch, accumulated over its length-grouped `micro`-row micro-batches
     (train.micro): equal to one pass over the whole padded mini-batch, at the cost of the response tokens.
@@ -328,7 +343,7 @@ def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micr
     for rows_X, width in zip(plan.rows_UxX, plan.widths):
         mb = micro_lib.take_micro(mini, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t)
         if acc is None:
-            diag = jax.eval_shape(lambda mb=mb: policy_loss(params, graphdef, mb, settings)[1])
+            diag = _diag_shapes(graphdef, params, mb, settings)
             acc = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params),
                    jnp.zeros((), jnp.float32, device=replicated),
                    {k: jnp.zeros(d.shape, d.dtype, device=replicated) for k, d in diag.items()})
