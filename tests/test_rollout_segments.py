@@ -139,3 +139,16 @@ def test_logprob_drift_matches_numpy():
     np.testing.assert_allclose([got["rollout_logprob_diff_mean"], got["rollout_logprob_diff_max"]],
                                [diff.mean(), diff.max()], rtol=1e-5)
     assert logprob_drift(a, a, np.zeros_like(a)) == {"rollout_logprob_diff_mean": 0.0, "rollout_logprob_diff_max": 0.0}
+
+
+def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
+    """A budget of COMPACT_MIN_STEPS tokens decodes without compacting (one batch bucket, no new segment shape),
+    even though most rows stop early; budget 24 compacts the same prompts."""
+    calls = []
+    real = engine.compact
+    monkeypatch.setattr(engine, "compact", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    kw = dict(KW, stop_token_ids=tuple(range(0, 128, 5)))  # most rows stop within a few tokens
+    short = generate(model, PROMPTS, max_new_tokens=engine.COMPACT_MIN_STEPS, **kw)
+    assert short.finish_reasons.count("stop") >= 20 and calls == [], (short.finish_reasons, calls)
+    generate(model, PROMPTS, max_new_tokens=24, **kw)
+    assert calls, "budget 24 should compact"
