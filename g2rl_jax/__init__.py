@@ -28,7 +28,8 @@ in lower case. This is the one legend; every module uses it.
   E  embedding width (EVOL-RL's encoder)     F  MLP width
   H  query heads     G  key/value heads     R  query heads per key/value head (H / G)     K  head dim
   N  decoder layers                          A  processes (hosts)
-  U  micro-batches of an update              X  rows of one micro-batch
+  U  micro-batches of an update
+  X  rows of a part of the batch: one micro-batch, or the rollout's decode batch bucket (compaction shrinks it)
   Y  pairs of one group's responses, m(m−1)/2
   W  another width, named where it is used: a packed host row, a KV cache's capacity, the response positions
      one micro-batch keeps

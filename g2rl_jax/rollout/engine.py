@@ -49,20 +49,21 @@ COMPACT_MIN_STEPS = 8
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["last_B", "sample_B", "stopped_B", "tokens_NxT", "logprobs_NxT", "lengths_N"],
+                   data_fields=["last_X", "sample_X", "stopped_X", "tokens_BxT", "logprobs_BxT", "lengths_B"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """Rows of the current batch bucket (B) and the outputs of all N = P*m samples (indexed by sample):
-    last_B: the token each row feeds next; sample_B: its sample index; stopped_B: finished (or padding);
-    tokens_NxT / logprobs_NxT: drawn tokens and their log-probs (0 after the end); lengths_N: tokens drawn."""
+    """Rows of the current batch bucket (X, which compaction shrinks) and the outputs of all B = P*m samples
+    (indexed by sample):
+    last_X: the token each row feeds next; sample_X: its sample index; stopped_X: finished (or padding);
+    tokens_BxT / logprobs_BxT: drawn tokens and their log-probs (0 after the end); lengths_B: tokens drawn."""
 
-    last_B: jax.Array
-    sample_B: jax.Array
-    stopped_B: jax.Array
-    tokens_NxT: jax.Array
-    logprobs_NxT: jax.Array
-    lengths_N: jax.Array
+    last_X: jax.Array
+    sample_X: jax.Array
+    stopped_X: jax.Array
+    tokens_BxT: jax.Array
+    logprobs_BxT: jax.Array
+    lengths_B: jax.Array
 
 
 def batch_shards(mesh) -> int:
@@ -85,14 +86,14 @@ def batch_bucket(live: int, shards: int) -> int:
     return shards * (1 << (per_shard - 1).bit_length())
 
 
-def _is_stop(tokens_B, stops_Z):
-    return (tokens_B[:, None] == stops_Z[None, :]).any(-1)
+def _is_stop(tokens_X, stops_Z):
+    return (tokens_X[:, None] == stops_Z[None, :]).any(-1)
 
 
-def _draw(logits_BxV, sample_B, t, key, temperature, top_p, spec: SamplerSpec):
+def _draw(logits_XxV, sample_X, t, key, temperature, top_p, spec: SamplerSpec):
     """Token t of each row's sample with key fold_in(fold_in(key, sample), t), and its log-prob."""
-    keys_B = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(key, s), t))(sample_B)
-    return sample_tokens(logits_BxV, keys_B, temperature, top_p, spec)
+    keys_X = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(key, s), t))(sample_X)
+    return sample_tokens(logits_XxV, keys_X, temperature, top_p, spec)
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -108,13 +109,13 @@ def _start(logits_PxV, key, temperature, top_p, stops_Z, num_real, *, num_sample
            spec: SamplerSpec) -> DecodeState:
     """Token 0 of every sample, drawn from its prompt's prefill logits; samples b >= num_real start stopped."""
     TRACE_COUNTS["start"] += 1
-    N = logits_PxV.shape[0] * num_samples
-    sample_N = jnp.arange(N, dtype=jnp.int32)
-    tok_N, lp_N = _draw(jnp.repeat(logits_PxV, num_samples, axis=0), sample_N, 0, key, temperature, top_p, spec)
-    return DecodeState(last_B=tok_N, sample_B=sample_N, stopped_B=_is_stop(tok_N, stops_Z) | (sample_N >= num_real),
-                       tokens_NxT=jnp.zeros((N, new_tokens), jnp.int32).at[:, 0].set(tok_N),
-                       logprobs_NxT=jnp.zeros((N, new_tokens), jnp.float32).at[:, 0].set(lp_N),
-                       lengths_N=jnp.ones((N,), jnp.int32))
+    B = logits_PxV.shape[0] * num_samples
+    sample_B = jnp.arange(B, dtype=jnp.int32)
+    tok_B, lp_B = _draw(jnp.repeat(logits_PxV, num_samples, axis=0), sample_B, 0, key, temperature, top_p, spec)
+    return DecodeState(last_X=tok_B, sample_X=sample_B, stopped_X=_is_stop(tok_B, stops_Z) | (sample_B >= num_real),
+                       tokens_BxT=jnp.zeros((B, new_tokens), jnp.int32).at[:, 0].set(tok_B),
+                       logprobs_BxT=jnp.zeros((B, new_tokens), jnp.float32).at[:, 0].set(lp_B),
+                       lengths_B=jnp.ones((B,), jnp.int32))
 
 
 def _decode_layers(graphdef, state):
@@ -129,52 +130,52 @@ def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, 
     row is live and more than `min_live` rows are. Returns (state, suffix, t, live rows)."""
     TRACE_COUNTS["segment"] += 1
     model = nnx.merge(graphdef, state)
-    N = ds.lengths_N.shape[0]
+    B = ds.lengths_B.shape[0]
 
     def cond(c):
         t, ds, _ = c
-        live = jnp.sum(~ds.stopped_B)
+        live = jnp.sum(~ds.stopped_X)
         return (t < t_end) & (live > 0) & (live > min_live)
 
     def body(c):
         t, ds, suffix = c
-        logits_BxV, suffix = model.decode_step(ds.last_B, prefix, suffix, step=t - 1, layers=layers)
-        tok_B, lp_B = _draw(logits_BxV, ds.sample_B, t, key, temperature, top_p, spec)
-        live_B = ~ds.stopped_B
-        dest_B = jnp.where(live_B, ds.sample_B, N)  # stopped rows write nowhere (index N is dropped)
+        logits_XxV, suffix = model.decode_step(ds.last_X, prefix, suffix, step=t - 1, layers=layers)
+        tok_X, lp_X = _draw(logits_XxV, ds.sample_X, t, key, temperature, top_p, spec)
+        live_X = ~ds.stopped_X
+        dest_X = jnp.where(live_X, ds.sample_X, B)  # stopped rows write nowhere (index B is dropped)
         ds = DecodeState(
-            last_B=tok_B, sample_B=ds.sample_B, stopped_B=ds.stopped_B | (live_B & _is_stop(tok_B, stops_Z)),
-            tokens_NxT=ds.tokens_NxT.at[dest_B, t].set(tok_B, mode="drop"),
-            logprobs_NxT=ds.logprobs_NxT.at[dest_B, t].set(lp_B, mode="drop"),
-            lengths_N=ds.lengths_N.at[dest_B].add(1, mode="drop"))
+            last_X=tok_X, sample_X=ds.sample_X, stopped_X=ds.stopped_X | (live_X & _is_stop(tok_X, stops_Z)),
+            tokens_BxT=ds.tokens_BxT.at[dest_X, t].set(tok_X, mode="drop"),
+            logprobs_BxT=ds.logprobs_BxT.at[dest_X, t].set(lp_X, mode="drop"),
+            lengths_B=ds.lengths_B.at[dest_X].add(1, mode="drop"))
         return t + 1, ds, suffix
 
     t, ds, suffix = jax.lax.while_loop(cond, body, (t, ds, suffix))
-    return ds, suffix, t, jnp.sum(~ds.stopped_B)
+    return ds, suffix, t, jnp.sum(~ds.stopped_X)
 
 
-def _live_rows(last_B, sample_B, stopped_B, *, rows: int):
+def _live_rows(last_X, sample_X, stopped_X, *, rows: int):
     """The per-row state cut to `rows` rows, live rows first (in their current order), and the old row of each."""
     TRACE_COUNTS["live_rows"] += 1
-    keep_R = jnp.argsort(stopped_B, stable=True)[:rows].astype(jnp.int32)
-    return last_B[keep_R], sample_B[keep_R], stopped_B[keep_R], keep_R
+    keep_X = jnp.argsort(stopped_X, stable=True)[:rows].astype(jnp.int32)
+    return last_X[keep_X], sample_X[keep_X], stopped_X[keep_X], keep_X
 
 
 def compact(mesh, ds: DecodeState, rows: int) -> tuple[DecodeState, jax.Array]:
     """`ds` with its live rows first in a batch of `rows`, and the old row of each new one."""
-    last_R, sample_R, stopped_R, keep_R = live_rows_fn(mesh)(ds.last_B, ds.sample_B, ds.stopped_B, rows=rows)
-    return dataclasses.replace(ds, last_B=last_R, sample_B=sample_R, stopped_B=stopped_R), keep_R
+    last_X, sample_X, stopped_X, keep_X = live_rows_fn(mesh)(ds.last_X, ds.sample_X, ds.stopped_X, rows=rows)
+    return dataclasses.replace(ds, last_X=last_X, sample_X=sample_X, stopped_X=stopped_X), keep_X
 
 
-def _regroup(k_BxGxWxK, v_BxGxWxK, rows_R, *, capacity: int):
-    """One layer's K/V: rows `rows_R` (None: all), padded with empty slots up to `capacity`."""
+def _regroup(k_XxGxWxK, v_XxGxWxK, rows_X, *, capacity: int):
+    """One layer's K/V: rows `rows_X` (None: all), padded with empty slots up to `capacity`."""
     TRACE_COUNTS["regroup"] += 1
 
     def one(x):
-        x = x if rows_R is None else x[rows_R]
+        x = x if rows_X is None else x[rows_X]
         return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - x.shape[2]), (0, 0)))
 
-    return one(k_BxGxWxK), one(v_BxGxWxK)
+    return one(k_XxGxWxK), one(v_XxGxWxK)
 
 
 # ------------------------------------------------------------------------------------------------ shardings
@@ -194,7 +195,7 @@ def batch_sharding(mesh, ndim: int) -> NamedSharding:
 
 def _state_sharding(mesh) -> DecodeState:
     b1, b2 = batch_sharding(mesh, 1), batch_sharding(mesh, 2)
-    return DecodeState(last_B=b1, sample_B=b1, stopped_B=b1, tokens_NxT=b2, logprobs_NxT=b2, lengths_N=b1)
+    return DecodeState(last_X=b1, sample_X=b1, stopped_X=b1, tokens_BxT=b2, logprobs_BxT=b2, lengths_B=b1)
 
 
 def _caches_sharding(mesh, num_kv_heads: int, num_layers: int):
@@ -260,9 +261,9 @@ def regroup_fn(mesh, num_kv_heads: int):
     return jax.jit(_regroup, out_shardings=(kv, kv), **kw)
 
 
-def _gather_rows(x_Bx___, rows_R):
+def _gather_rows(x_Bx___, rows_X):
     TRACE_COUNTS["gather_rows"] += 1
-    return x_Bx___[rows_R]
+    return x_Bx___[rows_X]
 
 
 @functools.lru_cache(maxsize=None)

@@ -136,7 +136,7 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
                temperature, top_p, stop_token_ids, seed, max_new_tokens):
     """Place parameters and prompts on `mesh`, prefill once, decode segment by segment (see engine.py):
-    (tokens [N, T], log-probs [N, T], lengths [N]) as device arrays and the decode steps taken."""
+    (tokens [B, T], log-probs [B, T], lengths [B]) as device arrays and the decode steps taken."""
     cfg = model.config
     G, L, shards = cfg.num_key_value_heads, cfg.num_hidden_layers, engine.batch_shards(mesh)
     graphdef, state = nnx.split(model)
@@ -153,7 +153,7 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     layers = engine.decode_layers_fn(mesh)(graphdef, state)
     t, level, per_prefix = 1, 0, num_samples
     while True:
-        rows = ds.last_B.shape[0]
+        rows = ds.last_X.shape[0]
         compactable = rows // 2 >= shards and max_new_tokens - t > engine.COMPACT_MIN_STEPS
         min_live = rows // 2 if compactable else -1  # end the segment once half the rows could go
         t_end = min(ladder[level] + 1, max_new_tokens)
@@ -162,37 +162,37 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
             top_p, stops, spec=spec)
         t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
         if live == 0 or t >= max_new_tokens:
-            return (ds.tokens_NxT, ds.logprobs_NxT, ds.lengths_N), t
-        keep_R = None
+            return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t
+        keep_X = None
         if live <= min_live:  # compact: live rows into a smaller bucket, each with its own prompt prefix
-            ds, keep_R = engine.compact(mesh, ds, engine.batch_bucket(live, shards))
-            prefix = _take_prefix_rows(mesh, G, prefix, keep_R // per_prefix)
+            ds, keep_X = engine.compact(mesh, ds, engine.batch_bucket(live, shards))
+            prefix = _take_prefix_rows(mesh, G, prefix, keep_X // per_prefix)
             per_prefix = 1
         level += t > ladder[level]  # the cache is full: move to the next capacity
-        suffix = _regroup(engine.regroup_fn(mesh, G), suffix, keep_R, ladder[level])
+        suffix = _regroup(engine.regroup_fn(mesh, G), suffix, keep_X, ladder[level])
 
 
-def _take_prefix_rows(mesh, num_kv_heads, prefix: PrefixCache, rows_R) -> PrefixCache:
-    """Prefix rows `rows_R` (one per batch row), layer by layer."""
-    k, v = _per_layer(engine.regroup_fn(mesh, num_kv_heads), prefix.k, prefix.v, rows_R, prefix.k[0].shape[2])
-    return PrefixCache(k=k, v=v, mask=engine.gather_rows_fn(mesh, 2)(prefix.mask, rows_R),
-                       lengths=engine.gather_rows_fn(mesh, 1)(prefix.lengths, rows_R))
+def _take_prefix_rows(mesh, num_kv_heads, prefix: PrefixCache, rows_X) -> PrefixCache:
+    """Prefix rows `rows_X` (one per batch row), layer by layer."""
+    k, v = _per_layer(engine.regroup_fn(mesh, num_kv_heads), prefix.k, prefix.v, rows_X, prefix.k[0].shape[2])
+    return PrefixCache(k=k, v=v, mask=engine.gather_rows_fn(mesh, 2)(prefix.mask, rows_X),
+                       lengths=engine.gather_rows_fn(mesh, 1)(prefix.lengths, rows_X))
 
 
-def _regroup(fn, suffix: SuffixCache, rows_R, capacity: int) -> SuffixCache:
-    if rows_R is None and capacity == suffix.capacity:
+def _regroup(fn, suffix: SuffixCache, rows_X, capacity: int) -> SuffixCache:
+    if rows_X is None and capacity == suffix.capacity:
         return suffix
-    k, v = _per_layer(fn, suffix.k, suffix.v, rows_R, capacity)
+    k, v = _per_layer(fn, suffix.k, suffix.v, rows_X, capacity)
     return SuffixCache(k=k, v=v)
 
 
-def _per_layer(fn, ks, vs, rows_R, capacity):
+def _per_layer(fn, ks, vs, rows_X, capacity):
     """Move each layer's K/V to its new rows / capacity, one layer at a time, freeing each old buffer at once: the
     peak holds the new cache plus one old layer, never two whole caches."""
     ks, vs = list(ks), list(vs)
     for i in range(len(ks)):
         old = ks[i], vs[i]
-        ks[i], vs[i] = fn(*old, rows_R, capacity=capacity)
+        ks[i], vs[i] = fn(*old, rows_X, capacity=capacity)
         for x in old:
             x.delete()
     return tuple(ks), tuple(vs)
