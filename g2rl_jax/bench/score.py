@@ -115,7 +115,8 @@ def main(argv: list[str]) -> int:
         print(f"| (c) fwd+bwd temp memory: fused vs naive | {gmem_fused / 2**20:.1f} MiB "
               f"| {gmem_naive / 2**20:.1f} MiB "
               f"| {gmem_fused / gmem_naive:.3f} | |")
-    print(f"(f32 logits alone would take {logits_bytes / 2**20:.1f} MiB; lm_head {lm_head.size * lm_head.dtype.itemsize / 2**20:.1f} MiB)")
+    head_mib = lm_head.size * lm_head.dtype.itemsize / 2**20
+    print(f"(f32 logits alone would take {logits_bytes / 2**20:.1f} MiB; lm_head {head_mib:.1f} MiB)")
     return 0
 
 

@@ -1,6 +1,7 @@
 """`python -m g2rl_jax.bench update`: the PPO update alone (`train.step.update`), time and MFU per setting.
 
     python -m g2rl_jax.bench update                       # CPU: a small random model, 8 rows of 32 + 64 tokens
+    python -m g2rl_jax.bench update --hidden 512 --layers 4 --vocab 8192 ...   # another small random model
     python -m g2rl_jax.bench update --preset qwen3-1.7b --rows 32 --prompt-len 256 --response-len 1024 \\
         --variant remat=full,micro=16 --variant remat=dots,micro=16 --peak-tflops 989      # a GPU
     python -m g2rl_jax.bench update --long-tail --rows 16 --response-len 256 \\
@@ -43,6 +44,9 @@ LAYOUTS = ("grouped", "padded")
 def _args(argv):
     p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench update", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="a published Qwen3 size (random weights)")
+    p.add_argument("--hidden", type=int, default=256, help="without --preset: hidden size (heads of 64)")
+    p.add_argument("--layers", type=int, default=2, help="without --preset: decoder layers")
+    p.add_argument("--vocab", type=int, default=32000, help="without --preset: vocabulary size")
     p.add_argument("--rows", type=int, default=8, help="responses in the mini-batch (one optimizer update)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--response-len", type=int, default=64)
@@ -73,9 +77,11 @@ def parse_variant(text: str, rows: int) -> dict:
     return out
 
 
-def _small() -> Qwen3Config:
-    return Qwen3Config(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+def _small(hidden: int, layers: int, vocab: int) -> Qwen3Config:
+    heads = max(1, hidden // 64)
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
+                       tie_word_embeddings=True)
 
 
 def long_tailed_lengths(rows: int, budget: int, seed: int) -> np.ndarray:
@@ -135,16 +141,16 @@ def run_variant(cfg: Qwen3Config, v: dict, mini: train_step.MiniBatch, iters: in
     return times[0], statistics.median(times[1:])
 
 
-def _row(name: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int, peak: float,
-         ratio: str = "") -> str:
+def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int,
+         peak: float, ratio: str = "") -> str:
     mfu = (lambda f: f"{f / warm / 1e12 / peak:.1%}") if peak else (lambda f: "-")  # noqa: E731
-    return (f"| {name} | {first:.1f} | {warm:.3f} | {resp_tokens / warm:,.0f} | {flops / warm / 1e12:.2f} "
+    return (f"| {name} | {widths} | {first:.1f} | {warm:.3f} | {resp_tokens / warm:,.0f} | {flops / warm / 1e12:.2f} "
             f"| {mfu(flops)} | {mfu(resp_flops)} |{ratio}")
 
 
 def main(argv: list[str]) -> int:
     a = _args(argv)
-    cfg = PRESETS[a.preset] if a.preset else _small()
+    cfg = PRESETS[a.preset] if a.preset else _small(a.hidden, a.layers, a.vocab)
     length = a.prompt_len + a.response_len
     batches = {"": np.full(a.rows, a.response_len)}
     if a.long_tail:
@@ -157,21 +163,25 @@ def main(argv: list[str]) -> int:
     flops = train_flops(cfg, a.rows, length)
     print(f"model {cfg.num_params() / 1e6:.1f}M params; {a.rows} rows x ({a.prompt_len} + {a.response_len}) tokens "
           f"per update; {flops / 1e12:.1f} model TFLOP; jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    columns = 8 if a.long_tail else 7
-    print("| variant | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
-          + (" long-tailed / equal |" if a.long_tail else "") + "\n|" + "---|" * columns)
+    columns = 9 if a.long_tail else 8
+    print("| variant | micro-batch widths | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
+          + (" long-tailed / equal: time (FLOP model; time / model) |" if a.long_tail else "")
+          + "\n|" + "---|" * columns)
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
-        warm_by = {}
+        warm_by, flops_by = {}, {}
         for label, lengths in batches.items():
             mask = np.arange(a.response_len)[None] < lengths[:, None]
             plan = micro_lib.plan_micro(mask, v["micro"], padded=v["layout"] == "padded")
-            processed = sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
+            flops_by[label] = sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
             first, warm_by[label] = run_variant(cfg, v, _mini_batch(cfg, a.rows, a.prompt_len, a.response_len,
                                                                     lengths), a.iters)
-            ratio = f" {warm_by['long-tailed'] / warm_by['equal']:.2f} |" if label == "equal" else (
-                " |" if a.long_tail else "")
-            print(_row(f"{name} {label}".strip(), first, warm_by[label], processed,
-                       response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()), a.peak_tflops, ratio))
+            ratio = " |" if a.long_tail else ""
+            if label == "equal":
+                measured, model = warm_by["long-tailed"] / warm_by["equal"], flops_by["long-tailed"] / flops_by["equal"]
+                ratio = f" **{measured:.2f}** ({model:.2f}; {measured / model:.2f}) |"
+            print(_row(f"{name} {label}".strip(), " ".join(map(str, plan.widths)), first, warm_by[label],
+                       flops_by[label], response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()),
+                       a.peak_tflops, ratio))
     return 0
