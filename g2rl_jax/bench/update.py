@@ -15,6 +15,7 @@ still costs (about max/mean when every micro-batch is padded to the longest resp
 (comma-separated remat=, micro=, param_dtype=, attention=, layout=) builds its own model and runs one compiling
 update, then --iters timed ones; all variants run side by side in one process. layout=grouped (default) is the
 trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping).
+--plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything.
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
 tokens * L * heads * head_dim * layers (full-square attention, as `forward`): "MFU" counts every position of the
 padded [rows, L] batch, "resp MFU" only the response tokens (each over its whole sequence S + its length).
@@ -57,6 +58,8 @@ def _args(argv):
     p.add_argument("--variant", action="append", default=[],
                    help="e.g. remat=full,micro=4 (defaults: remat=full, micro=rows/2, param_dtype=float32, "
                         "attention=xla); repeat to compare settings")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print each variant's micro-batch widths and the FLOP model's figures; build and run nothing")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (e.g. 989: H100 bf16)")
     return p.parse_args(argv)
 
@@ -164,9 +167,10 @@ def main(argv: list[str]) -> int:
     print(f"model {cfg.num_params() / 1e6:.1f}M params; {a.rows} rows x ({a.prompt_len} + {a.response_len}) tokens "
           f"per update; {flops / 1e12:.1f} model TFLOP; jax {jax.__version__} on {jax.devices()[0].device_kind}")
     columns = 9 if a.long_tail else 8
-    print("| variant | micro-batch widths | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
-          + (" long-tailed / equal: time (FLOP model; time / model) |" if a.long_tail else "")
-          + "\n|" + "---|" * columns)
+    if not a.plan_only:
+        print("| variant | micro-batch widths | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
+              + (" long-tailed / equal: time (FLOP model; time / model) |" if a.long_tail else "")
+              + "\n|" + "---|" * columns)
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
@@ -175,6 +179,12 @@ def main(argv: list[str]) -> int:
             mask = np.arange(a.response_len)[None] < lengths[:, None]
             plan = micro_lib.plan_micro(mask, v["micro"], padded=v["layout"] == "padded")
             flops_by[label] = sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
+            if a.plan_only:
+                model = f"; FLOP model long-tailed / equal {flops_by['long-tailed'] / flops_by['equal']:.2f}" \
+                    if label == "equal" else ""
+                print(f"{name} {label}: widths {' '.join(map(str, plan.widths))}, "
+                      f"{flops_by[label] / 1e12:.3f} model TFLOP{model}".strip())
+                continue
             first, warm_by[label] = run_variant(cfg, v, _mini_batch(cfg, a.rows, a.prompt_len, a.response_len,
                                                                     lengths), a.iters)
             ratio = " |" if a.long_tail else ""
