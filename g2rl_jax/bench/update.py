@@ -13,7 +13,9 @@ term on. Without --long-tail every response token is real. With --long-tail the 
 runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
 still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
 (comma-separated remat=, micro=, param_dtype=, attention=, layout=) builds its own model and runs one compiling
-update, then --iters timed ones; all variants run side by side in one process. layout=grouped (default) is the
+update per mini-batch, one untimed (the params that the first update returns compile once more), then --iters
+timed ones, alternating between the long-tailed and the equal mini-batch; all
+variants run side by side in one process. layout=grouped (default) is the
 trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping).
 --plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything.
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
@@ -122,26 +124,28 @@ def response_flops(cfg: Qwen3Config, prompt_len: int, lengths) -> float:
     return sum(train_flops(cfg, 1, prompt_len + int(r), tokens=int(r)) for r in lengths)
 
 
-def run_variant(cfg: Qwen3Config, v: dict, mini: train_step.MiniBatch, iters: int) -> tuple[float, float]:
-    """(compile + first call seconds, median warm seconds) of one optimizer update under variant v."""
+def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], iters: int) -> list[tuple[float, float]]:
+    """[(compile + first call seconds, median warm seconds)] of one optimizer update under variant v per mini-batch;
+    the timed updates alternate between the mini-batches, so machine noise hits all of them alike."""
     rt = RuntimeConfig(param_dtype=v["param_dtype"], compute_dtype="bfloat16", remat=v["remat"],
                        attention=v["attention"])
     graphdef, params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
     optimizer = train_step.make_optimizer(OptimConfig(), total_updates=1000)
     opt_state = jax.jit(optimizer.init)(params)
     settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
-    times = []
-    for _ in range(iters + 1):
-        start = time.perf_counter()
-        params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                    settings=settings, micro=v["micro"],
-                                                    padded=v["layout"] == "padded")
-        jax.block_until_ready(info["loss"])
-        times.append(time.perf_counter() - start)
-    assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
+    times = [[] for _ in minis]
+    for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns
+        for mini, t in zip(minis, times):
+            start = time.perf_counter()
+            params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
+                                                        settings=settings, micro=v["micro"],
+                                                        padded=v["layout"] == "padded")
+            jax.block_until_ready(info["loss"])
+            t.append(time.perf_counter() - start)
+            assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
     del params, opt_state
     gc.collect()
-    return times[0], statistics.median(times[1:])
+    return [(t[0], statistics.median(t[2:])) for t in times]
 
 
 def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int,
@@ -174,19 +178,22 @@ def main(argv: list[str]) -> int:
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
-        warm_by, flops_by = {}, {}
-        for label, lengths in batches.items():
-            mask = np.arange(a.response_len)[None] < lengths[:, None]
-            plan = micro_lib.plan_micro(mask, v["micro"], padded=v["layout"] == "padded")
-            flops_by[label] = sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
-            if a.plan_only:
+        plans = {label: micro_lib.plan_micro(np.arange(a.response_len)[None] < lengths[:, None], v["micro"],
+                                             padded=v["layout"] == "padded") for label, lengths in batches.items()}
+        flops_by = {label: sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
+                    for label, plan in plans.items()}
+        if a.plan_only:
+            for label, plan in plans.items():
                 model = f"; FLOP model long-tailed / equal {flops_by['long-tailed'] / flops_by['equal']:.2f}" \
                     if label == "equal" else ""
                 print(f"{name} {label}: widths {' '.join(map(str, plan.widths))}, "
                       f"{flops_by[label] / 1e12:.3f} model TFLOP{model}".strip())
-                continue
-            first, warm_by[label] = run_variant(cfg, v, _mini_batch(cfg, a.rows, a.prompt_len, a.response_len,
-                                                                    lengths), a.iters)
+            continue
+        minis = [_mini_batch(cfg, a.rows, a.prompt_len, a.response_len, lengths) for lengths in batches.values()]
+        results = dict(zip(batches, run_variant(cfg, v, minis, a.iters)))
+        warm_by = {label: warm for label, (_, warm) in results.items()}
+        for label, lengths in batches.items():
+            plan, first = plans[label], results[label][0]
             ratio = " |" if a.long_tail else ""
             if label == "equal":
                 measured, model = warm_by["long-tailed"] / warm_by["equal"], flops_by["long-tailed"] / flops_by["equal"]
