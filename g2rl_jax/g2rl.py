@@ -56,20 +56,35 @@ def _static_chunking(temperature, chunk_size, length):
     return float(temperature), min(chunk_size, length)
 
 
-def _pad_positions(x_BxL, pad):
-    """Pad the sequence axis with zeros up to a whole number of chunks (padded positions are sliced off)."""
-    return jnp.pad(x_BxL, [(0, 0), (0, pad)] + [(0, 0)] * (x_BxL.ndim - 2))
+def _scan_positions(body, carry, per_position, chunk):
+    """carry, ys = body(carry, xs) over consecutive chunks of the position axis (axis 1) of per_position.
 
+    Each chunk is a dynamic slice of the [B, L, ...] inputs and each chunk's outputs ys ([B, C, ...]) are written
+    in place into [B, L, ...] buffers, so neither side is copied into a chunk-major layout; a trailing partial chunk
+    runs once at its own size, so nothing is padded. None entries of per_position stay None.
+    """
+    length = next(x for x in per_position if x is not None).shape[1]
+    n, tail = divmod(length, chunk)
 
-def _to_chunks(x_BxL, chunk):
-    """[B, L, ...] -> [L/chunk, B, chunk, ...], the scan's leading axis; B stays where GSPMD sharded it."""
-    b, length = x_BxL.shape[:2]
-    return jnp.moveaxis(x_BxL.reshape(b, length // chunk, chunk, *x_BxL.shape[2:]), 1, 0)
+    def slices(start, size):
+        return tuple(None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in per_position)
 
+    def write(ys, ys_chunk, start):
+        return jax.tree.map(lambda y, c: jax.lax.dynamic_update_slice_in_dim(y, c, start, axis=1), ys, ys_chunk)
 
-def _from_chunks(x_QxBxC):
-    n, b, c = x_QxBxC.shape[:3]
-    return jnp.moveaxis(x_QxBxC, 0, 1).reshape(b, n * c, *x_QxBxC.shape[3:])
+    _, specs = jax.eval_shape(body, carry, slices(0, chunk))
+    ys = jax.tree.map(lambda s: jnp.zeros((s.shape[0], length, *s.shape[2:]), s.dtype), specs)
+
+    def step(state, i):
+        carry, ys = state
+        carry, ys_chunk = body(carry, slices(i * chunk, chunk))
+        return (carry, write(ys, ys_chunk, i * chunk)), None
+
+    (carry, ys), _ = jax.lax.scan(step, (carry, ys), jnp.arange(n))
+    if tail:
+        carry, ys_chunk = body(carry, slices(n * chunk, tail))
+        ys = write(ys, ys_chunk, n * chunk)
+    return carry, ys
 
 
 def _chunk_logits(h_BxCxD, w_VxD, temperature):
@@ -78,58 +93,58 @@ def _chunk_logits(h_BxCxD, w_VxD, temperature):
     return z_BxCxV / temperature
 
 
-def _onehot(y_BxC, vocab):
-    return y_BxC[..., None] == jnp.arange(vocab)  # e(y_t), fused into its consumers; no gather over V
-
-
-def _chunk_softmax(u_BxCxV, y_BxC):
-    """What every pass shares: t = u − max, e = exp(t) once, s = Σ e, lse = max + log s, log p(y) = u_y − lse."""
+def _chunk_normaliser(u_BxCxV, y_BxC):
+    """m = max u, e = exp(u − m), s = Σ e, lse = m + log s, log p(y) = u_y − lse. Only u and e are [B, C, V]."""
     m_BxC = jnp.max(u_BxCxV, axis=-1)
-    t_BxCxV = u_BxCxV - m_BxC[..., None]
-    e_BxCxV = jnp.exp(t_BxCxV)
+    e_BxCxV = jnp.exp(u_BxCxV - m_BxC[..., None])
     s_BxC = jnp.sum(e_BxCxV, axis=-1)
     lse_BxC = m_BxC + jnp.log(s_BxC)
     u_y_BxC = jnp.take_along_axis(u_BxCxV, y_BxC[..., None], axis=-1)[..., 0]
-    return t_BxCxV, e_BxCxV, s_BxC, lse_BxC, u_y_BxC - lse_BxC
+    return m_BxC, e_BxCxV, s_BxC, lse_BxC, u_y_BxC - lse_BxC
 
 
 def _logprobs_scan(hidden_BxLxD, w_VxD, targets_BxL, temperature, chunk):
     def body(carry, xs):
         h_BxCxD, y_BxC = xs
-        *_, lse_BxC, logp_BxC = _chunk_softmax(_chunk_logits(h_BxCxD, w_VxD, temperature), y_BxC)
+        *_, lse_BxC, logp_BxC = _chunk_normaliser(_chunk_logits(h_BxCxD, w_VxD, temperature), y_BxC)
         return carry, (logp_BxC, lse_BxC)
 
-    _, (logp, lse) = jax.lax.scan(body, None, (_to_chunks(hidden_BxLxD, chunk), _to_chunks(targets_BxL, chunk)))
-    return _from_chunks(logp), _from_chunks(lse)
+    _, (logp, lse) = _scan_positions(body, (), (hidden_BxLxD, targets_BxL), chunk)
+    return logp, lse
 
 
 def _stats_scan(hidden_BxLxD, w_VxD, targets_BxL, alpha_BxL, temperature, chunk):
     def body(q_BxV, xs):  # q accumulates Σ_t α̃_t p_t in vocab space (eqs. seq-feature, efficient)
         h_BxCxD, y_BxC, a_BxC = xs
-        t_BxCxV, e_BxCxV, s_BxC, lse_BxC, logp_BxC = _chunk_softmax(_chunk_logits(h_BxCxD, w_VxD, temperature), y_BxC)
-        ent_BxC = jnp.log(s_BxC) - jnp.sum(e_BxCxV * t_BxCxV, axis=-1) / s_BxC  # H = lse − Σ p u
+        u_BxCxV = _chunk_logits(h_BxCxD, w_VxD, temperature)
+        m_BxC, e_BxCxV, s_BxC, lse_BxC, logp_BxC = _chunk_normaliser(u_BxCxV, y_BxC)
+        # H = log s − Σ p (u − m). The shift is written u + (−m), not reused from e's u − m: a shared u − m would be
+        # a third [B, C, V] buffer, this form fuses into the reduction (bench score, temporary memory)
+        ent_BxC = jnp.log(s_BxC) - jnp.sum(e_BxCxV * (u_BxCxV + (-m_BxC)[..., None]), axis=-1) / s_BxC
         q_BxV = q_BxV + jnp.einsum("bc,bcv->bv", a_BxC / s_BxC, e_BxCxV, preferred_element_type=jnp.float32)
         return q_BxV, (logp_BxC, ent_BxC, lse_BxC)
 
     b, vocab = hidden_BxLxD.shape[0], w_VxD.shape[0]
-    xs = (_to_chunks(hidden_BxLxD, chunk), _to_chunks(targets_BxL, chunk), _to_chunks(alpha_BxL, chunk))
-    q_BxV, (logp, ent, lse) = jax.lax.scan(body, jnp.zeros((b, vocab), jnp.float32), xs)
+    q_BxV, (logp, ent, lse) = _scan_positions(body, jnp.zeros((b, vocab), jnp.float32),
+                                              (hidden_BxLxD, targets_BxL, alpha_BxL), chunk)
     # Σ_t α̃_t e(y_t): one scatter of the weights into vocab space
     onehots_BxV = jnp.zeros((b, vocab), jnp.float32).at[jnp.arange(b)[:, None], targets_BxL].add(alpha_BxL)
     # eq. token-feature summed with α̃: Φ = Wᵀ r, r = Σ_t α̃_t (e(y_t) − p_t), rounded to W's dtype, f32 accumulation
     r_BxV = onehots_BxV - q_BxV
     phi_BxD = jnp.einsum("bv,vd->bd", r_BxV.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
-    return _from_chunks(logp), _from_chunks(ent), _from_chunks(lse), phi_BxD
+    return logp, ent, lse, phi_BxD
 
 
 def _chunk_grads(h_BxCxD, w_VxD, y_BxC, lse_BxC, g_logp_BxC, ent_BxC, g_ent_BxC, temperature):
     """Cotangent of one chunk: d log p(y)/du = e(y) − p, dH/du = −p (log p + H); then through z = W h."""
     u_BxCxV = _chunk_logits(h_BxCxD, w_VxD, temperature)
     logp_BxCxV = u_BxCxV - lse_BxC[..., None]
-    p_BxCxV = jnp.exp(logp_BxCxV)
-    du_BxCxV = g_logp_BxC[..., None] * (_onehot(y_BxC, w_VxD.shape[0]) - p_BxCxV)
+    onehot_BxCxV = y_BxC[..., None] == jnp.arange(w_VxD.shape[0])  # e(y_t), fused into du; no gather over V
+    # du = g_logp e(y) − p (g_logp + g_ent (log p + H)): one fused expression of u, so du is the only other [B, C, V]
+    weight_BxCxV = g_logp_BxC[..., None]
     if g_ent_BxC is not None:
-        du_BxCxV = du_BxCxV - g_ent_BxC[..., None] * p_BxCxV * (logp_BxCxV + ent_BxC[..., None])
+        weight_BxCxV = weight_BxCxV + g_ent_BxC[..., None] * (logp_BxCxV + ent_BxC[..., None])
+    du_BxCxV = jnp.where(onehot_BxCxV, g_logp_BxC[..., None], 0.0) - jnp.exp(logp_BxCxV) * weight_BxCxV
     dz_BxCxV = du_BxCxV / temperature
     dh_BxCxD = jnp.einsum("bcv,vd->bcd", dz_BxCxV.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
     dw_VxD = jnp.einsum("bcv,bcd->vd", dz_BxCxV.astype(h_BxCxD.dtype), h_BxCxD, preferred_element_type=jnp.float32)
@@ -138,14 +153,12 @@ def _chunk_grads(h_BxCxD, w_VxD, y_BxC, lse_BxC, g_logp_BxC, ent_BxC, g_ent_BxC,
 
 def _grads_scan(hidden_BxLxD, w_VxD, targets_BxL, lse_BxL, g_logp_BxL, ent_BxL, g_ent_BxL, temperature, chunk):
     def body(dw_VxD, xs):
-        h, y, lse, g_logp, ent, g_ent = xs
-        dh_BxCxD, dw_chunk = _chunk_grads(h, w_VxD, y, lse, g_logp, ent, g_ent, temperature)
-        return dw_VxD + dw_chunk, dh_BxCxD
+        dh_BxCxD, dw_chunk = _chunk_grads(xs[0], w_VxD, *xs[1:], temperature)
+        return dw_VxD + dw_chunk, (dh_BxCxD,)
 
     per_position = (hidden_BxLxD, targets_BxL, lse_BxL, g_logp_BxL, ent_BxL, g_ent_BxL)
-    xs = tuple(None if x is None else _to_chunks(x, chunk) for x in per_position)
-    dw_VxD, dh = jax.lax.scan(body, jnp.zeros(w_VxD.shape, jnp.float32), xs)
-    return _from_chunks(dh), dw_VxD.astype(w_VxD.dtype)
+    dw_VxD, (dh,) = _scan_positions(body, jnp.zeros(w_VxD.shape, jnp.float32), per_position, chunk)
+    return dh, dw_VxD.astype(w_VxD.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -198,9 +211,7 @@ def token_logprobs(hidden, lm_head, targets, *, temperature=1.0, chunk_size=DEFA
     _check_token_inputs(hidden, lm_head, targets)
     length = hidden.shape[1]
     temperature, chunk = _static_chunking(temperature, chunk_size, length)
-    pad = -length % chunk
-    logp = _fused_logprobs(_pad_positions(hidden, pad), lm_head, _pad_positions(targets, pad), temperature, chunk)
-    return logp[:, :length]
+    return _fused_logprobs(hidden, lm_head, targets, temperature, chunk)
 
 
 def token_stats(hidden, lm_head, targets, mask, *, temperature=1.0, chunk_size=DEFAULT_CHUNK):
@@ -213,12 +224,10 @@ def token_stats(hidden, lm_head, targets, mask, *, temperature=1.0, chunk_size=D
     _check_token_inputs(hidden, lm_head, targets, mask)
     length = hidden.shape[1]
     temperature, chunk = _static_chunking(temperature, chunk_size, length)
-    pad = -length % chunk
     mask_BxL = mask.astype(jnp.float32)
     alpha_BxL = mask_BxL / (jnp.sum(mask_BxL, axis=-1, keepdims=True) + EPS)  # eq. seq-feature, α ≡ 1 on the mask
-    logp, ent, phi = _fused_stats(_pad_positions(hidden, pad), lm_head, _pad_positions(targets, pad),
-                                  _pad_positions(alpha_BxL, pad), temperature, chunk)
-    return logp[:, :length], ent[:, :length], jax.lax.stop_gradient(phi)
+    logp, ent, phi = _fused_stats(hidden, lm_head, targets, alpha_BxL, temperature, chunk)
+    return logp, ent, jax.lax.stop_gradient(phi)
 
 
 # ------------------------------------------------------------------------------------------ group equations

@@ -39,3 +39,15 @@ def test_rollout_long_tail_prints_its_figures(capsys):
     out = capsys.readouterr().out
     for needle in ("lengths mean", "p90", "useful tokens/s", "budget independence", "completions the same"):
         assert needle in out, (needle, out)
+
+
+def test_memory_and_plan_only_modes_print_without_running(capsys):
+    score = ["--batch", "2", "--length", "40", "--dim", "32", "--vocab", "512", "--chunk", "16", "--memory-only"]
+    assert main(["score", *score]) == 0
+    out = capsys.readouterr().out
+    assert "vs the f32 logits" in out and "(c) fwd+bwd temp memory" in out and "(a)" not in out, out
+    update = ["--preset", "qwen3-1.7b", "--rows", "8", "--prompt-len", "16", "--response-len", "512", "--long-tail",
+              "--plan-only", "--variant", "micro=4"]
+    assert main(["update", *update]) == 0
+    out = capsys.readouterr().out
+    assert "widths" in out and "FLOP model long-tailed / equal" in out and "update s" not in out, out

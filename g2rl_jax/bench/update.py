@@ -1,6 +1,7 @@
 """`python -m g2rl_jax.bench update`: the PPO update alone (`train.step.update`), time and MFU per setting.
 
     python -m g2rl_jax.bench update                       # CPU: a small random model, 8 rows of 32 + 64 tokens
+    python -m g2rl_jax.bench update --hidden 512 --layers 4 --vocab 8192 ...   # another small random model
     python -m g2rl_jax.bench update --preset qwen3-1.7b --rows 32 --prompt-len 256 --response-len 1024 \\
         --variant remat=full,micro=16 --variant remat=dots,micro=16 --peak-tflops 989      # a GPU
     python -m g2rl_jax.bench update --long-tail --rows 16 --response-len 256 \\
@@ -12,8 +13,11 @@ term on. Without --long-tail every response token is real. With --long-tail the 
 runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
 still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
 (comma-separated remat=, micro=, param_dtype=, attention=, layout=) builds its own model and runs one compiling
-update, then --iters timed ones; all variants run side by side in one process. layout=grouped (default) is the
+update per mini-batch, one untimed (the params that the first update returns compile once more), then --iters
+timed ones, alternating between the long-tailed and the equal mini-batch; all
+variants run side by side in one process. layout=grouped (default) is the
 trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping).
+--plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything.
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
 tokens * L * heads * head_dim * layers (full-square attention, as `forward`): "MFU" counts every position of the
 padded [rows, L] batch, "resp MFU" only the response tokens (each over its whole sequence S + its length).
@@ -43,6 +47,9 @@ LAYOUTS = ("grouped", "padded")
 def _args(argv):
     p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench update", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="a published Qwen3 size (random weights)")
+    p.add_argument("--hidden", type=int, default=256, help="without --preset: hidden size (heads of 64)")
+    p.add_argument("--layers", type=int, default=2, help="without --preset: decoder layers")
+    p.add_argument("--vocab", type=int, default=32000, help="without --preset: vocabulary size")
     p.add_argument("--rows", type=int, default=8, help="responses in the mini-batch (one optimizer update)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--response-len", type=int, default=64)
@@ -53,6 +60,8 @@ def _args(argv):
     p.add_argument("--variant", action="append", default=[],
                    help="e.g. remat=full,micro=4 (defaults: remat=full, micro=rows/2, param_dtype=float32, "
                         "attention=xla); repeat to compare settings")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print each variant's micro-batch widths and the FLOP model's figures; build and run nothing")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (e.g. 989: H100 bf16)")
     return p.parse_args(argv)
 
@@ -73,9 +82,11 @@ def parse_variant(text: str, rows: int) -> dict:
     return out
 
 
-def _small() -> Qwen3Config:
-    return Qwen3Config(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+def _small(hidden: int, layers: int, vocab: int) -> Qwen3Config:
+    heads = max(1, hidden // 64)
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
+                       tie_word_embeddings=True)
 
 
 def long_tailed_lengths(rows: int, budget: int, seed: int) -> np.ndarray:
@@ -113,38 +124,40 @@ def response_flops(cfg: Qwen3Config, prompt_len: int, lengths) -> float:
     return sum(train_flops(cfg, 1, prompt_len + int(r), tokens=int(r)) for r in lengths)
 
 
-def run_variant(cfg: Qwen3Config, v: dict, mini: train_step.MiniBatch, iters: int) -> tuple[float, float]:
-    """(compile + first call seconds, median warm seconds) of one optimizer update under variant v."""
+def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], iters: int) -> list[tuple[float, float]]:
+    """[(compile + first call seconds, median warm seconds)] of one optimizer update under variant v per mini-batch;
+    the timed updates alternate between the mini-batches, so machine noise hits all of them alike."""
     rt = RuntimeConfig(param_dtype=v["param_dtype"], compute_dtype="bfloat16", remat=v["remat"],
                        attention=v["attention"])
     graphdef, params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
     optimizer = train_step.make_optimizer(OptimConfig(), total_updates=1000)
     opt_state = jax.jit(optimizer.init)(params)
     settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
-    times = []
-    for _ in range(iters + 1):
-        start = time.perf_counter()
-        params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                    settings=settings, micro=v["micro"],
-                                                    padded=v["layout"] == "padded")
-        jax.block_until_ready(info["loss"])
-        times.append(time.perf_counter() - start)
-    assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
+    times = [[] for _ in minis]
+    for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns
+        for mini, t in zip(minis, times):
+            start = time.perf_counter()
+            params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
+                                                        settings=settings, micro=v["micro"],
+                                                        padded=v["layout"] == "padded")
+            jax.block_until_ready(info["loss"])
+            t.append(time.perf_counter() - start)
+            assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
     del params, opt_state
     gc.collect()
-    return times[0], statistics.median(times[1:])
+    return [(t[0], statistics.median(t[2:])) for t in times]
 
 
-def _row(name: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int, peak: float,
-         ratio: str = "") -> str:
+def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int,
+         peak: float, ratio: str = "") -> str:
     mfu = (lambda f: f"{f / warm / 1e12 / peak:.1%}") if peak else (lambda f: "-")  # noqa: E731
-    return (f"| {name} | {first:.1f} | {warm:.3f} | {resp_tokens / warm:,.0f} | {flops / warm / 1e12:.2f} "
+    return (f"| {name} | {widths} | {first:.1f} | {warm:.3f} | {resp_tokens / warm:,.0f} | {flops / warm / 1e12:.2f} "
             f"| {mfu(flops)} | {mfu(resp_flops)} |{ratio}")
 
 
 def main(argv: list[str]) -> int:
     a = _args(argv)
-    cfg = PRESETS[a.preset] if a.preset else _small()
+    cfg = PRESETS[a.preset] if a.preset else _small(a.hidden, a.layers, a.vocab)
     length = a.prompt_len + a.response_len
     batches = {"": np.full(a.rows, a.response_len)}
     if a.long_tail:
@@ -157,21 +170,35 @@ def main(argv: list[str]) -> int:
     flops = train_flops(cfg, a.rows, length)
     print(f"model {cfg.num_params() / 1e6:.1f}M params; {a.rows} rows x ({a.prompt_len} + {a.response_len}) tokens "
           f"per update; {flops / 1e12:.1f} model TFLOP; jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    columns = 8 if a.long_tail else 7
-    print("| variant | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
-          + (" long-tailed / equal |" if a.long_tail else "") + "\n|" + "---|" * columns)
+    columns = 9 if a.long_tail else 8
+    if not a.plan_only:
+        print("| variant | micro-batch widths | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
+              + (" long-tailed / equal: time (FLOP model; time / model) |" if a.long_tail else "")
+              + "\n|" + "---|" * columns)
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
-        warm_by = {}
+        plans = {label: micro_lib.plan_micro(np.arange(a.response_len)[None] < lengths[:, None], v["micro"],
+                                             padded=v["layout"] == "padded") for label, lengths in batches.items()}
+        flops_by = {label: sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
+                    for label, plan in plans.items()}
+        if a.plan_only:
+            for label, plan in plans.items():
+                model = f"; FLOP model long-tailed / equal {flops_by['long-tailed'] / flops_by['equal']:.2f}" \
+                    if label == "equal" else ""
+                print(f"{name} {label}: widths {' '.join(map(str, plan.widths))}, "
+                      f"{flops_by[label] / 1e12:.3f} model TFLOP{model}".strip())
+            continue
+        minis = [_mini_batch(cfg, a.rows, a.prompt_len, a.response_len, lengths) for lengths in batches.values()]
+        results = dict(zip(batches, run_variant(cfg, v, minis, a.iters)))
+        warm_by = {label: warm for label, (_, warm) in results.items()}
         for label, lengths in batches.items():
-            mask = np.arange(a.response_len)[None] < lengths[:, None]
-            plan = micro_lib.plan_micro(mask, v["micro"], padded=v["layout"] == "padded")
-            processed = sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
-            first, warm_by[label] = run_variant(cfg, v, _mini_batch(cfg, a.rows, a.prompt_len, a.response_len,
-                                                                    lengths), a.iters)
-            ratio = f" {warm_by['long-tailed'] / warm_by['equal']:.2f} |" if label == "equal" else (
-                " |" if a.long_tail else "")
-            print(_row(f"{name} {label}".strip(), first, warm_by[label], processed,
-                       response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()), a.peak_tflops, ratio))
+            plan, first = plans[label], results[label][0]
+            ratio = " |" if a.long_tail else ""
+            if label == "equal":
+                measured, model = warm_by["long-tailed"] / warm_by["equal"], flops_by["long-tailed"] / flops_by["equal"]
+                ratio = f" **{measured:.2f}** ({model:.2f}; {measured / model:.2f}) |"
+            print(_row(f"{name} {label}".strip(), " ".join(map(str, plan.widths)), first, warm_by[label],
+                       flops_by[label], response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()),
+                       a.peak_tflops, ratio))
     return 0
