@@ -2,7 +2,8 @@
 configs/demo.yaml` (few steps, the same path), and the full demo in-process with a safe bound on its margin.
 
 Measured on the 2-core CPU (README): held-out mean@4 0.384 -> 0.646 after 200 steps (+0.262; twelve runs of four
-modes and three seeds gained +0.245 to +0.347). The bound below, +0.15, leaves room for CPU-to-CPU numeric differences while still failing if RL stops improving the policy.
+modes and three seeds gained +0.245 to +0.327). The bound below, +0.15, leaves room for CPU-to-CPU numeric
+differences while still failing if RL stops improving the policy.
 """
 import json
 import os
