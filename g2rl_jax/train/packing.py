@@ -10,14 +10,15 @@ their segment (model.qwen3.positions_from_mask, model.attention), so every segme
     grads, loss, diag = packed_gradients(graphdef, params, mini, settings=s, micro=micro)   # == step.gradients
 
 Micro-batch u holds `micro` packed rows (the last one padded with empty rows) cut to the width W_u =
-width_bucket(its fullest row), capped at C. Its model pass gives per-token log-probs (and entropy) on the packed
-[R, W_u] layout (targets: the next token of the row; only positions whose next token is a response token of the
-same segment are read); these scalars are gathered into the [X, T_u] response layout of its X responses (X and T_u
-on ladders too, padded responses have mask 0) and losses.ppo_loss runs as in step.policy_loss. Compiled shapes:
-one per (W_u, X_u, T_u), each from a ladder of a few dozen values. Responses with an empty response_mask cost
+width_bucket(its fullest row), capped at C. After its model pass, the hidden states of the positions that predict a
+response token are gathered into [R, M_u] (M_u = width_bucket(their count / R), so the LM head runs on the response
+tokens only, as in the grouped pass, not on prompts or padding); log-probs (and entropy) there are gathered into the
+[X, T] response layout of its X responses (X: a power of two, padded responses have mask 0; these are per-token
+scalars, so the full T costs little) and losses.ppo_loss runs as in step.policy_loss. Compiled shapes: one per
+(W_u, M_u, X_u), W_u and M_u on micro.width_bucket's ladder, X_u on powers of two. Responses with an empty response_mask cost
 nothing (they add 0 to every sum; the seq-mean modes still divide by all B rows, as step.gradients does).
 Single-process prototype (the plan reads the whole mini-batch's masks on the host). Shape letters: R packed rows
-of a micro-batch, W their width, X responses of a micro-batch, T_u their response width, N = R·W.
+of a micro-batch, W their width, M the predicting positions per packed row, X responses of a micro-batch.
 """
 from __future__ import annotations
 
@@ -35,24 +36,22 @@ from g2rl_jax.train import step as train_step
 
 
 def count_bucket(n: int) -> int:
-    """Ladder for the number of responses in a micro-batch: exact up to 8, then 4 steps per octave (10, 12, ...)."""
-    n = int(n)
-    if n <= 8:
-        return max(n, 1)
-    step = (1 << (n - 1).bit_length()) // 8
-    return -(-n // step) * step
+    """Rows of a micro-batch's response layout for n responses: the next power of two (at least 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["src_RxW", "seg_RxW", "resp_X", "hidx_XxT"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["src_RxW", "seg_RxW", "pred_RxM", "resp_X", "hidx_XxT"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PackedMicro:
     """Index arrays of one packed micro-batch (int32): src_RxW flat index into the mini-batch's input_ids [B·L]
-    (0 at padding); seg_RxW segment ids (0 padding); resp_X the mini-batch row of each response (-1 padding);
-    hidx_XxT flat index into the packed [R·W] layout of the position predicting response token t (0 past it)."""
+    (0 at padding); seg_RxW segment ids (0 padding); pred_RxM flat index into the packed [R·W] layout of the
+    positions that predict a response token (-1 padding); resp_X the mini-batch row of each response (-1 padding);
+    hidx_XxT flat index into pred's [R·M] of the position predicting response token t (0 past the response)."""
 
     src_RxW: np.ndarray
     seg_RxW: np.ndarray
+    pred_RxM: np.ndarray
     resp_X: np.ndarray
     hidx_XxT: np.ndarray
 
@@ -73,8 +72,8 @@ class PackPlan:
 
     @property
     def shapes(self) -> set[tuple[int, int, int]]:
-        """Distinct compiled shapes (W_u, X_u, T_u)."""
-        return {(m.src_RxW.shape[1], *m.hidx_XxT.shape) for m in self.micros}
+        """Distinct compiled shapes (W_u, M_u, X_u)."""
+        return {(m.src_RxW.shape[1], m.pred_RxM.shape[1], m.hidx_XxT.shape[0]) for m in self.micros}
 
 
 def _segments(attention_mask_BxL, response_mask_BxT):
@@ -128,9 +127,11 @@ def plan_packing(attention_mask_BxL, response_mask_BxT, micro: int, *, capacity:
         width = min(micro_lib.width_bucket(max((fill_R[r] for r in rows), default=1)), capacity)
         src_RxW, seg_RxW = np.zeros((micro, width), np.int32), np.zeros((micro, width), np.int32)
         resp = [b for b in np.flatnonzero(row_B >= u * micro) if row_B[b] < (u + 1) * micro]
-        t_u = min(micro_lib.width_bucket(max((resp_B[b] for b in resp), default=1)), t)
+        n_pred = sum(int(resp_B[b]) for b in resp)
+        pred_RxM = np.full((micro, min(micro_lib.width_bucket(-(-n_pred // micro)), width)), -1, np.int32)
         resp_X = np.full(count_bucket(len(resp)), -1, np.int32)
-        hidx_XxT = np.zeros((len(resp_X), t_u), np.int32)
+        hidx_XxT = np.zeros((len(resp_X), t), np.int32)
+        start = 0
         for r in rows:  # segment ids 1, 2, ... in order of offset within each row
             for k, b in enumerate(sorted(np.flatnonzero(row_B == r), key=lambda b: offset_B[b])):
                 o, n, p = offset_B[b], length_B[b], prompt_B[b]
@@ -139,8 +140,10 @@ def plan_packing(attention_mask_BxL, response_mask_BxT, micro: int, *, capacity:
         for x, b in enumerate(resp):
             resp_X[x] = b
             base = (row_B[b] - u * micro) * width + offset_B[b] + prompt_B[b] - 1
-            hidx_XxT[x, :resp_B[b]] = base + np.arange(resp_B[b])
-        micros.append(PackedMicro(src_RxW, seg_RxW, resp_X, hidx_XxT))
+            pred_RxM.reshape(-1)[start:start + resp_B[b]] = base + np.arange(resp_B[b])
+            hidx_XxT[x, :resp_B[b]] = start + np.arange(resp_B[b])
+            start += resp_B[b]
+        micros.append(PackedMicro(src_RxW, seg_RxW, pred_RxM, resp_X, hidx_XxT))
         positions += micro * width
     return PackPlan(row_B, offset_B, length_B, tuple(micros), capacity, positions, positions - int(length_B.sum()))
 
@@ -158,29 +161,31 @@ def packing_counts(batch: train_step.Batch, micro: int, *, capacity: int | None 
 
 
 def _take_responses(x_BxT, pm: PackedMicro):
-    """Rows resp_X of a [B, T] array cut to T_u positions, 0 on padded responses."""
+    """Rows resp_X of a [B, T] array, 0 on padded responses."""
     valid_X = pm.resp_X >= 0
     x_XxT = jnp.take(x_BxT, jnp.maximum(pm.resp_X, 0), axis=0)[:, :pm.hidx_XxT.shape[1]]
     return jnp.where(valid_X[:, None], x_XxT, 0).astype(x_BxT.dtype)
 
 
 def _packed_loss(params, graphdef, mini: train_step.MiniBatch, pm: PackedMicro, s: train_step.LossSettings):
-    """step.policy_loss on one packed micro-batch: model pass on [R, W] with segment masks, per-token scalars
-    gathered into [X, T_u], then losses.ppo_loss with the same arguments."""
+    """step.policy_loss on one packed micro-batch: model pass on [R, W] with segment masks, the LM head on the
+    [R, M] predicting positions, per-token scalars gathered into [X, T], then losses.ppo_loss as there."""
     model = nnx.merge(graphdef, params)
-    ids_RxW = jnp.where(pm.seg_RxW > 0, jnp.take(mini.batch.input_ids.reshape(-1), pm.src_RxW), 0)
-    h_RxWxD = model.hidden_states(ids_RxW, pm.seg_RxW)
-    head = train_step._head(model, h_RxWxD)
-    targets_RxW = jnp.concatenate([ids_RxW[:, 1:], jnp.zeros_like(ids_RxW[:, :1])], axis=1)
+    ids_N = jnp.where(pm.seg_RxW > 0, jnp.take(mini.batch.input_ids.reshape(-1), pm.src_RxW), 0).reshape(-1)
+    h_RxWxD = model.hidden_states(ids_N.reshape(pm.src_RxW.shape), pm.seg_RxW)
+    pred_RxM = jnp.maximum(pm.pred_RxM, 0)
+    h_RxMxD = jnp.take(h_RxWxD.reshape(-1, h_RxWxD.shape[-1]), pred_RxM, axis=0)
+    targets_RxM = jnp.take(ids_N, pred_RxM + 1, mode="clip")  # the next token of the segment
+    head = train_step._head(model, h_RxMxD)
     mask_XxT = _take_responses(mini.batch.response_mask, pm)
     if s.entropy_coef:
-        logp_RxW, ent_RxW, _ = g2rl.token_stats(h_RxWxD, head, targets_RxW, (pm.seg_RxW > 0).astype(jnp.float32),
+        logp_RxM, ent_RxM, _ = g2rl.token_stats(h_RxMxD, head, targets_RxM, (pm.pred_RxM >= 0).astype(jnp.float32),
                                                 temperature=s.temperature, chunk_size=s.chunk)
-        ent = ent_RxW.reshape(-1)[pm.hidx_XxT]
+        ent = ent_RxM.reshape(-1)[pm.hidx_XxT]
     else:
-        logp_RxW = g2rl.token_logprobs(h_RxWxD, head, targets_RxW, temperature=s.temperature, chunk_size=s.chunk)
+        logp_RxM = g2rl.token_logprobs(h_RxMxD, head, targets_RxM, temperature=s.temperature, chunk_size=s.chunk)
         ent = None
-    logp = logp_RxW.reshape(-1)[pm.hidx_XxT]
+    logp = logp_RxM.reshape(-1)[pm.hidx_XxT]
     if s.rollout_is_cap is not None and mini.sampler_logp_BxT is None:
         raise train_step.StageError("update: algorithm.rollout_is_cap needs the sampler's log-probs in the "
                                     "mini-batch (MiniBatch.sampler_logp_BxT = Rollout.logprobs_BxT)")
