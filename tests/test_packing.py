@@ -15,9 +15,8 @@ from flax import nnx
 
 from g2rl_jax import g2rl
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
-from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
+from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig, qwen3
 from g2rl_jax.model import attention as attn
-from g2rl_jax.model import qwen3
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import packing
 from g2rl_jax.train import step as train_step
@@ -155,6 +154,20 @@ def test_segmented_forward_equals_each_segment_alone(model):
                                np.asarray(attn.xla(q, k_, v, seg))[real], rtol=1e-5, atol=1e-5)
 
 
+def test_splash_kernel_takes_segment_masks():
+    """The TPU splash kernel (Pallas interpreter) with a segment mask, against the XLA path (real queries)."""
+    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention",
+                        reason=f"jax {jax.__version__} has no Pallas TPU splash_attention module")
+    rng = np.random.default_rng(4)
+    seg = np.stack([_segment_row(rng, (40, 70, 9), 130)[1], _segment_row(rng, (128,), 130)[1]])
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 130, h, 128)), jnp.float32) for h in (4, 2, 2))
+    with jax.default_matmul_precision("highest"):
+        got = attn.splash(q, k, v, jnp.asarray(seg), interpret=True)
+        ref = attn.xla(q, k, v, jnp.asarray(seg))
+    real = seg > 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(ref)[real], rtol=2e-5, atol=2e-5)
+
+
 # ------------------------------------------------------------------------------------------ the plan
 @pytest.mark.parametrize("seed,micro", [(3, 1), (4, 2), (5, 3)])
 def test_plan_places_every_response_once_within_capacity(seed, micro):
@@ -235,6 +248,22 @@ def test_packed_gradients_equal_one_unpacked_pass(model, unpacked, agg, micro):
         np.testing.assert_allclose(float(diag[key]), float(diag0[key]), rtol=1e-6, atol=1e-7, err_msg=key)
     grouped = train_step.gradients(graphdef, params, mini, settings=_settings(agg), micro=2)
     assert abs(float(loss) / float(grouped[1]) - 1) <= 1e-6 and _rel(grads, grouped[0]) <= 1e-6
+
+
+def test_sequence_ratio_is_cap_and_no_entropy_equal_one_unpacked_pass(model, unpacked):
+    """The other loss paths: GSPO's sequence-level ratio, the truncated IS weight, token_logprobs (no entropy)."""
+    graphdef, params = model
+    mini = unpacked["mini"]
+    mini = dataclasses.replace(mini, sampler_logp_BxT=mini.old_logp_BxT + 0.3 * (mini.ref_logp_BxT - mini.old_logp_BxT))
+    settings = dataclasses.replace(_settings("seq-mean-token-mean"), ratio_level="sequence", rollout_is_cap=1.02,
+                                   entropy_coef=0.0)
+    fn = jax.jit(jax.value_and_grad(train_step.policy_loss, has_aux=True), static_argnums=(1, 3))
+    (loss0, diag0), grads0 = fn(params, graphdef, mini, settings)
+    grads, loss, diag = packing.packed_gradients(graphdef, params, mini, settings=settings, micro=1)
+    assert "entropy" not in diag and float(diag["rollout_is_capped_frac"]) > 0
+    assert abs(float(loss) / float(loss0) - 1) <= 1e-6 and _rel(grads, grads0) <= 1e-6
+    for key in diag0:
+        np.testing.assert_allclose(float(diag[key]), float(diag0[key]), rtol=1e-6, atol=1e-7, err_msg=key)
 
 
 def test_packed_update_equals_update(model, unpacked):

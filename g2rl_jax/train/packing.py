@@ -15,10 +15,11 @@ response token are gathered into [R, M_u] (M_u = width_bucket(their count / R), 
 tokens only, as in the grouped pass, not on prompts or padding); log-probs (and entropy) there are gathered into the
 [X, T] response layout of its X responses (X: a power of two, padded responses have mask 0; these are per-token
 scalars, so the full T costs little) and losses.ppo_loss runs as in step.policy_loss. Compiled shapes: one per
-(W_u, M_u, X_u), W_u and M_u on micro.width_bucket's ladder, X_u on powers of two. Responses with an empty response_mask cost
-nothing (they add 0 to every sum; the seq-mean modes still divide by all B rows, as step.gradients does).
-Single-process prototype (the plan reads the whole mini-batch's masks on the host). Shape letters: R packed rows
-of a micro-batch, W their width, M the predicting positions per packed row, X responses of a micro-batch.
+(W_u, M_u, X_u), W_u and M_u on micro.width_bucket's ladder, X_u on powers of two. Responses with an empty
+response_mask cost nothing (they add 0 to every sum; the seq-mean modes still divide by all B rows, as
+step.gradients does). Single-process prototype (the plan reads the whole mini-batch's masks on the host). Shape
+letters: R packed rows of a micro-batch, W their width, M the predicting positions per packed row, X responses
+of a micro-batch.
 """
 from __future__ import annotations
 
@@ -214,6 +215,18 @@ def accumulate_packed(graphdef, params, acc, mini: train_step.MiniBatch, pm: Pac
     return grads_acc, loss_acc + w * loss, diag_acc
 
 
+_DIAG_SHAPES: dict = {}
+
+
+def _diag_shapes(graphdef, params, mini, pm: PackedMicro, settings) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of _packed_loss's diagnostics, traced once per (model, settings, shapes), as step._diag_shapes."""
+    leaves, tree = jax.tree.flatten((params, mini, pm))
+    key = (graphdef, settings, tree, tuple((x.shape, x.dtype) for x in leaves))
+    if key not in _DIAG_SHAPES:
+        _DIAG_SHAPES[key] = jax.eval_shape(lambda: _packed_loss(params, graphdef, mini, pm, settings)[1])
+    return _DIAG_SHAPES[key]
+
+
 def packed_gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings,
                      micro: int, capacity: int | None = None, plan: PackPlan | None = None):
     """(grads f32, loss, diagnostics) of a mini-batch over packed micro-batches of `micro` rows: equal to
@@ -225,7 +238,7 @@ def packed_gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: 
     for pm in plan.micros:
         pm = jax.tree.map(jnp.asarray, pm)
         if acc is None:
-            diag = jax.eval_shape(lambda: _packed_loss(params, graphdef, mini, pm, settings)[1])
+            diag = _diag_shapes(graphdef, params, mini, pm, settings)
             acc = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), jnp.zeros((), jnp.float32),
                    {k: jnp.zeros(d.shape, d.dtype) for k, d in diag.items()})
         acc = accumulate_packed(graphdef, params, acc, mini, pm, total_tokens, settings=settings, total_rows=rows)
