@@ -111,7 +111,7 @@ def plan_packing(attention_mask_BxL, response_mask_BxT, micro: int, *, capacity:
     """Pack a mini-batch's segments into rows of `capacity` (default S + T) and cut them into micro-batches of
     `micro` packed rows (host numpy in, plan out); see the module docstring."""
     attn = np.asarray(attention_mask_BxL)
-    b_total, seq_len = attn.shape
+    seq_len = attn.shape[1]
     t = np.shape(response_mask_BxT)[1]
     s = seq_len - t
     capacity = seq_len if capacity is None else int(capacity)
