@@ -61,22 +61,25 @@ def model():
     return graphdef, params
 
 
-@pytest.fixture(scope="module")
-def unpacked(model):
-    """Today's computation: one pass over the whole padded batch, autodiff of the whole mini-batch's loss."""
-    graphdef, params = model
-    batch = _long_tailed_batch(0)
+def unpacked_pass(graphdef, params, batch, old_logp_BxT=None) -> dict:
+    """Today's computation: one pass over the whole padded batch, autodiff of the whole mini-batch's loss (old
+    log-probs: those of this pass unless given)."""
     m = nnx.merge(graphdef, params)
     h, y = train_step._response_hidden(m, batch)
     logp, ent, phi = jax.jit(lambda h, y, w, mask: g2rl.token_stats(h, w, y, mask, temperature=0.9))(
         h, y, train_step._head(m, h), batch.response_mask)
     ref = g2rl.token_logprobs(h, train_step._head(m, h), y, temperature=0.9)
-    mini = _mini(batch, logp)
+    mini = _mini(batch, logp if old_logp_BxT is None else jnp.asarray(old_logp_BxT))
     grads = {}
     for agg in AGGS:
         fn = jax.jit(jax.value_and_grad(train_step.policy_loss, has_aux=True), static_argnums=(1, 3))
         grads[agg] = fn(params, graphdef, mini, _settings(agg))
     return {"batch": batch, "scores": (logp, ent, phi), "ref": ref, "mini": mini, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def unpacked(model):
+    return unpacked_pass(*model, _long_tailed_batch(0))
 
 
 def _rel(a_tree, b_tree) -> float:
