@@ -61,22 +61,25 @@ def model():
     return graphdef, params
 
 
-@pytest.fixture(scope="module")
-def unpacked(model):
-    """Today's computation: one pass over the whole padded batch, autodiff of the whole mini-batch's loss."""
-    graphdef, params = model
-    batch = _long_tailed_batch(0)
+def unpacked_pass(graphdef, params, batch, old_logp_BxT=None) -> dict:
+    """Today's computation: one pass over the whole padded batch, autodiff of the whole mini-batch's loss (old
+    log-probs: those of this pass unless given)."""
     m = nnx.merge(graphdef, params)
     h, y = train_step._response_hidden(m, batch)
     logp, ent, phi = jax.jit(lambda h, y, w, mask: g2rl.token_stats(h, w, y, mask, temperature=0.9))(
         h, y, train_step._head(m, h), batch.response_mask)
     ref = g2rl.token_logprobs(h, train_step._head(m, h), y, temperature=0.9)
-    mini = _mini(batch, logp)
+    mini = _mini(batch, logp if old_logp_BxT is None else jnp.asarray(old_logp_BxT))
     grads = {}
     for agg in AGGS:
         fn = jax.jit(jax.value_and_grad(train_step.policy_loss, has_aux=True), static_argnums=(1, 3))
         grads[agg] = fn(params, graphdef, mini, _settings(agg))
     return {"batch": batch, "scores": (logp, ent, phi), "ref": ref, "mini": mini, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def unpacked(model):
+    return unpacked_pass(*model, _long_tailed_batch(0))
 
 
 def _rel(a_tree, b_tree) -> float:
@@ -109,18 +112,61 @@ def test_plan_sorts_rows_and_counts_padding():
     mask, attn = np.asarray(batch.response_mask), np.asarray(batch.attention_mask)
     lengths = mask.sum(1).astype(int)
     plan = micro_lib.plan_micro(mask, 2, attn)
-    assert sorted(plan.rows_UxX.reshape(-1).tolist()) == list(range(B))  # every row once: membership unchanged
-    flat = lengths[plan.rows_UxX.reshape(-1)]
-    assert (np.diff(flat) >= 0).all()
-    for rows, width in zip(plan.rows_UxX, plan.widths):
-        assert width == min(micro_lib.width_bucket(lengths[rows].max()), T)
-    positions = sum(2 * (S + w) for w in plan.widths)
-    padding = sum(int((attn[r, :S + w] == 0).sum()) for rows, w in zip(plan.rows_UxX, plan.widths) for r in rows)
+    flat = np.concatenate(plan.rows)
+    assert sorted(flat.tolist()) == list(range(B))  # every row once: membership unchanged
+    assert (np.diff(lengths[flat]) >= 0).all()
+    for rows, width in zip(plan.rows, plan.widths):
+        assert len(rows) in (1, 2) and width == min(micro_lib.width_bucket(lengths[rows].max()), T)
+    positions = sum(len(rows) * (S + w) for rows, w in zip(plan.rows, plan.widths))
+    padding = sum(int((attn[r, :S + w] == 0).sum()) for rows, w in zip(plan.rows, plan.widths) for r in rows)
     assert (plan.positions, plan.padding) == (positions, padding)
     padded = micro_lib.plan_micro(mask, 2, attn, padded=True)
     assert padded.widths == (T,) * 4 and padded.padding == int((attn == 0).sum())
+    assert [len(r) for r in padded.rows] == [2] * 4
     with pytest.raises(ValueError, match="batch of 8 responses is not a multiple of micro_batch_size=3"):
         micro_lib.plan_micro(mask, 3)
+
+
+def test_row_counts():
+    assert micro_lib.row_counts(16) == (16, 8, 4, 2, 1)
+    assert micro_lib.row_counts(16, min_rows=4) == (16, 8, 4)
+    assert micro_lib.row_counts(6) == (6, 3)
+    assert micro_lib.row_counts(4, min_rows=8) == (4,)
+
+
+def _brute_force_cost(lengths, micro: int, s: int, t: int, sizes) -> float:
+    """Least cost over every cut of the sorted rows into consecutive runs of `sizes` (enumerated, no DP)."""
+    order = np.sort(lengths)
+    best = np.inf
+
+    def cuts(start, cost):
+        nonlocal best
+        if start == len(order):
+            best = min(best, cost)
+        for r in sizes:
+            if start + r <= len(order):
+                width = min(micro_lib.width_bucket(order[start + r - 1]), t)
+                cuts(start + r, cost + (r + micro_lib.OVERHEAD_ROWS) * (s + width))
+
+    cuts(0, 0.0)
+    return best
+
+
+@pytest.mark.parametrize("micro,min_rows", [(4, 1), (8, 1), (8, 2)])
+def test_plan_is_the_least_cost_cut(micro, min_rows):
+    """The dynamic programme finds the cut an exhaustive search finds, over many long-tailed batches of 16 rows."""
+    rng = np.random.default_rng(micro + min_rows)
+    t, s = 512, 32
+    for _ in range(20):
+        lengths = np.minimum(rng.geometric(1 / rng.uniform(8, 128), 16), t)
+        mask = np.arange(t)[None] < lengths[:, None]
+        plan = micro_lib.plan_micro(mask, micro, np.ones((16, s + t), bool), min_rows=min_rows)
+        sizes = [len(r) for r in plan.rows]
+        assert set(sizes) <= set(micro_lib.row_counts(micro, min_rows)) and sum(sizes) == 16
+        cost = sum((len(r) + micro_lib.OVERHEAD_ROWS) * (s + w) for r, w in zip(plan.rows, plan.widths))
+        assert cost == _brute_force_cost(lengths, micro, s, t, micro_lib.row_counts(micro, min_rows))
+    equal = micro_lib.plan_micro(np.ones((16, t), bool), micro, np.ones((16, s + t), bool), min_rows=min_rows)
+    assert [len(r) for r in equal.rows] == [micro] * (16 // micro)  # equal lengths: the fewest micro-batches
 
 
 # ------------------------------------------------------------------------------------------ results unchanged
@@ -139,6 +185,7 @@ def test_score_and_reference_equal_one_unpacked_pass(model, unpacked, micro):
 def test_loss_and_gradients_equal_one_unpacked_pass(model, unpacked, agg, micro):
     graphdef, params = model
     (loss0, diag0), grads0 = unpacked["grads"][agg]
+    assert len({len(r) for r in train_step._plan(unpacked["batch"], micro, "update").rows}) > 1  # uneven micro-batches
     grads, loss, diag = train_step.gradients(graphdef, params, unpacked["mini"], settings=_settings(agg), micro=micro)
     assert abs(float(loss) / float(loss0) - 1) <= 1e-6, (float(loss), float(loss0))
     assert _rel(grads, grads0) <= 1e-6
@@ -153,6 +200,7 @@ def test_on_the_8_device_mesh(unpacked):
     put = lambda t: jax.tree.map(  # noqa: E731
         lambda x: jax.device_put(np.asarray(x), parallel.batch_sharding(mesh, ndim=np.ndim(x))), t)
     batch = put(unpacked["batch"])
+    assert {len(r) for r in micro_lib.plan_for(batch, 8).rows} <= {8, 4}  # rows split over data x fsdp = 4
     scores = train_step.score(graphdef, params, batch, temperature=0.9, micro=4)
     _assert_same_scores(scores, unpacked["scores"], unpacked["batch"].response_mask)
     assert scores.logp_BxT.sharding.is_equivalent_to(batch.response_mask.sharding, 2)
@@ -167,18 +215,21 @@ def test_on_the_8_device_mesh(unpacked):
 
 # ------------------------------------------------------------------------------------------ compiled shapes
 def test_compiled_shapes_are_bounded_by_the_width_ladder(model):
-    """Eight steps of random long-tailed lengths compile one model pass per width used, never more."""
+    """Eight steps of random long-tailed lengths compile one model pass per (rows, width) used, never more, and
+    those come from the row counts x the width ladder."""
     graphdef, params = model
     settings = _settings("token-mean")
     score_before = train_step._score_micro._cache_size()
     grads_before = train_step.accumulate._cache_size()
-    widths = set()
+    shapes = set()
     for seed in range(8):
         batch = _long_tailed_batch(100 + seed)
-        widths |= set(micro_lib.plan_for(batch, 2).widths)
-        scores = train_step.score(graphdef, params, batch, temperature=0.9, micro=2)
-        train_step.gradients(graphdef, params, _mini(batch, scores.logp_BxT), settings=settings, micro=2)
+        plan = micro_lib.plan_for(batch, 4)
+        shapes |= {(len(rows), w) for rows, w in zip(plan.rows, plan.widths)}
+        scores = train_step.score(graphdef, params, batch, temperature=0.9, micro=4)
+        train_step.gradients(graphdef, params, _mini(batch, scores.logp_BxT), settings=settings, micro=4)
     ladder = {min(micro_lib.width_bucket(n), T) for n in range(T + 1)}
-    assert widths <= ladder and len(ladder) == 3  # 16, 32 and the full width 40
-    assert train_step._score_micro._cache_size() - score_before <= len(widths)
-    assert train_step.accumulate._cache_size() - grads_before <= len(widths)
+    assert len(ladder) == 3  # 16, 32 and the full width 40
+    assert shapes <= {(r, w) for r in micro_lib.row_counts(4) for w in ladder} and len(shapes) > 3
+    assert train_step._score_micro._cache_size() - score_before <= len(shapes)
+    assert train_step.accumulate._cache_size() - grads_before <= len(shapes)

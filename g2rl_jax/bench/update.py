@@ -12,11 +12,12 @@ term on. Without --long-tail every response token is real. With --long-tail the 
 (exponential with mean --response-len / 4, capped at --response-len, one row at the cap) and every variant also
 runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
 still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
-(comma-separated remat=, micro=, param_dtype=, attention=, layout=) builds its own model and runs one compiling
-update per mini-batch, one untimed (the params that the first update returns compile once more), then --iters
-timed ones, alternating between the long-tailed and the equal mini-batch; all
-variants run side by side in one process. layout=grouped (default) is the
-trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping).
+(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=) builds its own model and runs one
+compiling update per mini-batch, one untimed (the params that the first update returns compile once more), then
+--iters timed ones, alternating between the long-tailed and the equal mini-batch; all variants run side by side in
+one process. layout=grouped (default) is the trainer's length-grouped micro-batches; layout=padded runs every
+micro-batch at the full width (before grouping); overhead= sets the plan's per-micro-batch cost in rows
+(train.micro.OVERHEAD_ROWS) for that variant.
 --plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything.
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
 tokens * L * heads * head_dim * layers (full-square attention, as `forward`): "MFU" counts every position of the
@@ -40,7 +41,7 @@ from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 
-_KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str}
+_KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float}
 LAYOUTS = ("grouped", "padded")
 
 
@@ -69,7 +70,7 @@ def _args(argv):
 def parse_variant(text: str, rows: int) -> dict:
     """'remat=dots,micro=8' -> {remat, micro, param_dtype, attention}, with defaults for what it leaves out."""
     out = {"remat": "full", "micro": max(1, rows // 2), "param_dtype": "float32", "attention": "xla",
-           "layout": "grouped"}
+           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS)}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in _KEYS:
@@ -148,6 +149,11 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
     return [(t[0], statistics.median(t[2:])) for t in times]
 
 
+def _shapes(plan: micro_lib.MicroPlan) -> str:
+    """'4x32 4x64 2x512': rows x response width of each micro-batch."""
+    return " ".join(f"{len(rows)}x{w}" for rows, w in zip(plan.rows, plan.widths))
+
+
 def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int,
          peak: float, ratio: str = "") -> str:
     mfu = (lambda f: f"{f / warm / 1e12 / peak:.1%}") if peak else (lambda f: "-")  # noqa: E731
@@ -156,7 +162,14 @@ def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_f
 
 
 def main(argv: list[str]) -> int:
-    a = _args(argv)
+    default_overhead = micro_lib.OVERHEAD_ROWS
+    try:
+        return _main(_args(argv))
+    finally:
+        micro_lib.OVERHEAD_ROWS = default_overhead
+
+
+def _main(a: argparse.Namespace) -> int:
     cfg = PRESETS[a.preset] if a.preset else _small(a.hidden, a.layers, a.vocab)
     length = a.prompt_len + a.response_len
     batches = {"": np.full(a.rows, a.response_len)}
@@ -172,21 +185,24 @@ def main(argv: list[str]) -> int:
           f"per update; {flops / 1e12:.1f} model TFLOP; jax {jax.__version__} on {jax.devices()[0].device_kind}")
     columns = 9 if a.long_tail else 8
     if not a.plan_only:
-        print("| variant | micro-batch widths | compile+first s | update s | resp tokens/s | TFLOP/s | MFU | resp MFU |"
+        print("| variant | micro-batches (rows x width) | compile+first s | update s | resp tokens/s | TFLOP/s | MFU "
+              "| resp MFU |"
               + (" long-tailed / equal: time (FLOP model; time / model) |" if a.long_tail else "")
               + "\n|" + "---|" * columns)
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
+        micro_lib.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (restored below)
         plans = {label: micro_lib.plan_micro(np.arange(a.response_len)[None] < lengths[:, None], v["micro"],
-                                             padded=v["layout"] == "padded") for label, lengths in batches.items()}
-        flops_by = {label: sum(train_flops(cfg, v["micro"], a.prompt_len + w) for w in plan.widths)
+                                             np.ones((a.rows, length), bool), padded=v["layout"] == "padded")
+                 for label, lengths in batches.items()}
+        flops_by = {label: sum(train_flops(cfg, len(rows), a.prompt_len + w) for rows, w in zip(plan.rows, plan.widths))
                     for label, plan in plans.items()}
         if a.plan_only:
             for label, plan in plans.items():
                 model = f"; FLOP model long-tailed / equal {flops_by['long-tailed'] / flops_by['equal']:.2f}" \
                     if label == "equal" else ""
-                print(f"{name} {label}: widths {' '.join(map(str, plan.widths))}, "
+                print(f"{name} {label}: rows x widths {_shapes(plan)}, "
                       f"{flops_by[label] / 1e12:.3f} model TFLOP{model}".strip())
             continue
         minis = [_mini_batch(cfg, a.rows, a.prompt_len, a.response_len, lengths) for lengths in batches.values()]
@@ -198,7 +214,7 @@ def main(argv: list[str]) -> int:
             if label == "equal":
                 measured, model = warm_by["long-tailed"] / warm_by["equal"], flops_by["long-tailed"] / flops_by["equal"]
                 ratio = f" **{measured:.2f}** ({model:.2f}; {measured / model:.2f}) |"
-            print(_row(f"{name} {label}".strip(), " ".join(map(str, plan.widths)), first, warm_by[label],
+            print(_row(f"{name} {label}".strip(), _shapes(plan), first, warm_by[label],
                        flops_by[label], response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()),
                        a.peak_tflops, ratio))
     return 0

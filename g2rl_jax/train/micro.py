@@ -3,17 +3,19 @@
 A step's rows are padded to the response width T of its longest completion. Processing each micro-batch at that
 width would spend most of the work on padding when lengths are long-tailed. Instead (verl's "dynamic batch size"):
 
-    plan = plan_micro(response_mask_BxT, micro)   # host: rows sorted by response length, `micro` rows each
-    mb   = take_micro(batch, plan.rows_UxX[u], plan.widths[u])   # micro-batch u: its rows, responses cut to T_u
-    ...  run the model on mb ([micro, S + T_u]) ...
+    plan = plan_micro(response_mask_BxT, micro)   # host: rows sorted by response length, <= `micro` rows each
+    mb   = take_micro(batch, plan.rows[u], plan.widths[u])   # micro-batch u: its rows, responses cut to T_u
+    ...  run the model on mb ([X_u, S + T_u]) ...
     out  = put_micro(out, rows, part_XxT_u)        # scatter its per-token results back into [B, T]
 
 T_u = width_bucket(longest response of micro-batch u), capped at T. Widths come from one fixed ladder (powers of
-two up to MIN_WIDTH, then four steps per octave), so a run compiles the model passes for at most a few dozen
-widths, whatever its length distribution. Only how rows are cut into micro-batches changes: which rows form a
-mini-batch is the caller's business. Cutting trailing response padding changes no real token's result: attention
-is causal and padding keys are masked, so results at positions < T_u are those of the full-width row (results at
-positions a micro-batch does not keep come back as 0).
+two up to MIN_WIDTH, then four steps per octave); a micro-batch holds X_u = micro, micro/2, micro/4, ... rows,
+cut where it costs least (`micro_cost`: a long-tailed batch's few long rows go in small micro-batches instead of
+padding micro-1 shorter rows to the longest). So a run compiles the model passes for at most a few dozen widths
+times a few row counts, whatever its length distribution. Only how rows are cut into micro-batches changes: which
+rows form a mini-batch is the caller's business. Cutting trailing response padding changes no real token's result:
+attention is causal and padding keys are masked, so results at positions < T_u are those of the full-width row
+(results at positions a micro-batch does not keep come back as 0).
 
 `response_mask` decides a row's length (its last 1), so rows whose mask the caller zeroed (filtered groups) cost
 the minimum width. Shape letters: U micro-batches, X rows in one micro-batch (see the legend in `g2rl_jax`).
@@ -30,6 +32,7 @@ import numpy as np
 from g2rl_jax import parallel
 
 MIN_WIDTH = 16  # narrowest response width of a micro-batch
+OVERHEAD_ROWS = 1  # a micro-batch costs as if it held one row more (CPU, 9.8M model: 0.78 rows; see micro_cost)
 STEPS_PER_OCTAVE = 4  # widths between 2^j and 2^(j+1): at most 25% of a micro-batch's width is bucket rounding
 
 
@@ -48,11 +51,11 @@ def width_bucket(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MicroPlan:
-    """rows_UxX [U, X] int32: row indices of micro-batch u (ascending response length); widths [U]: response
-    positions T_u it keeps; positions / padding: sequence positions the micro-batches process, and how many of them
-    are padding (attention mask 0) — counted over [X, S + T_u] per micro-batch."""
+    """rows: U int32 arrays [X_u], the row indices of micro-batch u (ascending response length; X_u <= micro);
+    widths [U]: response positions T_u it keeps; positions / padding: sequence positions the micro-batches process,
+    and how many of them are padding (attention mask 0), counted over [X_u, S + T_u] per micro-batch."""
 
-    rows_UxX: np.ndarray
+    rows: tuple[np.ndarray, ...]
     widths: tuple[int, ...]
     positions: int
     padding: int
@@ -65,37 +68,88 @@ def response_lengths(response_mask_BxT) -> np.ndarray:
     return np.where(mask.any(axis=1), last, 0)
 
 
-def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded: bool = False) -> MicroPlan:
-    """Cut B rows into B/micro micro-batches of rows with similar response lengths (host numpy in, plan out).
+def row_counts(micro: int, min_rows: int = 1) -> tuple[int, ...]:
+    """Rows a micro-batch may hold: micro, micro/2, micro/4, ... while the halving is exact and >= min_rows (the
+    batch's shards, so a micro-batch still splits evenly over the devices); always at least (micro,)."""
+    counts = [micro]
+    while counts[-1] % 2 == 0 and counts[-1] // 2 >= max(min_rows, 1):
+        counts.append(counts[-1] // 2)
+    return tuple(counts)
 
-    padded=True keeps every micro-batch at the full width T with the rows taken by stride (the layout before
-    length grouping; benchmarks use it as the baseline). attention_mask_BxL (host) counts the padding positions."""
+
+def micro_cost(rows: int, positions: int) -> int:
+    """The cost the plan minimises: (rows + OVERHEAD_ROWS) x positions (S + T_u) of one micro-batch. The extra row
+    stands for what a micro-batch pays whatever its rows (weights read forward and backward, launches, the fused
+    pass's sequential chunks); fitted on CPU, t(X, L) = 0.32 ms X L + 0.25 ms L: 0.78 rows."""
+    return (rows + OVERHEAD_ROWS) * positions
+
+
+def _group(lengths_B: np.ndarray, micro: int, prompt_len: int, resp_len: int, min_rows: int):
+    """(rows_by_micro, widths): B rows in ascending length cut into consecutive runs of row_counts sizes, the cut of
+    least total micro_cost (dynamic programming over the sorted rows; each run at the width of its longest row)."""
+    order = np.argsort(lengths_B, kind="stable")
+    sizes = row_counts(micro, min_rows)
+    b = len(order)
+    best = [(0, 0)] + [None] * b  # best[i]: least cost of the first i sorted rows, and the size of its last run
+    for i in range(1, b + 1):
+        for r in sizes:
+            if r <= i and best[i - r] is not None:
+                width = min(width_bucket(int(lengths_B[order[i - 1]])), resp_len)
+                cost = best[i - r][0] + micro_cost(r, prompt_len + width)
+                if best[i] is None or cost < best[i][0]:
+                    best[i] = (cost, r)
+    runs, i = [], b
+    while i:
+        r = best[i][1]
+        runs.append(order[i - r:i])
+        i -= r
+    runs.reverse()
+    return runs, tuple(min(width_bucket(int(lengths_B[rows].max())), resp_len) for rows in runs)
+
+
+def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded: bool = False,
+               min_rows: int = 1) -> MicroPlan:
+    """Cut B rows into micro-batches of at most `micro` rows with similar response lengths (host numpy in, plan out).
+
+    Rows sorted by response length are cut into consecutive runs of micro, micro/2, ... rows (row_counts) so that
+    the total micro_cost is least: a long-tailed batch puts its few long rows in small micro-batches instead of
+    padding micro-1 shorter rows to the longest. padded=True keeps `micro` rows per micro-batch at the full width T
+    with the rows taken by stride (the layout before length grouping; benchmarks use it as the baseline).
+    attention_mask_BxL (host) gives the prompt width S (else 0) and counts the padding positions."""
     mask = np.asarray(response_mask_BxT)
     b, t = mask.shape
     if micro < 1 or b % micro:
         raise ValueError(f"a batch of {b} responses is not a multiple of micro_batch_size={micro}; choose a "
                          "micro_batch_size that divides it")
     lengths_B = response_lengths(mask)
+    s = 0 if attention_mask_BxL is None else np.shape(attention_mask_BxL)[1] - t
     if padded:
-        rows_UxX = np.arange(b).reshape(micro, b // micro).T
+        rows_by_micro = list(np.arange(b).reshape(micro, b // micro).T)
         widths = (t,) * (b // micro)
     else:
-        rows_UxX = np.argsort(lengths_B, kind="stable").reshape(b // micro, micro)
-        widths = tuple(min(width_bucket(int(lengths_B[r].max())), t) for r in rows_UxX)
+        rows_by_micro, widths = _group(lengths_B, micro, s, t, min_rows)
     positions = padding = 0
     if attention_mask_BxL is not None:
         attn = np.asarray(attention_mask_BxL) != 0
-        s = attn.shape[1] - t
-        for rows, width in zip(rows_UxX, widths):
-            positions += micro * (s + width)
-            padding += micro * (s + width) - int(attn[rows, :s + width].sum())
-    return MicroPlan(rows_UxX.astype(np.int32), widths, positions, padding)
+        for rows, width in zip(rows_by_micro, widths):
+            positions += len(rows) * (s + width)
+            padding += len(rows) * (s + width) - int(attn[rows, :s + width].sum())
+    return MicroPlan(tuple(np.asarray(r, np.int32) for r in rows_by_micro), widths, positions, padding)
 
 
 def plan_for(batch, micro: int, *, padded: bool = False) -> MicroPlan:
-    """plan_micro for a (global, possibly multi-host) Batch; every process computes the same plan."""
+    """plan_micro for a (global, possibly multi-host) Batch; every process computes the same plan. Micro-batches
+    keep at least as many rows as the batch has row shards."""
     return plan_micro(parallel.gather(batch.response_mask), micro, parallel.gather(batch.attention_mask),
-                      padded=padded)
+                      padded=padded, min_rows=row_shards(batch.rewards))
+
+
+def row_shards(x) -> int:
+    """How many shards x's rows are split into (1 without a NamedSharding)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not len(sharding.spec):
+        return 1
+    return int(np.prod([sharding.mesh.shape[a] for a in np.atleast_1d(sharding.spec[0] or ())], dtype=int))
 
 
 def _rows_like(x, like):
@@ -104,8 +158,7 @@ def _rows_like(x, like):
     if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.spec == jax.sharding.PartitionSpec():
         return x
     spec = jax.sharding.PartitionSpec(sharding.spec[0], *([None] * (x.ndim - 1)))
-    parts = np.prod([sharding.mesh.shape[a] for a in np.atleast_1d(spec[0] or ())], dtype=int)
-    if x.shape[0] % parts:
+    if x.shape[0] % row_shards(like):
         return x
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(sharding.mesh, spec))
 

@@ -138,7 +138,7 @@ def _per_micro(batch: Batch, plan: micro_lib.MicroPlan, run):
     micro-batch kept are 0."""
     b, t = batch.response_mask.shape
     full = None
-    for rows_X, width in zip(plan.rows_UxX, plan.widths):
+    for rows_X, width in zip(plan.rows, plan.widths):
         part = run(micro_lib.take_micro(batch, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t))
         if full is None:
             full = ([_zeros_rows(batch.rewards, (b, t)) for _ in part[0]],
@@ -340,7 +340,7 @@ def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micr
         if isinstance(batch.rewards.sharding, jax.sharding.NamedSharding) else batch.rewards.sharding
     acc = None
     total_tokens = jnp.sum(batch.response_mask)
-    for rows_X, width in zip(plan.rows_UxX, plan.widths):
+    for rows_X, width in zip(plan.rows, plan.widths):
         mb = micro_lib.take_micro(mini, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t)
         if acc is None:
             diag = _diag_shapes(graphdef, params, mb, settings)
