@@ -39,10 +39,11 @@ from flax import nnx
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import packing
 from g2rl_jax.train import step as train_step
 
 _KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float}
-LAYOUTS = ("grouped", "padded")
+LAYOUTS = ("grouped", "padded", "packed")
 
 
 def _args(argv):
@@ -138,9 +139,13 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
     for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns
         for mini, t in zip(minis, times):
             start = time.perf_counter()
-            params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                        settings=settings, micro=v["micro"],
-                                                        padded=v["layout"] == "padded")
+            if v["layout"] == "packed":
+                params, opt_state, info = packing.packed_update(graphdef, params, opt_state, mini, optimizer=optimizer,
+                                                                settings=settings, micro=v["micro"])
+            else:
+                params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
+                                                            settings=settings, micro=v["micro"],
+                                                            padded=v["layout"] == "padded")
             jax.block_until_ready(info["loss"])
             t.append(time.perf_counter() - start)
             assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
@@ -149,9 +154,26 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
     return [(t[0], statistics.median(t[2:])) for t in times]
 
 
-def _shapes(plan: micro_lib.MicroPlan) -> str:
-    """'4x32 4x64 2x512': rows x response width of each micro-batch."""
+def _shapes(plan) -> str:
+    """'4x32 4x64 2x512': rows x response width of each micro-batch (packed: packed rows x their width)."""
+    if isinstance(plan, packing.PackPlan):
+        return " ".join(f"{m.src_RxW.shape[0]}x{m.src_RxW.shape[1]}p" for m in plan.micros)
     return " ".join(f"{len(rows)}x{w}" for rows, w in zip(plan.rows, plan.widths))
+
+
+def _plan(v: dict, lengths, rows: int, prompt_len: int, response_len: int):
+    """The micro-batch plan of a variant for response lengths `lengths` (prompts all real)."""
+    mask = np.arange(response_len)[None] < lengths[:, None]
+    attn = np.ones((rows, prompt_len + response_len), bool)
+    if v["layout"] == "packed":
+        return packing.plan_packing(attn, mask, v["micro"])
+    return micro_lib.plan_micro(mask, v["micro"], attn, padded=v["layout"] == "padded")
+
+
+def _plan_flops(cfg, plan, prompt_len: int) -> float:
+    if isinstance(plan, packing.PackPlan):
+        return sum(train_flops(cfg, *m.src_RxW.shape) for m in plan.micros)
+    return sum(train_flops(cfg, len(rows), prompt_len + w) for rows, w in zip(plan.rows, plan.widths))
 
 
 def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int,
@@ -193,11 +215,8 @@ def _main(a: argparse.Namespace) -> int:
         v = parse_variant(text, a.rows)
         name = ",".join(f"{k}={v[k]}" for k in _KEYS)
         micro_lib.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (restored below)
-        plans = {label: micro_lib.plan_micro(np.arange(a.response_len)[None] < lengths[:, None], v["micro"],
-                                             np.ones((a.rows, length), bool), padded=v["layout"] == "padded")
-                 for label, lengths in batches.items()}
-        flops_by = {label: sum(train_flops(cfg, len(rows), a.prompt_len + w) for rows, w in zip(plan.rows, plan.widths))
-                    for label, plan in plans.items()}
+        plans = {label: _plan(v, lengths, a.rows, a.prompt_len, a.response_len) for label, lengths in batches.items()}
+        flops_by = {label: _plan_flops(cfg, plan, a.prompt_len) for label, plan in plans.items()}
         if a.plan_only:
             for label, plan in plans.items():
                 model = f"; FLOP model long-tailed / equal {flops_by['long-tailed'] / flops_by['equal']:.2f}" \
