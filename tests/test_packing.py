@@ -180,7 +180,7 @@ def test_plan_places_every_response_once_within_capacity(seed, micro):
     assert (plan.row_B[~live] == -1).all() and (plan.row_B[live] >= 0).all()
     seen = []
     for u, pm in enumerate(plan.micros):
-        r_, w = pm.src_RxW.shape
+        r_, w = pm.src_OxW.shape
         assert r_ == micro and w <= S + T
         for x, b in enumerate(pm.resp_X):
             if b < 0:
@@ -189,23 +189,23 @@ def test_plan_places_every_response_once_within_capacity(seed, micro):
             seen.append(b)
             prompt = attn_BxL[b, :S].sum()
             assert plan.length_B[b] == prompt + lengths[b]
-            flat_src = pm.src_RxW.reshape(-1)
+            flat_src = pm.src_OxW.reshape(-1)
             # the position predicting response token t holds token t - 1 of the response (the prompt's last for 0)
             want_prev = np.concatenate([[b * (S + T) + S - 1], b * (S + T) + S + np.arange(lengths[b] - 1)])
-            pred = pm.pred_RxM.reshape(-1)[pm.hidx_XxT[x, :lengths[b]]]
+            pred = pm.pred_OxM.reshape(-1)[pm.hidx_XxT[x, :lengths[b]]]
             np.testing.assert_array_equal(flat_src[pred], want_prev)
             np.testing.assert_array_equal(flat_src[pred + 1], b * (S + T) + S + np.arange(lengths[b]))
-            seg = pm.seg_RxW.reshape(-1)[pred]
+            seg = pm.seg_OxW.reshape(-1)[pred]
             assert len(set(seg.tolist())) == 1 and seg[0] > 0
         for r in range(r_):  # segments of a row do not overlap and fit; padding is segment 0
             fill = sum(int(plan.length_B[b]) for b in np.flatnonzero(plan.row_B == u * micro + r))
-            assert fill <= plan.capacity and (pm.seg_RxW[r] > 0).sum() == fill
-            assert (ids[pm.src_RxW[r][pm.seg_RxW[r] > 0]] != 0).all()
-        assert sorted(pm.pred_RxM[pm.pred_RxM >= 0].tolist()) == sorted(  # the LM head sees each response token once
-            pm.pred_RxM.reshape(-1)[pm.hidx_XxT[pm.resp_X >= 0]][(np.arange(pm.hidx_XxT.shape[1])[None]
+            assert fill <= plan.capacity and (pm.seg_OxW[r] > 0).sum() == fill
+            assert (ids[pm.src_OxW[r][pm.seg_OxW[r] > 0]] != 0).all()
+        assert sorted(pm.pred_OxM[pm.pred_OxM >= 0].tolist()) == sorted(  # the LM head sees each response token once
+            pm.pred_OxM.reshape(-1)[pm.hidx_XxT[pm.resp_X >= 0]][(np.arange(pm.hidx_XxT.shape[1])[None]
                                                                   < lengths[pm.resp_X[pm.resp_X >= 0]][:, None])])
     assert sorted(seen) == np.flatnonzero(live).tolist()  # every response exactly once
-    assert plan.positions == sum(micro * pm.src_RxW.shape[1] for pm in plan.micros)
+    assert plan.positions == sum(micro * pm.src_OxW.shape[1] for pm in plan.micros)
     assert plan.padding == plan.positions - int((attn_BxL[live, :S].sum() + lengths.sum()))
     grouped = micro_lib.plan_micro(resp_BxT, 2, attn_BxL)
     assert plan.positions - plan.padding == grouped.positions - grouped.padding - int(attn_BxL[~live, :S].sum())

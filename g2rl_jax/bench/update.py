@@ -157,7 +157,7 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
 def _shapes(plan) -> str:
     """'4x32 4x64 2x512': rows x response width of each micro-batch (packed: packed rows x their width)."""
     if isinstance(plan, packing.PackPlan):
-        return " ".join(f"{m.src_RxW.shape[0]}x{m.src_RxW.shape[1]}p" for m in plan.micros)
+        return " ".join(f"{m.src_OxW.shape[0]}x{m.src_OxW.shape[1]}p" for m in plan.micros)
     return " ".join(f"{len(rows)}x{w}" for rows, w in zip(plan.rows, plan.widths))
 
 
@@ -172,7 +172,7 @@ def _plan(v: dict, lengths, rows: int, prompt_len: int, response_len: int):
 
 def _plan_flops(cfg, plan, prompt_len: int) -> float:
     if isinstance(plan, packing.PackPlan):
-        return sum(train_flops(cfg, *m.src_RxW.shape) for m in plan.micros)
+        return sum(train_flops(cfg, *m.src_OxW.shape) for m in plan.micros)
     return sum(train_flops(cfg, len(rows), prompt_len + w) for rows, w in zip(plan.rows, plan.widths))
 
 

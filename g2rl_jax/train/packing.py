@@ -11,14 +11,14 @@ their segment (model.qwen3.positions_from_mask, model.attention), so every segme
 
 Micro-batch u holds `micro` packed rows (the last one padded with empty rows) cut to the width W_u =
 width_bucket(its fullest row), capped at C. After its model pass, the hidden states of the positions that predict a
-response token are gathered into [R, M_u] (M_u = width_bucket(their count / R), so the LM head runs on the response
+response token are gathered into [O, M_u] (M_u = width_bucket(their count / O), so the LM head runs on the response
 tokens only, as in the grouped pass, not on prompts or padding); log-probs (and entropy) there are gathered into the
 [X, T] response layout of its X responses (X: a power of two, padded responses have mask 0; these are per-token
 scalars, so the full T costs little) and losses.ppo_loss runs as in step.policy_loss. Compiled shapes: one per
 (W_u, M_u, X_u), W_u and M_u on micro.width_bucket's ladder, X_u on powers of two. Responses with an empty
 response_mask cost nothing (they add 0 to every sum; the seq-mean modes still divide by all B rows, as
 step.gradients does). Single-process prototype (the plan reads the whole mini-batch's masks on the host). Shape
-letters: R packed rows of a micro-batch, W their width, M the predicting positions per packed row, X responses
+letters: O packed rows of a micro-batch, W their width, M the predicting positions per packed row, X responses
 of a micro-batch.
 """
 from __future__ import annotations
@@ -42,17 +42,17 @@ def count_bucket(n: int) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["src_RxW", "seg_RxW", "pred_RxM", "resp_X", "hidx_XxT"], meta_fields=[])
+                   data_fields=["src_OxW", "seg_OxW", "pred_OxM", "resp_X", "hidx_XxT"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PackedMicro:
-    """Index arrays of one packed micro-batch (int32): src_RxW flat index into the mini-batch's input_ids [B·L]
-    (0 at padding); seg_RxW segment ids (0 padding); pred_RxM flat index into the packed [R·W] layout of the
+    """Index arrays of one packed micro-batch (int32): src_OxW flat index into the mini-batch's input_ids [B·L]
+    (0 at padding); seg_OxW segment ids (0 padding); pred_OxM flat index into the packed [O·W] layout of the
     positions that predict a response token (-1 padding); resp_X the mini-batch row of each response (-1 padding);
-    hidx_XxT flat index into pred's [R·M] of the position predicting response token t (0 past the response)."""
+    hidx_XxT flat index into pred's [O·M] of the position predicting response token t (0 past the response)."""
 
-    src_RxW: np.ndarray
-    seg_RxW: np.ndarray
-    pred_RxM: np.ndarray
+    src_OxW: np.ndarray
+    seg_OxW: np.ndarray
+    pred_OxM: np.ndarray
     resp_X: np.ndarray
     hidx_XxT: np.ndarray
 
@@ -74,7 +74,7 @@ class PackPlan:
     @property
     def shapes(self) -> set[tuple[int, int, int]]:
         """Distinct compiled shapes (W_u, M_u, X_u)."""
-        return {(m.src_RxW.shape[1], m.pred_RxM.shape[1], m.hidx_XxT.shape[0]) for m in self.micros}
+        return {(m.src_OxW.shape[1], m.pred_OxM.shape[1], m.hidx_XxT.shape[0]) for m in self.micros}
 
 
 def _segments(attention_mask_BxL, response_mask_BxT):
@@ -92,19 +92,19 @@ def _segments(attention_mask_BxL, response_mask_BxT):
 
 
 def _first_fit_decreasing(length_B, capacity: int):
-    """Host: (row_B, offset_B, fill_R) placing each segment of length > 0 in the first row with room (longest first)."""
+    """Host: (row_B, offset_B, fill_O) placing each segment of length > 0 in the first row with room (longest first)."""
     row_B, offset_B = np.full(len(length_B), -1), np.full(len(length_B), -1)
-    fill_R: list[int] = []
+    fill_O: list[int] = []
     for b in np.argsort(-length_B, kind="stable"):
         n = int(length_B[b])
         if n == 0:
             continue
-        r = next((r for r, f in enumerate(fill_R) if f + n <= capacity), len(fill_R))
-        if r == len(fill_R):
-            fill_R.append(0)
-        row_B[b], offset_B[b] = r, fill_R[r]
-        fill_R[r] += n
-    return row_B, offset_B, np.asarray(fill_R, int)
+        r = next((r for r, f in enumerate(fill_O) if f + n <= capacity), len(fill_O))
+        if r == len(fill_O):
+            fill_O.append(0)
+        row_B[b], offset_B[b] = r, fill_O[r]
+        fill_O[r] += n
+    return row_B, offset_B, np.asarray(fill_O, int)
 
 
 def plan_packing(attention_mask_BxL, response_mask_BxT, micro: int, *, capacity: int | None = None) -> PackPlan:
@@ -121,30 +121,30 @@ def plan_packing(attention_mask_BxL, response_mask_BxT, micro: int, *, capacity:
     length_B = np.where(resp_B > 0, prompt_B + resp_B, 0)
     if length_B.max(initial=0) > capacity:
         raise ValueError(f"packing: a segment of {length_B.max()} tokens does not fit a row of capacity {capacity}")
-    row_B, offset_B, fill_R = _first_fit_decreasing(length_B, capacity)
+    row_B, offset_B, fill_O = _first_fit_decreasing(length_B, capacity)
     micros, positions = [], 0
-    for u in range(max(-(-len(fill_R) // micro), 1)):
-        rows = range(u * micro, min((u + 1) * micro, len(fill_R)))
-        width = min(micro_lib.width_bucket(max((fill_R[r] for r in rows), default=1)), capacity)
-        src_RxW, seg_RxW = np.zeros((micro, width), np.int32), np.zeros((micro, width), np.int32)
+    for u in range(max(-(-len(fill_O) // micro), 1)):
+        rows = range(u * micro, min((u + 1) * micro, len(fill_O)))
+        width = min(micro_lib.width_bucket(max((fill_O[r] for r in rows), default=1)), capacity)
+        src_OxW, seg_OxW = np.zeros((micro, width), np.int32), np.zeros((micro, width), np.int32)
         resp = [b for b in np.flatnonzero(row_B >= u * micro) if row_B[b] < (u + 1) * micro]
         n_pred = sum(int(resp_B[b]) for b in resp)
-        pred_RxM = np.full((micro, min(micro_lib.width_bucket(-(-n_pred // micro)), width)), -1, np.int32)
+        pred_OxM = np.full((micro, min(micro_lib.width_bucket(-(-n_pred // micro)), width)), -1, np.int32)
         resp_X = np.full(count_bucket(len(resp)), -1, np.int32)
         hidx_XxT = np.zeros((len(resp_X), t), np.int32)
         start = 0
         for r in rows:  # segment ids 1, 2, ... in order of offset within each row
             for k, b in enumerate(sorted(np.flatnonzero(row_B == r), key=lambda b: offset_B[b])):
                 o, n, p = offset_B[b], length_B[b], prompt_B[b]
-                src_RxW[r - u * micro, o:o + n] = b * seq_len + np.arange(s - p, s + resp_B[b])
-                seg_RxW[r - u * micro, o:o + n] = k + 1
+                src_OxW[r - u * micro, o:o + n] = b * seq_len + np.arange(s - p, s + resp_B[b])
+                seg_OxW[r - u * micro, o:o + n] = k + 1
         for x, b in enumerate(resp):
             resp_X[x] = b
             base = (row_B[b] - u * micro) * width + offset_B[b] + prompt_B[b] - 1
-            pred_RxM.reshape(-1)[start:start + resp_B[b]] = base + np.arange(resp_B[b])
+            pred_OxM.reshape(-1)[start:start + resp_B[b]] = base + np.arange(resp_B[b])
             hidx_XxT[x, :resp_B[b]] = start + np.arange(resp_B[b])
             start += resp_B[b]
-        micros.append(PackedMicro(src_RxW, seg_RxW, pred_RxM, resp_X, hidx_XxT))
+        micros.append(PackedMicro(src_OxW, seg_OxW, pred_OxM, resp_X, hidx_XxT))
         positions += micro * width
     return PackPlan(row_B, offset_B, length_B, tuple(micros), capacity, positions, positions - int(length_B.sum()))
 
@@ -169,24 +169,24 @@ def _take_responses(x_BxT, pm: PackedMicro):
 
 
 def _packed_loss(params, graphdef, mini: train_step.MiniBatch, pm: PackedMicro, s: train_step.LossSettings):
-    """step.policy_loss on one packed micro-batch: model pass on [R, W] with segment masks, the LM head on the
-    [R, M] predicting positions, per-token scalars gathered into [X, T], then losses.ppo_loss as there."""
+    """step.policy_loss on one packed micro-batch: model pass on [O, W] with segment masks, the LM head on the
+    [O, M] predicting positions, per-token scalars gathered into [X, T], then losses.ppo_loss as there."""
     model = nnx.merge(graphdef, params)
-    ids_N = jnp.where(pm.seg_RxW > 0, jnp.take(mini.batch.input_ids.reshape(-1), pm.src_RxW), 0).reshape(-1)
-    h_RxWxD = model.hidden_states(ids_N.reshape(pm.src_RxW.shape), pm.seg_RxW)
-    pred_RxM = jnp.maximum(pm.pred_RxM, 0)
-    h_RxMxD = jnp.take(h_RxWxD.reshape(-1, h_RxWxD.shape[-1]), pred_RxM, axis=0)
-    targets_RxM = jnp.take(ids_N, pred_RxM + 1, mode="clip")  # the next token of the segment
-    head = train_step._head(model, h_RxMxD)
+    ids_OW = jnp.where(pm.seg_OxW > 0, jnp.take(mini.batch.input_ids.reshape(-1), pm.src_OxW), 0).reshape(-1)
+    h_OxWxD = model.hidden_states(ids_OW.reshape(pm.src_OxW.shape), pm.seg_OxW)
+    pred_OxM = jnp.maximum(pm.pred_OxM, 0)
+    h_OxMxD = jnp.take(h_OxWxD.reshape(-1, h_OxWxD.shape[-1]), pred_OxM, axis=0)
+    targets_OxM = jnp.take(ids_OW, pred_OxM + 1, mode="clip")  # the next token of the segment
+    head = train_step._head(model, h_OxMxD)
     mask_XxT = _take_responses(mini.batch.response_mask, pm)
     if s.entropy_coef:
-        logp_RxM, ent_RxM, _ = g2rl.token_stats(h_RxMxD, head, targets_RxM, (pm.pred_RxM >= 0).astype(jnp.float32),
+        logp_OxM, ent_OxM, _ = g2rl.token_stats(h_OxMxD, head, targets_OxM, (pm.pred_OxM >= 0).astype(jnp.float32),
                                                 temperature=s.temperature, chunk_size=s.chunk)
-        ent = ent_RxM.reshape(-1)[pm.hidx_XxT]
+        ent = ent_OxM.reshape(-1)[pm.hidx_XxT]
     else:
-        logp_RxM = g2rl.token_logprobs(h_RxMxD, head, targets_RxM, temperature=s.temperature, chunk_size=s.chunk)
+        logp_OxM = g2rl.token_logprobs(h_OxMxD, head, targets_OxM, temperature=s.temperature, chunk_size=s.chunk)
         ent = None
-    logp = logp_RxM.reshape(-1)[pm.hidx_XxT]
+    logp = logp_OxM.reshape(-1)[pm.hidx_XxT]
     if s.rollout_is_cap is not None and mini.sampler_logp_BxT is None:
         raise train_step.StageError("update: algorithm.rollout_is_cap needs the sampler's log-probs in the "
                                     "mini-batch (MiniBatch.sampler_logp_BxT = Rollout.logprobs_BxT)")
