@@ -14,7 +14,7 @@ width_bucket(its fullest row), capped at C. After its model pass, the hidden sta
 response token are gathered into [O, M_u] (M_u = width_bucket(their count / O), so the LM head runs on the response
 tokens only, as in the grouped pass, not on prompts or padding); log-probs (and entropy) there are gathered into the
 [X, T] response layout of its X responses (X: a power of two, padded responses have mask 0; these are per-token
-scalars, so the full T costs little) and losses.ppo_loss runs as in step.policy_loss. Compiled shapes: one per
+scalars, so the full T costs little) and step.loss_from_logprobs runs as in step.policy_loss. Compiled shapes: one per
 (W_u, M_u, X_u), W_u and M_u on micro.width_bucket's ladder, X_u on powers of two. Responses with an empty
 response_mask cost nothing (they add 0 to every sum; the seq-mean modes still divide by all B rows, as
 step.gradients does). Single-process prototype (the plan reads the whole mini-batch's masks on the host). Shape
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from g2rl_jax import g2rl, losses, parallel
+from g2rl_jax import g2rl, parallel
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 
@@ -187,17 +187,10 @@ def _packed_loss(params, graphdef, mini: train_step.MiniBatch, pm: PackedMicro, 
         logp_OxM = g2rl.token_logprobs(h_OxMxD, head, targets_OxM, temperature=s.temperature, chunk_size=s.chunk)
         ent = None
     logp = logp_OxM.reshape(-1)[pm.hidx_XxT]
-    if s.rollout_is_cap is not None and mini.sampler_logp_BxT is None:
-        raise train_step.StageError("update: algorithm.rollout_is_cap needs the sampler's log-probs in the "
-                                    "mini-batch (MiniBatch.sampler_logp_BxT = Rollout.logprobs_BxT)")
     adv_X = jnp.where(pm.resp_X >= 0, jnp.take(mini.advantages_B, jnp.maximum(pm.resp_X, 0)), 0.0)
-    return losses.ppo_loss(
-        logp, _take_responses(mini.old_logp_BxT, pm), adv_X, mask_XxT, clip_low=s.clip_low,
-        clip_high=s.clip_high, dual_clip=s.dual_clip, agg=s.agg, entropy=ent, entropy_coef=s.entropy_coef,
-        ref_logp=_take_responses(mini.ref_logp_BxT, pm) if s.kl_coef else None, kl_coef=s.kl_coef,
-        kl_kind=s.kl_kind, ratio_level=s.ratio_level,
-        sampler_logp=_take_responses(mini.sampler_logp_BxT, pm) if s.rollout_is_cap is not None else None,
-        is_cap=s.rollout_is_cap)
+    sampler = None if mini.sampler_logp_BxT is None else _take_responses(mini.sampler_logp_BxT, pm)
+    return train_step.loss_from_logprobs(logp, ent, _take_responses(mini.old_logp_BxT, pm),
+                                         _take_responses(mini.ref_logp_BxT, pm), sampler, adv_X, mask_XxT, s)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows"), donate_argnames=("acc",))
@@ -205,14 +198,9 @@ def accumulate_packed(graphdef, params, acc, mini: train_step.MiniBatch, pm: Pac
                       settings: train_step.LossSettings, total_rows: int):
     """acc + this packed micro-batch's weighted (gradients, loss, diagnostics), as step.accumulate: w its share of
     the mini-batch loss (its tokens, or its X_u response rows, padded ones adding 0), w_tokens its share of tokens."""
-    grads_acc, loss_acc, diag_acc = acc
     (loss, diag), grads = jax.value_and_grad(_packed_loss, has_aux=True)(params, graphdef, mini, pm, settings)
-    mask_XxT = _take_responses(mini.batch.response_mask, pm)
-    w = train_step._micro_weight(mask_XxT, settings.agg, total_tokens, total_rows)
-    w_tokens = train_step._micro_weight(mask_XxT, "token-mean", total_tokens, total_rows)
-    grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
-    diag_acc = {k: diag_acc[k] + (w if k == "pg_loss" else w_tokens) * d for k, d in diag.items()}
-    return grads_acc, loss_acc + w * loss, diag_acc
+    return train_step.add_micro(acc, grads, loss, diag, _take_responses(mini.batch.response_mask, pm), settings.agg,
+                                total_tokens, total_rows)
 
 
 _DIAG_SHAPES: dict = {}

@@ -277,14 +277,22 @@ def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
                                         chunk_size=s.chunk)
     else:
         logp, ent = g2rl.token_logprobs(h, head, targets, temperature=s.temperature, chunk_size=s.chunk), None
-    if s.rollout_is_cap is not None and mb.sampler_logp_BxT is None:
+    return loss_from_logprobs(logp, ent, mb.old_logp_BxT, mb.ref_logp_BxT, mb.sampler_logp_BxT, mb.advantages_B,
+                              batch.response_mask, s)
+
+
+def loss_from_logprobs(logp_BxT, entropy_BxT, old_logp_BxT, ref_logp_BxT, sampler_logp_BxT, advantages_B, mask_BxT,
+                       s: LossSettings):
+    """losses.ppo_loss with the settings s (eq. grpo-obj) on per-token log-probs (entropy: None without the bonus)
+    of some responses and their old / reference / sampler log-probs, advantages and response mask."""
+    if s.rollout_is_cap is not None and sampler_logp_BxT is None:
         raise StageError("update: algorithm.rollout_is_cap needs the sampler's log-probs in the mini-batch "
                          "(MiniBatch.sampler_logp_BxT = Rollout.logprobs_BxT)")
     return losses.ppo_loss(
-        logp, mb.old_logp_BxT, mb.advantages_B, batch.response_mask, clip_low=s.clip_low, clip_high=s.clip_high,
-        dual_clip=s.dual_clip, agg=s.agg, entropy=ent, entropy_coef=s.entropy_coef,
-        ref_logp=mb.ref_logp_BxT if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind,
-        ratio_level=s.ratio_level, sampler_logp=mb.sampler_logp_BxT if s.rollout_is_cap is not None else None,
+        logp_BxT, old_logp_BxT, advantages_B, mask_BxT, clip_low=s.clip_low, clip_high=s.clip_high,
+        dual_clip=s.dual_clip, agg=s.agg, entropy=entropy_BxT, entropy_coef=s.entropy_coef,
+        ref_logp=ref_logp_BxT if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind,
+        ratio_level=s.ratio_level, sampler_logp=sampler_logp_BxT if s.rollout_is_cap is not None else None,
         is_cap=s.rollout_is_cap)
 
 
@@ -306,11 +314,17 @@ def accumulate(graphdef, params, acc, mb: MiniBatch, total_tokens, *, settings: 
     """acc + w·(loss, gradients, pg_loss) + w_tokens·(token-mean diagnostics) of one micro-batch: w its share of
     the mini-batch's loss (_micro_weight), w_tokens its share of the tokens. acc = (grads f32 like params, loss,
     diagnostics). Compiled once per micro-batch shape [X, S + T_u] (and loss settings)."""
-    grads_acc, loss_acc, diag_acc = acc
     (loss, diag), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, graphdef, mb, settings)
-    w = _micro_weight(mb.batch.response_mask, settings.agg, total_tokens, total_rows)
+    return add_micro(acc, grads, loss, diag, mb.batch.response_mask, settings.agg, total_tokens, total_rows)
+
+
+def add_micro(acc, grads, loss, diag, mask_XxT, agg: str, total_tokens, total_rows: int):
+    """acc + one micro-batch's (gradients, loss, diagnostics), weighted by its share of the mini-batch (its
+    response mask mask_XxT; padded responses, all-zero rows, count as rows in the seq-mean modes)."""
+    grads_acc, loss_acc, diag_acc = acc
+    w = _micro_weight(mask_XxT, agg, total_tokens, total_rows)
     grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
-    w_tokens = _micro_weight(mb.batch.response_mask, "token-mean", total_tokens, total_rows)
+    w_tokens = _micro_weight(mask_XxT, "token-mean", total_tokens, total_rows)
     # pg_loss is aggregated like the loss; every other diagnostic is a token mean whatever the mode
     diag_acc = {k: diag_acc[k] + (w if k == "pg_loss" else w_tokens) * d for k, d in diag.items()}
     return grads_acc, loss_acc + w * loss, diag_acc
