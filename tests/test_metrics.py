@@ -131,7 +131,7 @@ def _wandb_history(run_dir):
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    data, pos, chunk, out = path.read_bytes(), 7, b"", {}
+    data, pos, chunk, out, kinds = path.read_bytes(), 7, b"", {}, []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block tail too short for a chunk header is padding
             pos += 32768 - pos % 32768
@@ -141,16 +141,17 @@ def _wandb_history(run_dir):
         if kind in (1, 4):  # a FULL chunk or the LAST of a split record
             record = pb.Record.FromString(chunk)
             chunk = b""
+            kinds.append(record.WhichOneof("record_type"))
             if record.WhichOneof("record_type") == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                 out[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
-    return out
+    return out, f"{path.name}: {len(data)} bytes, records {kinds}"
 
 
 def test_wandb_offline(tmp_path, monkeypatch):
     """run.loggers with wandb, in W&B's offline mode (no network): the scalars land in the run's local log, and
     a resumed writer continues the same W&B run id."""
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = {"run": {"output_dir": str(tmp_path)}, "algorithm": {"lam": 0.5}}
@@ -158,12 +159,14 @@ def test_wandb_offline(tmp_path, monkeypatch):
     for step in (1, 2):
         writer.write(step, _scalars(step) | {"bad": float("nan")})
     writer.close()
-    history = _wandb_history(tmp_path)
-    assert sorted(history) == [1, 2]
+    wandb.teardown()  # what the end of a training process does (atexit): W&B's service has written all it got
+    history, seen = _wandb_history(tmp_path)
+    assert sorted(history) == [1, 2], seen
     assert history[2] == pytest.approx({k: float(v) for k, v in _scalars(2).items()})  # NaN left out
     run_id = (tmp_path / M.WANDB_ID_FILE).read_text().strip()
     writer = M.MetricsWriter(tmp_path, start_step=2, loggers=("jsonl", "wandb"), config=config)
     writer.close()
+    wandb.teardown()
     assert (tmp_path / M.WANDB_ID_FILE).read_text().strip() == run_id
     assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1
 
