@@ -170,7 +170,7 @@ def _take_responses(x_BxT, pm: PackedMicro):
 
 def _packed_loss(params, graphdef, mini: train_step.MiniBatch, pm: PackedMicro, s: train_step.LossSettings):
     """step.policy_loss on one packed micro-batch: model pass on [O, W] with segment masks, the LM head on the
-    [O, M] predicting positions, per-token scalars gathered into [X, T], then losses.ppo_loss as there."""
+    [O, M] predicting positions, per-token scalars gathered into [X, T], then step.loss_from_logprobs as there."""
     model = nnx.merge(graphdef, params)
     ids_OW = jnp.where(pm.seg_OxW > 0, jnp.take(mini.batch.input_ids.reshape(-1), pm.src_OxW), 0).reshape(-1)
     h_OxWxD = model.hidden_states(ids_OW.reshape(pm.src_OxW.shape), pm.seg_OxW)
@@ -203,18 +203,6 @@ def accumulate_packed(graphdef, params, acc, mini: train_step.MiniBatch, pm: Pac
                                 total_tokens, total_rows)
 
 
-_DIAG_SHAPES: dict = {}
-
-
-def _diag_shapes(graphdef, params, mini, pm: PackedMicro, settings) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes of _packed_loss's diagnostics, traced once per (model, settings, shapes), as step._diag_shapes."""
-    leaves, tree = jax.tree.flatten((params, mini, pm))
-    key = (graphdef, settings, tree, tuple((x.shape, x.dtype) for x in leaves))
-    if key not in _DIAG_SHAPES:
-        _DIAG_SHAPES[key] = jax.eval_shape(lambda: _packed_loss(params, graphdef, mini, pm, settings)[1])
-    return _DIAG_SHAPES[key]
-
-
 def packed_gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings,
                      micro: int, capacity: int | None = None, plan: PackPlan | None = None):
     """(grads f32, loss, diagnostics) of a mini-batch over packed micro-batches of `micro` rows: equal to
@@ -226,9 +214,7 @@ def packed_gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: 
     for pm in plan.micros:
         pm = jax.tree.map(jnp.asarray, pm)
         if acc is None:
-            diag = _diag_shapes(graphdef, params, mini, pm, settings)
-            acc = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), jnp.zeros((), jnp.float32),
-                   {k: jnp.zeros(d.shape, d.dtype) for k, d in diag.items()})
+            acc = train_step.zero_accumulator(_packed_loss, graphdef, params, (mini, pm), settings, mini.batch.rewards)
         acc = accumulate_packed(graphdef, params, acc, mini, pm, total_tokens, settings=settings, total_rows=rows)
     return acc
 

@@ -333,14 +333,26 @@ def add_micro(acc, grads, loss, diag, mask_XxT, agg: str, total_tokens, total_ro
 _DIAG_SHAPES: dict = {}
 
 
-def _diag_shapes(graphdef, params, mb: MiniBatch, settings: LossSettings) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes of policy_loss's diagnostics, traced once per (model, settings, micro-batch shapes): a trace per
-    mini-batch cost more host time than the tiny demo's whole update."""
-    leaves, tree = jax.tree.flatten((params, mb))
-    key = (graphdef, settings, tree, tuple((x.shape, x.dtype) for x in leaves))
+def _diag_shapes(loss_fn, graphdef, params, data: tuple, settings: LossSettings) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of the diagnostics of loss_fn(params, graphdef, *data, settings), traced once per (loss, model,
+    settings, shapes): a trace per mini-batch cost more host time than the tiny demo's whole update."""
+    leaves, tree = jax.tree.flatten((params, data))
+    key = (loss_fn, graphdef, settings, tree, tuple((x.shape, x.dtype) for x in leaves))
     if key not in _DIAG_SHAPES:
-        _DIAG_SHAPES[key] = jax.eval_shape(lambda: policy_loss(params, graphdef, mb, settings)[1])
+        _DIAG_SHAPES[key] = jax.eval_shape(lambda: loss_fn(params, graphdef, *data, settings)[1])
     return _DIAG_SHAPES[key]
+
+
+def zero_accumulator(loss_fn, graphdef, params, data: tuple, settings: LossSettings, rows_B):
+    """The (grads f32 like params, loss, diagnostics) zeros that add_micro accumulates into, for the loss
+    loss_fn(params, graphdef, *data, settings); scalars on rows_B's mesh, replicated."""
+    sharding = rows_B.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    diag = _diag_shapes(loss_fn, graphdef, params, data, settings)
+    return (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params),
+            jnp.zeros((), jnp.float32, device=sharding),
+            {k: jnp.zeros(d.shape, d.dtype, device=sharding) for k, d in diag.items()})
 
 
 def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False):
@@ -350,17 +362,12 @@ def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micr
     batch = mini.batch
     rows, t = batch.response_mask.shape
     plan = _plan(batch, micro, "update", padded)
-    replicated = jax.sharding.NamedSharding(batch.rewards.sharding.mesh, jax.sharding.PartitionSpec()) \
-        if isinstance(batch.rewards.sharding, jax.sharding.NamedSharding) else batch.rewards.sharding
     acc = None
     total_tokens = jnp.sum(batch.response_mask)
     for rows_X, width in zip(plan.rows, plan.widths):
         mb = micro_lib.take_micro(mini, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t)
         if acc is None:
-            diag = _diag_shapes(graphdef, params, mb, settings)
-            acc = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params),
-                   jnp.zeros((), jnp.float32, device=replicated),
-                   {k: jnp.zeros(d.shape, d.dtype, device=replicated) for k, d in diag.items()})
+            acc = zero_accumulator(policy_loss, graphdef, params, (mb,), settings, batch.rewards)
         acc = accumulate(graphdef, params, acc, mb, total_tokens, settings=settings, total_rows=rows)
         _serialize_across_processes(acc)
     return acc
