@@ -32,7 +32,8 @@ import numpy as np
 from g2rl_jax import parallel
 
 MIN_WIDTH = 16  # narrowest response width of a micro-batch
-OVERHEAD_ROWS = 1  # a micro-batch costs as if it held one row more (CPU, 9.8M model: 0.78 rows; see micro_cost)
+OVERHEAD_ROWS = 1  # a micro-batch costs as if it held one row more (2-core CPU, 9.8M model: 0.78 rows under
+#                   load, about 1.5 idle; see micro_cost and README Performance)
 STEPS_PER_OCTAVE = 4  # widths between 2^j and 2^(j+1): at most 25% of a micro-batch's width is bucket rounding
 
 
@@ -80,7 +81,7 @@ def row_counts(micro: int, min_rows: int = 1) -> tuple[int, ...]:
 def micro_cost(rows: int, positions: int) -> int:
     """The cost the plan minimises: (rows + OVERHEAD_ROWS) x positions (S + T_u) of one micro-batch. The extra row
     stands for what a micro-batch pays whatever its rows (weights read forward and backward, launches, the fused
-    pass's sequential chunks); fitted on CPU, t(X, L) = 0.32 ms X L + 0.25 ms L: 0.78 rows."""
+    pass's sequential chunks); fitted on CPU under load, t(X, L) = 0.32 ms X L + 0.25 ms L: 0.78 rows."""
     return (rows + OVERHEAD_ROWS) * positions
 
 
