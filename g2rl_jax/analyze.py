@@ -24,13 +24,14 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from g2rl_jax.train.checkpoint import load_policy, resolve_checkpoint, run_config
+from g2rl_jax import cli
+from g2rl_jax.train.checkpoint import load_policy, resolve_checkpoint, run_config, run_defaults
 from g2rl_jax.train.setup import runtime_config
 
 HIST_BINS = 40
@@ -80,22 +81,7 @@ def geometry_stats(grad_cos_PxY, sem_cos_PxY=None, bins: int = HIST_BINS) -> dic
     return stats
 
 
-# ------------------------------------------------------------------------------------------------ run defaults
-def run_defaults(checkpoints: Sequence[Path], pick: Callable[[Any], dict], args: argparse.Namespace) -> dict:
-    """Defaults for the flags left unset (None) in `args`, from the runs' config.yaml: `pick(cfg)` -> {flag:
-    value}. Runs that disagree on an unset flag's value raise ValueError naming the flag to pass."""
-    values: dict = {}
-    for path in checkpoints:
-        picked = pick(run_config(resolve_checkpoint(path)[0]))
-        for flag, value in ((f, v) for f, v in picked.items() if getattr(args, f) is None):
-            if values.setdefault(flag, value) != value:
-                raise ValueError(f"the runs disagree on --{flag.replace('_', '-')} ({values[flag]} vs {value} in "
-                                 f"{path}); pass --{flag.replace('_', '-')} explicitly")
-    return values
-
-
-
-
+# ------------------------------------------------------------------------------------------------ models
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """One model to analyse: a HF dir (`kind="model"`) or a training run/checkpoint (`kind="checkpoint"`)."""
@@ -201,7 +187,7 @@ def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: i
 
 # ------------------------------------------------------------------------------------------------ the command
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.analyze", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.analyze", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", dest="models", action="append", default=[], type=lambda v: ("model", Path(v)),
                    help="Hugging Face model dir to analyse (repeatable)")
     p.add_argument("--checkpoint", dest="models", action="append", type=lambda v: ("checkpoint", Path(v)),
@@ -270,7 +256,6 @@ def model_sources(args: argparse.Namespace) -> list[ModelSource]:
 
 def draw_problems(dataset: str, count: int, seed: int) -> list:
     """`count` problems drawn without replacement (all of them if fewer), in dataset order; same for every model."""
-    import g2rl_jax.demo  # noqa: F401 - registers the demo's datasets
     from g2rl_jax.data import load_dataset
 
     examples = load_dataset(dataset)
@@ -282,6 +267,14 @@ def draw_problems(dataset: str, count: int, seed: int) -> list:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return analyze(args)
+    except cli.USER_ERRORS as err:  # a dataset, checkpoint or model dir that cannot be read
+        return cli.fail("analyze", err)
+
+
+def analyze(args: argparse.Namespace) -> int:
+    """The command after its flags are parsed: sample, score, write analysis.json and geometry.png."""
     from transformers import AutoTokenizer
 
     from g2rl_jax.config import MeshConfig, ModelConfig
@@ -289,14 +282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.parallel import make_mesh
 
-    sources = model_sources(args)
+    try:
+        sources = model_sources(args)
+    except ValueError as err:
+        return cli.fail("analyze", err)
     examples = draw_problems(args.dataset, args.problems, args.seed)
     mesh = make_mesh(MeshConfig())  # all devices, fsdp-sharded params, batch split over them (as the trainer)
     rows_per_call = args.batch_size * args.samples
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if rows_per_call % shards:
-        raise ValueError(f"--batch-size x --samples = {rows_per_call} responses per call must be a multiple of the "
-                         f"{shards} devices the batch is split over; raise --batch-size")
+        return cli.fail("analyze", f"--batch-size x --samples = {rows_per_call} responses per call must be a "
+                        f"multiple of the {shards} devices the batch is split over; raise --batch-size")
     sampling = Sampling(samples=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, micro_batch=args.micro_batch, seed=args.seed)
     embedder = embed_tokenizer = None

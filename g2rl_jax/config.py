@@ -5,7 +5,9 @@ their defaults, help texts and checks in `g2rl_jax.config_groups`, imported from
 and checks what spans groups.
 A YAML file may name a `base:` file (resolved relative to itself) whose values it overrides. Values from YAML and
 from the command line are parsed by the field's declared type, and every mistake (unknown key, bad value, broken
-invariant) raises `ConfigError` naming the dotted key, the nearest valid key or the allowed values, and the source.
+invariant, a YAML syntax error with its file, line and column) raises `ConfigError` naming the dotted key, the nearest
+valid key (verl's and TRL's names for a key are known: `g2rl_jax.config_aliases`) or the allowed values, and the
+source.
 
     cfg = load_config("configs/qwen3_1p7b_g2rl.yaml", ["run.total_steps=10", "algorithm.exploration=grpo"])
     save_resolved(cfg, run_dir)            # run_dir/config.yaml; load_config of it gives back an equal Config
@@ -24,6 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
+from g2rl_jax.config_aliases import suggestion
 from g2rl_jax.config_groups import (
     _REQUIRED,
     AlgorithmConfig,
@@ -87,6 +90,22 @@ def _nearest(key: str, candidates: list[str]) -> str:
     return (same_leaf or difflib.get_close_matches(key, candidates, n=1, cutoff=0.0) or candidates)[0]
 
 
+def _did_you_mean(key: str, candidates: list[str]) -> str:
+    """"did you mean 'K'?": verl's or TRL's name for a key first (config_aliases), else the nearest candidate."""
+    return suggestion(key) or f"did you mean '{_nearest(key, candidates)}'?"
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> ConfigError:
+    """A YAML syntax error as one line: file:line:column, what the parser expected."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    what = " ".join(str(getattr(err, "problem", None) or err).split())
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and start is not None and (mark is None or (start.line, start.column) != (mark.line, mark.column)):
+        what += f" ({context} started at line {start.line + 1}, column {start.column + 1})"
+    return ConfigError(f"{where}: YAML syntax error: {what}")
+
+
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -142,6 +161,8 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict[str, tuple[Any, str]
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save the file as UTF-8") \
             from None
+    except yaml.YAMLError as err:
+        raise _yaml_error(path, err) from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: top level must be a mapping of groups, got {type(doc).__name__}")
     flat: dict[str, tuple[Any, str]] = {}
@@ -151,13 +172,25 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict[str, tuple[Any, str]
     groups = _groups()
     for group, body in doc.items():
         if group not in groups:
-            near = _nearest(str(group), list(groups) + ["base"])
-            raise ConfigError(f"{path}: unknown group '{group}'; did you mean '{near}'?")
+            raise ConfigError(f"{path}: unknown group '{group}'; {_group_hint(str(group), body, list(groups))}")
         if not isinstance(body, dict):
             raise ConfigError(f"{path}: group '{group}' must be a mapping of keys, got {body!r}")
         for name, value in body.items():
             flat[f"{group}.{name}"] = (value, str(path))
     return flat
+
+
+def _group_hint(group: str, body: Any, groups: list[str]) -> str:
+    """For an unknown top-level YAML name: verl's or TRL's name for a key (`lr: ...`, or a nested `actor: {optim:
+    {lr: ...}}`) if one is found under it, else the nearest group."""
+    stack = [(group, body)]
+    while stack:
+        key, value = stack.pop(0)
+        if suggestion(key):
+            return suggestion(key) if key == group else f"'{key}': {suggestion(key)}"
+        if isinstance(value, dict):
+            stack += [(f"{key}.{name}", inner) for name, inner in value.items()]
+    return f"did you mean '{_nearest(group, groups + ['base'])}'?"
 
 
 def _split_override(text: str) -> tuple[str, str]:
@@ -172,7 +205,7 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
     keys = all_keys()
     for key, (_, source) in flat.items():
         if key not in keys:
-            raise ConfigError(f"{source}: unknown key '{key}'; did you mean '{_nearest(key, keys)}'?")
+            raise ConfigError(f"{source}: unknown key '{key}'; {_did_you_mean(key, keys)}")
     groups: dict[str, Any] = {}
     for group, cls in _groups().items():
         kwargs = {}

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from g2rl_jax import cli
 from g2rl_jax.data import Example, encode_prompts, load_dataset
 from g2rl_jax.data.datasets import iter_jsonl
 
@@ -211,7 +212,7 @@ def write_results(out: Path, model_name: str, datasets: dict[str, list[dict[str,
 # ---- the command ----------------------------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.eval", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.eval", description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path", help="Hugging Face model folder (config.json, safetensors, tokenizer)")
     source.add_argument("--checkpoint", help="a g2rl_jax training run dir (its newest checkpoint) or one "
@@ -248,7 +249,7 @@ def _run_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     Stop tokens need no flag: they come from the run's tokenizer, as in training."""
     run = {}
     if args.checkpoint is not None:
-        from g2rl_jax.analyze import run_defaults
+        from g2rl_jax.train.checkpoint import run_defaults
 
         try:
             run = run_defaults([Path(args.checkpoint)], lambda c: {
@@ -284,7 +285,11 @@ def load_tokenizer(args: argparse.Namespace, settings: RunSettings):
     from transformers import AutoTokenizer
 
     if args.tokenizer or args.checkpoint is None:
-        return AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+        folder = Path(args.tokenizer or args.model_path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{'--tokenizer' if args.tokenizer else '--model-path'} {str(folder)!r} is not a "
+                                    "directory here; pass a local Hugging Face model folder")
+        return AutoTokenizer.from_pretrained(folder)
     from g2rl_jax.train.checkpoint import base_model_dir
 
     return AutoTokenizer.from_pretrained(base_model_dir(settings.model))
@@ -378,18 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     try:
         settings = run_settings(args)
-    except FileNotFoundError as err:
-        print(f"eval error: {err}", file=sys.stderr)
-        return 2
-    import g2rl_jax.demo  # noqa: F401 - registers the demo's datasets
-
-    datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
-    try:
+        datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
         tokenizer = load_tokenizer(args, settings)
         datasets, dropped = length_filtered(datasets, tokenizer, args)
-    except (OSError, ValueError) as err:  # no tokenizer there, or no prompt of a dataset fits
-        print(f"eval error: {err}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as err:  # no model or tokenizer there, a bad dataset, or no prompt of one fits
+        return cli.fail("eval", err)
     path = records_path(out, settings)
     records = read_records(path)
     done = {(r["dataset"], r["id"]) for r in records}

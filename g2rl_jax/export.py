@@ -7,10 +7,11 @@ loads the trained policy. `--checkpoint` takes a run directory (its newest check
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
+
+from g2rl_jax import cli
 
 # Files a Hugging Face model dir keeps besides the weights: the tokenizer and generation defaults.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -18,7 +19,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m g2rl_jax.export", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m g2rl_jax.export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="run directory or <run>/checkpoints/<step> directory")
     parser.add_argument("--out", required=True, help="output Hugging Face model directory")
     parser.add_argument("--overwrite", action="store_true", help="replace model files already in --out")
@@ -46,8 +47,7 @@ def main(argv=None) -> int:
     try:
         out = export(args.checkpoint, args.out, overwrite=args.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"export error: {err}", file=sys.stderr)
-        return 2
+        return cli.fail("export", err)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 

@@ -32,13 +32,13 @@ configs (within 25%).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from g2rl_jax.config import Config, ConfigError, load_config
+from g2rl_jax import cli
+from g2rl_jax.config import Config, load_config
 from g2rl_jax.memory import (
     F32,
     PlanError,
@@ -259,22 +259,21 @@ def report(cfg: Config, model: Qwen3Config, source: str, devices: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cli = argparse.ArgumentParser(prog="python -m g2rl_jax.plan", description=__doc__.split("\n\n")[0],
-                                  epilog="Config keys: python -m g2rl_jax.train --help")
-    cli.add_argument("--config", required=True, help="training config YAML")
-    cli.add_argument("--devices", type=int, default=8, help="devices for the first table (default: 8, the paper's)")
-    cli.add_argument("--preset", help=f"architecture preset instead of model.path/config.json: {', '.join(PRESETS)}")
-    cli.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
-    args = cli.parse_args(argv)
+    parser = cli.ArgumentParser(prog="python -m g2rl_jax.plan", description=__doc__.split("\n\n")[0],
+                                epilog="Config keys: python -m g2rl_jax.train --help")
+    parser.add_argument("--config", required=True, help="training config YAML")
+    parser.add_argument("--devices", type=int, default=8, help="devices for the first table (default: 8, the paper's)")
+    parser.add_argument("--preset", help=f"architecture preset instead of model.path/config.json: {', '.join(PRESETS)}")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
+    args = parser.parse_args(argv)
     if args.devices < 1:
-        cli.error(f"--devices must be >= 1, got {args.devices}")
+        parser.error(f"--devices must be >= 1, got {args.devices}")
     try:
         cfg = load_config(args.config, args.overrides)
         model, source = model_config(cfg, args.preset)
         print(report(cfg, model, source, args.devices))
-    except (ConfigError, PlanError) as err:
-        print(f"plan error: {err}", file=sys.stderr)
-        return 2
+    except (*cli.USER_ERRORS, PlanError) as err:
+        return cli.fail("plan", err)
     return 0
 
 

@@ -4,23 +4,26 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from g2rl_jax import cli
 from g2rl_jax.figures import load_runs, training_figure
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.plot", description="Draw the training-dynamics figure "
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.plot", description="Draw the training-dynamics figure "
                                 "(accuracy, response length, entropy, novelty vs step) of one or more runs.")
     p.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl")
     p.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/curves.png for one run, ./curves.png "
                                             "for several)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     out = args.out or (Path(args.runs[0]) / "curves.png" if len(args.runs) == 1 else Path("curves.png"))
-    path = training_figure(load_runs(args.runs), out)
+    try:
+        path = training_figure(load_runs(args.runs), out)
+    except (*cli.USER_ERRORS, ValueError) as err:  # no metrics.jsonl there, or a damaged one
+        return cli.fail("plot", err)
     print(f"wrote {path}")
     return 0
 

@@ -28,15 +28,17 @@ def built(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------- task
-def test_the_demo_registers_its_own_datasets():
-    """Imports run one way: `data` knows nothing of the demo; importing the demo registers `demo` and `demo_test`."""
+def test_the_demo_datasets_load_in_a_fresh_process():
+    """Imports run one way: `data` imports nothing of the demo, yet knows its dataset names; the first
+    `load_dataset` of one imports the demo's task module, which registers them (a fresh process, as a user's)."""
     import subprocess
     import sys
 
-    code = ("import sys; from g2rl_jax.data import dataset_names; "
+    code = ("import sys; from g2rl_jax.data import dataset_names, load_dataset; "
             "assert not any(m.startswith('g2rl_jax.demo') for m in sys.modules), 'data imported the demo'; "
-            "assert 'demo' not in dataset_names(); import g2rl_jax.demo; "
-            "assert {'demo', 'demo_test'} <= set(dataset_names()), dataset_names()")
+            "assert {'demo', 'demo_test', 'countdown', 'countdown_test'} <= set(dataset_names()), dataset_names(); "
+            "assert len(load_dataset('demo_test')) == 256; assert 'g2rl_jax.demo.task' in sys.modules; "
+            "assert len(load_dataset('countdown_test', limit=3)) == 3")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 

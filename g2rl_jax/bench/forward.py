@@ -11,7 +11,6 @@ or a table of dense bf16 peaks by device kind.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from g2rl_jax import cli
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "TPU v5 lite": 197.0, "TPU v5": 459.0,
@@ -88,7 +88,7 @@ def _torch(cfg, args, ids):
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench forward", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.bench forward", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)

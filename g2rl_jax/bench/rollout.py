@@ -22,7 +22,6 @@ It uses only `generate`, so the same harness times an older checkout (the README
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -32,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from g2rl_jax import cli
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, load_pretrained
 from g2rl_jax.rollout import batching, engine, generate
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench rollout", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.bench rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="a published Qwen3 size (random weights)")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=256)

@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from g2rl_jax import cli
 from g2rl_jax.g2rl import DEFAULT_CHUNK, EPS, token_logprobs, token_stats
 
 
@@ -63,8 +64,8 @@ def _time_interleaved(fns, args, repeats):
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m g2rl_jax.bench score", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m g2rl_jax.bench score", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=2, help="sequences B")
     parser.add_argument("--length", type=int, default=1024, help="positions L per sequence")
     parser.add_argument("--dim", type=int, default=2048, help="hidden size D (Qwen3-1.7B: 2048)")

@@ -7,12 +7,12 @@ also prints the update step's model FLOP utilisation (MFU) against `--peak-tflop
 """
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from g2rl_jax import cli
 from g2rl_jax.bench.update import train_flops
 
 STAGES = (("rollout", "rollout_seconds"), ("rewards", "reward_seconds"), ("scoring", "score_seconds"),
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench step", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.bench step", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--preset", help="random weights of a Qwen3 preset (e.g. qwen3-1.7b) instead of model.path")

@@ -36,18 +36,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from g2rl_jax import cli
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
-from g2rl_jax.train import packing
 from g2rl_jax.train import step as train_step
 
 _KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float}
-LAYOUTS = ("grouped", "padded", "packed")
+LAYOUTS = ("grouped", "padded")
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench update", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.bench update", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="a published Qwen3 size (random weights)")
     p.add_argument("--hidden", type=int, default=256, help="without --preset: hidden size (heads of 64)")
     p.add_argument("--layers", type=int, default=2, help="without --preset: decoder layers")
@@ -65,7 +65,13 @@ def _args(argv):
     p.add_argument("--plan-only", action="store_true",
                    help="print each variant's micro-batch widths and the FLOP model's figures; build and run nothing")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (e.g. 989: H100 bf16)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for text in args.variant:
+        try:
+            parse_variant(text, args.rows)
+        except ValueError as err:
+            p.error(str(err))
+    return args
 
 
 def parse_variant(text: str, rows: int) -> dict:
@@ -75,12 +81,15 @@ def parse_variant(text: str, rows: int) -> dict:
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in _KEYS:
-            raise SystemExit(f"--variant {text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(_KEYS)}")
-        out[key] = _KEYS[key](value)
+            raise ValueError(f"--variant {text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(_KEYS)}")
+        try:
+            out[key] = _KEYS[key](value)
+        except ValueError:
+            raise ValueError(f"--variant {text!r}: {key}={value!r} is not {_KEYS[key].__name__}") from None
     if out["layout"] not in LAYOUTS:
-        raise SystemExit(f"--variant {text!r}: layout must be one of {LAYOUTS}")
-    if rows % out["micro"]:
-        raise SystemExit(f"--variant {text!r}: micro={out['micro']} does not divide --rows {rows}")
+        raise ValueError(f"--variant {text!r}: layout must be one of {LAYOUTS}")
+    if out["micro"] < 1 or rows % out["micro"]:
+        raise ValueError(f"--variant {text!r}: micro={out['micro']} does not divide --rows {rows}")
     return out
 
 
@@ -139,13 +148,9 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
     for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns
         for mini, t in zip(minis, times):
             start = time.perf_counter()
-            if v["layout"] == "packed":
-                params, opt_state, info = packing.packed_update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                                settings=settings, micro=v["micro"])
-            else:
-                params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                            settings=settings, micro=v["micro"],
-                                                            padded=v["layout"] == "padded")
+            params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
+                                                        settings=settings, micro=v["micro"],
+                                                        padded=v["layout"] == "padded")
             jax.block_until_ready(info["loss"])
             t.append(time.perf_counter() - start)
             assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
@@ -155,9 +160,7 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
 
 
 def _shapes(plan) -> str:
-    """'4x32 4x64 2x512': rows x response width of each micro-batch (packed: packed rows x their width)."""
-    if isinstance(plan, packing.PackPlan):
-        return " ".join(f"{m.src_OxW.shape[0]}x{m.src_OxW.shape[1]}p" for m in plan.micros)
+    """'4x32 4x64 2x512': rows x response width of each micro-batch."""
     return " ".join(f"{len(rows)}x{w}" for rows, w in zip(plan.rows, plan.widths))
 
 
@@ -165,14 +168,10 @@ def _plan(v: dict, lengths, rows: int, prompt_len: int, response_len: int):
     """The micro-batch plan of a variant for response lengths `lengths` (prompts all real)."""
     mask = np.arange(response_len)[None] < lengths[:, None]
     attn = np.ones((rows, prompt_len + response_len), bool)
-    if v["layout"] == "packed":
-        return packing.plan_packing(attn, mask, v["micro"])
     return micro_lib.plan_micro(mask, v["micro"], attn, padded=v["layout"] == "padded")
 
 
 def _plan_flops(cfg, plan, prompt_len: int) -> float:
-    if isinstance(plan, packing.PackPlan):
-        return sum(train_flops(cfg, *m.src_OxW.shape) for m in plan.micros)
     return sum(train_flops(cfg, len(rows), prompt_len + w) for rows, w in zip(plan.rows, plan.widths))
 
 

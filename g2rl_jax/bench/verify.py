@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from g2rl_jax import cli
 from g2rl_jax.data.datasets import load_dataset
 from g2rl_jax.rewards import _canonical_pairs, extract_answer, is_equivalent, score_batch
 from g2rl_jax.rewards.bounded import get_pool
@@ -62,8 +63,8 @@ def _response(perturbed: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m g2rl_jax.bench verify", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(prog="python -m g2rl_jax.bench verify", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=500, help="number of MATH500 gold answers (default: all 500)")
     ap.add_argument("--workers", type=int, default=2, help="worker processes for the worker path (default 2)")
     ap.add_argument("--timeout", type=float, default=2.0, help="per-check time bound in seconds")

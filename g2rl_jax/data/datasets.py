@@ -2,14 +2,17 @@
 
 `load_dataset("math500")` reads the package's own copy (g2rl_jax/data/files, see LICENSES.md there);
 `load_dataset("path/to/x.jsonl", fields={"problem": "question", "answer": "gold"})` reads a local file whose keys
-differ from the defaults. Other modules add datasets with `register_dataset(name, loader)`: importing
-`g2rl_jax.demo` registers the demo's `demo` and `demo_test`.
+differ from the defaults. Other modules add datasets with `register_dataset(name, loader)`. The demo's datasets
+(`demo`, `demo_test`, `countdown`, `countdown_test`) are known here by name only: the first `load_dataset` of one
+imports `g2rl_jax.demo.task`, which registers them (the demo builds on `data`, never the other way round).
+A file or name that cannot be read raises `DataError` naming the file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
+import importlib
 import io
 import json
 import random
@@ -25,6 +28,10 @@ GPQA_SHUFFLE_SEED = 0
 LETTERS = string.ascii_uppercase
 
 Kind = Literal["math", "choice"]
+
+
+class DataError(ValueError):
+    """A dataset name or file that cannot be read; the message names the file and line and says what to fix."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +68,8 @@ class Example:
 
 Loader = Callable[[], Sequence[Example]]
 _REGISTRY: dict[str, Loader] = {}
+# Datasets registered by another module when it is imported: {name: that module}, imported on first use.
+_LAZY = {name: "g2rl_jax.demo.task" for name in ("demo", "demo_test", "countdown", "countdown_test")}
 
 
 def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> None:
@@ -71,7 +80,7 @@ def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> N
 
 
 def dataset_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_LAZY))
 
 
 def load_dataset(
@@ -85,16 +94,18 @@ def load_dataset(
     `limit` keeps the first `limit` examples.
     """
     key = str(name_or_path)
+    if key in _LAZY and key not in _REGISTRY:
+        importlib.import_module(_LAZY[key])  # registers it
     if key in _REGISTRY:
         if fields is not None or kind is not None:
-            raise ValueError(f"fields= and kind= apply to jsonl files only; {key!r} is a registered dataset")
+            raise DataError(f"fields= and kind= apply to jsonl files only; {key!r} is a registered dataset")
         examples = list(_REGISTRY[key]())
         if not examples:
-            raise ValueError(f"dataset {key!r} has no usable rows (its loader returned nothing)")
+            raise DataError(f"dataset {key!r} has no usable rows (its loader returned nothing)")
     elif Path(key).is_file():
         examples = read_jsonl_examples(Path(key), fields=fields or {}, kind=kind or "math")
     else:
-        raise ValueError(
+        raise DataError(
             f"unknown dataset {key!r}: it is neither a registered name ({', '.join(dataset_names())}) "
             "nor an existing .jsonl/.jsonl.gz file"
         )
@@ -109,7 +120,7 @@ def iter_jsonl(path: Path, text: str | None = None) -> Iterator[tuple[int, dict[
             with opener(path, "rt", encoding="utf-8") as f:
                 text = f.read()
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of the decoded stream); "
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of the decoded stream); "
                              "save the file as UTF-8") from None
     for lineno, line in enumerate(io.StringIO(text), start=1):
         if not line.strip():
@@ -117,15 +128,16 @@ def iter_jsonl(path: Path, text: str | None = None) -> Iterator[tuple[int, dict[
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
+                            "JSON object") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         yield lineno, row
 
 
 def _field(row: dict[str, Any], key: str, path: Path, lineno: int) -> Any:
     if key not in row:
-        raise ValueError(
+        raise DataError(
             f"{path}:{lineno}: missing key {key!r} (the line has {sorted(row)}); map your keys with "
             "data.fields=problem=KEY,answer=KEY in the config (fields={'problem': ..., 'answer': ...} in Python)"
         )
@@ -140,7 +152,7 @@ def _text(row: dict[str, Any], key: str, path: Path, lineno: int) -> str:
         return value.strip()
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
-    raise ValueError(f"{path}:{lineno}: {key!r} is {json.dumps(value)} ({type(value).__name__}); it must be a string "
+    raise DataError(f"{path}:{lineno}: {key!r} is {json.dumps(value)} ({type(value).__name__}); it must be a string "
                      "(or an integer); fix or delete that line")
 
 
@@ -149,7 +161,7 @@ def read_jsonl_examples(path: Path, *, fields: Mapping[str, str], kind: Kind) ->
     error naming the line."""
     unknown = set(fields) - {"id", "problem", "answer", "choices"}
     if unknown:
-        raise ValueError(f"fields= has unknown Example fields {sorted(unknown)}; use id, problem, answer, choices")
+        raise DataError(f"fields= has unknown Example fields {sorted(unknown)}; use id, problem, answer, choices")
     keys = {"id": "id", "problem": "problem", "answer": "answer", "choices": "choices", **fields}
     examples = []
     for lineno, row in iter_jsonl(path):
@@ -158,10 +170,13 @@ def read_jsonl_examples(path: Path, *, fields: Mapping[str, str], kind: Kind) ->
         choices = _choices(row, keys["choices"], path, lineno) if kind == "choice" else None
         if problem and answer:
             example_id = str(row.get(keys["id"], f"{path.name}:{lineno}"))
-            examples.append(Example(id=example_id, problem=problem, answer=answer, kind=kind, choices=choices,
-                                    row=row))
+            try:
+                examples.append(Example(id=example_id, problem=problem, answer=answer, kind=kind, choices=choices,
+                                        row=row))
+            except ValueError as err:  # e.g. a gold letter that is not one of the choices
+                raise DataError(f"{path}:{lineno}: {err}") from None
     if not examples:
-        raise ValueError(f"{path}: no usable rows (every row has an empty {keys['problem']!r} or {keys['answer']!r})")
+        raise DataError(f"{path}: no usable rows (every row has an empty {keys['problem']!r} or {keys['answer']!r})")
     return examples
 
 
@@ -169,7 +184,7 @@ def _choices(row: dict[str, Any], key: str, path: Path, lineno: int) -> tuple[st
     options = _field(row, key, path, lineno)
     if not isinstance(options, list) or not all(isinstance(o, (str, int)) and not isinstance(o, bool)
                                                  for o in options):
-        raise ValueError(f"{path}:{lineno}: {key!r} must be a list of strings, got {json.dumps(options)[:200]}")
+        raise DataError(f"{path}:{lineno}: {key!r} must be a list of strings, got {json.dumps(options)[:200]}")
     return tuple(str(o).strip() for o in options)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from g2rl_jax import cli
 from g2rl_jax.demo import countdown
 
 
@@ -58,7 +59,7 @@ def sample(model, tokenizer, examples, *, samples: int, max_new_tokens: int, bat
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m g2rl_jax.demo.explore_eval", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.demo.explore_eval", description=__doc__.split("\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("run_dir", nargs="?", type=Path, help="a finished demo_explore run (its last checkpoint)")
     source.add_argument("--model-path", type=Path, help="a Hugging Face model directory (e.g. the warm start)")
@@ -79,14 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.run_dir is not None:
-        from g2rl_jax.analyze import load_policy
+    try:
+        if args.run_dir is not None:
+            from g2rl_jax.train.checkpoint import load_policy
 
-        model, tokenizer_dir = load_policy(args.run_dir)
-    else:
-        from g2rl_jax.model import load_pretrained
+            model, tokenizer_dir = load_policy(args.run_dir)
+        else:
+            from g2rl_jax.model import load_pretrained
 
-        model, tokenizer_dir = load_pretrained(args.model_path, "float32"), args.model_path
+            model, tokenizer_dir = load_pretrained(args.model_path, "float32"), args.model_path
+    except cli.USER_ERRORS as err:  # no run or model there
+        return cli.fail("demo.explore_eval", err)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     examples = countdown.examples("test")
     texts, truncated = sample(model, tokenizer, examples, samples=args.samples, max_new_tokens=args.max_new_tokens,

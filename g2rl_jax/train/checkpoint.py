@@ -22,10 +22,13 @@ All processes call every method (Orbax synchronises hosts itself; nothing here r
     ckpt.close()                                      # waits for the last asynchronous save
 
 A newest checkpoint that cannot be read (corrupted files) is reported and moved to `<run_dir>/corrupt_checkpoints/`
-by `restore_newest`, which falls back to the previous complete one. For eval, export and analysis,
-`load_policy(run_or_step_dir)` gives the trained policy as a model: only the params are read, through Orbax's
-PyTreeCheckpointHandler (the implementation StandardCheckpointHandler wraps, so the same on-disk format; it alone
-can skip the optimizer state).
+by `restore_newest`, which falls back to the previous complete one.
+
+Reading a finished run, for every command that takes `--checkpoint` (eval, analyze, export, the demo's
+explore_eval): `resolve_checkpoint(run_or_step_dir)` finds the step, `run_config` reads the run's config.yaml,
+`run_defaults` fills a command's unset flags from it, and `load_policy(run_or_step_dir)` gives the trained policy as
+a model: only the params are read, through Orbax's PyTreeCheckpointHandler (the implementation
+StandardCheckpointHandler wraps, so the same on-disk format; it alone can skip the optimizer state).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -241,6 +245,19 @@ def run_config(run_dir: str | os.PathLike):
         raise FileNotFoundError(f"{path} not found: a g2rl_jax run directory holds the config.yaml the trainer "
                                 "wrote; pass the run directory or one of its checkpoints/<step> directories")
     return load_config(path)
+
+
+def run_defaults(checkpoints: Sequence[str | os.PathLike], pick: Callable[[Any], dict], args: Any) -> dict:
+    """A command's defaults for the flags left unset (None) in `args` (an argparse Namespace), from the runs'
+    config.yaml: `pick(cfg)` -> {flag: value}. Runs that disagree on an unset flag raise ValueError naming it."""
+    values: dict = {}
+    for path in checkpoints:
+        picked = pick(run_config(resolve_checkpoint(path)[0]))
+        for flag, value in ((f, v) for f, v in picked.items() if getattr(args, f) is None):
+            if values.setdefault(flag, value) != value:
+                raise ValueError(f"the runs disagree on --{flag.replace('_', '-')} ({values[flag]} vs {value} in "
+                                 f"{path}); pass --{flag.replace('_', '-')} explicitly")
+    return values
 
 
 def read_params(step_dir: str | os.PathLike, abstract_params: Any) -> Any:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from g2rl_jax import parallel
+from g2rl_jax import cli, parallel
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained
@@ -357,8 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_cli(argv)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return cli.fail("config", err)
     if cfg is None:  # --help
         print(format_help())
         return 0
@@ -366,19 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         parallel.initialize_distributed(cfg.distributed)  # before anything touches the devices
         check_platforms()
     except ValueError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return cli.fail("config", err)
     try:
         trainer = Trainer(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    except cli.USER_ERRORS as err:
+        return cli.fail("config", err)
     try:
         start = trainer.resume()
     except CheckpointError as err:
         trainer.close()
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 2
+        return cli.fail("checkpoint", err)
     if start and jax.process_index() == 0:
         print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
     trainer.run()

@@ -15,8 +15,8 @@ from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError
-from g2rl_jax.data import dataset_names, encode_prompts, load_dataset
-from g2rl_jax.demo import resolve_demo_paths  # also registers the demo's datasets
+from g2rl_jax.data import DataError, dataset_names, encode_prompts, load_dataset
+from g2rl_jax.demo import resolve_demo_paths
 from g2rl_jax.model.config import RuntimeConfig
 
 
@@ -86,9 +86,14 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
 
 def load_examples(name: str, data_cfg) -> list:
-    """Dataset `name` (registered, or a jsonl file read with data.fields)."""
+    """Dataset `name` (registered, or a jsonl file read with data.fields); a file that cannot be read is a
+    ConfigError naming the key that names it, the file and the line."""
     fields = data_cfg.field_map() if name not in dataset_names() else None
-    return load_dataset(name, fields=fields or None)
+    try:
+        return load_dataset(name, fields=fields or None)
+    except DataError as err:
+        key = "data.train_dataset" if name == data_cfg.train_dataset else "data.eval_datasets"
+        raise ConfigError(f"{key}: {err}") from None
 
 
 def length_filter(examples: list, tokenizer, data_cfg) -> tuple[list, int]:
