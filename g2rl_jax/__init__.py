@@ -31,8 +31,6 @@ in lower case. This is the one legend; every module uses it.
   U  micro-batches of an update
   X  rows of a part of the batch: one micro-batch, or the rollout's decode batch bucket (compaction shrinks it)
   Y  pairs of one group's responses, m(m−1)/2
-  O  packed rows of one micro-batch (train/packing.py: several responses per row)
-  M  positions of a packed row that predict a response token (train/packing.py)
   W  another width, named where it is used: a packed host row, a KV cache's capacity, the response positions
      one micro-batch keeps
   Z  stop token ids                          J  variants of one demo SFT example
