@@ -3,9 +3,7 @@
 `attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend)` is the only entry point for full-sequence
 (training / scoring / prefill) attention. H query heads share G key/value heads (GQA); K/V are never repeated,
 the query heads are viewed as [G, R = H/G] instead. `mask_BxL` marks real tokens (False = padding); the mask is
-causal AND key-is-real. It may also hold segment ids (int: 0 padding, 1, 2, ... the segment of a token; packed rows,
-g2rl_jax.train.packing): a real query then sees only the causal keys of its own segment. A 0/1 or bool mask is the
-one-segment case and gives exactly the results of a plain padding mask. Backends:
+causal AND key-is-real. Backends:
   "xla"    plain einsum + float32 softmax; runs everywhere and is the reference for the others.
   "cudnn"  `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
   "splash" the Pallas TPU splash-attention kernel (causal mask + segment ids = padding mask).
@@ -39,11 +37,8 @@ def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla"):
 
 
 def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
-    """Reference attention: scores and softmax in float32, causal over positions i >= j.
-
-    Query i sees key j iff i >= j, mask[j] != 0 and (mask[i] == mask[j] or mask[i] == 0): real queries see the real
-    keys of their own segment; padding queries see every causal real key, as they always did (NaN-free, and for
-    0/1 masks every output is what a plain padding mask gives)."""
+    """Reference attention: scores and softmax in float32; query i sees key j iff i >= j and key j is real (padding
+    queries too: NaN-free)."""
     B, L, H, K = q_BxLxHxK.shape
     G = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
@@ -51,11 +46,7 @@ def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
                              preferred_element_type=jnp.float32) * K ** -0.5
     S = k_BxSxGxK.shape[1]
     causal_LxS = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
-    seg_BxS = mask_BxS.astype(jnp.int32)
-    allowed_BxLxS = causal_LxS[None] & (seg_BxS != 0)[:, None, :]
-    if L == S:  # self-attention: queries carry the same segment ids as the keys
-        allowed_BxLxS &= (seg_BxS[:, :, None] == seg_BxS[:, None, :]) | (seg_BxS[:, :, None] == 0)
-    allowed_Bx1x1xLxS = allowed_BxLxS[:, None, None]
+    allowed_Bx1x1xLxS = (causal_LxS[None] & mask_BxS[:, None, :].astype(bool))[:, None, None]
     s_BxGxRxLxS = jnp.where(allowed_Bx1x1xLxS, s_BxGxRxLxS, _NEG)
     p_BxGxRxLxS = jax.nn.softmax(s_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", p_BxGxRxLxS, v_BxSxGxK)
@@ -65,12 +56,11 @@ def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
 def fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, implementation: str = "cudnn"):
     """`jax.nn.dot_product_attention` (cuDNN on GPU, bf16; "xla" lets CPU tests check the masking); native GQA.
 
-    Real queries see causal real keys of their own segment (segment ids in the mask, a 0/1 mask is one segment);
-    padding queries see causal padding keys, so no row is empty (an empty row could put NaN into padding K/V, and
-    0 * NaN would reach real tokens).
+    Real queries see causal real keys; padding queries see causal padding keys, so no row is empty (an empty row
+    could put NaN into padding K/V, and 0 * NaN would reach real tokens).
     """
-    seg_BxL = mask_BxL.astype(jnp.int32)
-    allowed_Bx1xLxL = (seg_BxL[:, None, :] == seg_BxL[:, :, None])[:, None]
+    real_BxL = mask_BxL.astype(bool)
+    allowed_Bx1xLxL = (real_BxL[:, None, :] == real_BxL[:, :, None])[:, None]
     return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=allowed_Bx1xLxL,
                                         is_causal=True, implementation=implementation)
 
@@ -78,9 +68,8 @@ def fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, implementation: str = "cudn
 def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool = False, block: int = 128):
     """TPU splash attention, one MQA kernel per KV head (vmapped over batch and KV heads).
 
-    The sequence is right-padded to a multiple of `block`; padding tokens get segment id 0 and real ones their
-    segment id (1 for a 0/1 mask), so real queries see only real keys of their own segment and every query row has
-    at least itself (no empty softmax).
+    The sequence is right-padded to a multiple of `block`; padding tokens get segment id 0 and real ones 1, so real
+    queries see only real keys and every query row has at least itself (no empty softmax).
     `interpret=True` runs the Pallas kernel in the interpreter (CPU tests).
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as sa

@@ -8,8 +8,6 @@ Public API (shape letters of the legend in `g2rl_jax`'s docstring; masks are 1/T
     model.lm_head_weight() -> W_VxD (the embedding table when tie_word_embeddings)
 
 Positions are cumsum(mask) - 1 (clipped at 0), so a left-padded row computes exactly what it would unpadded.
-Packed rows (g2rl_jax.train.packing): the attention mask of the full-sequence passes may hold segment ids (0
-padding, 1, 2, ... the segment of a token); positions restart at each segment and tokens attend within their segment.
 
 KV cache for group sampling (a prompt is prefilled once, its m samples decode against the shared prefix):
 
@@ -132,20 +130,8 @@ def rope(x_BxLxHxK, positions_BxL, theta: float):
 
 
 def positions_from_mask(mask_BxL):
-    """Per-token positions that ignore padding and restart at each segment: mask_BxL holds segment ids (0 padding,
-    1, 2, ... the segment of a real token; a 0/1 or bool mask is the one-segment case). A real token whose segment
-    differs from the previous real token's starts a new segment at position 0; otherwise positions count the real
-    tokens. For 0/1 masks this is exactly cumsum(mask) - 1, clipped at 0 (padding included)."""
-    seg_BxL = mask_BxL.astype(jnp.int32)
-    real_BxL = seg_BxL != 0
-    count_BxL = jnp.cumsum(real_BxL.astype(jnp.int32), axis=-1)
-    idx_L = jnp.arange(seg_BxL.shape[-1])
-    last_real_BxL = jax.lax.cummax(jnp.where(real_BxL, idx_L, -1), axis=seg_BxL.ndim - 1)
-    prev_BxL = jnp.concatenate([jnp.full_like(last_real_BxL[..., :1], -1), last_real_BxL[..., :-1]], axis=-1)
-    prev_seg_BxL = jnp.where(prev_BxL >= 0, jnp.take_along_axis(seg_BxL, jnp.maximum(prev_BxL, 0), axis=-1), 0)
-    start_BxL = real_BxL & (prev_seg_BxL != seg_BxL)
-    offset_BxL = jax.lax.cummax(jnp.where(start_BxL, count_BxL - 1, 0), axis=seg_BxL.ndim - 1)
-    return jnp.maximum(count_BxL - 1 - offset_BxL, 0)
+    """Per-token positions that ignore padding: cumsum(mask) - 1, clipped at 0 (padding included)."""
+    return jnp.maximum(jnp.cumsum(mask_BxL.astype(jnp.int32), axis=-1) - 1, 0)
 
 
 def _qkv(x_BxLxD, p, positions_BxL, cfg: Qwen3Config):
