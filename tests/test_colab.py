@@ -1,5 +1,6 @@
-"""launch/colab.ipynb runs top to bottom on CPU (nbclient, a real Jupyter kernel): it builds the demo model,
-samples a group, shows Φ, ν, shaped rewards and advantages, and runs one training step."""
+"""launch/colab.ipynb runs top to bottom on CPU (nbclient, a real Jupyter kernel): it loads the demo model
+(`demo:DIR`, built once for the session; the build itself is tested in test_demo_assets.py), samples a group,
+shows Φ, ν, shaped rewards and advantages, and runs one training step."""
 import pathlib
 
 import nbformat
@@ -8,8 +9,8 @@ from nbclient import NotebookClient
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_colab_notebook_executes(tmp_path, monkeypatch):
-    monkeypatch.setenv("G2RL_MODEL_PATH", f"demo:{tmp_path / 'model'}")
+def test_colab_notebook_executes(tmp_path, monkeypatch, demo_model_dir):
+    monkeypatch.setenv("G2RL_MODEL_PATH", f"demo:{demo_model_dir}")  # built once for the session (conftest.py)
     monkeypatch.setenv("G2RL_RUN_DIR", str(tmp_path / "run"))
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as in a fresh Colab CPU runtime
     monkeypatch.setenv("MPLBACKEND", "Agg")

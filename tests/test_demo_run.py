@@ -1,5 +1,6 @@
-"""The embedded demo through the real command: a shortened run of `python -m g2rl_jax.train --config
-configs/demo.yaml` (few steps, the same path), and the full demo in-process with a safe bound on its margin.
+"""The embedded demo through the real command: one full run of `python -m g2rl_jax.train --config
+configs/demo.yaml` (a module fixture), checked for what the command leaves behind and for the README's promise,
+with a safe bound on its margin.
 
 Measured on the 2-core CPU (README): held-out mean@4 0.384 -> 0.646 after 200 steps (+0.262; twelve runs of four
 modes and three seeds gained +0.245 to +0.327). The bound below, +0.15, leaves room for CPU-to-CPU numeric
@@ -26,11 +27,9 @@ MAX_JUNK = 0.10  # share with text after the \boxed{} answer
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The demo policy, built once for the module (the trainer reuses a build whose recipe hash matches)."""
-    from g2rl_jax.demo import build_demo_model
-
-    return build_demo_model(tmp_path_factory.mktemp("demo") / "model")
+def model_dir(demo_model_dir):
+    """The demo policy (tests/conftest.py builds it once; the trainer reuses a build whose recipe hash matches)."""
+    return demo_model_dir
 
 
 def run_demo(out, model_dir, *overrides):
@@ -53,19 +52,26 @@ def test_response_flags_count_format_junk_and_truncation():
     assert report.accuracy(validation, "junk_fraction") == pytest.approx(0.2)
 
 
-def test_shortened_demo_through_the_cli(model_dir, tmp_path):
-    out = tmp_path / "run"
-    done, summary = run_demo(out, model_dir, "run.total_steps=3", "run.eval_every=3", "run.checkpoint_every=3")
-    assert summary["steps"] == 3 and summary["seconds"] > 0
+@pytest.fixture(scope="module")
+def full_run(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo_run") / "run"
+    done, summary = run_demo(out, model_dir)
+    return {"out": out, "stdout": done.stdout, "summary": summary}
+
+
+def test_demo_through_the_cli_leaves_its_files(full_run):
+    out, summary = full_run["out"], full_run["summary"]
+    steps = load_config(DEMO, ["run.output_dir=x", "model.path=x"]).run.total_steps
+    assert summary["steps"] == steps and summary["seconds"] > 0
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
-    assert '"accuracy_after"' in done.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(steps + 1))
+    assert '"accuracy_after"' in full_run["stdout"]
 
 
-def test_full_demo_learns_without_hacking(model_dir, tmp_path):
+def test_full_demo_learns_without_hacking(full_run):
     """The README's promise: accuracy up, answers in the task's format, nothing run up to the token budget."""
-    _, summary = run_demo(tmp_path / "run", model_dir)
+    summary = full_run["summary"]
     assert summary["steps"] == load_config(DEMO, ["run.output_dir=x", "model.path=x"]).run.total_steps
     assert summary["accuracy_after"] - summary["accuracy_before"] >= MARGIN, summary
     assert summary["truncated_fraction"] < MAX_TRUNCATED, summary
