@@ -1,5 +1,5 @@
 """Test set-up: JAX on CPU with 8 fake devices, so sharded code runs on a (data, fsdp, tensor) mesh; fixtures
-more than one module shares.
+more than one module shares; the full demo run, started in the background when a test needs it.
 
 XLA:CPU runs each fake device's share of a program on its own thread and ends the process (SIGABRT, "Fatal Python
 error: Aborted") when a collective's 8 threads do not all arrive within
@@ -8,7 +8,10 @@ thread can be starved that long: one CI run aborted so in test_train.py. The tes
 """
 import atexit
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -27,6 +30,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +40,38 @@ def demo_model_dir(tmp_path_factory):
     from g2rl_jax.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo") / "model")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _demo_run_in_background(request, tmp_path_factory):
+    """When a selected test uses `demo_run`: start `python -m g2rl_jax.train --config configs/demo.yaml` (one CPU
+    device, as on a laptop) at the session's first test, so its minutes of mostly one core overlap the other tests
+    instead of following them. Yields a function that waits for it: (finished process, its run dir)."""
+    if not any("demo_run" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    model = request.getfixturevalue("demo_model_dir")
+    out = tmp_path_factory.mktemp("demo_run") / "run"
+    stdout, stderr = out.parent / "stdout.txt", out.parent / "stderr.txt"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
+           f"run.output_dir={out}", f"model.path=demo:{model}"]
+    with open(stdout, "w") as out_file, open(stderr, "w") as err_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=out_file, stderr=err_file, cwd=ROOT)
+
+    def finished(timeout: float = 3600):  # a guard against a hang only: the run shares the machine with the suite
+        proc.wait(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout.read_text(), stderr.read_text()), out
+
+    try:
+        yield finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def demo_run(_demo_run_in_background):
+    """(finished process, run dir) of the full demo run started in the background."""
+    return _demo_run_in_background()

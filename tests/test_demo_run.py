@@ -1,16 +1,13 @@
 """The embedded demo through the real command: one full run of `python -m g2rl_jax.train --config
-configs/demo.yaml` (a module fixture), checked for what the command leaves behind and for the README's promise,
-with a safe bound on its margin.
+configs/demo.yaml` on one CPU device (tests/conftest.py starts it in the background when the session starts),
+checked for what the command leaves behind and for the README's promise, with a safe bound on its margin.
 
 Measured on the 2-core CPU (README): held-out mean@4 0.384 -> 0.646 after 200 steps (+0.262; twelve runs of four
 modes and three seeds gained +0.245 to +0.327). The bound below, +0.15, leaves room for CPU-to-CPU numeric
 differences while still failing if RL stops improving the policy.
 """
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,22 +23,6 @@ MAX_TRUNCATED = 0.05  # share of held-out responses that hit the token budget (i
 MAX_JUNK = 0.10  # share with text after the \boxed{} answer
 
 
-@pytest.fixture(scope="module")
-def model_dir(demo_model_dir):
-    """The demo policy (tests/conftest.py builds it once; the trainer reuses a build whose recipe hash matches)."""
-    return demo_model_dir
-
-
-def run_demo(out, model_dir, *overrides):
-    """`python -m g2rl_jax.train --config configs/demo.yaml` on one CPU device, as on a laptop."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(DEMO), f"run.output_dir={out}",
-           f"model.path=demo:{model_dir}", *overrides]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done, json.loads((out / "summary.json").read_text())
-
-
 def test_response_flags_count_format_junk_and_truncation():
     texts = ["\\boxed{85}", " \\boxed{85} \n", "\\boxed{85}9}}", "85", "\\boxed{8", "x \\boxed{1} then \\boxed{85}"]
     reasons = ["stop", "stop", "length", "stop", "length", "stop"]
@@ -53,10 +34,10 @@ def test_response_flags_count_format_junk_and_truncation():
 
 
 @pytest.fixture(scope="module")
-def full_run(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo_run") / "run"
-    done, summary = run_demo(out, model_dir)
-    return {"out": out, "stdout": done.stdout, "summary": summary}
+def full_run(demo_run):
+    done, out = demo_run  # started in the background at the session's start (tests/conftest.py)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {"out": out, "stdout": done.stdout, "summary": json.loads((out / "summary.json").read_text())}
 
 
 def test_demo_through_the_cli_leaves_its_files(full_run):
