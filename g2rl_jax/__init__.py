@@ -64,6 +64,8 @@ if _no_tpu_chips():
     # With libtpu installed and no TPU here, libtpu prints three warnings about an unknown accelerator type and worker
     # list each time it starts: when jax probes for a TPU backend, and when g2rl_jax.aot compiles for a TPU
     # topology. It needs neither on this machine; naming them quiets it (jax then falls back to its other backends,
-    # as it does anyway). A value the user set wins.
+    # as it does anyway). libtpu also takes a lock file so that one process owns the chips; with no chips to own,
+    # several compiles (two checks, a test run beside a check) may run at once. A value the user set wins.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
