@@ -51,6 +51,9 @@ if importlib.util.find_spec("torch") is None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+QUIET_TPU_ENV: dict[str, str] = {}  # the variables set below (parallel.on_tpu_vm must not read them as a TPU VM's)
+
+
 def _no_tpu_chips() -> bool:
     """libtpu is installed (the `tpu` and `test` extras) but this machine has no TPU chip nor a TPU worker list."""
     if importlib.util.find_spec("libtpu") is None or os.environ.get("TPU_WORKER_HOSTNAMES"):
@@ -66,6 +69,7 @@ if _no_tpu_chips():
     # topology. It needs neither on this machine; naming them quiets it (jax then falls back to its other backends,
     # as it does anyway). libtpu also takes a lock file so that one process owns the chips; with no chips to own,
     # several compiles (two checks, a test run beside a check) may run at once. A value the user set wins.
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    for _key, _value in (("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                         ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+        if _key not in os.environ:
+            os.environ[_key] = QUIET_TPU_ENV[_key] = _value
