@@ -62,7 +62,14 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagates shardings from params/inputs
     shape = tuple(mesh_sizes(config, len(devices)).values())
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    except NotImplementedError:
+        # a TPU torus whose sides no mesh axis is a product of (fsdp 16 x tensor 2 on v6e's 4x8): split a side
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,3 +130,13 @@ def test_without_libtpu_one_line_says_how_to_install(monkeypatch):
     target = parse_target("v6e-4")
     with pytest.raises(TargetError, match=r'pip install "g2rl_jax\[tpu\]"'):
         target.make_devices()
+
+
+def test_a_mesh_axis_may_split_a_torus_side():
+    """fsdp 16 x tensor 2 on v6e-32's 4x8 chips: no side is 16, so the mesh splits one (jax.make_mesh alone fails)."""
+    from g2rl_jax import parallel
+    from g2rl_jax.config import MeshConfig
+
+    mesh = parallel.make_mesh(MeshConfig(data=1, fsdp=16, tensor=2), parse_target("v6e-32").devices())
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 16, "tensor": 2}
+    assert len({d.id for d in mesh.devices.flat}) == 32
