@@ -15,6 +15,7 @@ from g2rl_jax.parallel import DEFAULT_RULES, mesh_sizes
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket, new_tokens_bucket
 
 F32 = 4
+SAVED_COPIES = 2  # layer-boundary activations the compiled gradient holds per layer under remat (see activation_parts)
 
 
 class PlanError(ValueError):
@@ -120,13 +121,12 @@ def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, me
     vocab = model.vocab_size // shards("vocab", mesh)
     per_layer_params = sum(math.prod(s) for s in _layer_shapes(model)) // tp
     return {
-        # remat: only each layer's input [b, L, D] is kept; none: every layer's internals are kept
-        "saved": layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
+        # remat: only each layer's input [b, L, D] is kept, and the TPU compiler's gradient holds about twice that
+        # (calibrated: at 1.7B/8k on v5p-8 and v6e-16 and 4B/12k on v5p-16 its temporaries exceeded the other terms
+        # by 1.0-1.2x this stack; counted once, the update phase was 16-20% low); none: every layer's internals
+        "saved": SAVED_COPIES * layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
         else (layers - 1) * (internals + scores),
-        # the layer being differentiated: its recomputed values and their cotangents, both alive (the TPU compiler's
-        # gradient of 1.7B at 8k on v5p-8 and v6e-16 held both; counting the values once left the update phase 16-20%
-        # below it)
-        "layer": 2 * internals + scores,
+        "layer": internals + scores,
         "gathered": per_layer_params * (c + F32),  # one layer's all-gathered weights and their float32 gradient
         "logits": 3 * b * min(DEFAULT_CHUNK, t) * vocab * F32,  # logits, softmax, cotangent of one chunk
         "head": vocab * model.hidden_size // shards("embed", mesh) * c,  # lm head cast to the compute dtype
