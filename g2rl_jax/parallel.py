@@ -150,10 +150,10 @@ def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int =
 def on_tpu_vm() -> bool:
     """A Cloud TPU VM (libtpu installed and TPU chips present, or GKE's TPU worker list set), where
     `jax.distributed.initialize()` finds the coordinator, process count and id by itself."""
-    from g2rl_jax import QUIET_TPU_ENV
+    from g2rl_jax import QUIET_TPU_MARK
 
-    hostnames = os.environ.get("TPU_WORKER_HOSTNAMES")
-    if hostnames and hostnames != QUIET_TPU_ENV.get("TPU_WORKER_HOSTNAMES"):  # not the CPU host's quiet default
+    quiet = os.environ.get(QUIET_TPU_MARK, "").split(",")  # set by `import g2rl_jax` on a host without TPU chips
+    if os.environ.get("TPU_WORKER_HOSTNAMES") and "TPU_WORKER_HOSTNAMES" not in quiet:
         return True
     chips = list(Path("/dev").glob("accel[0-9]*")) + list(Path("/dev/vfio").glob("[0-9]*"))
     return importlib.util.find_spec("libtpu") is not None and bool(chips)
