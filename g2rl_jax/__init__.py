@@ -51,6 +51,8 @@ if importlib.util.find_spec("torch") is None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+QUIET_TPU_DEFAULTS = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost",
+                      "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 QUIET_TPU_MARK = "G2RL_JAX_QUIET_TPU"  # names the variables set below, for this process and its children, so that
 #                                      parallel.on_tpu_vm does not read them as a TPU VM's
 
@@ -71,8 +73,6 @@ if _no_tpu_chips():
     # topology. It needs neither on this machine; naming them quiets it (jax then falls back to its other backends,
     # as it does anyway). libtpu also takes a lock file so that one process owns the chips; with no chips to own,
     # several compiles (two checks, a test run beside a check) may run at once. A value the user set wins.
-    _quiet = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost",
-              "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    _quiet = {k: v for k, v in _quiet.items() if k not in os.environ}
+    _quiet = {k: v for k, v in QUIET_TPU_DEFAULTS.items() if k not in os.environ}
     os.environ.update(_quiet)
     os.environ[QUIET_TPU_MARK] = ",".join(_quiet)
