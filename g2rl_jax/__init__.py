@@ -48,3 +48,11 @@ if importlib.util.find_spec("torch") is None:
     # `pip install -e .`) transformers would print "PyTorch was not found..." on import, an advisory a new user
     # reads as a broken install. Set before any transformers import; a value the user set wins.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12") \
+        and not os.path.exists("/proc/driver/nvidia/version"):
+    # JAX's CUDA plugin installed (the gpu-compile / test extras: g2rl_jax.aot compiles for GPUs without one) on a
+    # machine with no NVIDIA driver: its CUDA version check would log a traceback on every start and leave the
+    # plugin unregistered, so compiling for GPU devices would fail. Skipping the check registers it; jax still runs
+    # on the CPU here. A value the user set wins.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
