@@ -12,6 +12,7 @@ Where things live, in the order one RL step uses them:
   parallel.py  device mesh and the logical-axis → mesh-axis table
   eval.py    pass@k, maj@k, the evaluation CLI
   bench/     python -m g2rl_jax.bench NAME: the measured figures the README quotes
+  aot/       ahead-of-time compile of every program of a step for a TPU slice without one (plan --compile)
 
 Shape letters. An array's name ends in its shape, e.g. `logp_BxT` is [B, T]; einsum strings use the same letters
 in lower case. This is the one legend; every module uses it.
@@ -48,6 +49,24 @@ if importlib.util.find_spec("torch") is None:
     # `pip install -e .`) transformers would print "PyTorch was not found..." on import, an advisory a new user
     # reads as a broken install. Set before any transformers import; a value the user set wins.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def _no_tpu_chips() -> bool:
+    """libtpu is installed (the `tpu` and `test` extras) but this machine has no TPU chip nor a TPU worker list."""
+    if importlib.util.find_spec("libtpu") is None or os.environ.get("TPU_WORKER_HOSTNAMES"):
+        return False
+    from pathlib import Path
+
+    return not (list(Path("/dev").glob("accel[0-9]*")) or list(Path("/dev/vfio").glob("[0-9]*")))
+
+
+if _no_tpu_chips():
+    # With libtpu installed and no TPU here, libtpu prints three warnings about an unknown accelerator type and worker
+    # list each time it starts: when jax probes for a TPU backend, and when g2rl_jax.aot compiles for a TPU
+    # topology. It needs neither on this machine; naming them quiets it (jax then falls back to its other backends,
+    # as it does anyway). A value the user set wins.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12") \
         and not os.path.exists("/proc/driver/nvidia/version"):

@@ -1,4 +1,8 @@
-"""Memory planner: `python -m g2rl_jax.plan --config FILE [--devices N] [--preset NAME] [key=value ...]`.
+"""Memory planner: `python -m g2rl_jax.plan --config FILE [--devices N | --target SLICE [--compile]] [key=value ...]`.
+
+With `--target v5p-8` (a gcloud accelerator type) the plan is for that slice's chips; adding `--compile` also
+compiles every program of a step for it without the hardware and ends in one verdict (g2rl_jax/aot). The exit
+status is 0 when it fits, 1 when it does not, 2 on bad input.
 
 Analytic per-device bytes of a training run, from the config alone (nothing is allocated):
 
@@ -264,15 +268,33 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--config", required=True, help="training config YAML")
     cli.add_argument("--devices", type=int, default=8, help="devices for the first table (default: 8, the paper's)")
     cli.add_argument("--preset", help=f"architecture preset instead of model.path/config.json: {', '.join(PRESETS)}")
+    cli.add_argument("--target", help="a slice as gcloud names it (v4-8, v5litepod-16, v5p-8, v6e-8, ...): plan for "
+                     "its chips instead of --devices")
+    cli.add_argument("--compile", action="store_true",
+                     help="also compile every program of a step for --target and give a verdict")
+    cli.add_argument("--programs", choices=("all", "largest"), default="all",
+                     help="with --compile: every shape a run reaches (default), or only the largest shape of each "
+                     "program, which bounds the others' memory and compiles much faster")
     cli.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
     args = cli.parse_args(argv)
     if args.devices < 1:
         cli.error(f"--devices must be >= 1, got {args.devices}")
+    if args.compile and not args.target:
+        cli.error("--compile needs --target, e.g. --target v5p-8")
+    from g2rl_jax.aot import TargetError, parse_target
+
     try:
         cfg = load_config(args.config, args.overrides)
         model, source = model_config(cfg, args.preset)
-        print(report(cfg, model, source, args.devices))
-    except (ConfigError, PlanError) as err:
+        target = parse_target(args.target) if args.target else None
+        print(report(cfg, model, source, target.chips if target else args.devices), flush=True)
+        if args.compile:
+            from g2rl_jax.aot.check import check
+
+            fits, text = check(cfg, model, target, args.programs)
+            print("\n" + text)
+            return 0 if fits else 1
+    except (ConfigError, PlanError, TargetError) as err:
         print(f"plan error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -145,7 +145,7 @@ class Trainer(SamplingRounds):
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
         self.optimizer = train_step.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
         self.schedule = train_step.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.opt_state = on_mesh(jax.jit(self.optimizer.init)(self.params), self.mesh)
+        self.opt_state = train_step.init_optimizer(self.optimizer, self.params)  # sharded like params
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
