@@ -35,12 +35,14 @@ class Card:
     key: str  # as typed in a target name
     label: str  # as printed
     spec_file: str  # GpuTargetConfigProto text in gpu_targets/
+    peak_tflops: float  # dense bfloat16, NVIDIA's data sheets (time estimates only)
+    hbm_gbps: float  # memory bandwidth, as in the spec file (time estimates only)
 
 
 CARDS = {
-    "h100": Card("h100", "H100 SXM 80GB", "h100_sxm_80gb.txtpb"),
-    "h200": Card("h200", "H200 SXM 141GB", "h200_sxm_141gb.txtpb"),
-    "a100": Card("a100", "A100 SXM4 80GB", "a100_sxm_80gb.txtpb"),
+    "h100": Card("h100", "H100 SXM 80GB", "h100_sxm_80gb.txtpb", 989, 3352),
+    "h200": Card("h200", "H200 SXM 141GB", "h200_sxm_141gb.txtpb", 989, 4800),
+    "a100": Card("a100", "A100 SXM4 80GB", "a100_sxm_80gb.txtpb", 312, 2039),
 }
 
 
@@ -90,6 +92,7 @@ def gpu_target(card_key: str, hosts: int, per_host: int, name: str | None = None
     label = name or gpu_name(card_key, hosts, per_host)
     return Target(name=label, platform="gpu", chips=hosts * per_host, hosts=hosts,
                   hbm_bytes=device_memory_bytes(card), topology=topology(hosts, per_host), kind=card.key,
+                  peak_tflops=card.peak_tflops, hbm_gbps=card.hbm_gbps,
                   make_devices=lambda: gpu_devices(card, hosts, per_host))
 
 
