@@ -95,7 +95,10 @@ def layer_internal_elements(model: Qwen3Config, b: int, length: int, tp: int) ->
 
 def attention_scores_bytes(runtime: RuntimeConfig, heads: int, b: int, length: int) -> int:
     """The xla backend's [b, H, L, L] scores in the backward pass: scores, softmax and their cotangent in float32,
-    the probabilities in the compute dtype and the boolean mask (fused kernels keep O(L) instead)."""
+    the probabilities in the compute dtype and the boolean mask. Fused kernels keep O(L) instead, but cuDNN (GPU)
+    takes the padding/segment mask as a [b, 1, L, L] bias in the compute dtype (model.attention.fused)."""
+    if runtime.attention == "cudnn":
+        return b * length * length * nbytes(runtime.compute_dtype)
     if runtime.attention != "xla":
         return 0
     return b * heads * length * length * (3 * F32 + nbytes(runtime.compute_dtype) + 1)

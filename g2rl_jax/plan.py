@@ -58,7 +58,7 @@ from g2rl_jax.memory import (
     resolve_mesh,
     shards,
 )
-from g2rl_jax.model.config import PRESETS, Qwen3Config, RuntimeConfig
+from g2rl_jax.model.config import DTYPES, PRESETS, Qwen3Config, RuntimeConfig, resolve_attention
 
 GiB = 2**30
 USABLE_FRACTION = 0.90  # share of HBM a run can use (runtime reserve; gpu.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -70,6 +70,7 @@ class Accelerator:
     hbm_gib: float
     chips: tuple[int, ...]  # slice sizes tried, smallest first
     slice_name: str  # format of the slice name, {n} = chips, {n2} = TensorCores
+    platform: str = "tpu"  # decides model.attention=auto (splash on tpu, cudnn on gpu)
 
     def label(self, n: int) -> str:
         return self.slice_name.format(n=n, n2=2 * n)
@@ -80,8 +81,9 @@ ACCELERATORS = (
     Accelerator("v5e", 16, (1, 4, 8, 16, 32, 64, 128, 256), "v5litepod-{n}"),
     Accelerator("v5p", 95, tuple(c for c in _POW2 if 4 <= c <= 4096), "v5p-{n2}"),
     Accelerator("v6e", 32, (1, 4, 8, 16, 32, 64, 128, 256), "v6e-{n}"),
-    Accelerator("H100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x H100"),
-    Accelerator("H200", 141, tuple(c for c in _POW2 if c <= 1024), "{n} x H200"),
+    Accelerator("H100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x H100", "gpu"),
+    Accelerator("H200", 141, tuple(c for c in _POW2 if c <= 1024), "{n} x H200", "gpu"),
+    Accelerator("A100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x A100 80GB", "gpu"),
 )
 
 
@@ -117,14 +119,15 @@ class Plan:
         return self.persistent + max(self.rollout_phase, self.update_phase)
 
 
-def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
-    """The per-device memory plan of `cfg` with architecture `model` on `devices` devices."""
+def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -> Plan:
+    """The per-device memory plan of `cfg` with architecture `model` on `devices` devices of `platform` ("tpu" or
+    "gpu": it decides the attention kernel, as model.config.resolve_attention does for a run)."""
     mesh = resolve_mesh(cfg, devices)
     check_divisible(model, mesh)
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat,
-                            # "auto" picks the fused kernel (splash/cudnn) on the accelerators planned for
-                            attention="splash" if cfg.model.attention == "auto" else cfg.model.attention,
+                            attention=resolve_attention(cfg.model.attention, DTYPES[cfg.model.compute_dtype],
+                                                        platform),
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
     n_local = param_elements(model, runtime, mesh)
     pbytes = n_local * nbytes(cfg.model.param_dtype)
@@ -189,7 +192,7 @@ def fits(cfg: Config, model: Qwen3Config) -> list[tuple[Accelerator, int | None,
             fitting = []
             for candidate in slice_meshes(cfg, chips):
                 try:
-                    p = plan(candidate, model, chips)
+                    p = plan(candidate, model, chips, acc.platform)
                 except PlanError:
                     continue
                 if p.peak <= USABLE_FRACTION * acc.hbm_gib * GiB:
@@ -236,8 +239,8 @@ def _gib(n: int) -> str:
     return f"{n / GiB:8.2f}"
 
 
-def report(cfg: Config, model: Qwen3Config, source: str, devices: int) -> str:
-    p = plan(cfg, model, devices)
+def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform: str = "tpu") -> str:
+    p = plan(cfg, model, devices, platform)
     rows = [("params", p.params), ("optimizer (AdamW mu, nu)", p.optimizer),
             ("gradients (f32 acc + micro)", p.gradients), ("reference model", p.reference),
             ("rollout KV cache", p.kv_cache), ("rollout temporaries", p.rollout_tmp),
@@ -287,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         model, source = model_config(cfg, args.preset)
         target = parse_target(args.target) if args.target else None
-        print(report(cfg, model, source, target.chips if target else args.devices), flush=True)
+        print(report(cfg, model, source, target.chips if target else args.devices,
+                     target.platform if target else "tpu"), flush=True)
         if args.compile:
             from g2rl_jax.aot.check import check
 

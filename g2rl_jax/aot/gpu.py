@@ -26,6 +26,7 @@ from g2rl_jax.aot.targets import Target, TargetError, register
 MAX_PER_HOST = 8  # GPUs on one HGX / DGX host
 MAX_HOSTS = 128
 INSTALL = 'pip install "g2rl_jax[gpu-compile]" (jax-cuda12-plugin of the pinned jax and nvidia-cudnn-cu12)'
+CUDNN_MARK = "__cudnn$fmha"  # cuDNN's fused attention (forward and backward) in compiled HLO
 WORKSPACE_CAVEAT = ("GPU figures are a floor: cuDNN's workspace counts 0 bytes, nothing is autotuned, and XLA gives "
                     "no cost analysis without a GPU; keep the margin the verdict asks for")
 
@@ -93,7 +94,13 @@ def gpu_target(card_key: str, hosts: int, per_host: int, name: str | None = None
     return Target(name=label, platform="gpu", chips=hosts * per_host, hosts=hosts,
                   hbm_bytes=device_memory_bytes(card), topology=topology(hosts, per_host), kind=card.key,
                   peak_tflops=card.peak_tflops, hbm_gbps=card.hbm_gbps,
-                  make_devices=lambda: gpu_devices(card, hosts, per_host))
+                  make_devices=lambda: gpu_devices(card, hosts, per_host), kernel_name="cudnn",
+                  kernel_mark=CUDNN_MARK, caveat=WORKSPACE_CAVEAT, resize=lambda n: gpu_name(card_key, *hosts_of(n)))
+
+
+def hosts_of(gpus: int) -> tuple[int, int]:
+    """(hosts, GPUs per host) of a run of `gpus` GPUs: one host up to MAX_PER_HOST, full hosts above."""
+    return (1, gpus) if gpus <= MAX_PER_HOST else (-(-gpus // MAX_PER_HOST), MAX_PER_HOST)
 
 
 def gpu_name(card_key: str, hosts: int, per_host: int) -> str:
