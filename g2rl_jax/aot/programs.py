@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from g2rl_jax import parallel
 from g2rl_jax.config import Config
 from g2rl_jax.model.config import Qwen3Config
-from g2rl_jax.model.qwen3 import PrefixCache, Qwen3, SuffixCache
+from g2rl_jax.model.qwen3 import LAYER_AXES, PrefixCache, Qwen3, SuffixCache
 from g2rl_jax.rollout import batching, engine
 from g2rl_jax.rollout.sampling import spec_for
 from g2rl_jax.train import micro as micro_lib
@@ -214,7 +214,11 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
 
     with jax.set_mesh(mesh):
         layers = jax.eval_shape(functools.partial(engine.decode_layers_fn(mesh), graphdef), params)
-        layers = a.like(layers)
+    # each layer's weights keep their parameter's sharding in a run (GSPMD propagates it; eval_shape gives none, and
+    # an input without one compiles replicated: the whole decode weights on every chip)
+    layers = tuple({name: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(
+        mesh, parallel.DEFAULT_RULES.spec(LAYER_AXES[name], w.shape, mesh))) for name, w in layer.items()}
+        for layer in layers)
     logits = a.rows((s.prompts, model.vocab_size), jnp.float32)
     in_mesh = lambda lower: functools.partial(_in_mesh, mesh, lower)  # noqa: E731
     progs = [
