@@ -51,6 +51,9 @@ if importlib.util.find_spec("torch") is None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+QUIET_TPU_ENV: dict[str, str] = {}  # the variables set below (parallel.on_tpu_vm must not read them as a TPU VM's)
+
+
 def _no_tpu_chips() -> bool:
     """libtpu is installed (the `tpu` and `test` extras) but this machine has no TPU chip nor a TPU worker list."""
     if importlib.util.find_spec("libtpu") is None or os.environ.get("TPU_WORKER_HOSTNAMES"):
@@ -64,9 +67,12 @@ if _no_tpu_chips():
     # With libtpu installed and no TPU here, libtpu prints three warnings about an unknown accelerator type and worker
     # list each time it starts: when jax probes for a TPU backend, and when g2rl_jax.aot compiles for a TPU
     # topology. It needs neither on this machine; naming them quiets it (jax then falls back to its other backends,
-    # as it does anyway). A value the user set wins.
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # as it does anyway). libtpu also takes a lock file so that one process owns the chips; with no chips to own,
+    # several compiles (two checks, a test run beside a check) may run at once. A value the user set wins.
+    for _key, _value in (("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                         ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+        if _key not in os.environ:
+            os.environ[_key] = QUIET_TPU_ENV[_key] = _value
 
 if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12") \
         and not os.path.exists("/proc/driver/nvidia/version"):

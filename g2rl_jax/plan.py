@@ -14,7 +14,9 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
     kv_cache     rollout K/V: the prompt prefix once per prompt plus the suffix per sample, layers x (P*S + P*m*T)
                  x kv_heads x head_dim x 2 x kv dtype, batch over (data, fsdp) and kv_heads over tensor
     rollout_tmp  the sampled tokens and log-probs of every sample [B, T], the layer weights cast to the compute
-                 dtype once per rollout (one array per layer, read by every decode step), plus the largest of: the
+                 dtype once per rollout (one array per layer, read by every decode step) and, when fsdp shards them,
+                 their copy gathered whole over fsdp for the decode loop (the compiler hoists the loop-invariant
+                 gathers), plus the largest of: the
                  prefill (xla attention scores, and the scan's stacked prompt K/V before it is split into one
                  buffer per layer), a decode step (the [B, V] float32 logits and one layer's [B, H, S + T] float32
                  scores; the cache is written in place, nothing of it is copied), and a capacity change (the cache
@@ -50,6 +52,7 @@ from g2rl_jax.memory import (
     attention_scores_bytes,
     check_divisible,
     decode_weight_bytes,
+    gathered_decode_weight_bytes,
     kv_cache_bytes,
     kv_token_bytes,
     micro_rows_per_device,
@@ -141,7 +144,10 @@ def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -
                + model.num_hidden_layers * prompts_local * s * kv_token_bytes(cfg, model) // kv_shards)
     decode = rows_local * (3 * model.vocab_size + model.num_attention_heads // tp * (s + t)) * F32
     grow = rows_local * (t // 2) * kv_token_bytes(cfg, model) // kv_shards
-    rollout_tmp = (rows_local * t * (4 + F32) + decode_weight_bytes(cfg, model, mesh)
+    # the TPU compiler hoists the decode loop's weight gathers; the GPU compiler does not (8 x H100, 1.7B: the
+    # compiled decode segment holds 1.07 GiB of temporaries, the whole decode weights are 2.63 GiB)
+    gathered = gathered_decode_weight_bytes(cfg, model, mesh) if platform == "tpu" else 0
+    rollout_tmp = (rows_local * t * (4 + F32) + decode_weight_bytes(cfg, model, mesh) + gathered
                    + max(prefill, decode, grow))
     mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
     notes = []

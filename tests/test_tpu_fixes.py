@@ -123,6 +123,7 @@ def test_optimizer_state_is_sharded_like_params_on_creation_and_after_restore(tm
         params_bytes = _per_device_bytes(trainer.params)
         assert params_bytes * 4 < sum(x.nbytes for x in jax.tree.leaves(trainer.params))  # fsdp 8 splits them
         _assert_moments_like_params(trainer.opt_state, trainer.params)
+        trainer.step = 1  # as after one step: the checkpoint of step 1
         trainer.ckpt.save(1, trainer.state(), trainer.loader, force=True)
         trainer.ckpt.close()
     finally:

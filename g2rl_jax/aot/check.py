@@ -129,8 +129,9 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None)
     lines = [header, "", *report_lib.table(results, target), "",
              "planner vs compiler, peak per chip by phase (program + state resident beside it):",
              *report_lib.planner_rows(plan(cfg, model, target.chips, target.platform), results), "",
-             f"total compile time: {total:.1f} s for {len(progs)} programs "
-             f"({sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s rollout)",
+             f"total compile time: {total:.1f} s for {len(progs)} programs, "
+             f"{sum(r.cpu_seconds for r in results):.1f} s of CPU "
+             f"(rollout {sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s)",
              f"step time, an ESTIMATE from the FLOP model (every response at the budget): score, reference and "
              f"update {passes_s:.1f} s at {report_lib.ESTIMATE_MFU:.0%} MFU of {target.peak_tflops:.0f} TFLOP/s per "
              f"chip; decode at least {decode_s:.1f} s at {target.hbm_gbps:.0f} GB/s HBM bandwidth",

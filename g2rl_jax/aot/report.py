@@ -27,7 +27,8 @@ ESTIMATE_MFU = 0.4  # model FLOP utilisation the step-time estimate assumes for 
 @dataclasses.dataclass(frozen=True)
 class Result:
     program: Program
-    seconds: float
+    seconds: float  # wall clock
+    cpu_seconds: float  # this process's CPU time (threads summed): what the compile costs on a shared machine
     error: str | None = None  # the compiler's first error line
     argument: int = 0
     output: int = 0
@@ -52,15 +53,15 @@ class Result:
 
 
 def compile_one(program: Program, mark: str = KERNEL_MARK) -> Result:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         compiled = program.lower().compile()
     except Exception as err:  # noqa: BLE001 - any compiler failure is reported as the program's result
         lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-        return Result(program, time.perf_counter() - start, error=lines[0][:300])
-    seconds = time.perf_counter() - start
+        return Result(program, time.perf_counter() - start, time.process_time() - cpu, error=lines[0][:300])
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     stats = compiled.memory_analysis()
-    return Result(program, seconds, argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
+    return Result(program, seconds, cpu, argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
                   alias=stats.alias_size_in_bytes, temp=stats.temp_size_in_bytes,
                   code=stats.generated_code_size_in_bytes, kernels=compiled.as_text().count(mark))
 
@@ -75,8 +76,8 @@ def compile_programs(programs: list[Program], progress: Callable[[str], None] | 
         results.append(r)
         if progress is not None:
             state = f"{r.total / GiB:7.2f} GiB/chip" if r.error is None else ("OUT OF MEMORY" if r.oom else "FAILED")
-            progress(f"[{i:>{len(str(len(programs)))}}/{len(programs)}] {program.name:48s} {r.seconds:6.1f} s  "
-                     f"{state}")
+            progress(f"[{i:>{len(str(len(programs)))}}/{len(programs)}] {program.name:48s} {r.seconds:6.1f} s "
+                     f"({r.cpu_seconds:.1f} s CPU)  {state}")
     return results
 
 
@@ -94,15 +95,16 @@ def _gib(n: float) -> str:
 
 
 def table(results: list[Result], target: Target) -> list[str]:
-    lines = [f"{'program':48s} {'compile s':>9s} {'args':>7s} {'out':>7s} {'temp':>7s} {'program':>8s} "
+    lines = [f"{'program':48s} {'compile s':>9s} {'cpu s':>6s} {'args':>7s} {'out':>7s} {'temp':>7s} {'program':>8s} "
              f"{'+state':>7s} {'total':>7s} {'of HBM':>6s}  {target.kernel_name:>6s}  (GiB per chip)"]
     for r in results:
         p = r.program
         if r.error is not None:
             what = "OUT OF MEMORY" if r.oom else "DID NOT COMPILE"
-            lines.append(f"{p.name:48s} {r.seconds:9.1f}  {what}: {r.error}")
+            lines.append(f"{p.name:48s} {r.seconds:9.1f} {r.cpu_seconds:6.1f}  {what}: {r.error}")
             continue
-        lines.append(f"{p.name:48s} {r.seconds:9.1f} {_gib(r.argument):>7s} {_gib(r.output):>7s} {_gib(r.temp):>7s} "
+        lines.append(f"{p.name:48s} {r.seconds:9.1f} {r.cpu_seconds:6.1f} {_gib(r.argument):>7s} "
+                     f"{_gib(r.output):>7s} {_gib(r.temp):>7s} "
                      f"{_gib(r.bytes):>8s} {_gib(p.resident):>7s} {_gib(r.total):>7s} "
                      f"{r.total / target.hbm_bytes:6.0%}  {'yes' if r.kernels else '-':>6s}")
     return lines + ([f"note: {target.caveat}"] if target.caveat else [])

@@ -52,6 +52,7 @@ from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, re
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_platforms,
+    compilation_cache,
     embed_texts,
     eval_examples,
     on_mesh,
@@ -106,6 +107,7 @@ class Trainer(SamplingRounds):
         found = latest_step(self.run_dir)
         if found is not None:
             check_resume_config(given, self.run_dir)
+        compilation_cache(given.run.compilation_cache_dir)  # before the first compile (the demo model's build)
         cfg = resolve_model_paths(given)  # builds the demo model on first use
         preflight(cfg)
         self.cfg = cfg
