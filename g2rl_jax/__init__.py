@@ -51,13 +51,17 @@ if importlib.util.find_spec("torch") is None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-QUIET_TPU_ENV: dict[str, str] = {}  # the variables set below (parallel.on_tpu_vm must not read them as a TPU VM's)
+QUIET_TPU_DEFAULTS = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost",
+                      "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+QUIET_TPU_MARK = "G2RL_JAX_QUIET_TPU"  # names the variables set below, for this process and its children, so that
+#                                      parallel.on_tpu_vm does not read them as a TPU VM's
 
 
 def _no_tpu_chips() -> bool:
     """libtpu is installed (the `tpu` and `test` extras) but this machine has no TPU chip nor a TPU worker list."""
-    if importlib.util.find_spec("libtpu") is None or os.environ.get("TPU_WORKER_HOSTNAMES"):
-        return False
+    if importlib.util.find_spec("libtpu") is None or QUIET_TPU_MARK in os.environ \
+            or os.environ.get("TPU_WORKER_HOSTNAMES"):
+        return False  # no libtpu; set already (by the parent process); or a TPU worker list (GKE)
     from pathlib import Path
 
     return not (list(Path("/dev").glob("accel[0-9]*")) or list(Path("/dev/vfio").glob("[0-9]*")))
@@ -69,10 +73,9 @@ if _no_tpu_chips():
     # topology. It needs neither on this machine; naming them quiets it (jax then falls back to its other backends,
     # as it does anyway). libtpu also takes a lock file so that one process owns the chips; with no chips to own,
     # several compiles (two checks, a test run beside a check) may run at once. A value the user set wins.
-    for _key, _value in (("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                         ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
-        if _key not in os.environ:
-            os.environ[_key] = QUIET_TPU_ENV[_key] = _value
+    _quiet = {k: v for k, v in QUIET_TPU_DEFAULTS.items() if k not in os.environ}
+    os.environ.update(_quiet)
+    os.environ[QUIET_TPU_MARK] = ",".join(_quiet)
 
 if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12") \
         and not os.path.exists("/proc/driver/nvidia/version"):

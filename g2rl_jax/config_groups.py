@@ -51,7 +51,8 @@ class RunConfig:
                                    "rollout, algorithm, optim) differ")
     compilation_cache_dir: str = _f("~/.cache/g2rl_jax/jax",
                                     "JAX's persistent compilation cache: a relaunch (a resume after a preemption) "
-                                    "reads the compiled programs back instead of compiling them again; \"\" = off")
+                                    "reads the compiled programs back instead of compiling them again; several hosts "
+                                    "need a directory they share, e.g. gs://BUCKET/DIR; \"\" = off")
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
                                   "where step metrics go: jsonl (always; summaries, plots and resume read it), "
                                   "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")

@@ -150,10 +150,11 @@ def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int =
 def on_tpu_vm() -> bool:
     """A Cloud TPU VM (libtpu installed and TPU chips present, or GKE's TPU worker list set), where
     `jax.distributed.initialize()` finds the coordinator, process count and id by itself."""
-    from g2rl_jax import QUIET_TPU_ENV
+    from g2rl_jax import QUIET_TPU_DEFAULTS, QUIET_TPU_MARK
 
-    hostnames = os.environ.get("TPU_WORKER_HOSTNAMES")
-    if hostnames and hostnames != QUIET_TPU_ENV.get("TPU_WORKER_HOSTNAMES"):  # not the CPU host's quiet default
+    key = "TPU_WORKER_HOSTNAMES"
+    quiet = key in os.environ.get(QUIET_TPU_MARK, "").split(",") and os.environ.get(key) == QUIET_TPU_DEFAULTS[key]
+    if os.environ.get(key) and not quiet:  # not the value `import g2rl_jax` set on a host without TPU chips
         return True
     chips = list(Path("/dev").glob("accel[0-9]*")) + list(Path("/dev/vfio").glob("[0-9]*"))
     return importlib.util.find_spec("libtpu") is not None and bool(chips)

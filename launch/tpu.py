@@ -166,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
     p.add_argument("--compile-cache", default=DEFAULT_CACHE, metavar="DIR",
                    help=f"JAX compilation cache on the workers (run.compilation_cache_dir; default {DEFAULT_CACHE}, "
-                   "on the VM's persistent disk)")
+                   "on the VM's persistent disk; several hosts: gs://BUCKET/DIR, which they share)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the run, e.g. --env HF_HOME=/mnt/hf (repeatable)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.total_steps=10")

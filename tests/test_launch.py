@@ -313,13 +313,14 @@ def test_slurm_example_passes_distributed_overrides_per_task(fakes, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- create's fit check
-def _tiny_config(tmp_path, **extra) -> Path:
-    """A config over a tiny model directory (config.json only: the check builds nothing) with a small step."""
+def _tiny_config(tmp_path, model_config=None, **extra) -> Path:
+    """A config with a small step over a model directory (config.json only: the check builds nothing), the tiny
+    preset by default."""
     from g2rl_jax.model.config import PRESETS
 
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_dict()))
+    model = tmp_path / f"model{len(list(tmp_path.glob('model*')))}"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps((model_config or PRESETS["tiny"]).to_hf_dict()))
     keys = {"model.path": str(model), "run.output_dir": str(tmp_path / "run"), "data.prompts_per_step": 4,
             "rollout.num_samples": 4, "rollout.max_new_tokens": 16, "data.max_prompt_tokens": 16,
             "algorithm.mini_batch_size": 16, "algorithm.micro_batch_size": 4, **extra}
@@ -334,13 +335,17 @@ def _tiny_config(tmp_path, **extra) -> Path:
 
 
 def test_create_runs_the_fit_check_first_and_refuses_what_does_not_fit(fakes, tmp_path):
-    """The real check (jax + libtpu here) on a tiny model: a KV cache of 4,096 samples x 65,536 slots per layer
-    does not fit a v5litepod-4's 16 GiB chips, so no VM is requested; --force requests it anyway; a small step fits."""
+    """The real check (jax + libtpu here) with a small step: a 2-layer model 16,384 wide (12.6B parameters, 47 GiB
+    of parameters, AdamW state and reference per chip) does not fit a v5litepod-4's 16 GiB chips, so no VM is
+    requested; --force requests it anyway; the tiny model fits."""
     pytest.importorskip("libtpu")
+    from g2rl_jax.model.config import Qwen3Config
+
     env, calls = fakes
     base = ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5litepod-4"]
-    big = _tiny_config(tmp_path, **{"data.prompts_per_step": 64, "rollout.num_samples": 64,
-                                    "rollout.max_new_tokens": 65536, "algorithm.mini_batch_size": 64})
+    wide = Qwen3Config(vocab_size=151936, hidden_size=16384, intermediate_size=65536, num_hidden_layers=2,
+                       num_attention_heads=128, num_key_value_heads=8, head_dim=128)
+    big = _tiny_config(tmp_path, wide)
     out = run(TPU, [*base, "--config", str(big)], env, timeout=600)
     assert out.returncode == 1, (out.stdout, out.stderr[-3000:])
     assert "VERDICT: DOES NOT FIT on v5litepod-4" in out.stdout and "Change:" in out.stdout

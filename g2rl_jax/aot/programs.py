@@ -212,13 +212,7 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
                                   stopped_X=a.rows((rows,), jnp.bool_), tokens_BxT=a.rows((s.rows, T), jnp.int32),
                                   logprobs_BxT=a.rows((s.rows, T), jnp.float32), lengths_B=a.rows((s.rows,), jnp.int32))
 
-    with jax.set_mesh(mesh):
-        layers = jax.eval_shape(functools.partial(engine.decode_layers_fn(mesh), graphdef), params)
-    # each layer's weights keep their parameter's sharding in a run (GSPMD propagates it; eval_shape gives none, and
-    # an input without one compiles replicated: the whole decode weights on every chip)
-    layers = tuple({name: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(
-        mesh, parallel.DEFAULT_RULES.spec(LAYER_AXES[name], w.shape, mesh))) for name, w in layer.items()}
-        for layer in layers)
+    layers = decode_layers(graphdef, params, mesh)
     logits = a.rows((s.prompts, model.vocab_size), jnp.float32)
     in_mesh = lambda lower: functools.partial(_in_mesh, mesh, lower)  # noqa: E731
     progs = [
@@ -252,6 +246,28 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
                              resident + per_chip_bytes((params, layers, prefix(s.prompts), decode_state(s.rows)))
                              + waiting))
     return progs
+
+
+def decode_layers(graphdef, params, mesh):
+    """The abstract result of `engine.decode_layers_fn`: each layer's slice of a stacked [layers, ...] parameter
+    keeps that parameter's sharding of its other dimensions (what the compiled program returns)."""
+    with jax.set_mesh(mesh):
+        layers = jax.eval_shape(functools.partial(engine.decode_layers_fn(mesh), graphdef), params)
+    stacked = _stacked_specs(params)
+    return tuple({name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec(
+        *stacked[name][1:]))) for name, x in layer.items()} for layer in layers)
+
+
+def _stacked_specs(params) -> dict[str, tuple]:
+    """The PartitionSpec entries of each stacked decoder-layer parameter (params.layers.<HF name>)."""
+    specs = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        names = [k for k in keys if k in LAYER_AXES]
+        if "layers" in keys and names:
+            spec = tuple(x.sharding.spec)
+            specs[names[-1]] = spec + (None,) * (x.ndim - len(spec))
+    return specs
 
 
 def _in_mesh(mesh, lower):

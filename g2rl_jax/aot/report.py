@@ -127,9 +127,10 @@ def planner_rows(plan, results: list[Result]) -> list[str]:
 
 def step_time_estimate(cfg, model, shapes: StepShapes, target: Target) -> tuple[float, float]:
     """(seconds of the score, reference and update passes at ESTIMATE_MFU, seconds of the decode at the HBM
-    bandwidth), every response at the budget: an estimate from the FLOP model, not a measurement."""
+    bandwidth: every step reads the decode weights and the cache), every response at the budget: an estimate from
+    the FLOP model, not a measurement."""
     from g2rl_jax.bench.update import train_flops
-    from g2rl_jax.memory import decode_weight_bytes, kv_cache_bytes, resolve_mesh
+    from g2rl_jax.memory import decode_weight_bytes, gathered_decode_weight_bytes, kv_cache_bytes, resolve_mesh
 
     rows, length = shapes.step_rows, shapes.prompt_len + shapes.new_tokens
     forward = train_flops(model, rows, length) / 3
@@ -137,6 +138,9 @@ def step_time_estimate(cfg, model, shapes: StepShapes, target: Target) -> tuple[
     passes_s = passes / (target.chips * target.peak_tflops * 1e12 * ESTIMATE_MFU)
     mesh = resolve_mesh(cfg, target.chips)
     kv, _, _, _ = kv_cache_bytes(cfg, model, mesh)
-    per_step = decode_weight_bytes(cfg, model, mesh) + kv / 2  # weights, and on average half the final cache
+    # each chip decodes its rows with the whole weights (gathered over fsdp before the loop), and on average half
+    # of its final cache
+    weights = max(decode_weight_bytes(cfg, model, mesh), gathered_decode_weight_bytes(cfg, model, mesh))
+    per_step = weights + kv / 2
     decode_s = shapes.new_tokens * per_step / (target.hbm_gbps * 1e9)
     return passes_s, decode_s

@@ -37,17 +37,27 @@ CACHE_MIN_COMPILE_SECONDS = 0.5  # programs that compile faster are not worth a 
 
 
 def compilation_cache(directory: str) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` (run.compilation_cache_dir; "" leaves it off).
-    Process-wide: the first directory set in a process is the one jax keeps using."""
+    """Turn on JAX's persistent compilation cache in `directory` (run.compilation_cache_dir; "" leaves it off; a
+    URL such as gs://bucket/dir is passed to jax as it is). Process-wide: the first directory set in a process is the
+    one jax keeps using.
+
+    Only process 0 of a multi-process run writes entries (jax's rule), so every host reads them back only from
+    storage the hosts share (a gs:// bucket on a multi-host TPU slice). Off for a multi-process run on CPU devices:
+    there, a process that reads a program back enters its collectives while the other still compiles, and XLA:CPU's
+    cross-process rendezvous gives up after 40 s."""
     if not directory or jax.config.jax_compilation_cache_dir:
         return
-    path = Path(directory).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"run.compilation_cache_dir: cannot create {str(path)!r} ({err}); choose a writable "
-                          "directory, or \"\" to turn the cache off") from err
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    if jax.process_count() > 1 and jax.devices()[0].platform == "cpu":
+        return
+    if "://" not in directory:
+        path = Path(directory).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"run.compilation_cache_dir: cannot create {str(path)!r} ({err}); choose a writable "
+                              "directory, or \"\" to turn the cache off") from err
+        directory = str(path)
+    jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
 
 
