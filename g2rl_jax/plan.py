@@ -22,9 +22,10 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
                  scores; the cache is written in place, nothing of it is copied), and a capacity change (the cache
                  grows one layer at a time: one old layer of T/2 slots beside the new cache)
     activations  one micro-batch of the update with model.remat: the layer-boundary activations [b, L, D] of every
-                 layer (twice: calibrated against the TPU compiler, memory.SAVED_COPIES), one layer's recomputed
-                 internals and their cotangents (attention scores [b, H, L, L] with the xla backend), one layer's
-                 all-gathered weights, and the chunked [b, 64, V] logits of the loss
+                 layer (twice on TPU, once on GPU: calibrated against each compiler, memory.SAVED_COPIES), one
+                 layer's recomputed internals and their cotangents (attention scores [b, H, L, L] with the xla
+                 backend, cuDNN's [b, 1, L, L] mask bias on GPU), one layer's all-gathered weights, and the chunked
+                 [b, 64, V] logits of the loss
     batch        the update's mini-batch arrays (ids, masks, old/ref log-probs, advantages)
 
 Peak = params + optimizer + reference + max(rollout: kv_cache + rollout_tmp, update: gradients + activations +
@@ -169,7 +170,7 @@ def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -
         reference=pbytes if cfg.algorithm.kl_coef > 0 else 0,
         kv_cache=kv,
         rollout_tmp=rollout_tmp,
-        activations=sum(activation_parts(cfg, model, runtime, mesh, length, t).values()),
+        activations=sum(activation_parts(cfg, model, runtime, mesh, length, t, platform).values()),
         batch=mini_local * (2 * length * 4 + 3 * t * F32 + F32),
         notes=tuple(notes) + (f"shapes: P={p} prompts x S={s} prompt tokens, m={m}, T={t} new tokens, "
                               f"L=S+T={length}",),
