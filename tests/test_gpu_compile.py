@@ -39,13 +39,14 @@ def _kernels(compiled) -> set[str]:
 
 def test_gpu_target_names_hosts_and_memory():
     one = parse_target("h100-8")
-    assert (one.platform, one.chips, one.hosts, one.kind, one.topology) == ("gpu", 8, 1, "h100", "1x1x8")
+    assert (one.platform, one.chips, one.hosts, one.kind, one.topology) == ("gpu", 8, 1, "h100", "h100:1x1x8")
     assert one.hbm_bytes == gpu.device_memory_bytes(gpu.CARDS["h100"]) == 84_942_979_072
     two = parse_target("H100-2x8")
-    assert (two.chips, two.hosts, two.topology) == (16, 2, "2x1x8")
+    assert (two.chips, two.hosts, two.topology) == (16, 2, "h100:2x1x8")
     assert [d.process_index for d in two.devices()] == [0] * 8 + [1] * 8
     assert {d.device_kind for d in two.devices()} == {"NVIDIA H100 80GB HBM3"}
     assert parse_target("h200-4").hbm_gib > 140 and parse_target("a100").chips == 1
+    assert one.devices()[0].device_kind == "NVIDIA H100 80GB HBM3"  # each card its own devices, same topology
     assert parse_target("a100-8").devices()[0].device_kind == "NVIDIA A100-SXM4-80GB"
     for bad in ("h100-9", "h100-0", "h200-2x16"):
         with pytest.raises(TargetError, match="a host holds 1 to 8 GPUs"):

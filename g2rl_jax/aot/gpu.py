@@ -34,16 +34,15 @@ WORKSPACE_CAVEAT = ("GPU figures are a floor: cuDNN's workspace counts 0 bytes, 
 @dataclasses.dataclass(frozen=True)
 class Card:
     key: str  # as typed in a target name
-    label: str  # as printed
     spec_file: str  # GpuTargetConfigProto text in gpu_targets/
     peak_tflops: float  # dense bfloat16, NVIDIA's data sheets (time estimates only)
     hbm_gbps: float  # memory bandwidth, as in the spec file (time estimates only)
 
 
 CARDS = {
-    "h100": Card("h100", "H100 SXM 80GB", "h100_sxm_80gb.txtpb", 989, 3352),
-    "h200": Card("h200", "H200 SXM 141GB", "h200_sxm_141gb.txtpb", 989, 4800),
-    "a100": Card("a100", "A100 SXM4 80GB", "a100_sxm_80gb.txtpb", 312, 2039),
+    "h100": Card("h100", "h100_sxm_80gb.txtpb", 989, 3352),
+    "h200": Card("h200", "h200_sxm_141gb.txtpb", 989, 4800),
+    "a100": Card("a100", "a100_sxm_80gb.txtpb", 312, 2039),
 }
 
 
@@ -92,7 +91,8 @@ def gpu_target(card_key: str, hosts: int, per_host: int, name: str | None = None
     card = CARDS[card_key]
     label = name or gpu_name(card_key, hosts, per_host)
     return Target(name=label, platform="gpu", chips=hosts * per_host, hosts=hosts,
-                  hbm_bytes=device_memory_bytes(card), topology=topology(hosts, per_host), kind=card.key,
+                  hbm_bytes=device_memory_bytes(card), topology=f"{card.key}:{topology(hosts, per_host)}",
+                  kind=card.key,
                   peak_tflops=card.peak_tflops, hbm_gbps=card.hbm_gbps,
                   make_devices=lambda: gpu_devices(card, hosts, per_host), kernel_name="cudnn",
                   kernel_mark=CUDNN_MARK, caveat=WORKSPACE_CAVEAT, resize=lambda n: gpu_name(card_key, *hosts_of(n)))
