@@ -74,3 +74,11 @@ if _no_tpu_chips():
     _quiet = {k: v for k, v in QUIET_TPU_DEFAULTS.items() if k not in os.environ}
     os.environ.update(_quiet)
     os.environ[QUIET_TPU_MARK] = ",".join(_quiet)
+
+if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12") \
+        and not os.path.exists("/proc/driver/nvidia/version"):
+    # JAX's CUDA plugin installed (the gpu-compile / test extras: g2rl_jax.aot compiles for GPUs without one) on a
+    # machine with no NVIDIA driver: its CUDA version check would log a traceback on every start and leave the
+    # plugin unregistered, so compiling for GPU devices would fail. Skipping the check registers it; jax still runs
+    # on the CPU here. A value the user set wins.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")

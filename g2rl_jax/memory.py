@@ -15,7 +15,8 @@ from g2rl_jax.parallel import DEFAULT_RULES, mesh_sizes
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket, new_tokens_bucket
 
 F32 = 4
-SAVED_COPIES = 2  # layer-boundary activations the compiled gradient holds per layer under remat (see activation_parts)
+# layer-boundary activations the compiled gradient holds per layer under remat, by platform (see activation_parts)
+SAVED_COPIES = {"tpu": 2, "gpu": 1}
 
 
 class PlanError(ValueError):
@@ -96,7 +97,10 @@ def layer_internal_elements(model: Qwen3Config, b: int, length: int, tp: int) ->
 
 def attention_scores_bytes(runtime: RuntimeConfig, heads: int, b: int, length: int) -> int:
     """The xla backend's [b, H, L, L] scores in the backward pass: scores, softmax and their cotangent in float32,
-    the probabilities in the compute dtype and the boolean mask (fused kernels keep O(L) instead)."""
+    the probabilities in the compute dtype and the boolean mask. Fused kernels keep O(L) instead, but cuDNN (GPU)
+    takes the padding/segment mask as a [b, 1, L, L] bias in the compute dtype (model.attention.fused)."""
+    if runtime.attention == "cudnn":
+        return b * length * length * nbytes(runtime.compute_dtype)
     if runtime.attention != "xla":
         return 0
     return b * heads * length * length * (3 * F32 + nbytes(runtime.compute_dtype) + 1)
@@ -109,8 +113,9 @@ def micro_rows_per_device(cfg: Config, mesh: dict[str, int]) -> int:
 
 
 def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int], length: int,
-                     t: int) -> dict[str, int]:
-    """Bytes of one micro-batch of the update (forward + backward) with the configured rematerialisation."""
+                     t: int, platform: str = "tpu") -> dict[str, int]:
+    """Bytes of one micro-batch of the update (forward + backward) with the configured rematerialisation, as the
+    `platform`'s compiler ("tpu" or "gpu") lays it out."""
     c = nbytes(cfg.model.compute_dtype)
     b = micro_rows_per_device(cfg, mesh)
     tp = shards("heads", mesh)
@@ -123,8 +128,10 @@ def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, me
     return {
         # remat: only each layer's input [b, L, D] is kept, and the TPU compiler's gradient holds about twice that
         # (calibrated: at 1.7B/8k on v5p-8 and v6e-16 and 4B/12k on v5p-16 its temporaries exceeded the other terms
-        # by 1.0-1.2x this stack; counted once, the update phase was 16-20% low); none: every layer's internals
-        "saved": SAVED_COPIES * layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
+        # by 1.0-1.2x this stack; counted once, the update phase was 16-20% low); the GPU compiler's holds it once
+        # (8 x H100, 1.7B/8k and 4B/12k: counted twice, the update phase was 22-24% high); none: every layer's
+        # internals
+        "saved": SAVED_COPIES[platform] * layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
         else (layers - 1) * (internals + scores),
         "layer": internals + scores,
         "gathered": per_layer_params * (c + F32),  # one layer's all-gathered weights and their float32 gradient

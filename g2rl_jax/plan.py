@@ -22,9 +22,10 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
                  scores; the cache is written in place, nothing of it is copied), and a capacity change (the cache
                  grows one layer at a time: one old layer of T/2 slots beside the new cache)
     activations  one micro-batch of the update with model.remat: the layer-boundary activations [b, L, D] of every
-                 layer (twice: calibrated against the TPU compiler, memory.SAVED_COPIES), one layer's recomputed
-                 internals and their cotangents (attention scores [b, H, L, L] with the xla backend), one layer's
-                 all-gathered weights, and the chunked [b, 64, V] logits of the loss
+                 layer (twice on TPU, once on GPU: calibrated against each compiler, memory.SAVED_COPIES), one
+                 layer's recomputed internals and their cotangents (attention scores [b, H, L, L] with the xla
+                 backend, cuDNN's [b, 1, L, L] mask bias on GPU), one layer's all-gathered weights, and the chunked
+                 [b, 64, V] logits of the loss
     batch        the update's mini-batch arrays (ids, masks, old/ref log-probs, advantages)
 
 Peak = params + optimizer + reference + max(rollout: kv_cache + rollout_tmp, update: gradients + activations +
@@ -64,7 +65,7 @@ from g2rl_jax.memory import (
     resolve_mesh,
     shards,
 )
-from g2rl_jax.model.config import PRESETS, Qwen3Config, RuntimeConfig
+from g2rl_jax.model.config import DTYPES, PRESETS, Qwen3Config, RuntimeConfig, resolve_attention
 
 GiB = 2**30
 USABLE_FRACTION = 0.90  # share of HBM a run can use (runtime reserve; gpu.sh sets XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -76,6 +77,7 @@ class Accelerator:
     hbm_gib: float
     chips: tuple[int, ...]  # slice sizes tried, smallest first
     slice_name: str  # format of the slice name, {n} = chips, {n2} = TensorCores
+    platform: str = "tpu"  # decides model.attention=auto (splash on tpu, cudnn on gpu)
 
     def label(self, n: int) -> str:
         return self.slice_name.format(n=n, n2=2 * n)
@@ -86,8 +88,9 @@ ACCELERATORS = (
     Accelerator("v5e", 16, (1, 4, 8, 16, 32, 64, 128, 256), "v5litepod-{n}"),
     Accelerator("v5p", 95, tuple(c for c in _POW2 if 4 <= c <= 4096), "v5p-{n2}"),
     Accelerator("v6e", 32, (1, 4, 8, 16, 32, 64, 128, 256), "v6e-{n}"),
-    Accelerator("H100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x H100"),
-    Accelerator("H200", 141, tuple(c for c in _POW2 if c <= 1024), "{n} x H200"),
+    Accelerator("H100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x H100", "gpu"),
+    Accelerator("H200", 141, tuple(c for c in _POW2 if c <= 1024), "{n} x H200", "gpu"),
+    Accelerator("A100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x A100 80GB", "gpu"),
 )
 
 
@@ -123,14 +126,15 @@ class Plan:
         return self.persistent + max(self.rollout_phase, self.update_phase)
 
 
-def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
-    """The per-device memory plan of `cfg` with architecture `model` on `devices` devices."""
+def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -> Plan:
+    """The per-device memory plan of `cfg` with architecture `model` on `devices` devices of `platform` ("tpu" or
+    "gpu": it decides the attention kernel, as model.config.resolve_attention does for a run)."""
     mesh = resolve_mesh(cfg, devices)
     check_divisible(model, mesh)
     runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat,
-                            # "auto" picks the fused kernel (splash/cudnn) on the accelerators planned for
-                            attention="splash" if cfg.model.attention == "auto" else cfg.model.attention,
+                            attention=resolve_attention(cfg.model.attention, DTYPES[cfg.model.compute_dtype],
+                                                        platform),
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
     n_local = param_elements(model, runtime, mesh)
     pbytes = n_local * nbytes(cfg.model.param_dtype)
@@ -144,8 +148,10 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
                + model.num_hidden_layers * prompts_local * s * kv_token_bytes(cfg, model) // kv_shards)
     decode = rows_local * (3 * model.vocab_size + model.num_attention_heads // tp * (s + t)) * F32
     grow = rows_local * (t // 2) * kv_token_bytes(cfg, model) // kv_shards
-    rollout_tmp = (rows_local * t * (4 + F32) + decode_weight_bytes(cfg, model, mesh)
-                   + gathered_decode_weight_bytes(cfg, model, mesh)
+    # the TPU compiler hoists the decode loop's weight gathers; the GPU compiler does not (8 x H100, 1.7B: the
+    # compiled decode segment holds 1.07 GiB of temporaries, the whole decode weights are 2.63 GiB)
+    gathered = gathered_decode_weight_bytes(cfg, model, mesh) if platform == "tpu" else 0
+    rollout_tmp = (rows_local * t * (4 + F32) + decode_weight_bytes(cfg, model, mesh) + gathered
                    + max(prefill, decode, grow))
     mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
     notes = []
@@ -164,7 +170,7 @@ def plan(cfg: Config, model: Qwen3Config, devices: int) -> Plan:
         reference=pbytes if cfg.algorithm.kl_coef > 0 else 0,
         kv_cache=kv,
         rollout_tmp=rollout_tmp,
-        activations=sum(activation_parts(cfg, model, runtime, mesh, length, t).values()),
+        activations=sum(activation_parts(cfg, model, runtime, mesh, length, t, platform).values()),
         batch=mini_local * (2 * length * 4 + 3 * t * F32 + F32),
         notes=tuple(notes) + (f"shapes: P={p} prompts x S={s} prompt tokens, m={m}, T={t} new tokens, "
                               f"L=S+T={length}",),
@@ -196,7 +202,7 @@ def fits(cfg: Config, model: Qwen3Config) -> list[tuple[Accelerator, int | None,
             fitting = []
             for candidate in slice_meshes(cfg, chips):
                 try:
-                    p = plan(candidate, model, chips)
+                    p = plan(candidate, model, chips, acc.platform)
                 except PlanError:
                     continue
                 if p.peak <= USABLE_FRACTION * acc.hbm_gib * GiB:
@@ -243,8 +249,8 @@ def _gib(n: int) -> str:
     return f"{n / GiB:8.2f}"
 
 
-def report(cfg: Config, model: Qwen3Config, source: str, devices: int) -> str:
-    p = plan(cfg, model, devices)
+def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform: str = "tpu") -> str:
+    p = plan(cfg, model, devices, platform)
     rows = [("params", p.params), ("optimizer (AdamW mu, nu)", p.optimizer),
             ("gradients (f32 acc + micro)", p.gradients), ("reference model", p.reference),
             ("rollout KV cache", p.kv_cache), ("rollout temporaries", p.rollout_tmp),
@@ -294,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         model, source = model_config(cfg, args.preset)
         target = parse_target(args.target) if args.target else None
-        print(report(cfg, model, source, target.chips if target else args.devices), flush=True)
+        print(report(cfg, model, source, target.chips if target else args.devices,
+                     target.platform if target else "tpu"), flush=True)
         if args.compile:
             from g2rl_jax.aot.check import check
 

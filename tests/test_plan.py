@@ -74,7 +74,7 @@ def test_fits_picks_the_smallest_slice(tmp_path):
         for c in smaller:  # on every smaller slice (every slice, when none fits) no mesh tried holds the peak
             for candidate in P.slice_meshes(cfg, c):
                 try:
-                    assert P.plan(candidate, model, c).peak > limit, (acc.name, c, candidate.mesh)
+                    assert P.plan(candidate, model, c, acc.platform).peak > limit, (acc.name, c, candidate.mesh)
                 except P.PlanError:
                     pass
 

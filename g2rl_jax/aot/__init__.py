@@ -20,6 +20,7 @@ attention backend follows the mesh's devices' platform.
 Compiling needs the platform's compiler: for TPU, libtpu (`pip install "g2rl_jax[tpu]"`, the jax[tpu] of the
 pinned jax); without it the command says so in one line. Multi-host slices compile from one process.
 """
+from g2rl_jax.aot import gpu  # noqa: F401, E402 - registers the GPU names (h100-8, ...)
 from g2rl_jax.aot.targets import Target, TargetError, parse_target, register
 
 __all__ = ["Target", "TargetError", "parse_target", "register"]

@@ -9,6 +9,7 @@ memory planner (`g2rl_jax.plan`, calibrated against these compiles), so run the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 
@@ -20,11 +21,12 @@ from g2rl_jax.config import Config, ConfigError, MeshConfig
 from g2rl_jax.memory import PlanError, check_divisible, resolve_mesh
 
 
-def _plan_fits(cfg: Config, model, chips: int, limit: float, phase: str | None = None) -> bool:
+def _plan_fits(cfg: Config, model, chips: int, limit: float, phase: str | None = None, *,
+               platform: str = "tpu") -> bool:
     from g2rl_jax.plan import plan
 
     try:
-        p = plan(cfg, model, chips)
+        p = plan(cfg, model, chips, platform)
     except (PlanError, ConfigError):
         return False
     peak = {"rollout": p.persistent + p.rollout_phase, "update": p.persistent + p.update_phase}.get(phase, p.peak)
@@ -37,39 +39,41 @@ def _replace(cfg: Config, group: str, **values) -> Config:
 
 def suggestions(cfg: Config, model, target: Target, phase: str, limit: float) -> list[str]:
     """Changes the planner says would fit this phase on this slice, then the smallest slice that fits as is."""
+    fits = functools.partial(_plan_fits, platform=target.platform)
     out = []
     if phase in ("update", "score"):
         micro = cfg.algorithm.micro_batch_size
-        while micro > 1 and not _plan_fits(_replace(cfg, "algorithm", micro_batch_size=micro), model, target.chips,
-                                           limit, "update"):
+        while micro > 1 and not fits(_replace(cfg, "algorithm", micro_batch_size=micro), model, target.chips,
+                                     limit, "update"):
             micro //= 2
-        if micro != cfg.algorithm.micro_batch_size and _plan_fits(_replace(cfg, "algorithm", micro_batch_size=micro),
-                                                                  model, target.chips, limit, "update"):
+        if micro != cfg.algorithm.micro_batch_size and fits(_replace(cfg, "algorithm", micro_batch_size=micro),
+                                                            model, target.chips, limit, "update"):
             out.append(f"algorithm.micro_batch_size={micro}")
     if phase == "rollout":
         for tensor in (2, 4, 8):
             mesh = MeshConfig(data=1, fsdp=-1, tensor=tensor)
             if tensor != cfg.mesh.tensor and target.chips % tensor == 0 and \
-                    _plan_fits(dataclasses.replace(cfg, mesh=mesh), model, target.chips, limit):
+                    fits(dataclasses.replace(cfg, mesh=mesh), model, target.chips, limit):
                 out.append(f"mesh.tensor={tensor} mesh.fsdp=-1")
                 break
         budget = cfg.rollout.max_new_tokens
-        while budget > 1024 and not _plan_fits(_replace(cfg, "rollout", max_new_tokens=budget), model, target.chips,
-                                               limit):
+        while budget > 1024 and not fits(_replace(cfg, "rollout", max_new_tokens=budget), model, target.chips,
+                                         limit):
             budget -= 1024
-        if budget != cfg.rollout.max_new_tokens and _plan_fits(_replace(cfg, "rollout", max_new_tokens=budget), model,
-                                                               target.chips, limit):
+        if budget != cfg.rollout.max_new_tokens and fits(_replace(cfg, "rollout", max_new_tokens=budget), model,
+                                                         target.chips, limit):
             out.append(f"rollout.max_new_tokens={budget}")
         prompts = cfg.data.prompts_per_step
-        while prompts > 1 and not _plan_fits(_replace(cfg, "data", prompts_per_step=prompts), model, target.chips,
-                                             limit):
+        while prompts > 1 and not fits(_replace(cfg, "data", prompts_per_step=prompts), model, target.chips,
+                                       limit):
             prompts //= 2
         if prompts != cfg.data.prompts_per_step and prompts >= 1:
             out.append(f"data.prompts_per_step={prompts} (rows per step)")
     chips = target.chips * 2
     while chips <= 4096:
-        if any(_plan_fits(c, model, chips, limit) for c in _slice_configs(cfg, chips)):
-            out.append(f"the smallest {target.kind} slice the planner fits it on: {tpu_name(target.kind, chips)}")
+        if any(fits(c, model, chips, limit) for c in _slice_configs(cfg, chips)):
+            name = target.resize(chips) if target.resize else tpu_name(target.kind, chips)
+            out.append(f"the smallest {target.kind} slice the planner fits it on: {name}")
             break
         chips *= 2
     return out
@@ -118,13 +122,13 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     say(header)
     start = time.perf_counter()
-    results = report_lib.compile_programs(progs, say)
+    results = report_lib.compile_programs(progs, say, target.kernel_mark)
     total = time.perf_counter() - start
     fits, line = verdict(cfg, model, target, results)
     passes_s, decode_s = report_lib.step_time_estimate(cfg, model, shapes, target)
     lines = [header, "", *report_lib.table(results, target), "",
              "planner vs compiler, peak per chip by phase (program + state resident beside it):",
-             *report_lib.planner_rows(plan(cfg, model, target.chips), results), "",
+             *report_lib.planner_rows(plan(cfg, model, target.chips, target.platform), results), "",
              f"total compile time: {total:.1f} s for {len(progs)} programs, "
              f"{sum(r.cpu_seconds for r in results):.1f} s of CPU "
              f"(rollout {sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s)",

@@ -52,7 +52,7 @@ class Result:
         return self.bytes + self.program.resident
 
 
-def compile_one(program: Program) -> Result:
+def compile_one(program: Program, mark: str = KERNEL_MARK) -> Result:
     start, cpu = time.perf_counter(), time.process_time()
     try:
         compiled = program.lower().compile()
@@ -63,14 +63,16 @@ def compile_one(program: Program) -> Result:
     stats = compiled.memory_analysis()
     return Result(program, seconds, cpu, argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
                   alias=stats.alias_size_in_bytes, temp=stats.temp_size_in_bytes,
-                  code=stats.generated_code_size_in_bytes, kernels=compiled.as_text().count(KERNEL_MARK))
+                  code=stats.generated_code_size_in_bytes, kernels=compiled.as_text().count(mark))
 
 
-def compile_programs(programs: list[Program], progress: Callable[[str], None] | None = None) -> list[Result]:
-    """Compile each program in turn; `progress` gets one line per program as it finishes."""
+def compile_programs(programs: list[Program], progress: Callable[[str], None] | None = None,
+                     mark: str = KERNEL_MARK) -> list[Result]:
+    """Compile each program in turn; `progress` gets one line per program as it finishes; `mark` is how the
+    target's fused kernel appears in compiled HLO (Target.kernel_mark)."""
     results = []
     for i, program in enumerate(programs, 1):
-        r = compile_one(program)
+        r = compile_one(program, mark)
         results.append(r)
         if progress is not None:
             state = f"{r.total / GiB:7.2f} GiB/chip" if r.error is None else ("OUT OF MEMORY" if r.oom else "FAILED")
@@ -94,7 +96,7 @@ def _gib(n: float) -> str:
 
 def table(results: list[Result], target: Target) -> list[str]:
     lines = [f"{'program':48s} {'compile s':>9s} {'cpu s':>6s} {'args':>7s} {'out':>7s} {'temp':>7s} {'program':>8s} "
-             f"{'+state':>7s} {'total':>7s} {'of HBM':>6s}  pallas  (GiB per chip)"]
+             f"{'+state':>7s} {'total':>7s} {'of HBM':>6s}  {target.kernel_name:>6s}  (GiB per chip)"]
     for r in results:
         p = r.program
         if r.error is not None:
@@ -105,7 +107,7 @@ def table(results: list[Result], target: Target) -> list[str]:
                      f"{_gib(r.output):>7s} {_gib(r.temp):>7s} "
                      f"{_gib(r.bytes):>8s} {_gib(p.resident):>7s} {_gib(r.total):>7s} "
                      f"{r.total / target.hbm_bytes:6.0%}  {'yes' if r.kernels else '-':>6s}")
-    return lines
+    return lines + ([f"note: {target.caveat}"] if target.caveat else [])
 
 
 def planner_rows(plan, results: list[Result]) -> list[str]:

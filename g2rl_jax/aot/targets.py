@@ -40,6 +40,11 @@ class Target:
     peak_tflops: float  # dense bfloat16 peak per chip (for time estimates only)
     hbm_gbps: float  # HBM bandwidth per chip, GB/s (for time estimates only)
     make_devices: Callable[[], Sequence] = dataclasses.field(repr=False, compare=False)
+    kernel_name: str = "pallas"  # the platform's fused attention kernel, as the report's column names it
+    kernel_mark: str = "tpu_custom_call"  # how that kernel appears in compiled HLO
+    caveat: str = ""  # what the compiler's figures leave out on this platform, printed once under the report
+    resize: Callable[[int], str] | None = dataclasses.field(default=None, repr=False, compare=False)  # the name of
+    # the same kind with n chips (for "the smallest slice that fits"); None: a TPU slice (tpu_name)
 
     def devices(self) -> list:
         key = (self.platform, self.topology)
