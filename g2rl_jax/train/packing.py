@@ -198,7 +198,7 @@ def accumulate_packed(graphdef, params, acc, mini: train_step.MiniBatch, pm: Pac
                       settings: train_step.LossSettings, total_rows: int):
     """acc + this packed micro-batch's weighted (gradients, loss, diagnostics), as step.accumulate: w its share of
     the mini-batch loss (its tokens, or its X_u response rows, padded ones adding 0), w_tokens its share of tokens."""
-    (loss, diag), grads = jax.value_and_grad(_packed_loss, has_aux=True)(params, graphdef, mini, pm, settings)
+    (loss, diag), grads = train_step.trainable_grad(_packed_loss, params, graphdef, mini, pm, settings)
     return train_step.add_micro(acc, grads, loss, diag, _take_responses(mini.batch.response_mask, pm), settings.agg,
                                 total_tokens, total_rows)
 
