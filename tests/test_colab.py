@@ -1,5 +1,5 @@
 """launch/colab.ipynb runs top to bottom on CPU (nbclient, a real Jupyter kernel): it builds the demo model,
-samples a group, shows Φ, ν, shaped rewards and advantages, and runs one training step."""
+samples a group, shows Φ, ν, shaped rewards and advantages, runs one training step, and one with LoRA."""
 import pathlib
 
 import nbformat
@@ -20,6 +20,7 @@ def test_colab_notebook_executes(tmp_path, monkeypatch):
     text = "\n".join(outputs.values())
     assert "pairwise cosines" in text and "A(G2RL)" in text
     assert "accuracy" in text and "novelty" in text and "grad_norm" in text
+    assert "LoRA rank 8:" in text and "base unchanged: True" in text  # the LoRA cell
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
 

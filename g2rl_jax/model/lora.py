@@ -149,7 +149,7 @@ def set_factors(model: Qwen3, factors: dict[str, tuple]) -> None:
             var = getattr(model.adapters, name + suffix)
             old = var[...]
             host = jnp.asarray(value, old.dtype)
-            var.value = jax.make_array_from_callback(old.shape, old.sharding, lambda idx, h=host: h[idx])
+            var.set_value(jax.make_array_from_callback(old.shape, old.sharding, lambda idx, h=host: h[idx]))
 
 
 def trainable_filter(state) -> type:
