@@ -6,6 +6,8 @@ Public API (shape letters of the legend in `g2rl_jax`'s docstring; masks are 1/T
     model(input_ids, attention_mask=None) -> logits_BxLxV (float32)   # input_ids [B, L] int, attention_mask [B, L]
     model.hidden_states(input_ids, attention_mask=None) -> h_BxLxD (after the final norm)
     model.lm_head_weight() -> W_VxD (the embedding table when tie_word_embeddings)
+    model.adapters -> None, or LoRA adapters (g2rl_jax.model.lora.attach): every projection in `layer_params()`
+        that has them computes x·W + x·A·(alpha/r)·B (`project`); `decode_layers()` merges them into its copies
 
 Positions are cumsum(mask) - 1 (clipped at 0), so a left-padded row computes exactly what it would unpadded.
 Packed rows (g2rl_jax.train.packing): the attention mask of the full-sequence passes may hold segment ids (0
