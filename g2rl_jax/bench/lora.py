@@ -1,6 +1,6 @@
 """`python -m g2rl_jax.bench lora`: LoRA against full fine-tuning on one random model, side by side in one run.
 
-    python -m g2rl_jax.bench lora                      # CPU, a few minutes: hidden 512, 4 layers, vocab 32k
+    python -m g2rl_jax.bench lora                      # CPU, a few minutes: hidden 512, 4 layers, vocab 8k
     python -m g2rl_jax.bench lora --preset qwen3-1.7b --dtype bfloat16 --rows 16 --response-len 1024 ...  # a GPU
 
 Printed, each pair measured alternately in one process (these machines are noisy):
@@ -36,7 +36,7 @@ def _args(argv):
     p.add_argument("--preset", choices=sorted(PRESETS), help="a published Qwen3 size (random weights)")
     p.add_argument("--hidden", type=int, default=512, help="without --preset: hidden size (heads of 64)")
     p.add_argument("--layers", type=int, default=4, help="without --preset: decoder layers")
-    p.add_argument("--vocab", type=int, default=32000, help="without --preset: vocabulary size")
+    p.add_argument("--vocab", type=int, default=8192, help="without --preset: vocabulary size")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="base params and compute")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rows", type=int, default=8, help="update: responses per optimizer update")
@@ -45,7 +45,7 @@ def _args(argv):
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--prompts", type=int, default=4, help="decode: prompts")
     p.add_argument("--samples", type=int, default=8, help="decode: samples per prompt")
-    p.add_argument("--new-tokens", type=int, default=64, help="decode: tokens generated per sample")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode: tokens generated per sample")
     p.add_argument("--iters", type=int, default=3, help="timed repeats of each variant (median reported)")
     return p.parse_args(argv)
 
@@ -123,7 +123,7 @@ class _Update:
 
 
 def _decode_bytes(model) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(jax.eval_shape(model.decode_layers)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(model.decode_layers)))
 
 
 def _generate_seconds(model, prompts, a) -> float:
