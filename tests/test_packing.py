@@ -284,3 +284,25 @@ def test_packed_update_equals_update(model, unpacked):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=0, atol=0.01 * step)
     for key in want[2]:
         np.testing.assert_allclose(float(got[2][key]), float(want[2][key]), rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_lora_packed_and_grouped_gradients_equal_autodiff_of_the_adapters(model, unpacked):
+    """With LoRA adapters, packed and length-grouped gradients cover the adapters only and equal jax.grad of the
+    whole padded mini-batch's loss with respect to the adapters."""
+    from g2rl_jax.model import lora
+
+    graphdef, params = model
+    adapted = lora.attach(nnx.merge(graphdef, params), lora.LoraSpec(2, 4.0, ("q_proj", "o_proj", "down_proj")),
+                          dtype="float32", seed=0)
+    for name in adapted.adapters.spec.targets:  # non-zero B: the adapters change the policy
+        b = getattr(adapted.adapters, f"{name}_b")
+        b[...] = 0.1 * jax.random.normal(jax.random.key(len(name)), b.shape)
+    graphdef, params = nnx.split(adapted)
+    adapters, base = lora.split_trainable(params)
+    mini, settings = unpacked["mini"], _settings("token-mean")
+    loss_of_adapters = lambda a: train_step.policy_loss(nnx.merge_state(a, base), graphdef, mini, settings)  # noqa: E731
+    (loss0, _), grads0 = jax.jit(jax.value_and_grad(loss_of_adapters, has_aux=True))(adapters)
+    for grads, loss, _ in (packing.packed_gradients(graphdef, params, mini, settings=settings, micro=1),
+                           train_step.gradients(graphdef, params, mini, settings=settings, micro=2)):
+        assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+        assert abs(float(loss) / float(loss0) - 1) <= 1e-6 and _rel(grads, grads0) <= 1e-6
