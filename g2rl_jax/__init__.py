@@ -12,6 +12,7 @@ Where things live, in the order one RL step uses them:
   parallel.py  device mesh and the logical-axis → mesh-axis table
   eval.py    pass@k, maj@k, the evaluation CLI
   bench/     python -m g2rl_jax.bench NAME: the measured figures the README quotes
+  aot/       ahead-of-time compile of every program of a step for a TPU slice without one (plan --compile)
 
 Shape letters. An array's name ends in its shape, e.g. `logp_BxT` is [B, T]; einsum strings use the same letters
 in lower case. This is the one legend; every module uses it.
@@ -48,3 +49,30 @@ if importlib.util.find_spec("torch") is None:
     # `pip install -e .`) transformers would print "PyTorch was not found..." on import, an advisory a new user
     # reads as a broken install. Set before any transformers import; a value the user set wins.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+QUIET_TPU_DEFAULTS = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost",
+                      "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+QUIET_TPU_MARK = "G2RL_JAX_QUIET_TPU"  # names the variables set below, for this process and its children, so that
+#                                      parallel.on_tpu_vm does not read them as a TPU VM's
+
+
+def _no_tpu_chips() -> bool:
+    """libtpu is installed (the `tpu` and `test` extras) but this machine has no TPU chip nor a TPU worker list."""
+    if importlib.util.find_spec("libtpu") is None or QUIET_TPU_MARK in os.environ \
+            or os.environ.get("TPU_WORKER_HOSTNAMES"):
+        return False  # no libtpu; set already (by the parent process); or a TPU worker list (GKE)
+    from pathlib import Path
+
+    return not (list(Path("/dev").glob("accel[0-9]*")) or list(Path("/dev/vfio").glob("[0-9]*")))
+
+
+if _no_tpu_chips():
+    # With libtpu installed and no TPU here, libtpu prints three warnings about an unknown accelerator type and worker
+    # list each time it starts: when jax probes for a TPU backend, and when g2rl_jax.aot compiles for a TPU
+    # topology. It needs neither on this machine; naming them quiets it (jax then falls back to its other backends,
+    # as it does anyway). libtpu also takes a lock file so that one process owns the chips; with no chips to own,
+    # several compiles (two checks, a test run beside a check) may run at once. A value the user set wins.
+    _quiet = {k: v for k, v in QUIET_TPU_DEFAULTS.items() if k not in os.environ}
+    os.environ.update(_quiet)
+    os.environ[QUIET_TPU_MARK] = ",".join(_quiet)

@@ -49,6 +49,9 @@ class RunConfig:
     seed: int = _f(0, "seed of the sampling and initialisation RNG, 0 <= seed < 2**32")
     allow_config_change: bool = _f(False, "resume even if keys that change what the run computes (model, data, "
                                    "rollout, algorithm, optim) differ")
+    compilation_cache_dir: str = _f("~/.cache/g2rl_jax/jax",
+                                    "JAX's persistent compilation cache: a relaunch (a resume after a preemption) "
+                                    "reads the compiled programs back instead of compiling them again; \"\" = off")
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
                                   "where step metrics go: jsonl (always; summaries, plots and resume read it), "
                                   "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")

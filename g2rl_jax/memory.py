@@ -15,6 +15,7 @@ from g2rl_jax.parallel import DEFAULT_RULES, mesh_sizes
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket, new_tokens_bucket
 
 F32 = 4
+SAVED_COPIES = 2  # layer-boundary activations the compiled gradient holds per layer under remat (see activation_parts)
 
 
 class PlanError(ValueError):
@@ -134,14 +135,16 @@ def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, me
     b = micro_rows_per_device(cfg, mesh)
     tp = shards("heads", mesh)
     inner_c, inner_f32 = layer_internal_elements(model, b, length, tp)
-    internals = inner_c * c + inner_f32 * F32  # one layer's values (cotangents reuse freed buffers, fused)
+    internals = inner_c * c + inner_f32 * F32  # one layer's values
     scores = attention_scores_bytes(runtime, model.num_attention_heads // tp, b, length)
     layers = model.num_hidden_layers
     vocab = model.vocab_size // shards("vocab", mesh)
     per_layer_params = sum(math.prod(s) for s in _layer_shapes(model)) // tp
     return {
-        # remat: only each layer's input [b, L, D] is kept; none: every layer's internals are kept
-        "saved": layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
+        # remat: only each layer's input [b, L, D] is kept, and the TPU compiler's gradient holds about twice that
+        # (calibrated: at 1.7B/8k on v5p-8 and v6e-16 and 4B/12k on v5p-16 its temporaries exceeded the other terms
+        # by 1.0-1.2x this stack; counted once, the update phase was 16-20% low); none: every layer's internals
+        "saved": SAVED_COPIES * layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
         else (layers - 1) * (internals + scores),
         "layer": internals + scores,
         # one layer's all-gathered weights and their float32 gradient (none for a frozen LoRA base)
@@ -160,6 +163,16 @@ def decode_weight_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -
     per_layer = sum(math.prod(-(-n // shards(ax, mesh)) for n, ax in zip(shape, LAYER_AXES[name]))
                     for name, shape in layer_shapes(model).items())
     return model.num_hidden_layers * per_layer * nbytes(cfg.model.compute_dtype)
+
+
+def gathered_decode_weight_bytes(cfg: Config, model: Qwen3Config, mesh: dict[str, int]) -> int:
+    """The decode weights all-gathered over the batch axes (data x fsdp) during a decode segment: the weights are
+    the same on every step of its while loop, and the TPU compiler gathers them once, before the loop (seen in the
+    compiled decode segment at 1.7B on v6e-16: 3 GiB of temporaries per chip). Split over tensor only; 0 when the
+    batch axes do not shard them."""
+    if shards("embed", mesh) == 1:
+        return 0
+    return decode_weight_bytes(cfg, model, dict(mesh, data=1, fsdp=1))
 
 
 def _layer_shapes(model: Qwen3Config):

@@ -62,7 +62,14 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagates shardings from params/inputs
     shape = tuple(mesh_sizes(config, len(devices)).values())
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    except NotImplementedError:
+        # a TPU torus whose sides no mesh axis is a product of (fsdp 16 x tensor 2 on v6e's 4x8): split a side
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +151,11 @@ def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int =
 def on_tpu_vm() -> bool:
     """A Cloud TPU VM (libtpu installed and TPU chips present, or GKE's TPU worker list set), where
     `jax.distributed.initialize()` finds the coordinator, process count and id by itself."""
-    if os.environ.get("TPU_WORKER_HOSTNAMES"):
+    from g2rl_jax import QUIET_TPU_DEFAULTS, QUIET_TPU_MARK
+
+    key = "TPU_WORKER_HOSTNAMES"
+    quiet = key in os.environ.get(QUIET_TPU_MARK, "").split(",") and os.environ.get(key) == QUIET_TPU_DEFAULTS[key]
+    if os.environ.get(key) and not quiet:  # not the value `import g2rl_jax` set on a host without TPU chips
         return True
     chips = list(Path("/dev").glob("accel[0-9]*")) + list(Path("/dev/vfio").glob("[0-9]*"))
     return importlib.util.find_spec("libtpu") is not None and bool(chips)

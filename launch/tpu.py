@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
 """Cloud TPU VM launcher for g2rl_jax: a thin, printable layer over `gcloud compute tpus`.
 
-    launch/tpu.sh create --name g2rl --zone us-east5-a --accelerator-type v5p-32 [--spot]
+    launch/tpu.sh create --name g2rl --zone us-east5-a --accelerator-type v5p-32 --config FILE [--spot] [--force]
     launch/tpu.sh setup  --name g2rl --zone us-east5-a --repo https://github.com/ORG/g2rl_jax.git [--branch main]
     launch/tpu.sh train  --name g2rl --zone us-east5-a --config configs/qwen3_1p7b_g2rl.yaml [key=value ...]
     launch/tpu.sh logs   --name g2rl --zone us-east5-a [--follow | --collect DIR]
     launch/tpu.sh ssh    --name g2rl --zone us-east5-a [--worker 0] [--command CMD]
     launch/tpu.sh delete --name g2rl --zone us-east5-a
+
+`create` first checks, on this machine, that the config fits the slice: `python -m g2rl_jax.plan --config FILE
+--target TYPE --compile --programs largest` compiles the step's largest programs for that slice (needs jax and
+libtpu here: pip install -e ".[tpu]") and prints its verdict; a config that does not fit is refused unless --force
+(which also skips the check). `train` points JAX's persistent compilation cache at --compile-cache on the workers'
+disk, so a run resumed there does not compile everything again.
 
 Every subcommand takes --dry-run (print the exact gcloud command lines, run nothing) and --project. A TPU slice
 of several hosts runs the same command on every worker (`--worker=all`); JAX then finds its peers itself on TPU
@@ -16,11 +22,15 @@ worker number from the TPU VM metadata server. Standard library only: this runs 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 DEFAULT_DIR = "~/g2rl_jax"  # checkout location on every worker
+DEFAULT_CACHE = "~/.cache/g2rl_jax/jax"  # JAX's compilation cache on each worker's persistent (boot) disk
+REPO = Path(__file__).resolve().parents[1]
 # Runtime (software) version per TPU generation, from the Cloud TPU docs; --runtime-version overrides.
 RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
                     "v6e": "v2-alpha-tpuv6e"}
@@ -48,6 +58,27 @@ def runtime_version(accelerator_type: str) -> str:
     return RUNTIME_VERSIONS[family]
 
 
+def check_command(args) -> list[str]:
+    """The local fit check `create` runs first (the largest program of each kind bounds the others' memory)."""
+    return [sys.executable, "-m", "g2rl_jax.plan", "--config", args.config, "--target", args.accelerator_type,
+            "--compile", "--programs", "largest", *args.overrides]
+
+
+def check_fit(args) -> int:
+    """Run the fit check; 0 when the config fits the slice, else the status to exit with (after saying why)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    print(f"checking that {args.config} fits {args.accelerator_type}: {shlex.join(check_command(args))}", flush=True)
+    done = subprocess.run(check_command(args), env=env, stdout=subprocess.PIPE, text=True)
+    verdict = [line for line in done.stdout.splitlines() if line.startswith("VERDICT:")]
+    print(verdict[-1] if verdict else done.stdout.strip()[-2000:], flush=True)
+    if done.returncode == 0:
+        return 0
+    what = "does not fit" if done.returncode == 1 else "could not be checked"
+    print(f"tpu.py create: {args.config} {what} on {args.accelerator_type}; no VM was created. Change the config or "
+          "the accelerator type, or pass --force to create it anyway", file=sys.stderr, flush=True)
+    return done.returncode or 1
+
+
 def create(args) -> list[list[str]]:
     version = args.runtime_version or runtime_version(args.accelerator_type)
     cmd = ["gcloud", "compute", "tpus", "queued-resources", "create", args.name, "--node-id", args.name,
@@ -68,6 +99,8 @@ def train_script(args) -> str:
     """The shell line each worker runs: nohup python -m g2rl_jax.train, one log file per worker."""
     train = shlex.join(["python3", "-m", "g2rl_jax.train", "--config", args.config, *args.overrides])
     env = shlex.join(["PYTHONUNBUFFERED=1", *args.env])
+    if not any(o.startswith("run.compilation_cache_dir=") for o in args.overrides):
+        train = f"{train} {shlex.quote('run.compilation_cache_dir=' + args.compile_cache)}"
     log = f"{args.log_dir}/worker-$WORKER.log"
     # JAX_PLATFORMS is unset so JAX picks the TPU; TPU_* variables set by the VM image are left alone.
     return (f"set -e; cd {args.dir}; mkdir -p {args.log_dir}; WORKER={WORKER_ID}; "
@@ -118,6 +151,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator-type", required=True, help="e.g. v5p-32, v5litepod-16, v6e-8")
     p.add_argument("--runtime-version", help=f"TPU software version (default per family: {RUNTIME_VERSIONS})")
     p.add_argument("--spot", action="store_true", help="spot (preemptible) capacity")
+    p.add_argument("--config", help="training config YAML, checked here to fit the slice before the VM is created")
+    p.add_argument("--force", action="store_true", help="create the VM without (or despite) the fit check")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the check, as for train")
 
     p = sub("setup", setup, "clone the repository and pip install -e '.[tpu]' on every worker")
     p.add_argument("--repo", required=True, help="git URL of the g2rl_jax repository")
@@ -128,6 +164,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="config YAML, relative to --dir on the workers")
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
     p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
+    p.add_argument("--compile-cache", default=DEFAULT_CACHE, metavar="DIR",
+                   help=f"JAX compilation cache on the workers (run.compilation_cache_dir; default {DEFAULT_CACHE}, "
+                   "on the VM's persistent disk)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the run, e.g. --env HF_HOME=/mnt/hf (repeatable)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.total_steps=10")
@@ -164,12 +203,20 @@ def _check(args, top: argparse.ArgumentParser) -> None:
             top.error(f"--{flag.replace('_', '-')} {value!r}: use a path without spaces or shell characters")
     if getattr(args, "lines", 1) < 1:
         top.error(f"logs --lines must be >= 1, got {args.lines}")
+    if args.subcommand == "create" and not args.config and not args.force:
+        top.error("create: --config FILE is required, to check that it fits the slice before a VM is created "
+                  "(or pass --force to skip the check)")
 
 
 def main(argv: list[str] | None = None) -> int:
     top = parser()
     args = top.parse_args(argv)
     _check(args, top)
+    if args.subcommand == "create" and not args.force:
+        if args.dry_run:
+            print(shlex.join(check_command(args)))
+        elif (status := check_fit(args)) != 0:
+            return status
     for cmd in args.fn(args):
         print(("" if args.dry_run else "+ ") + shlex.join(cmd), flush=True)
         if not args.dry_run:

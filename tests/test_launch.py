@@ -46,10 +46,10 @@ def fakes(tmp_path):
     return env, calls
 
 
-def run(script, args, env, **kw):
+def run(script, args, env, timeout=60, **kw):
     # tpu.sh execs python3, which is faked on PATH: run tpu.py with the real interpreter instead.
     cmd = [sys.executable, str(ROOT / "launch" / "tpu.py"), *args] if script == TPU else [str(script), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, **kw)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def test_tpu_sh_wrapper_runs_tpu_py():
@@ -62,7 +62,7 @@ def test_tpu_sh_wrapper_runs_tpu_py():
 @pytest.mark.parametrize("spot,project", [(True, None), (False, "my-proj")])
 def test_create_queued_resource(fakes, spot, project):
     env, calls = fakes
-    args = ["create", "--name", "g2rl", "--zone", "us-east5-a", "--accelerator-type", "v5p-32"]
+    args = ["create", "--name", "g2rl", "--zone", "us-east5-a", "--accelerator-type", "v5p-32", "--force"]
     args += (["--spot"] if spot else []) + (["--project", project] if project else [])
     out = run(TPU, args, env)
     assert out.returncode == 0, out.stderr
@@ -74,20 +74,22 @@ def test_create_queued_resource(fakes, spot, project):
 
 def test_create_runtime_version_default_and_override(fakes):
     env, calls = fakes
-    assert run(TPU, ["create", "--name", "a", "--zone", "z", "--accelerator-type", "v6e-8"], env).returncode == 0
-    assert run(TPU, ["create", "--name", "b", "--zone", "z", "--accelerator-type", "v5litepod-16",
+    assert run(TPU, ["create", "--name", "a", "--zone", "z", "--accelerator-type", "v6e-8", "--force"],
+               env).returncode == 0
+    assert run(TPU, ["create", "--name", "b", "--zone", "z", "--accelerator-type", "v5litepod-16", "--force",
                      "--runtime-version", "custom-rt"], env).returncode == 0
     argv = [shlex.split(c["argv"]) for c in calls()]
     assert argv[0][argv[0].index("--runtime-version") + 1] == "v2-alpha-tpuv6e"
     assert argv[1][argv[1].index("--runtime-version") + 1] == "custom-rt"
-    out = run(TPU, ["create", "--name", "c", "--zone", "z", "--accelerator-type", "v9x-8"], env)
+    out = run(TPU, ["create", "--name", "c", "--zone", "z", "--accelerator-type", "v9x-8", "--force"], env)
     assert out.returncode != 0 and "--runtime-version" in out.stderr and "v9x-8" in out.stderr
     assert len(calls()) == 2
 
 
 def test_dry_run_prints_exact_commands_and_runs_nothing(fakes):
     env, calls = fakes
-    out = run(TPU, ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8", "--dry-run"], env)
+    out = run(TPU, ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8", "--dry-run", "--force"],
+              env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "gcloud compute tpus queued-resources create g --node-id g --zone z --accelerator-type v5p-8 "
@@ -152,7 +154,8 @@ def test_train_command_on_all_workers(fakes):
     assert command == (
         f"set -e; cd ~/g2rl_jax; mkdir -p logs; WORKER={WORKER_SOURCE}; "
         "nohup env -u JAX_PLATFORMS PYTHONUNBUFFERED=1 HF_HOME=/mnt/hf python3 -m g2rl_jax.train "
-        "--config configs/qwen3_4b_g2rl.yaml run.total_steps=3 mesh.tensor=2 > logs/worker-$WORKER.log 2>&1 "
+        "--config configs/qwen3_4b_g2rl.yaml run.total_steps=3 mesh.tensor=2 "
+        "'run.compilation_cache_dir=~/.cache/g2rl_jax/jax' > logs/worker-$WORKER.log 2>&1 "
         "< /dev/null & echo \"worker $WORKER: started, log $PWD/logs/worker-$WORKER.log\"")
 
 
@@ -163,7 +166,7 @@ def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
     out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--dir", str(workdir),
-                    "--dry-run", "run.seed=1"], env)
+                    "--compile-cache", "/cache", "--dry-run", "run.seed=1"], env)
     _, command = _ssh_command(out.stdout.strip())
     for worker in ("0", "3"):
         worker_env = {**env, "TPU_WORKER_ID": worker, "JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5p-32"}
@@ -176,7 +179,7 @@ def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
     runs = calls()
     assert len(runs) == 2
     for c in runs:
-        assert c["argv"] == "python3 -m g2rl_jax.train --config c.yaml run.seed=1"
+        assert c["argv"] == "python3 -m g2rl_jax.train --config c.yaml run.seed=1 run.compilation_cache_dir=/cache"
         assert c["env"]["JAX_PLATFORMS"] is None and c["env"]["PYTHONUNBUFFERED"] == "1"
         assert c["env"]["TPU_ACCELERATOR_TYPE"] == "v5p-32" and c["cwd"] == str(workdir)
     for worker in ("0", "3"):
@@ -307,3 +310,65 @@ def test_slurm_example_passes_distributed_overrides_per_task(fakes, tmp_path):
     assert all(c["env"]["JAX_PLATFORMS"] is None and c["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"
                for c in runs)
     assert (tmp_path / "logs" / "slurm-42-host1.log").read_text() == "fake python ran\n"
+
+
+# ------------------------------------------------------------------------------------- create's fit check
+def _tiny_config(tmp_path, model_config=None, **extra) -> Path:
+    """A config with a small step over a model directory (config.json only: the check builds nothing), the tiny
+    preset by default."""
+    from g2rl_jax.model.config import PRESETS
+
+    model = tmp_path / f"model{len(list(tmp_path.glob('model*')))}"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps((model_config or PRESETS["tiny"]).to_hf_dict()))
+    keys = {"model.path": str(model), "run.output_dir": str(tmp_path / "run"), "data.prompts_per_step": 4,
+            "rollout.num_samples": 4, "rollout.max_new_tokens": 16, "data.max_prompt_tokens": 16,
+            "algorithm.mini_batch_size": 16, "algorithm.micro_batch_size": 4, **extra}
+    groups: dict[str, dict] = {}
+    for key, value in keys.items():
+        group, name = key.split(".")
+        groups.setdefault(group, {})[name] = value
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"base: {ROOT / 'configs' / 'qwen3_1p7b_g2rl.yaml'}\n" + "".join(
+        f"{group}:\n" + "".join(f"  {k}: {v}\n" for k, v in values.items()) for group, values in groups.items()))
+    return path
+
+
+def test_create_runs_the_fit_check_first_and_refuses_what_does_not_fit(fakes, tmp_path):
+    """The real check (jax + libtpu here) with a small step: a 2-layer model 16,384 wide (12.6B parameters, 47 GiB
+    of parameters, AdamW state and reference per chip) does not fit a v5litepod-4's 16 GiB chips, so no VM is
+    requested; --force requests it anyway; the tiny model fits."""
+    pytest.importorskip("libtpu")
+    from g2rl_jax.model.config import Qwen3Config
+
+    env, calls = fakes
+    base = ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5litepod-4"]
+    wide = Qwen3Config(vocab_size=151936, hidden_size=16384, intermediate_size=65536, num_hidden_layers=2,
+                       num_attention_heads=128, num_key_value_heads=8, head_dim=128)
+    big = _tiny_config(tmp_path, wide)
+    out = run(TPU, [*base, "--config", str(big)], env, timeout=600)
+    assert out.returncode == 1, (out.stdout, out.stderr[-3000:])
+    assert "VERDICT: DOES NOT FIT on v5litepod-4" in out.stdout and "Change:" in out.stdout
+    assert "no VM was created" in out.stderr and "--force" in out.stderr
+    assert calls() == []
+    assert run(TPU, [*base, "--config", str(big), "--force"], env).returncode == 0
+    assert len(calls()) == 1 and "queued-resources create g" in calls()[0]["argv"]
+    small = _tiny_config(tmp_path)
+    out = run(TPU, [*base, "--config", str(small), "data.shuffle_seed=1"], env, timeout=600)
+    assert out.returncode == 0, (out.stdout, out.stderr[-3000:])
+    assert "VERDICT: FITS on v5litepod-4" in out.stdout
+    assert len(calls()) == 2
+
+
+def test_create_needs_a_config_or_force_and_dry_run_prints_the_check(fakes, tmp_path):
+    env, calls = fakes
+    base = ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8"]
+    out = run(TPU, base, env)
+    assert out.returncode == 2 and "--config FILE is required" in out.stderr and "--force" in out.stderr
+    out = run(TPU, [*base, "--config", "c.yaml", "--dry-run", "run.seed=2"], env)
+    assert out.returncode == 0, out.stderr
+    check, create = out.stdout.splitlines()
+    assert shlex.split(check)[1:] == ["-m", "g2rl_jax.plan", "--config", "c.yaml", "--target", "v5p-8", "--compile",
+                                      "--programs", "largest", "run.seed=2"]
+    assert create.startswith("gcloud compute tpus queued-resources create g")
+    assert calls() == []

@@ -152,7 +152,7 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     """Per-device bytes XLA assigns to the compiled update: arguments + outputs − donated aliases + temporaries."""
     sizes, mesh, graphdef, params = _sharded_model(cfg, model, devices)
     optimizer = train_step.make_optimizer(cfg.optim, 10)
-    opt_state = jax.jit(optimizer.init)(lora.trainable(params))
+    opt_state = train_step.init_optimizer(optimizer, lora.trainable(params))
     _, _, s, t = M.kv_cache_bytes(cfg, model, sizes)
     rows = cfg.algorithm.mini_batch_size
 

@@ -133,7 +133,7 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
                        attention=v["attention"])
     graphdef, params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
     optimizer = train_step.make_optimizer(OptimConfig(), total_updates=1000)
-    opt_state = jax.jit(optimizer.init)(params)
+    opt_state = train_step.init_optimizer(optimizer, params)
     settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
     times = [[] for _ in minis]
     for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns

@@ -1,6 +1,6 @@
 """Attention: one causal self-attention call with three backends, and the grouped decode attention.
 
-`attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend)` is the only entry point for full-sequence
+`attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend, mesh)` is the only entry point for full-sequence
 (training / scoring / prefill) attention. H query heads share G key/value heads (GQA); K/V are never repeated,
 the query heads are viewed as [G, R = H/G] instead. `mask_BxL` marks real tokens (False = padding); the mask is
 causal AND key-is-real. It may also hold segment ids (int: 0 padding, 1, 2, ... the segment of a token; packed rows,
@@ -9,8 +9,11 @@ one-segment case and gives exactly the results of a plain padding mask. Backends
   "xla"    plain einsum + float32 softmax; runs everywhere and is the reference for the others.
   "cudnn"  `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
   "splash" the Pallas TPU splash-attention kernel (causal mask + segment ids = padding mask).
-"auto" picks the platform's fused kernel; "cudnn" / "splash" fall back to "xla" with one logged warning when
-`jax.default_backend()` is not gpu / tpu (all decided by model.config.resolve_attention).
+"auto" picks the platform's fused kernel; "cudnn" / "splash" fall back to "xla" with one logged warning when the
+platform is not gpu / tpu (all decided by model.config.resolve_attention). The platform is that of the `mesh`'s
+devices (the host's default backend without a mesh): a CPU host compiling for TPU devices gets splash.
+The splash kernel is a Mosaic custom call, which XLA cannot partition: on a mesh it runs per shard inside
+`jax.shard_map`, rows over the batch axes (data x fsdp) and heads over tensor, as the model shards them.
 
 `decode_attention` is the one-token step used with the KV cache: the queries of sample b = p*m + j attend
 jointly (one softmax) to the shared prefix K/V of prompt p and to their own suffix K/V, without copying the
@@ -19,22 +22,34 @@ prefix m times.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from g2rl_jax.model.config import resolve_attention
+from g2rl_jax.parallel import DEFAULT_RULES
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay NaN-free
 
 
-def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla"):
-    """Causal GQA self-attention with a key padding mask; returns [B, L, H, K] in q's dtype."""
-    backend = resolve_attention(backend, q_BxLxHxK.dtype)
+def mesh_platform(mesh) -> str | None:
+    """The platform of a mesh's devices ("tpu", "gpu", "cpu"); None without a mesh (the host's backend decides)."""
+    if mesh is None or mesh.empty:
+        return None
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla", mesh=None):
+    """Causal GQA self-attention with a key padding mask; returns [B, L, H, K] in q's dtype. `mesh`: where the
+    arrays live (rows over data x fsdp, heads over tensor); its devices' platform decides "auto"."""
+    backend = resolve_attention(backend, q_BxLxHxK.dtype, mesh_platform(mesh))
     if backend == "cudnn":
         return fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
     if backend == "splash":
-        return splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
+        return splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, mesh=mesh)
     return xla(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
 
 
@@ -75,14 +90,38 @@ def fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, implementation: str = "cudn
                                         is_causal=True, implementation=implementation)
 
 
-def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool = False, block: int = 128):
-    """TPU splash attention, one MQA kernel per KV head (vmapped over batch and KV heads).
+def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, mesh=None, interpret: bool = False, block: int = 128):
+    """TPU splash attention, one MQA kernel per KV head (vmapped over batch and KV heads); on a `mesh`, run per
+    shard under `jax.shard_map` (rows over data x fsdp, heads over tensor; a dimension that does not divide its mesh
+    axes is not split), since XLA cannot partition a Mosaic kernel.
 
     The sequence is right-padded to a multiple of `block`; padding tokens get segment id 0 and real ones their
     segment id (1 for a 0/1 mask), so real queries see only real keys of their own segment and every query row has
     at least itself (no empty softmax).
     `interpret=True` runs the Pallas kernel in the interpreter (CPU tests).
     """
+    kernel = functools.partial(_splash_local, interpret=interpret, block=block)
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return kernel(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
+    B, _, H, _ = q_BxLxHxK.shape
+    rows = _split(mesh, DEFAULT_RULES.mesh_axes("batch"), B)
+    heads = _split(mesh, DEFAULT_RULES.mesh_axes("heads"), H, k_BxLxGxK.shape[2])
+    qkv = P(rows, None, heads, None)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows, None)), out_specs=qkv,
+                         check_vma=False)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
+
+
+def _split(mesh, axes: tuple[str, ...], *sizes: int):
+    """The mesh axes a dimension of these sizes is split over under shard_map (None: kept whole, when they do not
+    divide every size or the axes have size 1)."""
+    parts = math.prod(mesh.shape[a] for a in axes)
+    if parts == 1 or any(n % parts for n in sizes):
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _splash_local(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool, block: int):
+    """The splash kernel on the arrays of one device (see `splash`)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     B, L, H, K = q_BxLxHxK.shape

@@ -250,7 +250,7 @@ class Qwen3(nnx.Module):
 
         def body(x_BxLxD, p):
             q, k, v = _qkv(x_BxLxD, p, positions_BxL, cfg)
-            a = attn.attention(q, k, v, mask_BxL, rt.attention)
+            a = attn.attention(q, k, v, mask_BxL, rt.attention, self.mesh)
             kv = (k.astype(rt.kv_cache_jnp), v.astype(rt.kv_cache_jnp)) if keep_kv else None
             return self._rows_sharded(_out_and_mlp(x_BxLxD, a, p, cfg)), kv
 

@@ -28,8 +28,8 @@ HISTORY_FILE = "config_history.jsonl"
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
 # keys that change how or how long the run is carried out or what it reports, never what a step computes
 FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
-             "run.allow_config_change", "data.eval_datasets", "data.eval_samples", "data.eval_temperature",
-             "data.eval_max_new_tokens", "model.attention", "model.remat")
+             "run.allow_config_change", "run.compilation_cache_dir", "data.eval_datasets", "data.eval_samples",
+             "data.eval_temperature", "data.eval_max_new_tokens", "model.attention", "model.remat")
 FREE_GROUPS = ("mesh.", "distributed.")
 
 _HELD: dict[Path, int] = {}  # lock files this process holds -> how many RunLocks hold each

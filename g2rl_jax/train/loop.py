@@ -54,6 +54,7 @@ from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, re
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_platforms,
+    compilation_cache,
     embed_texts,
     eval_examples,
     load_model,
@@ -109,6 +110,7 @@ class Trainer(SamplingRounds):
         found = latest_step(self.run_dir)
         if found is not None:
             check_resume_config(given, self.run_dir)
+        compilation_cache(given.run.compilation_cache_dir)  # before the first compile (the demo model's build)
         cfg = resolve_model_paths(given)  # builds the demo model on first use
         preflight(cfg)
         self.cfg = cfg
@@ -160,7 +162,8 @@ class Trainer(SamplingRounds):
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
         self.optimizer = train_step.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
         self.schedule = train_step.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.opt_state = on_mesh(jax.jit(self.optimizer.init)(lora.trainable(self.params)), self.mesh)
+        # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
+        self.opt_state = train_step.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0

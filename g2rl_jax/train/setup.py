@@ -34,6 +34,24 @@ def check_platforms() -> None:
         raise ConfigError(f"JAX found no usable device ({detail}); check the JAX install for this hardware") from None
 
 
+CACHE_MIN_COMPILE_SECONDS = 0.5  # programs that compile faster are not worth a file (jax's default: 1 s)
+
+
+def compilation_cache(directory: str) -> None:
+    """Turn on JAX's persistent compilation cache in `directory` (run.compilation_cache_dir; "" leaves it off).
+    Process-wide: the first directory set in a process is the one jax keeps using."""
+    if not directory or jax.config.jax_compilation_cache_dir:
+        return
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"run.compilation_cache_dir: cannot create {str(path)!r} ({err}); choose a writable "
+                          "directory, or \"\" to turn the cache off") from err
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
+
+
 def resolve_model_paths(cfg: Config) -> Config:
     """The config with `demo:DIR` model paths built (or reused) at DIR and replaced by DIR (g2rl_jax/demo)."""
     try:

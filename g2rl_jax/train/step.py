@@ -234,6 +234,26 @@ def make_optimizer(optim: OptimConfig, total_updates: int) -> optax.GradientTran
     )
 
 
+def optimizer_init_fn(optimizer: optax.GradientTransformation, params):
+    """jit(optimizer.init) for `params` (arrays or abstract ShapeDtypeStructs) whose outputs are placed like the
+    parameters: each moment with its parameter's sharding, the step counts replicated on the parameters' mesh.
+    AdamW's moments are zeros_like(params), through which jit sees no sharding; a plain jit(optimizer.init) made
+    them replicated on every device."""
+    meshes = {x.sharding.mesh for x in jax.tree.leaves(params)
+              if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)}
+    if not meshes:
+        return jax.jit(optimizer.init)
+    replicated = jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
+    shardings = optax.tree_map_params(optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params),
+                                      params, transform_non_params=lambda _: replicated)
+    return jax.jit(optimizer.init, out_shardings=shardings)
+
+
+def init_optimizer(optimizer: optax.GradientTransformation, params):
+    """The optimizer state of `params`, each moment sharded like its parameter (`optimizer_init_fn`)."""
+    return optimizer_init_fn(optimizer, params)(params)
+
+
 def learning_rate_schedule(optim: OptimConfig, total_updates: int) -> optax.Schedule:
     decay_steps = max(total_updates - optim.warmup_steps, 1)
     cosine = optax.cosine_decay_schedule(optim.learning_rate, decay_steps, alpha=optim.min_lr_ratio)

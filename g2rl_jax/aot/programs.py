@@ -1,0 +1,374 @@
+"""The programs one training step of a config runs, lowered for a mesh of a Target's devices over abstract inputs.
+
+    programs = step_programs(cfg, model_cfg, mesh, scope="all")   # [Program], in the order a step runs them
+    lowered = programs[0].lower()                                 # jax.stages.Lowered; .compile() for the target
+
+Each program is one of the project's own jitted functions (`rollout.engine`, `train.step`, `train.setup`),
+lowered over `jax.ShapeDtypeStruct`s that carry the `NamedSharding` the trainer gives the real arrays; nothing is
+re-implemented and nothing is allocated. Shapes are the worst case of the config, as the memory planner's: the
+largest prompt bucket, every response reaching the budget. What a step compiles:
+
+    optimizer init        once per run (each moment sharded like its parameter)
+    rollout               prefill; the first token; the decode weights; a decode segment for each KV capacity of the
+                          ladder (engine.capacity_ladder) at the full batch and at each smaller batch bucket that a
+                          compaction can reach; growing the cache one layer at a time
+    score / reference     one program per (micro-batch rows, response width) the length grouping can reach
+    update                the gradient of a micro-batch at the same shapes; the optimizer step
+    advantages            novelty, shaping and group advantages (one program); the EVOL embedder when configured
+
+scope="all" lists every shape; scope="largest" keeps, of each kind, the shape that holds the most bytes (the widest
+response width at the most rows, the largest capacity at the full batch): memory grows with every dimension, so
+these bound the peak of the others, and they compile in a fraction of the time.
+
+`Program.resident` counts the bytes per chip of run state that is alive while the program runs but is not among its
+arguments (the optimizer state and the reference model during the rollout, the step's arrays during the update,
+...), so that a program's compiled bytes + resident is the chip's use at that moment. `build` (a zero-argument
+callable returning the policy `nnx.Module`) lets another model construction (LoRA adapters, ...) flow through
+unchanged; the default is the Qwen3 the trainer loads, built abstractly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from g2rl_jax import parallel
+from g2rl_jax.config import Config
+from g2rl_jax.model import lora
+from g2rl_jax.model.config import Qwen3Config
+from g2rl_jax.model.qwen3 import LAYER_AXES, PrefixCache, Qwen3, SuffixCache
+from g2rl_jax.rollout import batching, engine
+from g2rl_jax.rollout.sampling import spec_for
+from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import setup
+from g2rl_jax.train import step as train_step
+
+PHASES = ("setup", "rollout", "score", "update")
+SCOPES = ("all", "largest")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str  # what a user reads, e.g. "decode segment 256 rows x 8192 slots"
+    kind: str  # the function: prefill, segment, score, gradient, ...
+    phase: str  # one of PHASES
+    lower: Callable[[], Any] = dataclasses.field(repr=False)  # () -> jax.stages.Lowered
+    resident: int = 0  # per-chip bytes of run state alive beside it, not among its arguments
+
+
+def response_widths(new_tokens: int) -> tuple[int, ...]:
+    """Every response width a micro-batch can have: the ladder of micro.width_bucket, capped at `new_tokens`."""
+    widths, n = [], 1
+    while True:
+        w = min(micro_lib.width_bucket(n), new_tokens)
+        widths.append(w)
+        if w >= new_tokens:
+            return tuple(widths)
+        n = w + 1
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of sharded arrays or ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Abstract:
+    """Abstract arrays on one mesh: every helper returns ShapeDtypeStructs with the trainer's shardings."""
+
+    mesh: jax.sharding.Mesh
+
+    @property
+    def shards(self) -> int:
+        return engine.batch_shards(self.mesh)
+
+    def rows(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        """[rows, ...] split over the batch axes (kept whole where the rows do not divide them)."""
+        spec = parallel.batch_sharding(self.mesh, ndim=len(shape)).spec if shape[0] % self.shards == 0 else ()
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def scalar(self, dtype, shape=()) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, PartitionSpec()))
+
+    def like(self, tree, dtype=None):
+        """Abstract copies of a tree's leaves (with their shardings), optionally in another dtype."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=x.sharding), tree)
+
+    def batch(self, rows: int, prompt_len: int, width: int, group: int) -> train_step.Batch:
+        return train_step.Batch(input_ids=self.rows((rows, prompt_len + width), jnp.int32),
+                                attention_mask=self.rows((rows, prompt_len + width), jnp.int32),
+                                response_mask=self.rows((rows, width), jnp.float32),
+                                rewards=self.rows((rows,), jnp.float32), correct=self.rows((rows,), jnp.bool_),
+                                group_size=group)
+
+    def mini(self, rows: int, prompt_len: int, width: int, group: int, sampler: bool) -> train_step.MiniBatch:
+        logp = self.rows((rows, width), jnp.float32)
+        return train_step.MiniBatch(self.batch(rows, prompt_len, width, group), old_logp_BxT=logp, ref_logp_BxT=logp,
+                                    advantages_B=self.rows((rows,), jnp.float32),
+                                    sampler_logp_BxT=logp if sampler else None)
+
+    def kv(self, rows: int, kv_heads: int, length: int, head_dim: int, dtype, layers: int):
+        sharding = engine._kv_sharding(self.mesh, kv_heads)
+        one = jax.ShapeDtypeStruct((rows, kv_heads, length, head_dim), dtype, sharding=sharding)
+        return (one,) * layers
+
+
+def lora_policy(model: Qwen3Config, runtime, mesh, model_cfg) -> Callable[[], nnx.Module]:
+    """A `build` of the policy with the LoRA adapters of config group `model` (model.lora), as setup.load_model."""
+    spec = lora.LoraSpec.from_config(model_cfg.lora)
+
+    def build():
+        policy = Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh)
+        policy.adapters = lora.Adapters(model, spec, jnp.dtype(model_cfg.param_dtype), nnx.Rngs(0))
+        return policy
+
+    return build
+
+
+def abstract_policy(model: Qwen3Config, runtime, mesh, build: Callable[[], nnx.Module] | None = None):
+    """(graphdef, params as ShapeDtypeStructs with their shardings) of the policy the trainer builds on `mesh`."""
+    build = build or (lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh))
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    shardings = parallel.state_shardings(abstract, mesh)
+    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                  shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The worst-case sizes of one step on a mesh (as the sampler and the micro-batching bucket them)."""
+
+    prompts: int  # P: prompt rows of the rollout, bucketed and a multiple of the batch shards
+    prompt_len: int  # S: the largest prompt bucket
+    new_tokens: int  # T: KV slots of the budget
+    samples: int  # m
+    rows: int  # B = P * m rows the sampler decodes
+    step_rows: int  # responses a step scores: data.prompts_per_step * m
+    capacities: tuple[int, ...]  # the KV capacity ladder
+    buckets: tuple[int, ...]  # decode batch buckets: B, then each smaller one a compaction reaches
+    micro_rows: tuple[int, ...]  # rows of a micro-batch (micro.row_counts)
+    widths: tuple[int, ...]  # response widths of a micro-batch
+
+
+def step_shapes(cfg: Config, mesh) -> StepShapes:
+    shards = engine.batch_shards(mesh)
+    prompts = -(-batching.bucket(cfg.data.prompts_per_step, 1) // shards) * shards
+    m = cfg.rollout.num_samples
+    t = batching.new_tokens_bucket(cfg.rollout.max_new_tokens)
+    buckets = [prompts * m]
+    while buckets[-1] // 2 >= shards and t > engine.COMPACT_MIN_STEPS:
+        buckets.append(engine.batch_bucket(buckets[-1] // 2, shards))
+    return StepShapes(prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
+                                                                  batching.MIN_PROMPT_BUCKET),
+                      new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
+                      capacities=engine.capacity_ladder(t), buckets=tuple(buckets),
+                      micro_rows=micro_lib.row_counts(cfg.algorithm.micro_batch_size, shards),
+                      widths=response_widths(t))
+
+
+def step_programs(cfg: Config, model: Qwen3Config, mesh, scope: str = "all",
+                  build: Callable[[], nnx.Module] | None = None) -> list[Program]:
+    """Every program one step of `cfg` runs on `mesh` (see the module docstring), in the order a step runs them."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope {scope!r}; choose one of {SCOPES}")
+    a = Abstract(mesh)
+    shapes = step_shapes(cfg, mesh)
+    runtime = setup.runtime_config(cfg.model)
+    if build is None and cfg.model.lora.rank:
+        build = lora_policy(model, runtime, mesh, cfg.model)
+    graphdef, params = abstract_policy(model, runtime, mesh, build)
+    trainable = lora.trainable(params)  # the adapters with LoRA: the only gradients and moments
+    steps = cfg.run.total_steps * cfg.algorithm.ppo_epochs * shapes.step_rows // cfg.algorithm.mini_batch_size
+    optimizer = train_step.make_optimizer(cfg.optim, steps)
+    init = train_step.optimizer_init_fn(optimizer, trainable)
+    opt_state = jax.eval_shape(init, trainable)
+    # the KL reference: a frozen copy, or with LoRA the same params with the adapters off
+    ref = params if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.rank else None
+    state_bytes = per_chip_bytes(params) + per_chip_bytes(opt_state) + per_chip_bytes(ref)
+    progs = [Program("optimizer init", "init", "setup", functools.partial(init.lower, trainable))]
+    progs += _rollout(cfg, model, a, shapes, graphdef, params, resident=state_bytes - per_chip_bytes(params),
+                      scope=scope)
+    progs += _score_and_update(cfg, a, shapes, graphdef, params, opt_state, optimizer, state_bytes, scope)
+    return progs
+
+
+def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphdef, params, resident: int,
+             scope: str) -> list[Program]:
+    """Prefill, first token, decode weights, the decode segments of the ladder, and a cache growth."""
+    mesh, G, L, K = a.mesh, model.num_key_value_heads, model.num_hidden_layers, model.head_dim
+    kv_dtype = jnp.dtype(cfg.model.kv_cache_dtype)
+    m, T = s.samples, s.new_tokens
+    spec = spec_for(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k or 0, model.vocab_size)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    f32, i32 = a.scalar(jnp.float32), a.scalar(jnp.int32)
+    stops = a.scalar(jnp.int32, (2,))
+    ids, mask = a.rows((s.prompts, s.prompt_len), jnp.int32), a.rows((s.prompts, s.prompt_len), jnp.bool_)
+    first = s.capacities[0]
+
+    def prefix(rows: int) -> PrefixCache:
+        kv = a.kv(rows, G, s.prompt_len, K, kv_dtype, L)
+        return PrefixCache(k=kv, v=kv, mask=a.rows((rows, s.prompt_len), jnp.bool_), lengths=a.rows((rows,), jnp.int32))
+
+    def suffix(rows: int, capacity: int) -> SuffixCache:
+        kv = a.kv(rows, G, capacity, K, kv_dtype, L)
+        return SuffixCache(k=kv, v=kv)
+
+    def decode_state(rows: int) -> engine.DecodeState:
+        return engine.DecodeState(last_X=a.rows((rows,), jnp.int32), sample_X=a.rows((rows,), jnp.int32),
+                                  stopped_X=a.rows((rows,), jnp.bool_), tokens_BxT=a.rows((s.rows, T), jnp.int32),
+                                  logprobs_BxT=a.rows((s.rows, T), jnp.float32), lengths_B=a.rows((s.rows,), jnp.int32))
+
+    layers = decode_layers(graphdef, params, mesh)
+    logits = a.rows((s.prompts, model.vocab_size), jnp.float32)
+    in_mesh = lambda lower: functools.partial(_in_mesh, mesh, lower)  # noqa: E731
+    progs = [
+        Program(f"prefill {s.prompts} prompts x {s.prompt_len} tokens", "prefill", "rollout", in_mesh(functools.partial(
+            engine.prefill_fn(mesh, G, L).lower, graphdef, params, ids, mask, num_samples=m, capacity=first)),
+            resident),
+        Program(f"first token of {s.rows} samples", "start", "rollout", in_mesh(functools.partial(
+            engine.start_fn(mesh).lower, logits, key, f32, f32, stops, i32, num_samples=m, new_tokens=T, spec=spec)),
+            resident + per_chip_bytes((prefix(s.prompts), suffix(s.rows, first)))),
+        Program("decode weights", "decode_layers", "rollout", in_mesh(functools.partial(
+            engine.decode_layers_fn(mesh).lower, graphdef, params)),
+            resident + per_chip_bytes((prefix(s.prompts), suffix(s.rows, first), decode_state(s.rows)))),
+    ]
+    for rows in s.buckets:
+        caps = s.capacities if scope == "all" else s.capacities[-1:]
+        for capacity in caps:
+            pre = prefix(s.prompts if rows == s.rows else rows)
+            lower = functools.partial(engine.segment_fn(mesh, G, L).lower, graphdef, params, layers, pre,
+                                      suffix(rows, capacity), decode_state(rows), i32, i32, i32, key, f32, f32, stops,
+                                      spec=spec)
+            progs.append(Program(f"decode segment {rows} rows x {capacity} slots", "segment", "rollout",
+                                 in_mesh(lower), resident))
+        if scope == "largest":
+            break
+    if len(s.capacities) > 1:  # the last growth of the full batch: one layer moves while the others wait
+        old, new = s.capacities[-2], s.capacities[-1]
+        one_old, one_new = a.kv(s.rows, G, old, K, kv_dtype, 1)[0], a.kv(s.rows, G, new, K, kv_dtype, 1)[0]
+        waiting = 2 * (L - 1) * per_chip_bytes(one_new)  # k and v of every other layer, at the new capacity
+        lower = functools.partial(engine.regroup_fn(mesh, G).lower, one_old, one_old, None, capacity=new)
+        progs.append(Program(f"grow cache {old} -> {new} slots (one layer)", "regroup", "rollout", in_mesh(lower),
+                             resident + per_chip_bytes((params, layers, prefix(s.prompts), decode_state(s.rows)))
+                             + waiting))
+    return progs
+
+
+def decode_layers(graphdef, params, mesh):
+    """The abstract result of `engine.decode_layers_fn`: each layer's slice of a stacked [layers, ...] parameter
+    keeps that parameter's sharding of its other dimensions (what the compiled program returns)."""
+    with jax.set_mesh(mesh):
+        layers = jax.eval_shape(functools.partial(engine.decode_layers_fn(mesh), graphdef), params)
+    stacked = _stacked_specs(params)
+    return tuple({name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec(
+        *stacked[name][1:]))) for name, x in layer.items()} for layer in layers)
+
+
+def _stacked_specs(params) -> dict[str, tuple]:
+    """The PartitionSpec entries of each stacked decoder-layer parameter (params.layers.<HF name>)."""
+    specs = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        names = [k for k in keys if k in LAYER_AXES]
+        if "layers" in keys and names:
+            spec = tuple(x.sharding.spec)
+            specs[names[-1]] = spec + (None,) * (x.ndim - len(spec))
+    return specs
+
+
+def _in_mesh(mesh, lower):
+    """Lower inside the mesh's context, as `generate` runs the sampler."""
+    with jax.set_mesh(mesh):
+        return lower()
+
+
+def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params, opt_state, optimizer,
+                      state_bytes: int, scope: str) -> list[Program]:
+    """Score and reference passes and the gradient at every micro-batch shape; the optimizer step; advantages and
+    the EVOL embedder."""
+    algo, m, S, T = cfg.algorithm, s.samples, s.prompt_len, s.new_tokens
+    temp = train_step.LossSettings.from_config(algo, cfg.rollout.temperature).temperature
+    settings = train_step.LossSettings.from_config(algo, cfg.rollout.temperature)
+    step_batch = a.batch(s.step_rows, S, T, m)
+    step_arrays = per_chip_bytes(step_batch) + 3 * per_chip_bytes(a.rows((s.step_rows, T), jnp.float32))
+    shapes = [(x, w) for x in s.micro_rows for w in s.widths]
+    if scope == "largest":
+        shapes = [(s.micro_rows[0], T)]
+    grads = a.like(lora.trainable(params), jnp.float32)
+    mini = a.mini(algo.mini_batch_size, S, T, m, algo.rollout_is_cap is not None)
+    ref_graphdef = lora.reference_graphdef(graphdef, params) if lora.has_adapters(params) else graphdef
+    progs = []
+    for label, fn, kind, gd in (("score", train_step._score_micro, "score", graphdef),
+                                ("reference", train_step._ref_micro, "reference", ref_graphdef)):
+        if kind == "reference" and algo.kl_coef == 0:
+            continue
+        for rows, width in shapes:
+            mb = a.batch(rows, S, width, m)
+            lower = functools.partial(fn.lower, gd, params, mb, temperature=temp, chunk=train_step.g2rl.
+                                      DEFAULT_CHUNK)
+            progs.append(Program(f"{label} {rows} rows x {width} tokens", kind, "score", lower,
+                                 state_bytes - per_chip_bytes(params) + step_arrays))
+    phi = jax.eval_shape(functools.partial(train_step._score_micro, graphdef, temperature=temp,
+                                           chunk=train_step.g2rl.DEFAULT_CHUNK), params, step_batch)[1][0]
+    phi = a.rows(phi.shape, phi.dtype)
+    embeddings = valid = None
+    if algo.exploration == "evol":
+        progs.append(_embedder(cfg, a, s, state_bytes + step_arrays))
+        embeddings, valid = a.rows((s.step_rows, _embed_width(cfg)), jnp.float32), a.rows((s.step_rows,), jnp.bool_)
+    progs.append(Program("advantages (novelty, shaping, groups)", "advantages", "score",
+                         functools.partial(train_step.advantages.lower, step_batch, phi, algo, embeddings, valid),
+                         state_bytes))
+    for rows, width in shapes:
+        mb = a.mini(rows, S, width, m, algo.rollout_is_cap is not None)
+        diag = jax.eval_shape(lambda p, b: train_step.policy_loss(p, graphdef, b, settings)[1], params, mb)
+        acc = (grads, a.scalar(jnp.float32), {k: a.scalar(d.dtype, d.shape) for k, d in diag.items()})
+        lower = functools.partial(train_step.accumulate.lower, graphdef, params, acc, mb, a.scalar(jnp.float32),
+                                  settings=settings, total_rows=algo.mini_batch_size)
+        progs.append(Program(f"gradient {rows} rows x {width} tokens", "gradient", "update", lower,
+                             state_bytes - per_chip_bytes(params) + step_arrays + per_chip_bytes(mini)))
+    diag = {k: a.scalar(v.dtype, v.shape) for k, v in acc[2].items()}
+    lower = functools.partial(train_step.apply_gradients.lower, params, opt_state, grads, a.scalar(jnp.float32), diag,
+                              optimizer=optimizer)
+    ref_bytes = state_bytes - per_chip_bytes(params) - per_chip_bytes(opt_state)
+    progs.append(Program("optimizer step", "apply", "update", lower, ref_bytes + step_arrays))
+    return progs
+
+
+def _embed_width(cfg: Config) -> int:
+    """The EVOL embedder's width E (its hidden size), from its config.json."""
+    return _embedder_config(cfg).hidden_size
+
+
+def _embedder_config(cfg: Config) -> Qwen3Config:
+    import json
+    from pathlib import Path
+
+    from g2rl_jax.demo.build import SCHEME
+
+    if cfg.algorithm.embedding_model.startswith(SCHEME):  # the demo's embedder: the demo policy's backbone
+        from g2rl_jax.plan import demo_architecture
+
+        return demo_architecture()
+    path = Path(cfg.algorithm.embedding_model) / "config.json"
+    return Qwen3Config.from_hf_dict(json.loads(path.read_text()), str(path))
+
+
+def _embedder(cfg: Config, a: Abstract, s: StepShapes, resident: int) -> Program:
+    """Last-token pooling of the EVOL embedder over all of a step's responses at the widest token width."""
+    runtime = setup.runtime_config(cfg.model, remat="none")
+    graphdef, state = abstract_policy(_embedder_config(cfg), runtime, a.mesh)
+    width = 1 << (cfg.algorithm.embedding_max_tokens - 1).bit_length()
+    ids = a.rows((s.step_rows, width), jnp.int32)
+    lower = functools.partial(setup._pooled.lower, graphdef, state, ids, ids)
+    return Program(f"EVOL embedder {s.step_rows} responses x {width} tokens", "embed", "score", lower, resident)
