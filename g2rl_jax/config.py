@@ -2,7 +2,8 @@
 
 One dataclass per group (run, model, mesh, data, rollout, reward, algorithm, optim, distributed; defined with
 their defaults, help texts and checks in `g2rl_jax.config_groups`, imported from here); `Config` holds them all
-and checks what spans groups.
+and checks what spans groups. A group may hold a subgroup (model.lora), nested in YAML and dotted on the command
+line (`model.lora.rank=8`).
 A YAML file may name a `base:` file (resolved relative to itself) whose values it overrides. Values from YAML and
 from the command line are parsed by the field's declared type, and every mistake (unknown key, bad value, broken
 invariant, a YAML syntax error with its file, line and column) raises `ConfigError` naming the dotted key, the nearest
@@ -33,6 +34,7 @@ from g2rl_jax.config_groups import (
     ConfigError,
     DataConfig,
     DistributedConfig,
+    LoraConfig,
     MeshConfig,
     ModelConfig,
     OptimConfig,
@@ -42,7 +44,7 @@ from g2rl_jax.config_groups import (
     _check,
 )
 
-__all__ = ["AlgorithmConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "MeshConfig",
+__all__ = ["AlgorithmConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "LoraConfig", "MeshConfig",
            "ModelConfig", "OptimConfig", "RESOLVED_NAME", "RewardConfig", "RolloutConfig", "RunConfig", "all_keys",
            "build_config", "format_help", "load_config", "parse_cli", "save_resolved", "to_dict", "to_yaml"]
 
@@ -78,9 +80,24 @@ def _field_types(group_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(group_cls)
 
 
+def _subgroup(tp: Any) -> bool:
+    """A field whose type is itself a group of keys (model.lora)."""
+    return dataclasses.is_dataclass(tp)
+
+
+def _leaves(prefix: str, cls: type):
+    """(dotted key, field, declared type) of every value key of group `cls` under `prefix`, subgroups flattened."""
+    types_ = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if _subgroup(types_[f.name]):
+            yield from _leaves(f"{prefix}.{f.name}", types_[f.name])
+        else:
+            yield f"{prefix}.{f.name}", f, types_[f.name]
+
+
 def all_keys() -> list[str]:
-    """Every dotted key `group.field`, in declaration order."""
-    return [f"{g}.{f.name}" for g, cls in _groups().items() for f in dataclasses.fields(cls)]
+    """Every dotted key `group.field` (`group.sub.field` in a subgroup), in declaration order."""
+    return [key for g, cls in _groups().items() for key, _, _ in _leaves(g, cls)]
 
 
 def _nearest(key: str, candidates: list[str]) -> str:
@@ -173,10 +190,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict[str, tuple[Any, str]
     for group, body in doc.items():
         if group not in groups:
             raise ConfigError(f"{path}: unknown group '{group}'; {_group_hint(str(group), body, list(groups))}")
-        if not isinstance(body, dict):
-            raise ConfigError(f"{path}: group '{group}' must be a mapping of keys, got {body!r}")
-        for name, value in body.items():
-            flat[f"{group}.{name}"] = (value, str(path))
+        _flatten_body(group, groups[group], body, str(path), flat)
     return flat
 
 
@@ -193,6 +207,18 @@ def _group_hint(group: str, body: Any, groups: list[str]) -> str:
     return f"did you mean '{_nearest(group, groups + ['base'])}'?"
 
 
+def _flatten_body(prefix: str, cls: type, body: Any, source: str, flat: dict[str, tuple[Any, str]]) -> None:
+    """The keys of a YAML group body (a mapping; subgroups nested) into `flat` as dotted keys."""
+    if not isinstance(body, dict):
+        raise ConfigError(f"{source}: group '{prefix}' must be a mapping of keys, got {body!r}")
+    types_ = _field_types(cls)
+    for name, value in body.items():
+        if name in types_ and _subgroup(types_[name]):
+            _flatten_body(f"{prefix}.{name}", types_[name], value, source, flat)
+        else:
+            flat[f"{prefix}.{name}"] = (value, source)
+
+
 def _split_override(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -206,24 +232,29 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
     for key, (_, source) in flat.items():
         if key not in keys:
             raise ConfigError(f"{source}: unknown key '{key}'; {_did_you_mean(key, keys)}")
-    groups: dict[str, Any] = {}
-    for group, cls in _groups().items():
-        kwargs = {}
-        for name, tp in _field_types(cls).items():
-            key = f"{group}.{name}"
-            if key in flat:
-                value, source = flat[key]
-                try:
-                    kwargs[name] = _parse(value, tp, key)
-                except ConfigError as err:
-                    raise ConfigError(f"{source}: {err}") from None
-        missing = [f"{group}.{f.name}" for f in dataclasses.fields(cls)
-                   if f.default is _REQUIRED and f.name not in kwargs]
-        if missing:
-            raise ConfigError(f"{missing[0]} is required and has no default; set it in the YAML file "
-                              f"or on the command line as {missing[0]}=VALUE")
-        groups[group] = _construct(cls, kwargs, flat)
+    groups = {group: _build_group(group, cls, flat) for group, cls in _groups().items()}
     return _construct(Config, groups, flat)
+
+
+def _build_group(prefix: str, cls: type, flat: dict[str, tuple[Any, str]]) -> Any:
+    """Group `cls` (its subgroups first) from the dotted keys under `prefix`."""
+    kwargs = {}
+    for name, tp in _field_types(cls).items():
+        key = f"{prefix}.{name}"
+        if _subgroup(tp):
+            kwargs[name] = _build_group(key, tp, flat)
+        elif key in flat:
+            value, source = flat[key]
+            try:
+                kwargs[name] = _parse(value, tp, key)
+            except ConfigError as err:
+                raise ConfigError(f"{source}: {err}") from None
+    missing = [f"{prefix}.{f.name}" for f in dataclasses.fields(cls)
+               if f.default is _REQUIRED and f.name not in kwargs]
+    if missing:
+        raise ConfigError(f"{missing[0]} is required and has no default; set it in the YAML file "
+                          f"or on the command line as {missing[0]}=VALUE")
+    return _construct(cls, kwargs, flat)
 
 
 def _construct(cls: type, kwargs: dict[str, Any], flat: dict[str, tuple[Any, str]]) -> Any:
@@ -232,7 +263,7 @@ def _construct(cls: type, kwargs: dict[str, Any], flat: dict[str, tuple[Any, str
         return cls(**kwargs)
     except ConfigError as err:
         key = str(err).split(":", 1)[0]
-        group = key.split(".", 1)[0] + "."
+        group = key.rsplit(".", 1)[0] + "."
         set_in_group = sorted({src for k, (_, src) in flat.items() if k.startswith(group)})
         related = [flat[key][1]] if key in flat else set_in_group
         raise ConfigError(f"{'; '.join(related) or 'default values'}: {err}") from None
@@ -247,10 +278,15 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     return build_config(flat)
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return list(value) if isinstance(value, tuple) else value
+
+
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """Nested plain dict of the config (tuples as lists), as written to YAML."""
-    return {g: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(cfg, g)).items()}
-            for g in _groups()}
+    """Nested plain dict of the config (tuples as lists, subgroups as nested dicts), as written to YAML."""
+    return {g: _plain(dataclasses.asdict(getattr(cfg, g))) for g in _groups()}
 
 
 def to_yaml(cfg: Config) -> str:
@@ -284,12 +320,11 @@ def format_help() -> str:
              "A YAML file may name `base: OTHER.yaml` (relative to itself) and override its values.", ""]
     for group, cls in _groups().items():
         lines.append(f"{group}:")
-        types_ = _field_types(cls)
-        for f in dataclasses.fields(cls):
+        for key, f, tp in _leaves(group, cls):
             default = "(required)" if f.default is _REQUIRED else yaml.safe_dump(
                 list(f.default) if isinstance(f.default, tuple) else f.default,
                 default_flow_style=True).strip().removesuffix("...").strip()
-            lines.append(f"  {group}.{f.name} [{_describe(types_[f.name])}] = {default}")
+            lines.append(f"  {key} [{_describe(tp)}] = {default}")
             lines.extend(textwrap.wrap(f.metadata["help"], width=118, initial_indent=" " * 6,
                                        subsequent_indent=" " * 6, break_on_hyphens=False))
         lines.append("")

@@ -72,10 +72,45 @@ class RunConfig:
                f"lists a logger twice: {list(self.loggers)}")
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # attention q/k/v/o and MLP gate/up/down projections
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    rank: int = _f(0, "LoRA rank r of the adapters (0 = off: every weight is trained); the base weights are then "
+                   "frozen, and only the adapters get gradients and AdamW moments (docs/lora.md)")
+    alpha: Optional[float] = _f(None, "the adapters add (alpha/rank)·x·A·B; null = rank (scale 1, as Tunix's Qwen3 "
+                                "GRPO example: rank 64, alpha 64)")
+    targets: tuple[str, ...] = _f(LORA_TARGETS, "projections that get adapters: q, k, v, o (attention), gate, up, "
+                                  "down (MLP); the default is all seven, as Tunix's Qwen3 GRPO example")
+    base_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of the frozen base weights (the adapters "
+                                                    "train in model.param_dtype)")
+    init_from: Optional[str] = _f(None, "a PEFT LoRA adapter directory (adapter_config.json + "
+                                  "adapter_model.safetensors, e.g. from export --adapter) to start from; null = A "
+                                  "random, B zero, so step 0's policy is the base model")
+
+    def __post_init__(self):
+        _check(self.rank >= 0, "model.lora.rank", f"must be >= 0 (0 = LoRA off), got {self.rank}")
+        if self.rank == 0:
+            set_keys = [f.name for f in dataclasses.fields(self) if f.name != "rank"
+                        and getattr(self, f.name) != f.default]
+            _check(not set_keys, f"model.lora.{set_keys[0] if set_keys else 'rank'}",
+                   "is set but model.lora.rank is 0 (LoRA off); set model.lora.rank > 0 (e.g. 64) to train "
+                   f"adapters, or drop model.lora.{', model.lora.'.join(set_keys)}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        _check(not unknown, "model.lora.targets", f"unknown target(s) {unknown}; choose from {', '.join(LORA_TARGETS)}")
+        _check(len(self.targets) > 0, "model.lora.targets", f"is empty; name at least one of {', '.join(LORA_TARGETS)}")
+        _check(len(set(self.targets)) == len(self.targets), "model.lora.targets",
+               f"names a projection twice: {list(self.targets)}")
+        _check(self.alpha is None or (math.isfinite(self.alpha) and self.alpha > 0), "model.lora.alpha",
+               f"must be a finite number > 0 or null (= rank), got {self.alpha}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     path: str = _f(_REQUIRED, "local Hugging Face directory of the policy (config.json, *.safetensors, tokenizer)")
-    param_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the trained parameters")
+    param_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the trained parameters (with LoRA: the "
+                                                     "adapters; the frozen base is in model.lora.base_dtype)")
     compute_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of activations and matmuls")
     remat: Literal["none", "full", "dots"] = _f(
         "full", "rematerialise each decoder layer in the backward pass: none, full (recompute all), dots (keep "
@@ -84,6 +119,7 @@ class ModelConfig:
         "auto", "attention kernel: auto (splash on TPU, cudnn on GPU with bfloat16 compute, else xla), xla, cudnn "
         "(GPU, bfloat16), splash (TPU); a kernel whose hardware is absent falls back to xla with a warning")
     kv_cache_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of the rollout KV cache")
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig, metadata={"help": "LoRA adapters"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

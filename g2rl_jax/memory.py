@@ -52,12 +52,31 @@ def check_divisible(model: Qwen3Config, mesh: dict[str, int]) -> None:
 # ------------------------------------------------------------------------------------------------ components
 def param_elements(model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int]) -> int:
     """Parameter elements per device: each Variable's shape divided along its logical axes (DEFAULT_RULES)."""
-    import jax
     from flax import nnx
 
     from g2rl_jax.model.qwen3 import Qwen3
 
-    abstract = nnx.state(nnx.eval_shape(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0))))
+    return _elements(nnx.state(nnx.eval_shape(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0)))), mesh)
+
+
+def adapter_elements(model: Qwen3Config, lora_cfg, mesh: dict[str, int]) -> int:
+    """LoRA adapter elements per device (config group model.lora; 0 when its rank is 0), sharded as the factors'
+    logical axes say: A like its projection's input dims, B like its output dims, the rank replicated."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from g2rl_jax.model import lora
+
+    spec = lora.LoraSpec.from_config(lora_cfg)
+    if spec is None:
+        return 0
+    return _elements(nnx.state(nnx.eval_shape(lambda: lora.Adapters(model, spec, jnp.float32, nnx.Rngs(0)))), mesh)
+
+
+def _elements(abstract, mesh: dict[str, int]) -> int:
+    import jax
+    from flax import nnx
+
     total = 0
     for var in jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         logical = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
@@ -115,7 +134,8 @@ def micro_rows_per_device(cfg: Config, mesh: dict[str, int]) -> int:
 def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, mesh: dict[str, int], length: int,
                      t: int, platform: str = "tpu") -> dict[str, int]:
     """Bytes of one micro-batch of the update (forward + backward) with the configured rematerialisation, as the
-    `platform`'s compiler ("tpu" or "gpu") lays it out."""
+    `platform`'s compiler ("tpu" or "gpu") lays it out. With LoRA the gathered base weights get no gradient (the
+    adapters' are negligible)."""
     c = nbytes(cfg.model.compute_dtype)
     b = micro_rows_per_device(cfg, mesh)
     tp = shards("heads", mesh)
@@ -134,7 +154,8 @@ def activation_parts(cfg: Config, model: Qwen3Config, runtime: RuntimeConfig, me
         "saved": SAVED_COPIES[platform] * layers * b * length * model.hidden_size * c if cfg.model.remat != "none"
         else (layers - 1) * (internals + scores),
         "layer": internals + scores,
-        "gathered": per_layer_params * (c + F32),  # one layer's all-gathered weights and their float32 gradient
+        # one layer's all-gathered weights and their float32 gradient (none for a frozen LoRA base)
+        "gathered": per_layer_params * (c + (0 if cfg.model.lora.rank else F32)),
         "logits": 3 * b * min(DEFAULT_CHUNK, t) * vocab * F32,  # logits, softmax, cotangent of one chunk
         "head": vocab * model.hidden_size // shards("embed", mesh) * c,  # lm head cast to the compute dtype
         "hidden": 2 * b * length * model.hidden_size * (c + F32),  # final hidden states and their cotangent

@@ -127,6 +127,7 @@ DEFAULT_RULES = ShardingRules((
     ("head_dim", None),
     ("mlp", ("tensor",)),
     ("layers", None),
+    ("lora_rank", None),  # LoRA's r: A [*in, r] and B [r, *out] shard like their projection's in / out dims
 ))
 
 

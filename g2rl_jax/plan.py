@@ -7,10 +7,14 @@ status is 0 when it fits, 1 when it does not, 2 on bad input.
 Analytic per-device bytes of a training run, from the config alone (nothing is allocated):
 
     params       the policy's parameters in model.param_dtype, each sharded as g2rl_jax.parallel's DEFAULT_RULES
-                 map its logical axes (embed -> fsdp, heads/kv_heads/mlp/vocab -> tensor)
-    optimizer    AdamW's mu and nu (optax keeps them in the parameters' dtype), sharded like the parameters
-    gradients    the float32 accumulator of train.step.update plus one micro-batch's gradients (param dtype)
-    reference    a frozen copy of the parameters when algorithm.kl_coef > 0
+                 map its logical axes (embed -> fsdp, heads/kv_heads/mlp/vocab -> tensor); with LoRA
+                 (model.lora.rank > 0) the frozen base in model.lora.base_dtype plus the adapters in model.param_dtype
+    optimizer    AdamW's mu and nu (optax keeps them in the parameters' dtype), sharded like the parameters; with
+                 LoRA the adapters' only
+    gradients    the float32 accumulator of train.step.update plus one micro-batch's gradients (param dtype), of
+                 the trained parameters (LoRA: the adapters)
+    reference    a frozen copy of the parameters when algorithm.kl_coef > 0 (none with LoRA: the reference is the
+                 base, the same weights with the adapters off)
     kv_cache     rollout K/V: the prompt prefix once per prompt plus the suffix per sample, layers x (P*S + P*m*T)
                  x kv_heads x head_dim x 2 x kv dtype, batch over (data, fsdp) and kv_heads over tensor
     rollout_tmp  the sampled tokens and log-probs of every sample [B, T], the layer weights cast to the compute
@@ -53,6 +57,7 @@ from g2rl_jax.memory import (
     F32,
     PlanError,
     activation_parts,
+    adapter_elements,
     attention_scores_bytes,
     check_divisible,
     decode_weight_bytes,
@@ -91,6 +96,8 @@ ACCELERATORS = (
     Accelerator("H100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x H100", "gpu"),
     Accelerator("H200", 141, tuple(c for c in _POW2 if c <= 1024), "{n} x H200", "gpu"),
     Accelerator("A100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x A100 80GB", "gpu"),
+    # a 16 GB GPU (Colab's T4, V100-16GB, ...): 16e9 bytes less CUDA's own reserve, 15 GiB as nvidia-smi shows
+    Accelerator("16GB", 15, (1, 2, 4, 8), "{n} x 16 GB GPU", "gpu"),
 )
 
 
@@ -131,13 +138,18 @@ def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -
     "gpu": it decides the attention kernel, as model.config.resolve_attention does for a run)."""
     mesh = resolve_mesh(cfg, devices)
     check_divisible(model, mesh)
-    runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
+    lora_on = cfg.model.lora.rank > 0
+    base_dtype = cfg.model.lora.base_dtype if lora_on else cfg.model.param_dtype
+    runtime = RuntimeConfig(param_dtype=base_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat,
                             attention=resolve_attention(cfg.model.attention, DTYPES[cfg.model.compute_dtype],
                                                         platform),
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
     n_local = param_elements(model, runtime, mesh)
-    pbytes = n_local * nbytes(cfg.model.param_dtype)
+    pbytes = n_local * nbytes(base_dtype)
+    n_lora = adapter_elements(model, cfg.model.lora, mesh)
+    lbytes = n_lora * nbytes(cfg.model.param_dtype)
+    n_trained, trained_bytes = (n_lora, lbytes) if lora_on else (n_local, pbytes)
     kv, p, s, t = kv_cache_bytes(cfg, model, mesh)
     batch_shards, tp = shards("batch", mesh), shards("heads", mesh)
     length = s + t
@@ -162,12 +174,16 @@ def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -
                      "shards leaves devices padded")
     if runtime.attention == "xla":
         notes.append("model.attention=xla materialises [b, H, L, L] scores; splash (TPU) / cudnn (GPU) do not")
+    if lora_on:
+        notes.append(f"LoRA rank {cfg.model.lora.rank} on {','.join(cfg.model.lora.targets)}: base frozen in "
+                     f"{base_dtype}, {n_lora:,} adapter elements per device in {cfg.model.param_dtype} (only these "
+                     "get gradients and AdamW moments), no reference copy")
     return Plan(
         mesh=mesh,
-        params=pbytes,
-        optimizer=2 * pbytes,
-        gradients=n_local * F32 + pbytes,
-        reference=pbytes if cfg.algorithm.kl_coef > 0 else 0,
+        params=pbytes + lbytes,
+        optimizer=2 * trained_bytes,
+        gradients=n_trained * F32 + trained_bytes,
+        reference=pbytes if cfg.algorithm.kl_coef > 0 and not lora_on else 0,
         kv_cache=kv,
         rollout_tmp=rollout_tmp,
         activations=sum(activation_parts(cfg, model, runtime, mesh, length, t, platform).values()),
@@ -257,7 +273,9 @@ def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform:
             ("activations (1 micro-batch)", p.activations), ("update batch arrays", p.batch)]
     lines = [f"model: {source}: {model.num_params() / 1e9:.2f}B params, {model.num_hidden_layers} layers, "
              f"D={model.hidden_size}, heads={model.num_attention_heads}/{model.num_key_value_heads} kv",
-             f"dtypes: params {cfg.model.param_dtype}, compute {cfg.model.compute_dtype}, "
+             f"dtypes: params {cfg.model.param_dtype}"
+             + (f" (LoRA adapters; base {cfg.model.lora.base_dtype})" if cfg.model.lora.rank else "")
+             + f", compute {cfg.model.compute_dtype}, "
              f"kv cache {cfg.model.kv_cache_dtype}; remat {cfg.model.remat}; attention {cfg.model.attention}",
              f"mesh on {devices} devices: {p.mesh}", *(f"note: {n}" for n in p.notes), "",
              f"{'per device':32s}{'GiB':>8s}"]

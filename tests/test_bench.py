@@ -15,6 +15,9 @@ CASES = {
     "update": (["--preset", "tiny", "--rows", "4", "--prompt-len", "8", "--response-len", "32", "--iters", "1",
                 "--long-tail", "--variant", "micro=2"], ["update s", "tokens/s", "resp MFU", "long-tailed / equal"]),
     "verify": (["--n", "12", "--latency-n", "4"], ["checks/s/core", "worst-case time of one check"]),
+    "lora": (["--preset", "tiny", "--rank", "2", "--rows", "2", "--micro", "2", "--prompt-len", "4",
+              "--response-len", "8", "--prompts", "1", "--samples", "2", "--new-tokens", "4", "--iters", "1"],
+             ["s/update", "lora / full: time", "lora merged / base: tokens/s", "per-layer decode weights"]),
 }
 
 

@@ -1,6 +1,6 @@
 """launch/colab.ipynb runs top to bottom on CPU (nbclient, a real Jupyter kernel): it loads the demo model
 (`demo:DIR`, built once for the session; the build itself is tested in test_demo_assets.py), samples a group,
-shows Φ, ν, shaped rewards and advantages, and runs one training step."""
+shows Φ, ν, shaped rewards and advantages, runs one training step, and one with LoRA."""
 import pathlib
 
 import nbformat
@@ -21,6 +21,7 @@ def test_colab_notebook_executes(tmp_path, monkeypatch, demo_model_dir):
     text = "\n".join(outputs.values())
     assert "pairwise cosines" in text and "A(G2RL)" in text
     assert "accuracy" in text and "novelty" in text and "grad_norm" in text
+    assert "LoRA rank 8:" in text and "base unchanged: True" in text  # the LoRA cell
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
 

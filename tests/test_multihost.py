@@ -5,7 +5,8 @@
 Checks: the deterministic metrics (and the validation mean@k, on 5 prompts so the last chunk needs padding) of
 the 2-process run equal the 1-process run; only process 0 wrote metrics; rerunning the 2-process command with
 one more step resumes from its Orbax multi-host checkpoint (both processes' data-iterator states) and its next
-step equals the 1-process run's. Also: start-up errors for partial distributed.* settings.
+step equals the 1-process run's; with LoRA, 2 processes and the 8-device mesh equal one device. Also: start-up
+errors for partial distributed.* settings.
 """
 import json
 import os
@@ -26,6 +27,7 @@ from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 2
+HANG_S = 1800  # a hang guard only: on a loaded 2-core machine one run has taken more than 4 minutes
 DETERMINISTIC = ("accuracy", "reward", "loss", "kl", "entropy", "response_length", "novelty", "clip_fraction",
                  "approx_kl", "grad_norm", "learning_rate", "groups_kept", "skipped_updates")
 
@@ -71,14 +73,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(assets, out, steps):
+def _run_two_processes(assets, out, steps, extra=()):
     port = _free_port()
     procs = [subprocess.Popen(
-        _cmd(assets, out, steps, [f"distributed.coordinator_address=127.0.0.1:{port}",
+        _cmd(assets, out, steps, [*extra, f"distributed.coordinator_address=127.0.0.1:{port}",
                                   "distributed.num_processes=2", f"distributed.process_id={i}"]),
         env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
+        logs = [p.communicate(timeout=HANG_S)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -96,8 +98,9 @@ def runs(assets, tmp_path_factory):
     return root
 
 
-def _run_one_process(assets, out, steps):
-    one = subprocess.run(_cmd(assets, out, steps), env=_env(8), capture_output=True, text=True, timeout=240)
+def _run_one_process(assets, out, steps, extra=(), devices=8):
+    one = subprocess.run(_cmd(assets, out, steps, extra), env=_env(devices), capture_output=True, text=True,
+                         timeout=HANG_S)
     assert one.returncode == 0, one.stderr[-4000:]
 
 
@@ -133,6 +136,22 @@ def test_two_processes_resume(assets, runs):
     two, one = read_metrics(runs / "two"), read_metrics(runs / "one")
     assert [r["step"] for r in two] == list(range(STEPS + 2))
     _assert_same(two[STEPS + 1:], one[STEPS + 1:], DETERMINISTIC)
+
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.base_dtype=float32")
+
+
+def test_lora_two_processes_and_eight_devices_equal_one_device(assets, tmp_path):
+    """LoRA (adapters only trained, the reference = the base with adapters off) on 2 processes x 4 devices and on
+    one process with the 8-device mesh gives the numbers of one process on one device."""
+    one_device = (*LORA, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1")
+    _run_two_processes(assets, tmp_path / "two", STEPS, LORA)
+    _run_one_process(assets, tmp_path / "eight", STEPS, LORA)
+    _run_one_process(assets, tmp_path / "one", STEPS, one_device, devices=1)
+    one = read_metrics(tmp_path / "one")
+    assert one[-1]["kl"] > 0
+    for run in ("two", "eight"):
+        _assert_same(read_metrics(tmp_path / run), one, DETERMINISTIC)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -11,9 +11,11 @@ from g2rl_jax import memory as M
 from g2rl_jax import parallel
 from g2rl_jax import plan as P
 from g2rl_jax.config import load_config
-from g2rl_jax.model.config import PRESETS, Qwen3Config, RuntimeConfig
+from g2rl_jax.model import lora
+from g2rl_jax.model.config import PRESETS, Qwen3Config
 from g2rl_jax.model.qwen3 import Qwen3
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train.setup import runtime_config
 
 from _helpers import create_sharded
 
@@ -124,6 +126,13 @@ XLA_CASES = {
                       ["data.max_prompt_tokens=32", "rollout.max_new_tokens=224", *_STEP,
                        "algorithm.mini_batch_size=32", "algorithm.micro_batch_size=16", "data.prompts_per_step=4",
                        "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2"]),
+    # LoRA: adapters with the only gradients and AdamW moments, no reference copy; the base in the compute dtype
+    # (float32 here, as XLA:CPU computes; a bfloat16 base would add a float32 copy of the head per decode step)
+    "lora-data4-tensor2": (8, dict(_TINY, num_hidden_layers=3, tie_word_embeddings=False),
+                           ["data.max_prompt_tokens=32", "rollout.max_new_tokens=224", *_STEP,
+                            "algorithm.mini_batch_size=32", "algorithm.micro_batch_size=16", "data.prompts_per_step=4",
+                            "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2", "model.lora.rank=8",
+                            "model.lora.base_dtype=float32"]),
 }
 
 
@@ -131,10 +140,11 @@ def _sharded_model(cfg, model: Qwen3Config, devices: int):
     """(mesh sizes, mesh, graphdef, params) of a randomly initialised model placed as the plan assumes."""
     sizes = M.resolve_mesh(cfg, devices)
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:devices])
-    runtime = RuntimeConfig(param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype,
-                            remat=cfg.model.remat, attention=cfg.model.attention,
-                            kv_cache_dtype=cfg.model.kv_cache_dtype)
+    runtime = runtime_config(cfg.model)  # with LoRA, param_dtype is the base's (model.lora.base_dtype)
     module = create_sharded(lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh), mesh)
+    spec = lora.LoraSpec.from_config(cfg.model.lora)
+    if spec is not None:
+        lora.attach(module, spec, dtype=cfg.model.param_dtype, seed=0, mesh=mesh)
     return (sizes, mesh, *nnx.split(module))
 
 
@@ -142,7 +152,7 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     """Per-device bytes XLA assigns to the compiled update: arguments + outputs − donated aliases + temporaries."""
     sizes, mesh, graphdef, params = _sharded_model(cfg, model, devices)
     optimizer = train_step.make_optimizer(cfg.optim, 10)
-    opt_state = train_step.init_optimizer(optimizer, params)
+    opt_state = train_step.init_optimizer(optimizer, lora.trainable(params))
     _, _, s, t = M.kv_cache_bytes(cfg, model, sizes)
     rows = cfg.algorithm.mini_batch_size
 
@@ -157,7 +167,8 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
     micro = cfg.algorithm.micro_batch_size
     mb = jax.tree.map(lambda x: x[:micro], mini)  # the widest micro-batch: the whole response width T
-    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
+                         lora.trainable(params))
     diag = jax.eval_shape(lambda: train_step.policy_loss(params, graphdef, mb, settings)[1])
     loss = jax.ShapeDtypeStruct((), jnp.float32)
     accumulate = train_step.accumulate.lower(graphdef, params, (grads, loss, diag), mb, jnp.float32(1.0),

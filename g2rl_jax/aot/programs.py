@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from g2rl_jax import parallel
 from g2rl_jax.config import Config
+from g2rl_jax.model import lora
 from g2rl_jax.model.config import Qwen3Config
 from g2rl_jax.model.qwen3 import LAYER_AXES, PrefixCache, Qwen3, SuffixCache
 from g2rl_jax.rollout import batching, engine
@@ -122,6 +123,18 @@ class Abstract:
         return (one,) * layers
 
 
+def lora_policy(model: Qwen3Config, runtime, mesh, model_cfg) -> Callable[[], nnx.Module]:
+    """A `build` of the policy with the LoRA adapters of config group `model` (model.lora), as setup.load_model."""
+    spec = lora.LoraSpec.from_config(model_cfg.lora)
+
+    def build():
+        policy = Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh)
+        policy.adapters = lora.Adapters(model, spec, jnp.dtype(model_cfg.param_dtype), nnx.Rngs(0))
+        return policy
+
+    return build
+
+
 def abstract_policy(model: Qwen3Config, runtime, mesh, build: Callable[[], nnx.Module] | None = None):
     """(graphdef, params as ShapeDtypeStructs with their shardings) of the policy the trainer builds on `mesh`."""
     build = build or (lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=mesh))
@@ -171,14 +184,18 @@ def step_programs(cfg: Config, model: Qwen3Config, mesh, scope: str = "all",
     a = Abstract(mesh)
     shapes = step_shapes(cfg, mesh)
     runtime = setup.runtime_config(cfg.model)
+    if build is None and cfg.model.lora.rank:
+        build = lora_policy(model, runtime, mesh, cfg.model)
     graphdef, params = abstract_policy(model, runtime, mesh, build)
+    trainable = lora.trainable(params)  # the adapters with LoRA: the only gradients and moments
     steps = cfg.run.total_steps * cfg.algorithm.ppo_epochs * shapes.step_rows // cfg.algorithm.mini_batch_size
     optimizer = train_step.make_optimizer(cfg.optim, steps)
-    init = train_step.optimizer_init_fn(optimizer, params)
-    opt_state = jax.eval_shape(init, params)
-    ref = params if cfg.algorithm.kl_coef > 0 else None
+    init = train_step.optimizer_init_fn(optimizer, trainable)
+    opt_state = jax.eval_shape(init, trainable)
+    # the KL reference: a frozen copy, or with LoRA the same params with the adapters off
+    ref = params if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.rank else None
     state_bytes = per_chip_bytes(params) + per_chip_bytes(opt_state) + per_chip_bytes(ref)
-    progs = [Program("optimizer init", "init", "setup", functools.partial(init.lower, params))]
+    progs = [Program("optimizer init", "init", "setup", functools.partial(init.lower, trainable))]
     progs += _rollout(cfg, model, a, shapes, graphdef, params, resident=state_bytes - per_chip_bytes(params),
                       scope=scope)
     progs += _score_and_update(cfg, a, shapes, graphdef, params, opt_state, optimizer, state_bytes, scope)
@@ -288,16 +305,17 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
     shapes = [(x, w) for x in s.micro_rows for w in s.widths]
     if scope == "largest":
         shapes = [(s.micro_rows[0], T)]
-    grads = a.like(params, jnp.float32)
+    grads = a.like(lora.trainable(params), jnp.float32)
     mini = a.mini(algo.mini_batch_size, S, T, m, algo.rollout_is_cap is not None)
+    ref_graphdef = lora.reference_graphdef(graphdef, params) if lora.has_adapters(params) else graphdef
     progs = []
-    for label, fn, kind in (("score", train_step._score_micro, "score"),
-                            ("reference", train_step._ref_micro, "reference")):
+    for label, fn, kind, gd in (("score", train_step._score_micro, "score", graphdef),
+                                ("reference", train_step._ref_micro, "reference", ref_graphdef)):
         if kind == "reference" and algo.kl_coef == 0:
             continue
         for rows, width in shapes:
             mb = a.batch(rows, S, width, m)
-            lower = functools.partial(fn.lower, graphdef, params, mb, temperature=temp, chunk=train_step.g2rl.
+            lower = functools.partial(fn.lower, gd, params, mb, temperature=temp, chunk=train_step.g2rl.
                                       DEFAULT_CHUNK)
             progs.append(Program(f"{label} {rows} rows x {width} tokens", kind, "score", lower,
                                  state_bytes - per_chip_bytes(params) + step_arrays))

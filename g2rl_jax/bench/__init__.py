@@ -11,4 +11,5 @@ BENCHMARKS = {
     "verify": "g2rl_jax.bench.verify",     # answers verified per second per core (issue: rewards)
     "step": "g2rl_jax.bench.step",         # RL step split: rollout / rewards / scoring / update (issue: training)
     "update": "g2rl_jax.bench.update",     # the PPO update alone: time and MFU per remat / micro / dtype setting
+    "lora": "g2rl_jax.bench.lora",         # LoRA vs full fine-tuning: update time and memory, decode tokens/s
 }

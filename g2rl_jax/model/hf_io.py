@@ -16,6 +16,7 @@ right but its logits carry no meaning. A prefixed, untied checkpoint without `lm
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ _LOG = logging.getLogger(__name__)
 
 # Our per-layer parameter -> (HF name under layers.{i}., number of leading "in" dims of our layout or None).
 # A linear with in dims I and out dims O is stored by HF as [prod(O), prod(I)] and by us as [*I, *O].
-_LAYER_HF = {
+LAYER_HF = {
     "q_proj": ("self_attn.q_proj.weight", 1), "k_proj": ("self_attn.k_proj.weight", 1),
     "v_proj": ("self_attn.v_proj.weight", 1), "o_proj": ("self_attn.o_proj.weight", 2),
     "q_norm": ("self_attn.q_norm.weight", None), "k_norm": ("self_attn.k_norm.weight", None),
@@ -61,7 +62,7 @@ def _hf_names(cfg: Qwen3Config, prefix: str) -> dict[tuple, tuple[list[str], int
     if not cfg.tie_word_embeddings:
         names[("lm_head",)] = (["lm_head.weight"], None, (V, D))
     for ours, shape in layer_shapes(cfg).items():
-        hf, n_in = _LAYER_HF[ours]
+        hf, n_in = LAYER_HF[ours]
         names[("layers", ours)] = ([f"{prefix}layers.{i}.{hf}" for i in range(cfg.num_hidden_layers)], n_in, shape)
     return names
 
@@ -97,6 +98,19 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
         raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
     with safe_open(str(single), framework="numpy") as f:
         return {name: single for name in f.keys()}
+
+
+def weights_sha256(path) -> str:
+    """sha256 of a HF directory's weights: every safetensors file of `_tensor_files`, by name, then its bytes (the
+    base model a LoRA checkpoint or adapter was trained on is recorded by this)."""
+    path = pathlib.Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(set(_tensor_files(path).values())):
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _key_prefix(path: pathlib.Path, tensors: dict[str, pathlib.Path]) -> str:

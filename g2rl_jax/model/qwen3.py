@@ -6,6 +6,8 @@ Public API (shape letters of the legend in `g2rl_jax`'s docstring; masks are 1/T
     model(input_ids, attention_mask=None) -> logits_BxLxV (float32)   # input_ids [B, L] int, attention_mask [B, L]
     model.hidden_states(input_ids, attention_mask=None) -> h_BxLxD (after the final norm)
     model.lm_head_weight() -> W_VxD (the embedding table when tie_word_embeddings)
+    model.adapters -> None, or LoRA adapters (g2rl_jax.model.lora.attach): every projection in `layer_params()`
+        that has them computes x·W + x·A·(alpha/r)·B (`project`); `decode_layers()` merges them into its copies
 
 Positions are cumsum(mask) - 1 (clipped at 0), so a left-padded row computes exactly what it would unpadded.
 
@@ -55,6 +57,9 @@ LAYER_AXES = {
     "down_proj": ("mlp", "embed"),
 }
 _NORMS = ("q_norm", "k_norm", "input_layernorm", "post_attention_layernorm")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Keys of a layer dict holding projection NAME's LoRA factors (g2rl_jax.model.lora): NAME + LORA_A, NAME + LORA_B.
+LORA_A, LORA_B = ".lora_a", ".lora_b"
 
 
 def layer_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -134,13 +139,26 @@ def positions_from_mask(mask_BxL):
     return jnp.maximum(jnp.cumsum(mask_BxL.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def project(eq: str, x, p: dict, name: str):
+    """x times layer p's projection `name` (einsum `eq`, "x,W->y"), plus its LoRA term x·A·B' when p holds one
+    (p[name + LORA_A] [*in, r], p[name + LORA_B] [r, *out], B' = (alpha/r)·B, see g2rl_jax.model.lora)."""
+    y = jnp.einsum(eq, x, p[name].astype(x.dtype))
+    if name + LORA_A not in p:
+        return y
+    (x_dims, w_dims), y_dims = eq.split("->")[0].split(","), eq.split("->")[1]
+    w_in = "".join(c for c in w_dims if c in x_dims)
+    w_out = "".join(c for c in w_dims if c not in x_dims)
+    rows = "".join(c for c in x_dims if c not in w_dims)
+    xa = jnp.einsum(f"{x_dims},{w_in}r->{rows}r", x, p[name + LORA_A].astype(x.dtype))
+    return y + jnp.einsum(f"{rows}r,r{w_out}->{y_dims}", xa, p[name + LORA_B].astype(x.dtype))
+
+
 def _qkv(x_BxLxD, p, positions_BxL, cfg: Qwen3Config):
     """Pre-norm, q/k/v projections, per-head q/k RMSNorm, then RoPE."""
-    dt = x_BxLxD.dtype
     h = rms_norm(x_BxLxD, p["input_layernorm"], cfg.rms_norm_eps)
-    q = jnp.einsum("bld,dhk->blhk", h, p["q_proj"].astype(dt))
-    k = jnp.einsum("bld,dgk->blgk", h, p["k_proj"].astype(dt))
-    v = jnp.einsum("bld,dgk->blgk", h, p["v_proj"].astype(dt))
+    q = project("bld,dhk->blhk", h, p, "q_proj")
+    k = project("bld,dgk->blgk", h, p, "k_proj")
+    v = project("bld,dgk->blgk", h, p, "v_proj")
     q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions_BxL, cfg.rope_theta)
     k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions_BxL, cfg.rope_theta)
     return q, k, v
@@ -148,12 +166,11 @@ def _qkv(x_BxLxD, p, positions_BxL, cfg: Qwen3Config):
 
 def _out_and_mlp(x_BxLxD, a_BxLxHxK, p, cfg: Qwen3Config):
     """Attention output projection + residual, then SwiGLU MLP + residual."""
-    dt = x_BxLxD.dtype
-    x = x_BxLxD + jnp.einsum("blhk,hkd->bld", a_BxLxHxK, p["o_proj"].astype(dt))
+    x = x_BxLxD + project("blhk,hkd->bld", a_BxLxHxK, p, "o_proj")
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("bld,df->blf", h, p["gate_proj"].astype(dt))
-    up = jnp.einsum("bld,df->blf", h, p["up_proj"].astype(dt))
-    return x + jnp.einsum("blf,fd->bld", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
+    gate = project("bld,df->blf", h, p, "gate_proj")
+    up = project("bld,df->blf", h, p, "up_proj")
+    return x + project("blf,fd->bld", jax.nn.silu(gate) * up, p, "down_proj")
 
 
 _REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
@@ -173,6 +190,15 @@ class Qwen3(nnx.Module):
         self.layers = DecoderLayers(config, pd, rngs)
         self.norm = _param(rngs, (D,), ("embed",), pd, ones=True)
         self.lm_head = None if config.tie_word_embeddings else _param(rngs, (V, D), ("vocab", "embed"), pd)
+        self.adapters = nnx.data(None)  # LoRA: g2rl_jax.model.lora.attach sets a lora.Adapters here
+
+    def layer_params(self) -> dict[str, jax.Array]:
+        """The stacked [layers, ...] weights the decoder layers read: the base, plus each adapted projection's
+        LoRA factors when adapters are attached and enabled."""
+        stacked = self.layers.stacked()
+        if self.adapters is not None and self.adapters.enabled:
+            stacked |= self.adapters.stacked()
+        return stacked
 
     def lm_head_weight(self) -> jax.Array:
         """The output projection [V, D] (the embedding table when tied)."""
@@ -216,7 +242,7 @@ class Qwen3(nnx.Module):
 
         if rt.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[rt.remat])
-        x, kv = jax.lax.scan(body, x, self.layers.stacked())
+        x, kv = jax.lax.scan(body, x, self.layer_params())
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps), kv
 
     def prefill(self, input_ids_PxS, attention_mask_PxS) -> tuple[jax.Array, PrefixCache]:
@@ -240,11 +266,14 @@ class Qwen3(nnx.Module):
 
     def decode_layers(self) -> tuple[dict[str, jax.Array], ...]:
         """Each layer's weights as its own arrays in the compute dtype, for `decode_step(layers=...)`: made once per
-        rollout, so that no decode step slices (XLA copies the slices) or casts the stacked parameters again."""
+        rollout, so that no decode step slices (XLA copies the slices) or casts the stacked parameters again.
+        Enabled LoRA adapters are merged into these copies (`lora.Adapters.decode_layer`)."""
         dt = self.runtime.compute_jnp
         stacked = self.layers.stacked()
-        return tuple({name: w[i].astype(dt) for name, w in stacked.items()}
-                     for i in range(self.config.num_hidden_layers))
+        layers = [{name: w[i] for name, w in stacked.items()} for i in range(self.config.num_hidden_layers)]
+        if self.adapters is not None and self.adapters.enabled:
+            layers = [self.adapters.decode_layer(layer, i) for i, layer in enumerate(layers)]
+        return tuple({name: w.astype(dt) for name, w in layer.items()} for layer in layers)
 
     def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step,
                     layers=None) -> tuple[jax.Array, SuffixCache]:

@@ -2,6 +2,8 @@
 (metrics.jsonl, TensorBoard, W&B, a progress bar). The training loop builds on these.
 
   checkpoint.py  Checkpointer (save every N steps, keep the newest K, sharded restore), latest_step(run_dir)
+  identity.py    what a checkpoint records about its model (full or LoRA, the base by path and weights hash) and
+                 the checks that refuse a resume or load onto another model
   metrics.py     MetricsWriter (run.loggers: jsonl + TensorBoard / W&B, process 0 only, truncated on resume),
                  ProgressBar
   dynamic.py     DAPO dynamic sampling: which groups a step keeps over rollout rounds, merging the rounds

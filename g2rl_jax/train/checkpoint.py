@@ -7,6 +7,8 @@ A checkpoint at step s is the directory `<run_dir>/checkpoints/<s>/` holding two
   data/   the state of the data iterator, one JSON file per process (`process_<i>-of-<n>.json`), taken from
           `iterator.get_state()` at the moment `save` is called. Any object with get_state()/set_state() works:
           grain's DatasetIterator (a JSON-able dict) and DataLoaderIterator (bytes) included.
+  model/  model.json: full fine-tune or LoRA, and then the base model by path and weights hash
+          (train/identity.py), when the Checkpointer is given that record.
 
 Orbax writes each step into a temporary directory and renames it into place only once every item is complete, so a
 process killed at any moment, mid-save included, leaves the previous checkpoints intact and `latest_step` never
@@ -45,6 +47,8 @@ from typing import Any, Protocol
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+from g2rl_jax.train import identity
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -117,6 +121,18 @@ def latest_step(run_dir: str | os.PathLike) -> int | None:
     return max(steps, default=None)
 
 
+def check_model(run_dir: str | os.PathLike, want: dict) -> None:
+    """CheckpointError when a checkpoint of the run was trained on another model than record `want` describes
+    (LoRA or not, the adapters' shape, the base's weights: train/identity.py)."""
+    steps = ocp.utils.checkpoint_steps(checkpoint_dir(run_dir)) if checkpoint_dir(run_dir).exists() else []
+    for step in steps:
+        step_dir = checkpoint_dir(run_dir) / str(step)
+        try:
+            identity.check(identity.saved(step_dir), want, f"the checkpoint {step_dir}")
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+
+
 def _reject_typed_keys(state: Any) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -127,15 +143,16 @@ def _reject_typed_keys(state: Any) -> None:
 class Checkpointer:
     """Save every `every` steps, keep the newest `keep`, restore onto target shardings (see module docstring)."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, every: int, keep: int):
+    def __init__(self, run_dir: str | os.PathLike, *, every: int, keep: int, model: dict | None = None):
         if every <= 0 or keep <= 0:
             raise ValueError(f"Checkpointer needs every > 0 and keep > 0, got every={every}, keep={keep}")
-        self._every = every
+        self._every, self._model = every, model
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=True,
                                                enable_async_checkpointing=True)
         self._manager = ocp.CheckpointManager(
             checkpoint_dir(run_dir).absolute(), options=options,
-            item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: IteratorStateHandler()})
+            item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: IteratorStateHandler(),
+                           identity.MODEL_ITEM: ocp.JsonCheckpointHandler(identity.MODEL_FILE)})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -152,8 +169,11 @@ class Checkpointer:
         if not (force or step % self._every == 0) or step in self._manager.all_steps():
             return False  # not due, or already saved (e.g. the final forced save on an interval step)
         _reject_typed_keys(state)
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
-                                     DATA_ITEM: IteratorStateSave(_encode_state(data_iter.get_state()))})
+        items = {STATE_ITEM: ocp.args.StandardSave(state),
+                 DATA_ITEM: IteratorStateSave(_encode_state(data_iter.get_state()))}
+        if self._model is not None:
+            items[identity.MODEL_ITEM] = ocp.args.JsonSave(self._model)
+        args = ocp.args.Composite(**items)
         return self._manager.save(step, args=args, force=True)  # due-ness decided above, not by Orbax
 
     def restore(self, step: int, abstract_state: Any, data_iter: IteratorWithState) -> Any:
@@ -287,16 +307,23 @@ def base_model_dir(run_or_checkpoint_dir: str | os.PathLike) -> Path:
 
 def load_policy(run_or_checkpoint_dir: str | os.PathLike, *, mesh=None):
     """(model, base_dir): the policy of a training checkpoint, its params restored onto the structure (and `mesh`
-    shardings) of `load_pretrained(config.yaml's model.path)` in the run's model dtypes, without remat; base_dir
-    holds the base model's config and tokenizer."""
+    shardings) of `setup.load_model` (config.yaml's model.path, and its LoRA adapters) in the run's model dtypes,
+    without remat; base_dir holds the base model's config and tokenizer. A LoRA checkpoint's base must be the
+    weights it was trained on (ValueError naming both otherwise)."""
+    import dataclasses
+
     from flax import nnx
 
-    from g2rl_jax.model import load_pretrained
-    from g2rl_jax.train.setup import runtime_config
+    from g2rl_jax.model import lora
+    from g2rl_jax.train.setup import load_model
 
     run_dir, step_dir = resolve_checkpoint(run_or_checkpoint_dir)
-    model_cfg = run_config(run_dir).model
     base_dir = base_model_dir(run_or_checkpoint_dir)
-    runtime = runtime_config(model_cfg, remat="none")
-    graphdef, params = nnx.split(load_pretrained(base_dir, model_cfg.param_dtype, runtime=runtime, mesh=mesh))
-    return nnx.merge(graphdef, read_params(step_dir, params)), base_dir
+    model_cfg = run_config(run_dir).model
+    have = identity.saved(step_dir)
+    sha = identity.base_sha256(base_dir) if have["lora"] is not None else None
+    identity.check(have, identity.record(model_cfg, sha), f"the checkpoint {step_dir}")
+    model_cfg = dataclasses.replace(model_cfg, path=str(base_dir))
+    graphdef, params = nnx.split(load_model(model_cfg, mesh, seed=0, remat="none"))
+    trainable, frozen = lora.split_trainable(params)
+    return nnx.merge(graphdef, frozen, read_params(step_dir, trainable)), base_dir

@@ -137,7 +137,11 @@ class RunLock:
 
 # ------------------------------------------------------------------------------------------------ config
 def _flat(cfg: Config) -> dict[str, Any]:
-    return {f"{group}.{key}": value for group, body in to_dict(cfg).items() for key, value in body.items()}
+    def walk(prefix: str, body: dict[str, Any]):
+        for key, value in body.items():
+            yield from walk(f"{prefix}.{key}", value) if isinstance(value, dict) else [(f"{prefix}.{key}", value)]
+
+    return {key: value for group, body in to_dict(cfg).items() for key, value in walk(group, body)}
 
 
 def _free(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:

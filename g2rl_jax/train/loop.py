@@ -7,7 +7,9 @@
 `Trainer.step_stages(step)` runs one step and returns every intermediate (rollout, batch, scores, signal, info),
 which is what the Colab notebook shows; its rollout rounds and the validation are in train/sampling_rounds.py.
 One mesh serves the policy, the reference model and the sampler: the sampler reads the very arrays the optimizer
-updates, so no weights are copied or synchronised between them.
+updates, so no weights are copied or synchronised between them. With LoRA (model.lora.rank > 0) the params hold the
+frozen base and the adapters; the optimizer state, the gradients and the checkpoints cover the adapters only, and the
+reference policy is the same params with the adapters switched off (g2rl_jax/model/lora.py).
 
 Multi-host (`distributed.*`, see parallel.initialize_distributed): every process runs this same loop. Process
 block i of n (parallel.batch_block) reads rows [i·P/n, (i+1)·P/n) of each global prompt batch, gets its own
@@ -32,14 +34,14 @@ from flax import nnx
 from g2rl_jax import cli, parallel
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.data import make_prompt_loader
-from g2rl_jax.model import load_pretrained
+from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift
+from g2rl_jax.train import identity, report
 from g2rl_jax.train import micro as micro_lib
-from g2rl_jax.train import report
 from g2rl_jax.train import step as train_step
-from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, checkpoint_dir, latest_step
+from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
 from g2rl_jax.train.lifecycle import (
     PREEMPTED_EXIT,
     Preempted,
@@ -55,6 +57,7 @@ from g2rl_jax.train.setup import (
     compilation_cache,
     embed_texts,
     eval_examples,
+    load_model,
     on_mesh,
     preflight,
     resolve_model_paths,
@@ -111,6 +114,11 @@ class Trainer(SamplingRounds):
         cfg = resolve_model_paths(given)  # builds the demo model on first use
         preflight(cfg)
         self.cfg = cfg
+        lora_on = cfg.model.lora.rank > 0
+        self.base_sha256 = identity.base_sha256(cfg.model.path) if lora_on else None
+        self.model_record = identity.record(given.model, self.base_sha256)
+        if found is not None:
+            check_model(self.run_dir, self.model_record)  # before anything is loaded or written
         self.mesh = parallel.make_mesh(cfg.mesh)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -129,16 +137,23 @@ class Trainer(SamplingRounds):
                               "process blocks the mesh splits the batch into (one per host along data×fsdp)")
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
                                          shard_index=block, shard_count=blocks)
-        runtime = runtime_config(cfg.model)
-        model = load_pretrained(cfg.model.path, cfg.model.param_dtype, runtime=runtime, mesh=self.mesh)
+        model = load_model(cfg.model, self.mesh, seed=cfg.run.seed)
+        if cfg.model.lora.init_from:
+            try:
+                peft_io.load_adapter(model, cfg.model.lora.init_from, base_sha256=self.base_sha256)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"model.lora.init_from: {err}") from None
         self.graphdef, self.params = nnx.split(model)
-        self.ref_params = None
-        if cfg.algorithm.kl_coef > 0:  # frozen, sharded like the policy
+        self.ref_graphdef, self.ref_params = self.graphdef, None  # the KL reference (kl_coef > 0), see _reference
+        if cfg.algorithm.kl_coef > 0 and lora_on:  # the same params with the adapters off: no copy
+            self.ref_graphdef = lora.reference_graphdef(self.graphdef, self.params)
+        elif cfg.algorithm.kl_coef > 0:  # frozen, sharded like the policy
             self.ref_params = jax.tree.map(jnp.copy, self.params)
         self.embedder = self.embed_tokenizer = None
         if cfg.algorithm.exploration == "evol":
-            self.embedder = load_pretrained(cfg.algorithm.embedding_model, cfg.model.param_dtype, mesh=self.mesh,
-                                            runtime=runtime_config(cfg.model, remat="none"))
+            runtime = runtime_config(cfg.model, remat="none")  # frozen: in the base weights' dtype
+            self.embedder = load_pretrained(cfg.algorithm.embedding_model, runtime.param_dtype, mesh=self.mesh,
+                                            runtime=runtime)
             self.embed_tokenizer = AutoTokenizer.from_pretrained(cfg.algorithm.embedding_model)
         responses = cfg.data.prompts_per_step * cfg.rollout.num_samples
         if responses % cfg.algorithm.mini_batch_size:
@@ -147,11 +162,13 @@ class Trainer(SamplingRounds):
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
         self.optimizer = train_step.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
         self.schedule = train_step.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.opt_state = train_step.init_optimizer(self.optimizer, self.params)  # sharded like params
+        # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
+        self.opt_state = train_step.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
-        self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints)
+        self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints,
+                                 model=self.model_record)
         if jax.process_index() == 0:  # one writer when the hosts share run.output_dir; demo: paths kept as given
             save_resolved(given, self.run_dir)
             append_history(given, self.run_dir, checkpoint_found=found, train_rows=len(examples),
@@ -164,7 +181,9 @@ class Trainer(SamplingRounds):
 
     # ------------------------------------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
-        return {"params": self.params, "opt_state": self.opt_state,
+        """What a checkpoint holds: the trainable params (the adapters with LoRA, every weight without), the
+        optimizer state, the step and the RNG key data (the data iterator is saved beside it)."""
+        return {"params": lora.trainable(self.params), "opt_state": self.opt_state,
                 "step": on_mesh(jnp.int32(self.step), self.mesh), "rng": self.rng_key_data}
 
     def resume(self) -> int:
@@ -173,9 +192,15 @@ class Trainer(SamplingRounds):
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state())
         step, restored = self.ckpt.restore_newest(abstract, self.loader)
         if step is not None:
-            self.params, self.opt_state = restored["params"], restored["opt_state"]
+            self.params = nnx.merge_state(lora.split_trainable(self.params)[1], restored["params"])
+            self.opt_state = restored["opt_state"]
             self.rng_key_data, self.step = restored["rng"], int(restored["step"])
         return self.step
+
+    def _reference(self):
+        """(graphdef, params) of the KL reference policy: with LoRA the live params under the graphdef whose
+        adapters are off (the base), else the frozen copy of the initial params."""
+        return self.ref_graphdef, self.params if self.ref_params is None else self.ref_params
 
     @property
     def model(self):
@@ -201,9 +226,9 @@ class Trainer(SamplingRounds):
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
             scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
         ref = None
-        if self.ref_params is not None:
+        if algo.kl_coef > 0:
             with stage("reference", input_ids=batch.input_ids):
-                ref = train_step.ref_logprobs(self.graphdef, self.ref_params, batch, temperature=temp, micro=micro)
+                ref = train_step.ref_logprobs(*self._reference(), batch, temperature=temp, micro=micro)
         embeddings = valid = None
         if algo.exploration == "evol":
             with stage("embed", texts=texts):
@@ -372,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
     except cli.USER_ERRORS as err:
         return cli.fail("config", err)
+    except CheckpointError as err:
+        return cli.fail("checkpoint", err)
     try:
         start = trainer.resume()
     except CheckpointError as err:

@@ -17,6 +17,7 @@ from g2rl_jax import parallel
 from g2rl_jax.config import Config, ConfigError
 from g2rl_jax.data import DataError, dataset_names, encode_prompts, load_dataset
 from g2rl_jax.demo import resolve_demo_paths
+from g2rl_jax.model import load_pretrained, lora
 from g2rl_jax.model.config import RuntimeConfig
 
 
@@ -72,10 +73,23 @@ def resolve_model_paths(cfg: Config) -> Config:
 
 
 def runtime_config(model_cfg, *, remat: str | None = None) -> RuntimeConfig:
-    """The model RuntimeConfig of config group `model` (remat overridable: nothing but the update needs it)."""
-    return RuntimeConfig(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype,
+    """The model RuntimeConfig of config group `model` (remat overridable: nothing but the update needs it). Its
+    param_dtype is that of the base weights: model.lora.base_dtype with LoRA, model.param_dtype otherwise."""
+    param_dtype = model_cfg.lora.base_dtype if model_cfg.lora.rank else model_cfg.param_dtype
+    return RuntimeConfig(param_dtype=param_dtype, compute_dtype=model_cfg.compute_dtype,
                          remat=model_cfg.remat if remat is None else remat, attention=model_cfg.attention,
                          kv_cache_dtype=model_cfg.kv_cache_dtype)
+
+
+def load_model(model_cfg, mesh, *, seed: int, remat: str | None = None):
+    """The policy of config group `model` on `mesh`: the weights of model.path, plus, with model.lora.rank > 0,
+    fresh LoRA adapters in model.param_dtype (A drawn from `seed`, B = 0: the policy equals the base model)."""
+    runtime = runtime_config(model_cfg, remat=remat)
+    model = load_pretrained(model_cfg.path, runtime.param_dtype, runtime=runtime, mesh=mesh)
+    spec = lora.LoraSpec.from_config(model_cfg.lora)
+    if spec is not None:
+        lora.attach(model, spec, dtype=model_cfg.param_dtype, seed=seed, mesh=mesh)
+    return model
 
 
 def preflight(cfg: Config, *, model_dirs: bool = True) -> None:

@@ -25,6 +25,7 @@ from flax import nnx
 
 from g2rl_jax import g2rl, losses
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
+from g2rl_jax.model import lora
 from g2rl_jax.train import micro as micro_lib
 
 
@@ -329,12 +330,20 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def trainable_grad(loss_fn, params, *args):
+    """((loss, aux), gradients) of loss_fn(params, *args) with respect to the trainable part of params only
+    (lora.split_trainable: the LoRA adapters, or every parameter without them); the frozen base enters as a
+    constant, so no gradient of it is ever formed."""
+    trainable, frozen = lora.split_trainable(params)
+    return jax.value_and_grad(lambda t: loss_fn(nnx.merge_state(t, frozen), *args), has_aux=True)(trainable)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows"), donate_argnames=("acc",))
 def accumulate(graphdef, params, acc, mb: MiniBatch, total_tokens, *, settings: LossSettings, total_rows: int):
     """acc + w·(loss, gradients, pg_loss) + w_tokens·(token-mean diagnostics) of one micro-batch: w its share of
-    the mini-batch's loss (_micro_weight), w_tokens its share of the tokens. acc = (grads f32 like params, loss,
-    diagnostics). Compiled once per micro-batch shape [X, S + T_u] (and loss settings)."""
-    (loss, diag), grads = jax.value_and_grad(policy_loss, has_aux=True)(params, graphdef, mb, settings)
+    the mini-batch's loss (_micro_weight), w_tokens its share of the tokens. acc = (grads f32 like the trainable
+    params, loss, diagnostics). Compiled once per micro-batch shape [X, S + T_u] (and loss settings)."""
+    (loss, diag), grads = trainable_grad(policy_loss, params, graphdef, mb, settings)
     return add_micro(acc, grads, loss, diag, mb.batch.response_mask, settings.agg, total_tokens, total_rows)
 
 
@@ -364,13 +373,13 @@ def _diag_shapes(loss_fn, graphdef, params, data: tuple, settings: LossSettings)
 
 
 def zero_accumulator(loss_fn, graphdef, params, data: tuple, settings: LossSettings, rows_B):
-    """The (grads f32 like params, loss, diagnostics) zeros that add_micro accumulates into, for the loss
-    loss_fn(params, graphdef, *data, settings); scalars on rows_B's mesh, replicated."""
+    """The (grads f32 like the trainable params, loss, diagnostics) zeros that add_micro accumulates into, for the
+    loss loss_fn(params, graphdef, *data, settings); scalars on rows_B's mesh, replicated."""
     sharding = rows_B.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     diag = _diag_shapes(loss_fn, graphdef, params, data, settings)
-    return (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params),
+    return (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), lora.trainable(params)),
             jnp.zeros((), jnp.float32, device=sharding),
             {k: jnp.zeros(d.shape, d.dtype, device=sharding) for k, d in diag.items()})
 
@@ -395,17 +404,19 @@ def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micr
 
 @functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("params", "opt_state"))
 def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.GradientTransformation):
-    """One optimizer step. A non-finite loss, gradient or updated parameter skips it: params and optimizer state
-    come back unchanged and info["skipped"] is 1."""
+    """One optimizer step on the trainable params (grads and opt_state are theirs; the frozen part, if any, comes
+    back untouched). A non-finite loss, gradient or updated parameter skips it: params and optimizer state come
+    back unchanged and info["skipped"] is 1."""
+    trainable, frozen = lora.split_trainable(params)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    finite &= all_finite(new_params)  # finite gradients can still give non-finite params (e.g. lr=inf)
+    updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
+    new_trainable = optax.apply_updates(trainable, updates)
+    finite &= all_finite(new_trainable)  # finite gradients can still give non-finite params (e.g. lr=inf)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     info = dict(diag, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
-    return keep(new_params, params), keep(new_opt_state, opt_state), info
+    return nnx.merge_state(keep(new_trainable, trainable), frozen), keep(new_opt_state, opt_state), info
 
 
 def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
