@@ -75,10 +75,42 @@ if _no_tpu_chips():
     os.environ.update(_quiet)
     os.environ[QUIET_TPU_MARK] = ",".join(_quiet)
 
-if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12") \
-        and not os.path.exists("/proc/driver/nvidia/version"):
+_CUDA_PLUGIN_WITHOUT_DRIVER = bool(importlib.util.find_spec("jax_plugins") and importlib.util.find_spec(
+    "jax_plugins.xla_cuda12") and not os.path.exists("/proc/driver/nvidia/version"))
+
+if _CUDA_PLUGIN_WITHOUT_DRIVER:
     # JAX's CUDA plugin installed (the gpu-compile / test extras: g2rl_jax.aot compiles for GPUs without one) on a
     # machine with no NVIDIA driver: its CUDA version check would log a traceback on every start and leave the
     # plugin unregistered, so compiling for GPU devices would fail. Skipping the check registers it; jax still runs
     # on the CPU here. A value the user set wins.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _start_jax_without_cuda_driver_log() -> None:
+    """Import jax and register its plugins with stderr (fd 2) closed for the duration.
+
+    The CUDA plugin, loaded on a machine with no NVIDIA driver, logs "Could not find cuda drivers on your machine"
+    through a C++ logger on every `import jax` and again when jax registers its plugins; no environment variable
+    turns that off, and it would be the first lines of every command's output (a bad-input error included). Both
+    steps run here, once, before any command's work: an import error still raises (and prints) after fd 2 is back.
+    """
+    import sys
+
+    if "jax" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        import jax  # noqa: F401
+        from jax._src import xla_bridge  # registers plugins without starting a backend (jax.distributed comes first)
+
+        xla_bridge._discover_and_register_pjrt_plugins()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+if _CUDA_PLUGIN_WITHOUT_DRIVER:
+    _start_jax_without_cuda_driver_log()

@@ -1,4 +1,5 @@
-"""Quiet start: without PyTorch (a plain `pip install -e .`), starting the project prints no transformers advisory.
+"""Quiet start: without PyTorch (a plain `pip install -e .`), starting the project prints no transformers advisory;
+with the CUDA plugin and no NVIDIA driver (the test extra on a CPU machine), no plugin log.
 
 torch stays installed for the other tests; each subprocess hides it by `sys.modules["torch"] = None`, which makes
 `importlib.util.find_spec("torch")` (what transformers and g2rl_jax check) return None."""
@@ -31,3 +32,22 @@ def test_train_help_is_quiet_without_torch():
     assert "usage: python -m g2rl_jax.train" in out
     assert "transformers imported: True" in out  # the import that would print the advisory did happen
     assert ADVISORY not in out
+
+
+CUDA_LOG = "cuda drivers"
+
+
+def test_jax_alone_logs_the_cuda_plugin_without_a_driver():
+    """The check below can fail: with the CUDA plugin installed (test extra) and no NVIDIA driver, a bare jax start
+    logs the plugin's "Could not find cuda drivers" lines."""
+    if os.path.exists("/proc/driver/nvidia/version"):
+        return  # a machine with a driver: the plugin finds it and logs nothing (checked on the CPU CI machine)
+    assert CUDA_LOG in _run("import jax; jax.devices()")
+
+
+def test_a_command_starts_without_the_cuda_plugin_log():
+    out = _run("import runpy; sys.argv = ['g2rl_jax.train', '--help']\n"
+               "try:\n    runpy.run_module('g2rl_jax.train', run_name='__main__')\n"
+               "except SystemExit as stop:\n    assert stop.code == 0, stop.code\n"
+               "import jax; jax.devices()")
+    assert CUDA_LOG not in out and "InitializeLog" not in out, out[-3000:]
