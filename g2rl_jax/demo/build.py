@@ -203,7 +203,8 @@ def build_demo_embedder(out_dir: str | os.PathLike, policy_dir: str | os.PathLik
 def resolve_demo_paths(model_path: str, embedding_model: str | None) -> tuple[str, str | None]:
     """`model.path` and `algorithm.embedding_model` config values with "demo:DIR" built (or reused) at DIR.
 
-    "demo:DIR" as model.path is the warm-started addition demo policy, "countdown:DIR" the Countdown one; as
+    "demo:DIR" as model.path is the warm-started addition demo policy, "countdown:DIR" the Countdown one,
+    "countdown-study:DIR" the study's (see SCHEMES); as
     embedding_model, either names that policy's backbone (which needs model.path to be a demo policy too). Any
     other value is returned unchanged.
     """

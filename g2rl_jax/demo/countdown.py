@@ -1,10 +1,17 @@
-"""The exploration demo's task: Countdown. Reach a target with some of the given numbers and + - * / .
+"""The exploration demo's and the study's task: Countdown. Reach a target with some given numbers and + - * / .
 
-A problem gives three numbers from 1-9 and a target, e.g. "Use 3 5 7 to make 22"; a response is an arithmetic
-expression in `\\boxed{}` that uses each given number at most once (at least two of them) and evaluates exactly
-to the target: `\\boxed{3*5+7}`, `\\boxed{(7-5)*3*...}`. Most problems have several answers that differ in more
-than the order of their terms, which is what lets a policy collapse onto one of them or keep several
-(datasets `countdown`, `countdown_test`; only problems with at least `MIN_SOLUTIONS` distinct answers are kept).
+A problem gives four numbers from 1-9 and a target from 1-40, e.g. "Use 3 5 7 8 to make 22"; a response is an
+arithmetic expression in `\\boxed{}` that uses each given number at most once (at least two of them) and evaluates
+exactly to the target: `\\boxed{3*5+7}`, `\\boxed{8*3-7+5}`. Problems have several answers that differ in more
+than the order of their terms, which is what lets a policy collapse onto one of them or keep several.
+
+Two problem sets (`ProblemSet`), each cut into disjoint splits:
+    MEMORISE  the exploration demo (configs/demo_explore.yaml; datasets `countdown`, `countdown_test`): every 5th
+              multiset of digits, problems with >= 10 answers; 303 training problems, which a tiny policy memorises
+    STUDY     the study (configs/study_countdown.yaml, g2rl_jax/demo/study.py; datasets `countdown_study`,
+              `countdown_study_test`): every multiset, problems with >= 3 answers, 10,005 problems cut into
+              "test" (512 held out), "train" (4,096 for RL: 100 steps x 32 prompts never draw one twice) and "sft"
+              (the rest, 5,397: only the warm start sees them)
 
 The reward is a plain Python function of the kind a user plugs in with `reward.function`:
 
@@ -14,8 +21,9 @@ It parses with a small recursive-descent parser over digits, + - * / and parenth
 fractions; nothing reaches `eval`. Two correct answers are the same answer when `canonical()` maps them to the
 same string (sums and products flattened, their terms sorted: "3*5+7" and "7+5*3" are one answer).
 
-    examples("train"), examples("test")       # list[Example]; row = {"numbers": [3, 5, 7, 8], "target": 22}
-    solutions(numbers, target)                # every distinct answer (canonical form -> one printed expression)
+    examples("train"), examples("test", STUDY)   # list[Example]; row = {"numbers": [3, 5, 7, 8], "target": 22}
+    solutions(numbers, target)                   # every distinct answer (canonical form -> one printed expression)
+    expression_value(response, numbers)          # the value of a well-formed answer of those numbers, right or not
 """
 from __future__ import annotations
 

@@ -227,6 +227,7 @@ def passk_figure(variants: dict[str, list[dict]], path: Path) -> Path:
     for ax, title in zip(axes, ("pass@k", "maj@k (vote on the value)", "distinct correct answers among k")):
         ax.set(title=title, xlabel="k", xscale="log")
         ax.set_xticks(ks, [str(k) for k in ks])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), frameon=False)
@@ -239,13 +240,12 @@ def geometry_figure(variants: dict[str, list[dict]], path: Path) -> Path:
     (pooled over seeds), and the share of negative pairs with its interval."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    palette = _colours(len(variants))
+    palette = ["black" if v == "warmstart" else c for v, c in zip(variants, _colours(len(variants)))]
     for (variant, runs), colour in zip(variants.items(), palette):
         hists = [r["geometry"]["gradient_cosine_histogram"] for r in runs]
         edges = np.asarray(hists[0]["edges"])
         counts = np.sum([h["counts"] for h in hists], axis=0).astype(np.float64)
         density = counts / max(counts.sum(), 1.0) / np.diff(edges)
-        colour = "black" if variant == "warmstart" else colour
         left.stairs(density, edges, color=colour, label=variant, linewidth=1.5)
     left.axvline(0.0, color="grey", linewidth=0.8, linestyle="--")
     left.set(title="gradient-space cosine (Φ) within a problem", xlabel="pairwise cosine similarity",
