@@ -147,6 +147,19 @@ def test_study_splits_are_disjoint_and_every_problem_has_three_answers(study_spl
     assert counts == {4: 512}
 
 
+def test_study_warm_start_recipe():
+    """countdown-study:DIR builds the demo architecture on the `sft` split with an always-right teacher; its spec
+    (and so its cache key) differs from the exploration demo's."""
+    from g2rl_jax.demo import build
+
+    spec = build.policy_spec(0, build.default_sft_steps("countdown_study"), "countdown_study")
+    assert build.SCHEMES["countdown-study:"] == "countdown_study"
+    assert spec["task"]["splits"] == [["test", 512], ["train", 4096], ["sft", None]]
+    assert spec["sft"]["steps"] == 5000 and spec["sft"]["batch_size"] == 128 and spec["sft"]["teacher_accuracy"] == 1
+    assert spec["architecture"] == build.policy_spec(0, 1000, "countdown")["architecture"]
+    assert build._spec_hash(spec) != build._spec_hash(build.policy_spec(0, 5000, "countdown"))
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
 def tiny_study(tmp_path_factory):
