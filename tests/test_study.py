@@ -21,19 +21,23 @@ TEXTS = ["\\boxed{3*5+7}", "\\boxed{7+5*3}", "\\boxed{8*3-7+5}", "\\boxed{3+5}",
 
 # ------------------------------------------------------------------------------------------------ measures
 def test_judge_votes_on_values_of_well_formed_expressions():
-    correct, canonical, labels = judge(TEXTS, ROW)
+    correct, canonical, labels, used = judge(TEXTS, ROW)
     assert correct == [True, True, True, False, False, False, False, False]
     assert canonical[0] == canonical[1] != canonical[2] and canonical[3:] == [None] * 5
     # 22, 22, 22, 8, 8, no vote (not an expression), no vote (8 used twice, 6 not given), no vote (malformed)
     assert labels == [0, 0, 0, 1, 1, None, None, None]
+    assert used == [3, 3, 4, 2, 2, 0, 0, 0]
+    assert judge(["\\boxed{8/(5-5)}", "\\boxed{8/(7-5)}"], ROW)[2] == [None, 0]  # 5 is given once
+    assert judge(["\\boxed{3/(8-8)}"], {"numbers": [3, 8, 8, 1], "target": 1})[2:] == ([None], [3])
 
 
 def test_problem_record_matches_brute_force_over_subsets():
     """pass@k, distinct@k: averages over every k-subset of the n samples; maj@n: the plurality value."""
     record = problem_record(TEXTS, ROW)
-    correct, canonical, _ = judge(TEXTS, ROW)
+    correct, canonical, _, _ = judge(TEXTS, ROW)
     n = len(TEXTS)
     assert (record["n"], record["c"]) == (n, 3)
+    assert (record["valid"], record["two_numbers"], record["unique"]) == (5 / 8, 2 / 8, 7)
     for k in (1, 2, 4, 8):
         subsets = list(itertools.combinations(range(n), k))
         want_pass = np.mean([any(correct[i] for i in s) for s in subsets])
@@ -210,6 +214,12 @@ def test_tiny_study_writes_the_report(tiny_study, capsys):
     assert study.main(argv) == 0  # restarted: every run is finished, so nothing trains again
     printed = capsys.readouterr().out
     assert printed.count("done earlier, skipped") == 2 and "training (" not in printed
+    times = {name: json.loads((out / "runs" / name / study.TIME_FILE).read_text()) for name in ("grpo_s0",)}
+    assert study.main([*argv, "--reevaluate"]) == 0  # evaluated again, the training (and its time) kept
+    printed = capsys.readouterr().out
+    assert printed.count("evaluating 8 held-out problems") == 3 and "training (" not in printed
+    assert json.loads((out / "runs" / "grpo_s0" / study.TIME_FILE).read_text())["train"] == times["grpo_s0"]["train"]
+    assert "two-number responses" in (out / "study.md").read_text()
 
 
 def test_report_only_needs_finished_runs(tmp_path):

@@ -35,30 +35,36 @@ from g2rl_jax.demo import countdown
 from g2rl_jax.eval import majority_vote, pass_at_k, sample_ks
 
 
-def judge(texts: Sequence[str], row: dict) -> tuple[list[bool], list[str | None], list[int | None]]:
-    """Per response: correct, canonical form (correct ones, else None), and a vote label: the index of its value
-    among the problem's distinct values, None when it is not a well-formed expression of the given numbers."""
+def judge(texts: Sequence[str], row: dict) -> tuple[list[bool], list[str | None], list[int | None], list[int]]:
+    """Per response: correct, canonical form (correct ones, else None), a vote label (the index of its value among
+    the problem's distinct values, None when it is not a well-formed expression of the given numbers with a value)
+    and how many of the numbers it uses (0 when it is not well-formed)."""
     numbers, target = list(row["numbers"]), int(row["target"])
-    correct, canonical, labels, values = [], [], [], {}
+    correct, canonical, labels, used, values = [], [], [], [], {}
     for text in texts:
-        tree = countdown.check(text, numbers, target)
-        correct.append(tree is not None)
-        canonical.append(None if tree is None else countdown.canonical(tree))
-        value = countdown.expression_value(text, numbers)
+        tree = countdown.expression_tree(text, numbers)
+        value = None if tree is None else countdown.value(tree)
+        correct.append(value == target)
+        canonical.append(countdown.canonical(tree) if value == target else None)
         labels.append(None if value is None else values.setdefault(value, len(values)))
-    return correct, canonical, labels
+        used.append(0 if tree is None else len(countdown.leaves(tree)))
+    return correct, canonical, labels, used
 
 
 def problem_record(texts: Sequence[str], row: dict, *, seed: int = 0) -> dict:
-    """c, n and pass@k / distinct@k / maj@k for k in sample_ks(n) of one problem's n responses."""
-    correct, canonical, labels = judge(texts, row)
+    """c, n and pass@k / distinct@k / maj@k for k in sample_ks(n) of one problem's n responses; what they are:
+    the share that are well-formed expressions of the numbers (valid), the share that use exactly two numbers,
+    and the number of different response texts (unique)."""
+    correct, canonical, labels, used = judge(texts, row)
     n, c = len(texts), sum(correct)
     counts = Counter(a for a in canonical if a is not None)
     rng = np.random.default_rng([seed, zlib.crc32(json.dumps(row, sort_keys=True).encode())])
     ks = sample_ks(n)
     return {"n": n, "c": c, "pass": {k: pass_at_k(n, c, k) for k in ks},
             "distinct": {k: sum(pass_at_k(n, count, k) for count in counts.values()) for k in ks},
-            "maj": {k: majority_vote(labels, correct, k, rng) for k in ks}}
+            "maj": {k: majority_vote(labels, correct, k, rng) for k in ks},
+            "valid": sum(label is not None for label in labels) / n, "two_numbers": used.count(2) / n,
+            "unique": len({t.strip() for t in texts})}
 
 
 def measure(texts_Pxn: Sequence[Sequence[str]], rows: Sequence[dict], truncated_Pxn: np.ndarray) -> dict:

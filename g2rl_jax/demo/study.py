@@ -14,7 +14,8 @@ held-out evaluation (`evaluate`: n samples per problem at temperature 1 from the
 the Countdown checker; pass@k, distinct@k, maj@k per problem; the pairwise cosines of Φ of the first
 `--geometry-samples` responses per problem, as `g2rl_jax.analyze` takes them). The warm start is evaluated the
 same way once. Each run leaves OUT/runs/NAME/ (the training run) with study_eval.json; a run that has one is
-skipped when the command is started again, and an interrupted run resumes from its last checkpoint.
+skipped when the command is started again (`--reevaluate`: evaluated again, its training kept), and an
+interrupted run resumes from its last checkpoint.
 Per run it records wall and CPU seconds of training and of evaluation (process CPU time of this process, threads
 included, plus that of children that ended; the reward worker processes keep running, so their share is missing).
 At the end `g2rl_jax.demo.study_report.write_report` writes OUT/study.md, OUT/study.json, OUT/passk.png and
@@ -96,7 +97,8 @@ class Clock:
 def evaluate(model, tokenizer, examples, *, samples: int, geometry_samples: int, max_new_tokens: int,
              batch_size: int) -> dict:
     """Held-out measures of one policy: per problem (lists in `examples` order) c, pass@k, distinct@k, maj@k for
-    k in sample_ks(samples), the mean cosine and negative-pair share of Φ among its first geometry_samples
+    k in sample_ks(samples), the shares of valid and two-number responses and the number of different ones
+    (explore_eval.problem_record), the mean cosine and negative-pair share of Φ among its first geometry_samples
     responses; the pooled geometry (analyze.geometry_stats); the truncated share; a few responses to read."""
     from g2rl_jax.analyze import geometry_stats, pairwise_cosines
     from g2rl_jax.demo.explore_eval import problem_record, sample
@@ -110,6 +112,7 @@ def evaluate(model, tokenizer, examples, *, samples: int, geometry_samples: int,
     return {"problem_ids": [ex.id for ex in examples], "samples": samples, "ks": ks,
             "correct": [r["c"] for r in records],
             **{name: {str(k): [r[name][k] for r in records] for k in ks} for name in ("pass", "distinct", "maj")},
+            **{name: [r[name] for r in records] for name in ("valid", "two_numbers", "unique")},
             "cosine_mean": cos_PxY.mean(1).tolist(), "negative_ratio": (cos_PxY < 0).mean(1).tolist(),
             "geometry": geometry_stats(cos_PxY), "truncated_fraction": float(np.mean(truncated)),
             "responses": {ex.problem: texts[i][:8] for i, ex in enumerate(examples[:6])}}
@@ -152,6 +155,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call in the evaluation")
     p.add_argument("--report-only", action="store_true", help="write the report from the finished runs only")
+    p.add_argument("--reevaluate", action="store_true",
+                   help="evaluate finished runs again (after a change to the evaluation); their training is kept")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -192,16 +197,20 @@ def _finished_pass1(out: Path, runs: Sequence[Run]) -> dict[str, list[float]]:
 
 def do_run(run: Run, index: int, total: int, out: Path, examples, args, started: float) -> None:
     run_dir = out / "runs" / run.name
-    if (run_dir / EVAL_FILE).is_file():
+    finished = (run_dir / EVAL_FILE).is_file()
+    if finished and not args.reevaluate:
         print(f"[{index}/{total}] {run.name}: done earlier, skipped", flush=True)
         return
-    print(f"[{index}/{total}] {run.name}: training ({' '.join(run.overrides)})", flush=True)
-    clock = Clock()
-    code = _train(run, run_dir, args)
-    if code != 0:
-        raise SystemExit(f"study error: training {run.name} exited with {code}; fix the cause above and rerun the "
-                         "same command (finished runs are kept and skipped)")
-    timing = {"train": clock.read()}
+    if finished:  # evaluated again with the current evaluation code; the training and its time are kept
+        timing = json.loads((run_dir / TIME_FILE).read_text())
+    else:
+        print(f"[{index}/{total}] {run.name}: training ({' '.join(run.overrides)})", flush=True)
+        clock = Clock()
+        code = _train(run, run_dir, args)
+        if code != 0:
+            raise SystemExit(f"study error: training {run.name} exited with {code}; fix the cause above and rerun "
+                             "the same command (finished runs are kept and skipped)")
+        timing = {"train": clock.read()}
     print(f"[{index}/{total}] {run.name}: evaluating {len(examples)} held-out problems x {args.samples}", flush=True)
     clock = Clock()
     result = evaluate_dir(out, run_dir, is_run=True, examples=examples, args=args)
@@ -233,11 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir, _ = resolve_demo_paths(cfg.model.path, None)  # builds the warm start once (cached)
         examples = load_dataset(cfg.data.eval_datasets[0])[:args.problems]
         warm = args.out / "runs" / WARM_START
-        if not (warm / EVAL_FILE).is_file():
+        if args.reevaluate or not (warm / EVAL_FILE).is_file():
             print(f"warm start {model_dir}: evaluating {len(examples)} held-out problems x {args.samples}", flush=True)
             warm.mkdir(parents=True, exist_ok=True)
             result = evaluate_dir(args.out, Path(model_dir), is_run=False, examples=examples, args=args)
-            _write_json(warm / TIME_FILE, {"build_and_eval": clock.read()})
+            if not (warm / TIME_FILE).is_file():
+                _write_json(warm / TIME_FILE, {"build_and_eval": clock.read()})
             _write_json(warm / EVAL_FILE, {"run": {"variant": WARM_START, "seed": 0, "overrides": []}, **result})
         runs = grid(args.variants, args.seeds)
         lam_count = len(args.lambdas) * args.lambda_seeds if set(G2RL_VARIANTS) & set(args.variants) else 0

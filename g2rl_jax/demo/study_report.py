@@ -28,6 +28,7 @@ LAST_STEPS = 10  # training accuracy = mean over the last LAST_STEPS steps' roll
 HELD_OUT = {"pass@1": ("pass", "1"), "maj@{n}": ("maj", "n"), "pass@{n}": ("pass", "n"),
             "distinct@{n}": ("distinct", "n"), "gradient cosine": ("cosine_mean", None),
             "negative pairs": ("negative_ratio", None)}
+WRITES = {"valid responses": "valid", "two-number responses": "two_numbers", "different responses of {n}": "unique"}
 TRAINING = ("train accuracy", "held-out − train", "single-class share", "all-wrong share",
             "A(most novel), single-class", "A(least novel), single-class", "A(most novel), all-wrong",
             "A(least novel), all-wrong")
@@ -135,6 +136,8 @@ def summarise(variants: dict[str, list[dict]]) -> dict:
     table: dict[str, dict] = {}
     for variant, runs in variants.items():
         row = {name: bootstrap(per_problem(runs, key, k)) for name, (key, k) in measures.items()}
+        row |= {name.format(n=n): bootstrap(per_problem(runs, key, None)) for name, key in WRITES.items()
+                if all(key in r for r in runs)}
         if variant != "warmstart":
             train = [r["training"] for r in runs]
             gaps = [float(np.mean(r["pass"]["1"])) - t["train accuracy"] for r, t in zip(runs, train)]
@@ -172,6 +175,14 @@ def markdown(summary: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, row in table.items():
         lines.append(f"| {variant} | {row['seeds']} | " + " | ".join(_cell(row.get(m)) for m in measures) + " |")
+    writes = [c.format(n=summary["samples"]) for c in WRITES]
+    writes = [c for c in writes if all(c in row for row in table.values())]
+    if writes:
+        lines += ["", "What the policies write (held-out responses; interval over seeds and problems): the share "
+                  "that are well-formed expressions of the given numbers, the share that use exactly two of them, "
+                  "and how many different responses a problem's samples hold.", "",
+                  "| variant | " + " | ".join(writes) + " |", "|" + "---|" * (len(writes) + 1)]
+        lines += [f"| {v} | " + " | ".join(_cell(row[c]) for c in writes) + " |" for v, row in table.items()]
     train_cols = [c for c in TRAINING if any(c in row for row in table.values())]
     lines += ["", "Training (interval over seeds): train accuracy is the rollouts' over the last "
               f"{LAST_STEPS} steps; A(...) is the mean advantage a single-class (or all-wrong) group gave its most "
