@@ -11,6 +11,7 @@ Group equations (each a `jax.vmap` over the P groups, one per prompt, of a per-g
   shape_rewards      eqs. scale, shaped-reward and the clip to ±c ("text" or "literal" reading, see below).
   group_advantages   eq. grpo-adv, population variance; groups whose base correctness is all equal keep their
                      shaped advantages (the paper) or get zero (GRPO's outcome), see single_class_groups.
+  novelty_extremes   diagnostic: the advantage each group gives its most and its least novel response.
   embedding_novelty  the EVOL-RL baseline: shaped rewards from an external embedding model's vectors.
 The entropy-bonus baseline lives in `g2rl_jax.losses.ppo_loss(entropy=..., entropy_coef=...)`.
 Shape letters (B, P, m, L, C, Q, V, D, ...) are those of the legend in `g2rl_jax`'s docstring.
@@ -325,6 +326,19 @@ def group_advantages(rewards, correct=None, *, single_class="shaped"):
         raise ValueError("single_class='zero' needs the base correctness correct [P, m] to find single-class groups")
     _check_group("correct", correct, 2, like=rewards)
     return jnp.where(single_class_groups(correct)[:, None], 0.0, adv_Pxm)
+
+
+def _extremes_group(adv_m, nu_m):
+    return adv_m[jnp.argmax(nu_m)], adv_m[jnp.argmin(nu_m)]
+
+
+def novelty_extremes(advantages, nu):
+    """(A of each group's most novel response, A of its least novel response), [P] each, from advantages and ν
+    [P, m]: the responses at argmax ν and argmin ν (the first one on ties). A diagnostic: in a single-class group
+    under single_class="shaped" these are the ±(ν̄ − mean ν̄)/std ν̄ extremes (see group_advantages)."""
+    _check_group("advantages", advantages, 2)
+    _check_group("nu", nu, 2, like=advantages)
+    return jax.vmap(_extremes_group)(advantages.astype(jnp.float32), nu.astype(jnp.float32))
 
 
 def _embedding_novelty_group(emb_mxE, correct_m, valid_m):

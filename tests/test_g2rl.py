@@ -325,6 +325,33 @@ def test_single_class_groups_shaped_or_zero(group, lam):
         g2rl.group_advantages(shaped, correct, single_class="drop")
 
 
+def np_extremes(adv, nu):
+    """Per group: the advantage of the response with the largest ν and of the one with the smallest (first on ties)."""
+    adv, nu = np.float64(adv), np.float64(nu)
+    most = [adv[g][max(range(nu.shape[1]), key=lambda i: (nu[g, i], -i))] for g in range(nu.shape[0])]
+    least = [adv[g][min(range(nu.shape[1]), key=lambda i: (nu[g, i], i))] for g in range(nu.shape[0])]
+    return np.array(most), np.array(least)
+
+
+def test_novelty_extremes_matches_numpy(group):
+    """The diagnostic behind single_class_adv_*_novel: in an all-wrong group under `shaped` the least novel answer
+    gets a positive advantage and the most novel a negative one; in an all-right group the other way round."""
+    phi, _ = group
+    r = np.array([[1, 1, 1, 1, 1, 1], [-1] * 6, [1, -1, 1, -1, -1, 1], [-1] * 6], np.float32)
+    nu = np.asarray(g2rl.novelty(phi, r))
+    adv = np.asarray(g2rl.group_advantages(g2rl.shape_rewards(r, nu, lam=0.5)))
+    most, least = jax.jit(g2rl.novelty_extremes)(adv, nu)
+    want_most, want_least = np_extremes(adv, nu)
+    np.testing.assert_allclose(most, want_most, atol=1e-6)
+    np.testing.assert_allclose(least, want_least, atol=1e-6)
+    assert most[0] > 0 > least[0] and least[1] > 0 > most[1] and least[3] > 0 > most[3]
+    tied = np.array([[0.3, 0.9, 0.9, 0.1, 0.1]], np.float32)  # ties: the first of the equal responses
+    values = np.arange(5, dtype=np.float32)[None]
+    np.testing.assert_array_equal(np.concatenate(g2rl.novelty_extremes(values, tied)), [1.0, 3.0])
+    with pytest.raises(ValueError, match="nu must share"):
+        g2rl.novelty_extremes(adv, nu[:, :3])
+
+
 def test_embedding_novelty_matches_numpy():
     rng = np.random.default_rng(5)
     emb = rng.normal(size=(5, 6, 10)).astype(np.float32)

@@ -225,6 +225,46 @@ def _mini(result, **changes) -> train_step.MiniBatch:
     return dataclasses.replace(mini, **changes)
 
 
+def test_single_class_metrics_match_numpy(step_parts):
+    """The step's single-class metrics recomputed in float64 from its ν, advantages and correctness."""
+    _, result = step_parts
+    m = result.batch.group_size
+    correct = np.asarray(result.batch.correct).reshape(-1, m)
+    nu, adv = (np.float64(result.signal[k]).reshape(-1, m) for k in ("nu", "advantages"))
+    single, wrong = correct.all(1) | ~correct.any(1), ~correct.any(1)
+    most = np.array([a[np.argmax(n)] for a, n in zip(adv, nu)])
+    least = np.array([a[np.argmin(n)] for a, n in zip(adv, nu)])
+    got = result.metrics
+    assert got["single_class_fraction"] == pytest.approx(single.mean()) and single.any()
+    assert got["all_wrong_fraction"] == pytest.approx(wrong.mean())
+    for key, values, mask in (("single_class_adv_most_novel", most, single),
+                              ("single_class_adv_least_novel", least, single),
+                              ("all_wrong_adv_most_novel", most, wrong), ("all_wrong_adv_least_novel", least, wrong)):
+        want = values[mask].mean() if mask.any() else np.nan
+        np.testing.assert_allclose(got[key], want, atol=1e-6, err_msg=key)
+
+
+def test_single_class_metrics_of_mixed_and_empty_steps():
+    from g2rl_jax.train.metrics import single_class_metrics
+
+    m = 3
+    correct = np.array([[1, 1, 1], [0, 0, 0], [1, 0, 1], [0, 0, 0]], bool)
+    most, least = np.array([0.5, -1.2, 0.9, -0.4]), np.array([-0.5, 1.1, -0.9, 0.8])
+    signal = {"single_class": np.repeat(correct.all(1) | ~correct.any(1), m),
+              "all_wrong": np.repeat(~correct.any(1), m), "most_novel_advantage": np.repeat(most, m),
+              "least_novel_advantage": np.repeat(least, m)}
+    got = single_class_metrics({k: jnp.asarray(v) for k, v in signal.items()}, novelty=True)
+    assert got["single_class_fraction"] == pytest.approx(0.75) and got["all_wrong_fraction"] == pytest.approx(0.5)
+    assert got["single_class_adv_most_novel"] == pytest.approx((0.5 - 1.2 - 0.4) / 3)
+    assert got["single_class_adv_least_novel"] == pytest.approx((-0.5 + 1.1 + 0.8) / 3)
+    assert got["all_wrong_adv_most_novel"] == pytest.approx((-1.2 - 0.4) / 2)
+    assert got["all_wrong_adv_least_novel"] == pytest.approx((1.1 + 0.8) / 2)
+    mixed = {k: jnp.asarray(v[6:9]) for k, v in signal.items()}  # only the mixed group: no single-class group
+    got = single_class_metrics(mixed, novelty=True)
+    assert got["single_class_fraction"] == 0 and np.isnan(got["single_class_adv_least_novel"])
+    assert set(single_class_metrics(mixed, novelty=False)) == {"single_class_fraction", "all_wrong_fraction"}
+
+
 def test_nan_step_is_skipped_and_params_unchanged(step_parts):
     trainer, result = step_parts
     mini = _mini(result, advantages_B=result.signal["advantages"].at[0].set(jnp.nan))

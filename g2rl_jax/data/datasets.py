@@ -3,8 +3,9 @@
 `load_dataset("math500")` reads the package's own copy (g2rl_jax/data/files, see LICENSES.md there);
 `load_dataset("path/to/x.jsonl", fields={"problem": "question", "answer": "gold"})` reads a local file whose keys
 differ from the defaults. Other modules add datasets with `register_dataset(name, loader)`. The demo's datasets
-(`demo`, `demo_test`, `countdown`, `countdown_test`) are known here by name only: the first `load_dataset` of one
-imports `g2rl_jax.demo.task`, which registers them (the demo builds on `data`, never the other way round).
+(`demo`, `demo_test`, `countdown`, `countdown_test`, `countdown_study`, `countdown_study_test`) are known here by
+name only: the first `load_dataset` of one imports `g2rl_jax.demo.task`, which registers them (the demo builds on
+`data`, never the other way round).
 A file or name that cannot be read raises `DataError` naming the file and line.
 """
 
@@ -69,7 +70,8 @@ class Example:
 Loader = Callable[[], Sequence[Example]]
 _REGISTRY: dict[str, Loader] = {}
 # Datasets registered by another module when it is imported: {name: that module}, imported on first use.
-_LAZY = {name: "g2rl_jax.demo.task" for name in ("demo", "demo_test", "countdown", "countdown_test")}
+_LAZY = {name: "g2rl_jax.demo.task" for name in ("demo", "demo_test", "countdown", "countdown_test", "countdown_study",
+                                                 "countdown_study_test")}
 
 
 def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> None:

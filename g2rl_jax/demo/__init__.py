@@ -5,15 +5,17 @@
     tokenizer.py  a tiny BPE (digits always single tokens) saved as a Hugging Face tokenizer directory
     sft.py        the supervised warm start: imitate a teacher right 40% of the time (jitted AdamW loop)
     build.py      build_demo_model / build_demo_embedder (cached by a spec hash) and resolve_demo_paths, which
-                  turns "demo:DIR" / "countdown:DIR" config values into built directories
-    countdown.py  the exploration demo's task (configs/demo_explore.yaml): Countdown problems with many correct
-                  answers, a safe expression parser and the reward function the config plugs in
-    explore_eval.py  pass@1, pass@k and distinct correct answers of a Countdown run on held-out problems
+                  turns "demo:DIR" / "countdown:DIR" / "countdown-study:DIR" config values into built directories
+    countdown.py  Countdown (configs/demo_explore.yaml, configs/study_countdown.yaml): problem sets with several
+                  correct answers per problem, a safe expression parser and the reward function the configs plug in
+    explore_eval.py  pass@k, maj@k, distinct correct answers (and Φ) of a Countdown policy on held-out problems
+    study.py      `python -m g2rl_jax.demo.study`: the grid of variants x seeds of the study, run and evaluated
+    study_report.py  its bootstrap intervals, tables (study.md, study.json) and figures (passk.png, geometry.png)
 
 Nothing here needs a network or downloaded weights: `python -m g2rl_jax.train --config configs/demo.yaml` builds
 the model on first use (about half a minute of CPU) and then trains it with the real RL loop.
 """
-from g2rl_jax.demo import task  # noqa: F401 - registers demo, demo_test, countdown, countdown_test
+from g2rl_jax.demo import task  # noqa: F401 - registers the demo's datasets
 
 __all__ = ["build_demo_embedder", "build_demo_model", "resolve_demo_paths"]
 

@@ -32,7 +32,8 @@ from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig, save_pretrained
 BUILD_VERSION = 1  # bump when the build changes in a way the spec below does not capture
 MARKER = "demo_build.json"
 SCHEME = "demo:"  # the addition demo (configs/demo.yaml)
-SCHEMES = {SCHEME: "addition", "countdown:": "countdown"}  # model.path prefix -> task (countdown: demo_explore)
+# model.path prefix -> task (countdown: configs/demo_explore.yaml; countdown_study: configs/study_countdown.yaml)
+SCHEMES = {SCHEME: "addition", "countdown:": "countdown", "countdown-study:": "countdown_study"}
 TASKS = tuple(SCHEMES.values())
 COUNTDOWN_TEACHER_ACCURACY = 0.8
 POLICY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER)
@@ -61,12 +62,29 @@ def _spec_hash(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# the study's warm start: the same tiny policy, a longer warm start on twice the rows per step, and a teacher that
+# always writes a correct answer (one drawn at random), on the 5,397 "sft" problems that neither RL nor the held-out
+# set uses: what the policy gets right on other problems is a skill, not a memory
+STUDY_SFT_STEPS = 5000
+STUDY_SFT_BATCH = 128
+STUDY_TEACHER_ACCURACY = 1.0
+
+
+def default_sft_steps(task_name: str) -> int:
+    return STUDY_SFT_STEPS if task_name == "countdown_study" else SFTConfig.steps
+
+
 def sft_config(seed: int, sft_steps: int, task_name: str) -> SFTConfig:
+    if task_name == "countdown_study":
+        return SFTConfig(steps=sft_steps, seed=seed, batch_size=STUDY_SFT_BATCH,
+                         teacher_accuracy=STUDY_TEACHER_ACCURACY)
     accuracy = COUNTDOWN_TEACHER_ACCURACY if task_name == "countdown" else SFTConfig.teacher_accuracy
     return SFTConfig(steps=sft_steps, seed=seed, teacher_accuracy=accuracy)
 
 
 def task_spec(task_name: str) -> dict:
+    if task_name == "countdown_study":
+        return {"name": task_name, **countdown.STUDY.spec(), "teacher_variants": countdown.TEACHER_VARIANTS}
     if task_name == "countdown":
         return {"name": "countdown", "digits": [countdown.DIGITS.start, countdown.DIGITS.stop],
                 "numbers": countdown.NUM_NUMBERS, "stride": countdown.MULTISET_STRIDE,
@@ -92,8 +110,10 @@ def policy_spec(seed: int, sft_steps: int, task_name: str = "addition") -> dict:
 
 def sft_data(task_name: str, tokenizer, cfg: SFTConfig):
     """(ids [N,K,L], mask [N,K,L], probs [K]) of the warm start's training rows for the task."""
-    if task_name == "countdown":
-        rng, train = random.Random(cfg.seed), countdown.examples("train")
+    if task_name in ("countdown", "countdown_study"):
+        rng = random.Random(cfg.seed)
+        train = (countdown.examples("sft", countdown.STUDY) if task_name == "countdown_study"
+                 else countdown.examples("train"))
         ids, mask = encode_variants(train, [countdown.teacher_responses(ex, rng) for ex in train], tokenizer)
         k = countdown.TEACHER_VARIANTS
         return ids, mask, np.array([cfg.teacher_accuracy / k] * k + [(1 - cfg.teacher_accuracy) / k] * k)
@@ -128,17 +148,18 @@ def _staging_dir(out: Path) -> Path:
     return tmp
 
 
-def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, sft_steps: int = SFTConfig.steps,
+def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, sft_steps: int | None = None,
                      task_name: str = "addition") -> Path:
-    """The warm-started demo policy for `task_name` ("addition" or "countdown") as an HF directory at
-    `out_dir` (reused when already built the same way)."""
+    """The warm-started demo policy for `task_name` (one of TASKS) as an HF directory at `out_dir` (reused when
+    already built the same way); sft_steps defaults to the task's (default_sft_steps)."""
     out = Path(out_dir)
+    sft_steps = default_sft_steps(task_name) if sft_steps is None else sft_steps
     spec = policy_spec(seed, sft_steps, task_name)
     spec_hash = _spec_hash(spec)
     if _built_hash(out, POLICY_FILES) == spec_hash:
         return out
     start = time.perf_counter()
-    tokenizer = demo_tokenizer.make_tokenizer(countdown.corpus() if task_name == "countdown" else None)
+    tokenizer = demo_tokenizer.make_tokenizer(countdown.corpus() if task_name != "addition" else None)
     cfg = PolicySpec().qwen3_config(len(tokenizer))
     model = Qwen3(cfg, RuntimeConfig(), rngs=nnx.Rngs(seed))
     sft = sft_config(seed, sft_steps, task_name)
@@ -182,7 +203,8 @@ def build_demo_embedder(out_dir: str | os.PathLike, policy_dir: str | os.PathLik
 def resolve_demo_paths(model_path: str, embedding_model: str | None) -> tuple[str, str | None]:
     """`model.path` and `algorithm.embedding_model` config values with "demo:DIR" built (or reused) at DIR.
 
-    "demo:DIR" as model.path is the warm-started addition demo policy, "countdown:DIR" the Countdown one; as
+    "demo:DIR" as model.path is the warm-started addition demo policy, "countdown:DIR" the Countdown one,
+    "countdown-study:DIR" the study's (see SCHEMES); as
     embedding_model, either names that policy's backbone (which needs model.path to be a demo policy too). Any
     other value is returned unchanged.
     """

@@ -1,10 +1,17 @@
-"""The exploration demo's task: Countdown. Reach a target with some of the given numbers and + - * / .
+"""The exploration demo's and the study's task: Countdown. Reach a target with some given numbers and + - * / .
 
-A problem gives three numbers from 1-9 and a target, e.g. "Use 3 5 7 to make 22"; a response is an arithmetic
-expression in `\\boxed{}` that uses each given number at most once (at least two of them) and evaluates exactly
-to the target: `\\boxed{3*5+7}`, `\\boxed{(7-5)*3*...}`. Most problems have several answers that differ in more
-than the order of their terms, which is what lets a policy collapse onto one of them or keep several
-(datasets `countdown`, `countdown_test`; only problems with at least `MIN_SOLUTIONS` distinct answers are kept).
+A problem gives four numbers from 1-9 and a target from 1-40, e.g. "Use 3 5 7 8 to make 22"; a response is an
+arithmetic expression in `\\boxed{}` that uses each given number at most once (at least two of them) and evaluates
+exactly to the target: `\\boxed{3*5+7}`, `\\boxed{8*3-7+5}`. Problems have several answers that differ in more
+than the order of their terms, which is what lets a policy collapse onto one of them or keep several.
+
+Two problem sets (`ProblemSet`), each cut into disjoint splits:
+    MEMORISE  the exploration demo (configs/demo_explore.yaml; datasets `countdown`, `countdown_test`): every 5th
+              multiset of digits, problems with >= 10 answers; 303 training problems, which a tiny policy memorises
+    STUDY     the study (configs/study_countdown.yaml, g2rl_jax/demo/study.py; datasets `countdown_study`,
+              `countdown_study_test`): every multiset, problems with >= 3 answers, 10,005 problems cut into
+              "test" (512 held out), "train" (4,096 for RL: 100 steps x 32 prompts never draw one twice) and "sft"
+              (the rest, 5,397: only the warm start sees them)
 
 The reward is a plain Python function of the kind a user plugs in with `reward.function`:
 
@@ -14,11 +21,13 @@ It parses with a small recursive-descent parser over digits, + - * / and parenth
 fractions; nothing reaches `eval`. Two correct answers are the same answer when `canonical()` maps them to the
 same string (sums and products flattened, their terms sorted: "3*5+7" and "7+5*3" are one answer).
 
-    examples("train"), examples("test")       # list[Example]; row = {"numbers": [3, 5, 7, 8], "target": 22}
-    solutions(numbers, target)                # every distinct answer (canonical form -> one printed expression)
+    examples("train"), examples("test", STUDY)   # list[Example]; row = {"numbers": [3, 5, 7, 8], "target": 22}
+    solutions(numbers, target)                   # every distinct answer (canonical form -> one printed expression)
+    expression_value(response, numbers)          # the value of a well-formed answer of those numbers, right or not
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import random
@@ -152,8 +161,9 @@ def boxed_expression(response: str) -> str | None:
     return match.group(1) if match else None
 
 
-def check(response: str, numbers: list[int], target: int):
-    """The answer's tree if `response` is a correct answer, else None."""
+def expression_tree(response: str, numbers: list[int]):
+    """The tree of a response that is `\\boxed{expr}` and nothing else, expr a well-formed expression of at least
+    two of `numbers` (each used at most once); else None."""
     expression = boxed_expression(response)
     if expression is None or len(expression) > MAX_EXPRESSION_CHARS:
         return None
@@ -167,7 +177,19 @@ def check(response: str, numbers: list[int], target: int):
         if x not in pool:
             return None
         pool.remove(x)
-    return tree if len(used) >= 2 and value(tree) == target else None
+    return tree if len(used) >= 2 else None
+
+
+def expression_value(response: str, numbers: list[int]) -> Fraction | None:
+    """The exact value of the response's expression (expression_tree); None if it has none."""
+    tree = expression_tree(response, numbers)
+    return None if tree is None else value(tree)
+
+
+def check(response: str, numbers: list[int], target: int):
+    """The answer's tree if `response` is a correct answer, else None."""
+    tree = expression_tree(response, numbers)
+    return tree if tree is not None and value(tree) == target else None
 
 
 def reward(response: str, example: dict) -> float:
@@ -218,14 +240,41 @@ def solutions(numbers: tuple[int, ...], target: int) -> dict[str, str]:
     return dict(_all_solutions(tuple(sorted(numbers))).get(target, {}))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProblemSet:
+    """A seeded set of Countdown problems cut into disjoint splits: every (numbers, target) of every `stride`-th
+    multiset of NUM_NUMBERS digits that has at least `min_solutions` distinct answers, shuffled with `shuffle_seed`
+    (each problem's numbers in a shuffled order), then cut into `splits` ((name, size), in order; size None: all
+    the rest)."""
+
+    stride: int
+    min_solutions: int
+    shuffle_seed: int
+    splits: tuple[tuple[str, int | None], ...]
+
+    def spec(self) -> dict:
+        return {"digits": [DIGITS.start, DIGITS.stop], "numbers": NUM_NUMBERS, "stride": self.stride,
+                "targets": [TARGETS.start, TARGETS.stop], "min_solutions": self.min_solutions,
+                "shuffle_seed": self.shuffle_seed, "splits": [list(s) for s in self.splits]}
+
+
+# the exploration demo (configs/demo_explore.yaml): 303 training problems a tiny policy can memorise
+MEMORISE = ProblemSet(stride=MULTISET_STRIDE, min_solutions=MIN_SOLUTIONS, shuffle_seed=SHUFFLE_SEED,
+                      splits=(("test", TEST_SIZE), ("train", None)))
+# the study (g2rl_jax/demo/study.py): every multiset, >= 3 answers; the warm start learns from "sft", RL draws
+# "train" (each problem at most once per run), "test" is held out from both
+STUDY = ProblemSet(stride=1, min_solutions=3, shuffle_seed=20260215,
+                   splits=(("test", 512), ("train", 4096), ("sft", None)))
+
+
 @functools.cache
-def _problems() -> tuple[tuple[tuple[int, ...], int], ...]:
+def _problems(problem_set: ProblemSet) -> tuple[tuple[tuple[int, ...], int], ...]:
     kept = []
-    for numbers in list(itertools.combinations_with_replacement(DIGITS, NUM_NUMBERS))[::MULTISET_STRIDE]:
+    for numbers in list(itertools.combinations_with_replacement(DIGITS, NUM_NUMBERS))[::problem_set.stride]:
         for target, answers in sorted(_all_solutions(numbers).items()):
-            if len(answers) >= MIN_SOLUTIONS:
+            if len(answers) >= problem_set.min_solutions:
                 kept.append((numbers, target))
-    rng = random.Random(SHUFFLE_SEED)
+    rng = random.Random(problem_set.shuffle_seed)
     rng.shuffle(kept)
     return tuple((tuple(rng.sample(numbers, len(numbers))), target) for numbers, target in kept)
 
@@ -234,16 +283,24 @@ def problem_text(numbers: tuple[int, ...], target: int) -> str:
     return f"Use {' '.join(map(str, numbers))} to make {target}"
 
 
-def examples(split: Split) -> list[Example]:
-    """The examples of `split` ("test": the first TEST_SIZE shuffled problems, "train": the rest)."""
+def examples(split: str, problem_set: ProblemSet = MEMORISE) -> list[Example]:
+    """The examples of `split` of `problem_set` (MEMORISE: "test", the first TEST_SIZE shuffled problems, and
+    "train", the rest; STUDY: "test", "train" and "sft")."""
     from g2rl_jax.data.datasets import Example
 
-    problems = _problems()
-    if split not in ("train", "test"):
-        raise ValueError(f"unknown countdown split {split!r}; choose 'train' or 'test'")
-    chosen = problems[:TEST_SIZE] if split == "test" else problems[TEST_SIZE:]
+    names = [name for name, _ in problem_set.splits]
+    if split not in names:
+        raise ValueError(f"unknown countdown split {split!r}; choose one of {names}")
+    problems, start = _problems(problem_set), 0
+    for name, size in problem_set.splits:
+        stop = len(problems) if size is None else start + size
+        if name == split:
+            break
+        start = stop
+    if stop > len(problems):
+        raise ValueError(f"countdown split {split!r} needs problems up to {stop}, the set has {len(problems)}")
     return [Example(id=f"countdown-{'.'.join(map(str, n))}-{t}", problem=problem_text(n, t), answer=str(t),
-                    row={"numbers": list(n), "target": t}) for n, t in chosen]
+                    row={"numbers": list(n), "target": t}) for n, t in problems[start:stop]]
 
 
 # ------------------------------------------------------------------------------------------- the warm start
@@ -257,7 +314,8 @@ def teacher_responses(example: Example, rng: random.Random) -> list[str]:
     table = _all_solutions(tuple(sorted(numbers)))
     right = sorted(solutions(numbers, target).values())
     wrong = sorted(expr for t, answers in table.items() if t != target for expr in answers.values())
-    picks = rng.sample(right, TEACHER_VARIANTS) + rng.sample(wrong, TEACHER_VARIANTS)
+    picks = (rng.sample(right, TEACHER_VARIANTS) if len(right) >= TEACHER_VARIANTS  # fewer: some repeat
+             else [rng.choice(right) for _ in range(TEACHER_VARIANTS)]) + rng.sample(wrong, TEACHER_VARIANTS)
     return [f"\\boxed{{{expr}}}" for expr in picks]
 
 

@@ -58,11 +58,13 @@ register_dataset("demo", functools.partial(examples, "train"))  # registered her
 register_dataset("demo_test", functools.partial(examples, "test"))  # never the other way round
 
 
-def _countdown(split: Literal["train", "test"]) -> list[Example]:
-    from g2rl_jax.demo.countdown import examples as countdown_examples  # the exploration demo's task
+def _countdown(split: str, study: bool = False) -> list[Example]:
+    from g2rl_jax.demo import countdown  # the exploration demo's task
 
-    return countdown_examples(split)
+    return countdown.examples(split, countdown.STUDY if study else countdown.MEMORISE)
 
 
 register_dataset("countdown", functools.partial(_countdown, "train"))  # g2rl_jax/demo/countdown.py
 register_dataset("countdown_test", functools.partial(_countdown, "test"))  # its held-out problems
+register_dataset("countdown_study", functools.partial(_countdown, "train", True))  # the study's RL problems
+register_dataset("countdown_study_test", functools.partial(_countdown, "test", True))  # its held-out problems

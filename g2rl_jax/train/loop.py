@@ -50,7 +50,7 @@ from g2rl_jax.train.lifecycle import (
     append_history,
     check_resume_config,
 )
-from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics
+from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, single_class_metrics
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_platforms,
@@ -307,8 +307,8 @@ class Trainer(SamplingRounds):
             "tokens_per_second": tokens / max(t4 - t0, 1e-9),
             "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
             "padding_fraction": info["padding"] / max(info["positions"], 1),
-            "single_class_fraction": float(jnp.mean(signal["single_class"])),
-        } | {k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
+        } | single_class_metrics(signal, novelty=bool(novelty)) | {
+            k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
 
     # ------------------------------------------------------------------------------------------- the loop
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:

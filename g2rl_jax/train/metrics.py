@@ -16,6 +16,8 @@ Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ..
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
 equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`. A start from step 0 moves
 an existing metrics.jsonl aside (metrics.jsonl.1, .2, ...) instead.
+`single_class_metrics(signal, novelty=)` reduces the step's single-class diagnostics (shares of single-class and
+all-wrong groups, the advantages they give their most and least novel response) for the trainer's record.
 Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard and W&B.
 W&B: the run's id is kept in `<run_dir>/wandb_id.txt`, so a resumed run continues the same W&B run (resume
 "allow"); W&B cannot take back steps it already has, so after a resume it ignores (and warns about) the steps
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
@@ -45,6 +48,27 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_id.txt"
 # metric name -> short label shown on the progress bar, in display order
 HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent", "tokens_per_second": "tok/s"}
+
+
+def _masked_mean(x_B, mask_B) -> float:
+    """Mean of x over the rows where mask is set; NaN (written as null) when none is."""
+    count = float(jnp.sum(mask_B))
+    return float(jnp.sum(jnp.where(mask_B, x_B, 0.0))) / count if count else math.nan
+
+
+def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[str, float]:
+    """Step metrics of the groups whose base correctness is all equal, from `train.step.advantages`' per-group
+    arrays (each repeated over its group's rows, so row means are group means): `single_class_fraction` and
+    `all_wrong_fraction` (shares of groups), and with novelty (g2rl) the mean advantage those groups give their
+    most and least novel response, over all single-class groups and over the all-wrong ones (null if none)."""
+    single_B, wrong_B = signal["single_class"], signal["all_wrong"]
+    out = {"single_class_fraction": float(jnp.mean(single_B)), "all_wrong_fraction": float(jnp.mean(wrong_B))}
+    if novelty:
+        for which in ("most", "least"):
+            adv_B = signal[f"{which}_novel_advantage"]
+            out[f"single_class_adv_{which}_novel"] = _masked_mean(adv_B, single_B)
+            out[f"all_wrong_adv_{which}_novel"] = _masked_mean(adv_B, wrong_B)
+    return out
 
 
 def _is_writer() -> bool:

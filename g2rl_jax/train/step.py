@@ -211,8 +211,14 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
         nu_Pxm = jnp.full_like(r_Pxm, jnp.nan)
         shaped_Pxm = r_Pxm
     adv_Pxm = g2rl.group_advantages(shaped_Pxm, correct_Pxm, single_class=algo.single_class_groups)
+    if algo.exploration == "g2rl":  # diagnostics: what each group gives its most and least novel response
+        most_P, least_P = g2rl.novelty_extremes(adv_Pxm, nu_Pxm)
+    else:
+        most_P = least_P = jnp.full(r_Pxm.shape[:1], jnp.nan)
+    per_group = {"single_class": g2rl.single_class_groups(correct_Pxm), "all_wrong": ~jnp.any(correct_Pxm, axis=-1),
+                 "most_novel_advantage": most_P, "least_novel_advantage": least_P}
     return {"nu": nu_Pxm.reshape(-1), "shaped_rewards": shaped_Pxm.reshape(-1), "advantages": adv_Pxm.reshape(-1),
-            "single_class": jnp.repeat(g2rl.single_class_groups(correct_Pxm), m)}
+            **{k: jnp.repeat(v, m) for k, v in per_group.items()}}  # per-group values repeated over its m rows
 
 
 def group_keep_mask(correct_B, group_size: int) -> np.ndarray:
