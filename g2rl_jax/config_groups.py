@@ -189,7 +189,7 @@ class RolloutConfig:
 class RewardConfig:
     truncated: Literal["keep", "penalize", "mask"] = _f(
         "penalize", "response at rollout.max_new_tokens without a stop token: keep | penalize (reward -1) | mask "
-        "(out of the loss); penalize as scoring it is exploitable (README); the paper's configs: keep")
+        "(out of the loss); penalize as scoring it is exploitable (docs/rewards.md); the paper's configs: keep")
     overlong_buffer: int = _f(0, "DAPO overlong penalty: last tokens of the budget where it applies (0 = off; "
                               "the paper uses none)")
     overlong_penalty: float = _f(1.0, "DAPO overlong penalty at the full budget, linear from 0 at max_new_tokens "
