@@ -11,7 +11,7 @@ Where things live, in the order one RL step uses them:
   model/     Qwen3 in Flax NNX, attention backends, Hugging Face import/export
   parallel.py  device mesh and the logical-axis → mesh-axis table
   eval.py    pass@k, maj@k, the evaluation CLI
-  bench/     python -m g2rl_jax.bench NAME: the measured figures the README quotes
+  bench/     python -m g2rl_jax.bench NAME: the measured figures docs/performance.md quotes
   aot/       ahead-of-time compile of every program of a step for a TPU slice without one (plan --compile)
 
 Shape letters. An array's name ends in its shape, e.g. `logp_BxT` is [B, T]; einsum strings use the same letters

@@ -189,7 +189,7 @@ class RolloutConfig:
 class RewardConfig:
     truncated: Literal["keep", "penalize", "mask"] = _f(
         "penalize", "response at rollout.max_new_tokens without a stop token: keep | penalize (reward -1) | mask "
-        "(out of the loss); penalize as scoring it is exploitable (README); the paper's configs: keep")
+        "(out of the loss); penalize as scoring it is exploitable (docs/rewards.md); the paper's configs: keep")
     overlong_buffer: int = _f(0, "DAPO overlong penalty: last tokens of the budget where it applies (0 = off; "
                               "the paper uses none)")
     overlong_penalty: float = _f(1.0, "DAPO overlong penalty at the full budget, linear from 0 at max_new_tokens "
@@ -220,7 +220,7 @@ class AlgorithmConfig:
     lam: float = _f(0.5, "g2rl: novelty strength λ >= 0 in r·(1 + λ·ν̄); paper gives no value, 0.5 chosen")
     reward_clip: float = _f(3.0, "g2rl: shaped rewards are clipped to [-c, c]")
     shaping_mode: Literal["text", "literal"] = _f("text", "g2rl: text = r·(1+λν̄) as the paper's prose; "
-                                                  "literal = r + λν̄ as its equation (see README)")
+                                                  "literal = r + λν̄ as its equation (see docs/paper.md)")
     entropy_coef: float = _f(0.0, "entropy_bonus: coefficient of the entropy bonus (> 0 there, 0 otherwise)")
     embedding_model: Optional[str] = _f(None, "evol: local HF dir of a Qwen3-architecture embedding model")
     embedding_max_tokens: int = _f(1024, "evol: tokens embedded per response, end token included; a longer response "
@@ -233,7 +233,7 @@ class AlgorithmConfig:
                                   "step is topped up with single-class groups, which the filter masks; 4 chosen")
     single_class_groups: Literal["shaped", "zero"] = _f(
         "shaped", "groups whose base rewards are all equal: shaped = the paper's equations (G2RL/EVOL give them "
-        "unit-scale advantages from novelty alone), zero = zero advantage as in GRPO (see README)")
+        "unit-scale advantages from novelty alone), zero = zero advantage as in GRPO (see docs/paper.md)")
     kl_coef: float = _f(0.001, "β of the KL-to-reference loss (paper: 0.001; 0 = no reference model)")
     kl_kind: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator; paper silent ('KL loss 0.001'), k3 = verl's "
                                             "low_var_kl chosen")
@@ -250,7 +250,8 @@ class AlgorithmConfig:
                                          "token's loss by min(π_old/π_sampler, cap), cap >= 1 (null = off)")
     ppo_epochs: int = _f(1, "passes over each step's rollouts; paper silent, 1 chosen (verl default)")
     mini_batch_size: int = _f(32, "responses per optimizer update; paper '1 (effective size of 32)', read as 32 "
-                              "(16 = the other reading, 1 prompt x 16 rollouts, 16 updates per step; see README)")
+                              "(16 = the other reading, 1 prompt x 16 rollouts, 16 updates per step; "
+                              "see docs/paper.md)")
     micro_batch_size: int = _f(16, "responses per forward/backward, global over devices (paper: "
                                "'micro-batch size 2', read as 2 per GPU x 8 GPUs)")
 

@@ -280,7 +280,7 @@ def shape_rewards(rewards, nu, *, lam=0.5, clip=3.0, mode="text"):
 
     mode="text" (default): r̃ = clip(r (1 + λ ν̄), ±c), the paper's prose: novelty boosts a correct answer and
     amplifies the penalty of a wrong one. mode="literal": f = 1 + λ r ν̄ read as written, r̃ = clip(r + λ r² ν̄),
-    which for r = −1 softens the penalty of novel wrong answers, contradicting the prose (README, "How the paper
+    which for r = −1 softens the penalty of novel wrong answers, contradicting the prose (docs/paper.md, "How the paper
     is read").
     """
     _check_group("rewards", rewards, 2)

@@ -1,4 +1,4 @@
-"""`python -m g2rl_jax.bench NAME` smoke runs at tiny sizes: each benchmark the README quotes still runs and prints
+"""`python -m g2rl_jax.bench NAME` smoke runs at tiny sizes: each benchmark in docs/performance.md still runs and prints
 the figures it is quoted for (the figures themselves are measured, never asserted)."""
 import pytest
 

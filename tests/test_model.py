@@ -160,7 +160,7 @@ def test_fused_attention_masking_matches_numpy():
 
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
-                            reason="cuDNN attention needs a GPU (run on the lent H100: README, Performance)")
+                            reason="cuDNN attention needs a GPU (run on the lent H100: docs/performance.md)")
 
 
 @on_gpu

@@ -1,7 +1,7 @@
 """Benchmarks: `python -m g2rl_jax.bench NAME [args]`. Each NAME is a module here with `main(argv)`.
 
 Every benchmark measures ratios side by side in one run (these machines are noisy) and prints the
-figures the README quotes, with the command that produced them.
+figures docs/performance.md quotes, with the command that produced them.
 """
 
 BENCHMARKS = {

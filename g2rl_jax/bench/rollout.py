@@ -18,7 +18,7 @@ next-token distributions a response ends with probability ~8/T per token (mean l
 distribution (mean, p50, p90, max), USEFUL tokens/s (the sum of the completion lengths, i.e. the tokens returned,
 per second of warm wall time), and the same workload (same seed and stop set) at a budget `--budget-ratio` times
 larger, with the time ratio (the goal on CPU: <= 1.3) and whether the completions agree up to the smaller budget.
-It uses only `generate`, so the same harness times an older checkout (the README's before/after).
+It uses only `generate`, so the same harness times an older checkout (docs/performance.md's before/after).
 """
 from __future__ import annotations
 

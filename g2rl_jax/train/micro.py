@@ -33,7 +33,7 @@ from g2rl_jax import parallel
 
 MIN_WIDTH = 16  # narrowest response width of a micro-batch
 OVERHEAD_ROWS = 1  # a micro-batch costs as if it held one row more (2-core CPU, 9.8M model: 0.78 rows under
-#                   load, about 1.5 idle; see micro_cost and README Performance)
+#                   load, about 1.5 idle; see micro_cost and docs/performance.md)
 STEPS_PER_OCTAVE = 4  # widths between 2^j and 2^(j+1): at most 25% of a micro-batch's width is bucket rounding
 
 
