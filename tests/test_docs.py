@@ -13,8 +13,6 @@ from g2rl_jax.config import format_help
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Pages another branch adds: linked already, checked once they exist (the test fails when an entry is stale).
-PENDING = {"docs/study.md"}
 
 CONFIG_DOC_HEAD = """# Configuration reference
 
@@ -67,18 +65,11 @@ def test_relative_links_resolve(page):
         rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else None
         if rel is None:
             broken.append(f"{target}: outside the repository")
-        elif rel in PENDING:
-            continue
         elif not dest.exists():
             broken.append(f"{target}: no such file")
         elif anchor and (dest.suffix != ".md" or anchor not in anchors(dest)):
             broken.append(f"{target}: no heading with anchor #{anchor} in {rel}")
     assert not broken, f"{page.name}: " + "; ".join(broken)
-
-
-def test_pending_pages_are_still_missing():
-    present = sorted(p for p in PENDING if (ROOT / p).exists())
-    assert not present, f"{present} exist now: remove them from PENDING in tests/test_docs.py"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
