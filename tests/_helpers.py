@@ -39,3 +39,24 @@ def tiny_qwen3_fixtures(**config_overrides):
         return load_pretrained(model_dir)
 
     return model_dir, model
+
+
+def placed_on_mesh_and_one_device(trainer, batch):
+    """The trainer's params, optimizer state and `batch` placed twice: on the trainer's mesh (as sharded there) and
+    on one device, each with the graphdef that says where activations live; yields (graphdef, params, opt_state,
+    batch) for the mesh, then for the one device (the "sharded step equals unsharded" tests)."""
+    import numpy as np
+
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    for mesh in (trainer.mesh, one):
+        def put(tree, mesh=mesh):
+            named = lambda x: jax.sharding.NamedSharding(mesh, x.sharding.spec)  # noqa: E731
+            return jax.tree.map(lambda x: jax.device_put(np.asarray(x), named(x)), tree)
+
+        placed = jax.tree.map(lambda x, mesh=mesh: jax.device_put(np.asarray(x), jax.devices()[0] if mesh is one
+                                                                  else x.sharding), batch)
+        params = put(trainer.params)
+        model = nnx.merge(trainer.graphdef, params)
+        model.mesh = None if mesh is one else trainer.mesh  # the graphdef carries where activations live
+        yield nnx.graphdef(model), params, put(trainer.opt_state), placed
+

@@ -30,6 +30,7 @@ from g2rl_jax.train.checkpoint import load_policy
 from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
 
+from _helpers import placed_on_mesh_and_one_device
 from hf_tiny import make_tiny_qwen3_dir
 
 STEPS = 3
@@ -155,18 +156,8 @@ def test_every_mode_and_option_trains_with_lora(assets, tmp_path, mode):  # noqa
 def test_eight_devices_equal_one_device(lora_run):
     trainer = lora_run["trainer"]
     result = _fresh_step(trainer, STEPS)
-    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     outs = []
-    for mesh in (trainer.mesh, one):
-        put = lambda t: jax.tree.map(  # noqa: E731
-            lambda x, s: jax.device_put(np.asarray(x), jax.sharding.NamedSharding(mesh, s.spec)), t,  # noqa: B023
-            jax.tree.map(lambda x: x.sharding, t))
-        params, opt_state = put(trainer.params), put(trainer.opt_state)
-        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0] if mesh is one  # noqa: B023
-                                                      else x.sharding), result.batch)
-        model = nnx.merge(trainer.graphdef, params)
-        model.mesh = None if mesh is one else trainer.mesh
-        graphdef = nnx.graphdef(model)
+    for graphdef, params, opt_state, batch in placed_on_mesh_and_one_device(trainer, result.batch):
         scores = train_step.score(graphdef, params, batch, temperature=1.0, micro=2)
         ref = train_step.ref_logprobs(lora.reference_graphdef(graphdef, params), params, batch, temperature=1.0,
                                       micro=2)

@@ -24,6 +24,7 @@ from g2rl_jax.train import step as train_step
 from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
 
+from _helpers import placed_on_mesh_and_one_device
 from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -311,18 +312,8 @@ def test_micro_batch_accumulation_equals_one_batch(step_parts):
 
 def test_sharded_step_equals_unsharded(step_parts):
     trainer, result = step_parts
-    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     outs = []
-    for mesh in (trainer.mesh, one):
-        put = lambda t: jax.tree.map(  # noqa: E731 - called within this iteration (hence B023 below)
-            lambda x, s: jax.device_put(np.asarray(x), jax.sharding.NamedSharding(mesh, s.spec)), t,  # noqa: B023
-            jax.tree.map(lambda x: x.sharding, t))
-        params, opt_state = put(trainer.params), put(trainer.opt_state)
-        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0] if mesh is one  # noqa: B023
-                                                      else x.sharding), result.batch)
-        model = nnx.merge(trainer.graphdef, params)
-        model.mesh = None if mesh is one else trainer.mesh  # the graphdef carries where activations live
-        graphdef = nnx.graphdef(model)
+    for graphdef, params, opt_state, batch in placed_on_mesh_and_one_device(trainer, result.batch):
         scores = train_step.score(graphdef, params, batch, temperature=1.0, micro=2)
         mini = train_step.MiniBatch(batch, old_logp_BxT=scores.logp_BxT, ref_logp_BxT=scores.logp_BxT,
                                     advantages_B=jnp.asarray(np.asarray(result.signal["advantages"])))
