@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--programs", choices=("all", "largest"), default="all",
                      help="with --compile: every shape a run reaches (default), or only the largest shape of each "
                      "program, which bounds the others' memory and compiles much faster")
+    cli.add_argument("--threads", type=int, default=1,
+                     help="with --compile: compile this many programs at once (each compile takes one core and a few "
+                     "GiB of memory; default 1)")
     cli.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
     args = cli.parse_args(argv)
     if args.devices < 1:
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             from g2rl_jax.aot.check import check
 
-            fits, text = check(cfg, model, target, args.programs)
+            fits, text = check(cfg, model, target, args.programs, threads=args.threads)
             print("\n" + text)
             return 0 if fits else 1
     except (ConfigError, PlanError, TargetError) as err:

@@ -40,11 +40,13 @@ def long_budget(model):
     return r, engine.TRACE_COUNTS - before
 
 
-def test_long_budget_compacts_and_grows(long_budget):
+def test_long_budget_compacts_and_grows(long_budget, first_capacity_16):
     r, traced = long_budget
     lengths = np.array(list(map(len, r.completion_ids)))
     assert r.finish_reasons == ["stop"] * 32 and 1 < np.median(lengths) < 40 and lengths.max() > 32, lengths
     assert traced["live_rows"] >= 2 and traced["regroup"] >= 2, traced  # the batch shrank and the cache grew
+    # the segments' (rows, capacity), as the compile report predicts them from the lengths alone
+    assert len(set(r.segments)) > 3 and list(r.segments) == engine.decode_schedule(lengths, 32, 192, 1), r.segments
     assert r.decode_steps == lengths.max() and r.completion_ids_BxT.shape[1] == batching.new_tokens_bucket(
         int(lengths.max()))
 
@@ -75,6 +77,7 @@ def test_sharded_compaction_samples_the_same(model_dir, long_budget, first_capac
     with jax.set_mesh(mesh):
         r = generate(sharded, PROMPTS, max_new_tokens=24, **KW)
     assert (engine.TRACE_COUNTS - before)["live_rows"] >= 1, "no compaction happened"
+    assert list(r.segments) == engine.decode_schedule(list(map(len, r.completion_ids)), 32, 24, 4), r.segments
     assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
     for b, lp in enumerate(r.logprobs):
         np.testing.assert_allclose(lp, big.logprobs[b][:24], atol=1e-5)

@@ -13,6 +13,7 @@ import sys
 import time
 
 from g2rl_jax import parallel
+from g2rl_jax.aot import first_step
 from g2rl_jax.aot import programs as programs_lib
 from g2rl_jax.aot import report as report_lib
 from g2rl_jax.aot.targets import GiB, Target, tpu_name, tpu_target
@@ -104,7 +105,8 @@ def verdict(cfg: Config, model, target: Target, results: list[report_lib.Result]
                    f"Change: {change}")
 
 
-def check(cfg: Config, model, target: Target, scope: str = "all", progress=None) -> tuple[bool, str]:
+def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
+          threads: int = 1) -> tuple[bool, str]:
     """(fits, report text) of every program of a step of `cfg` compiled for `target` (see the module docstring)."""
     from g2rl_jax.plan import plan
 
@@ -117,17 +119,17 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None)
               f"{target.hbm_gib:.0f} GiB, {target.hosts} host(s), topology {target.topology}, mesh {sizes}")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     say(header)
-    start = time.perf_counter()
-    results = report_lib.compile_programs(progs, say)
-    total = time.perf_counter() - start
+    start, cpu = time.perf_counter(), time.process_time()
+    results = report_lib.compile_programs(progs, say, threads)
+    total, cpu = time.perf_counter() - start, time.process_time() - cpu
     fits, line = verdict(cfg, model, target, results)
     passes_s, decode_s = report_lib.step_time_estimate(cfg, model, shapes, target)
     lines = [header, "", *report_lib.table(results, target), "",
              "planner vs compiler, peak per chip by phase (program + state resident beside it):",
              *report_lib.planner_rows(plan(cfg, model, target.chips), results), "",
-             f"total compile time: {total:.1f} s for {len(progs)} programs, "
-             f"{sum(r.cpu_seconds for r in results):.1f} s of CPU "
+             f"total compile time: {total:.1f} s for {len(progs)} programs on {threads} thread(s), {cpu:.1f} s of CPU "
              f"(rollout {sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s)",
+             *first_step.report_lines(cfg, shapes, results, scope),
              f"step time, an ESTIMATE from the FLOP model (every response at the budget): score, reference and "
              f"update {passes_s:.1f} s at {report_lib.ESTIMATE_MFU:.0%} MFU of {target.peak_tflops:.0f} TFLOP/s per "
              f"chip; decode at least {decode_s:.1f} s at {target.hbm_gbps:.0f} GB/s HBM bandwidth",

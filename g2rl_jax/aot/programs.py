@@ -135,6 +135,7 @@ def abstract_policy(model: Qwen3Config, runtime, mesh, build: Callable[[], nnx.M
 class StepShapes:
     """The worst-case sizes of one step on a mesh (as the sampler and the micro-batching bucket them)."""
 
+    shards: int  # how many ways the batch rows are split over the mesh
     prompts: int  # P: prompt rows of the rollout, bucketed and a multiple of the batch shards
     prompt_len: int  # S: the largest prompt bucket
     new_tokens: int  # T: KV slots of the budget
@@ -155,7 +156,7 @@ def step_shapes(cfg: Config, mesh) -> StepShapes:
     buckets = [prompts * m]
     while buckets[-1] // 2 >= shards and t > engine.COMPACT_MIN_STEPS:
         buckets.append(engine.batch_bucket(buckets[-1] // 2, shards))
-    return StepShapes(prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
+    return StepShapes(shards=shards, prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
                                                                   batching.MIN_PROMPT_BUCKET),
                       new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
                       capacities=engine.capacity_ladder(t), buckets=tuple(buckets),

@@ -11,4 +11,5 @@ BENCHMARKS = {
     "verify": "g2rl_jax.bench.verify",     # answers verified per second per core (issue: rewards)
     "step": "g2rl_jax.bench.step",         # RL step split: rollout / rewards / scoring / update (issue: training)
     "update": "g2rl_jax.bench.update",     # the PPO update alone: time and MFU per remat / micro / dtype setting
+    "compile": "g2rl_jax.bench.compile",   # compile seconds of a step's programs, per program and per thread count
 }

@@ -51,6 +51,8 @@ class Rollout:
       completion_lengths: int32 [B].
     decode_steps: length of the longest completion, i.e. how many tokens the decode loop generated before every
       sample had stopped (or max_new_tokens).
+    segments: (batch rows, cache capacity) of each decode segment, in order: the compiled shapes it ran
+      (engine.decode_schedule predicts them from the completion lengths).
     """
 
     completion_ids: list[list[int]]
@@ -64,6 +66,7 @@ class Rollout:
     logprobs_BxT: np.ndarray
     completion_lengths: np.ndarray
     decode_steps: int
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 def _active_mesh(mesh):
@@ -101,7 +104,7 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
         outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=len(prompts),
                           num_samples=num_samples, temperature=temperature, top_p=top_p,
                           stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens)
-    outs, decode_steps = outs  # decode_steps: the longest completion over the global batch (every process)
+    outs, decode_steps, segments = outs  # decode_steps: the longest completion over the global batch (every process)
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
     width = min(batching.new_tokens_bucket(decode_steps), sizes.new_tokens)  # decode_steps >= 1: token 0 is drawn
@@ -110,8 +113,9 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     last_B = tokens_BxT[np.arange(len(lengths_B)), lengths_B - 1]
     stopped_B = np.isin(last_B, np.asarray(list(stop_token_ids), np.int64))  # a sample stops on its stop token
     sample_prompt_B = np.repeat(np.arange(len(prompts)), num_samples)[rows]
-    return _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
-                     lengths_B, stopped_B, decode_steps)
+    rollout = _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
+                        lengths_B, stopped_B, decode_steps)
+    return dataclasses.replace(rollout, segments=tuple(segments))
 
 
 def _spans_processes(mesh) -> bool:
@@ -136,7 +140,8 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
                temperature, top_p, stop_token_ids, seed, max_new_tokens):
     """Place parameters and prompts on `mesh`, prefill once, decode segment by segment (see engine.py):
-    (tokens [B, T], log-probs [B, T], lengths [B]) as device arrays and the decode steps taken."""
+    (tokens [B, T], log-probs [B, T], lengths [B]) as device arrays, the decode steps taken and the segments'
+    (rows, capacity)."""
     cfg = model.config
     G, L, shards = cfg.num_key_value_heads, cfg.num_hidden_layers, engine.batch_shards(mesh)
     graphdef, state = nnx.split(model)
@@ -151,24 +156,24 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, jnp.int32(num_real_prompts * num_samples),
                                num_samples=num_samples, new_tokens=sizes.new_tokens, spec=spec)
     layers = engine.decode_layers_fn(mesh)(graphdef, state)
-    t, level, per_prefix = 1, 0, num_samples
-    while True:
+    t, level, per_prefix, segments = 1, 0, num_samples, []
+    while True:  # engine.decode_schedule predicts the (rows, capacity) of each segment from the lengths
         rows = ds.last_X.shape[0]
-        compactable = rows // 2 >= shards and max_new_tokens - t > engine.COMPACT_MIN_STEPS
-        min_live = rows // 2 if compactable else -1  # end the segment once half the rows could go
-        t_end = min(ladder[level] + 1, max_new_tokens)
+        t_end, min_live = engine.segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
+        segments.append((rows, ladder[level]))
         ds, suffix, t_dev, live_dev = engine.segment_fn(mesh, G, L)(
             graphdef, state, layers, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,
             top_p, stops, spec=spec)
         t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
-        if live == 0 or t >= max_new_tokens:
-            return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t
+        step = engine.next_shape(rows, t, live, min_live, level, ladder, max_new_tokens, shards)
+        if step is None:
+            return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t, segments
         keep_X = None
-        if live <= min_live:  # compact: live rows into a smaller bucket, each with its own prompt prefix
-            ds, keep_X = engine.compact(mesh, ds, engine.batch_bucket(live, shards))
+        if step[0] < rows:  # compact: live rows into a smaller bucket, each with its own prompt prefix
+            ds, keep_X = engine.compact(mesh, ds, step[0])
             prefix = _take_prefix_rows(mesh, G, prefix, keep_X // per_prefix)
             per_prefix = 1
-        level += t > ladder[level]  # the cache is full: move to the next capacity
+        level = step[1]  # the next capacity when the cache is full
         suffix = _regroup(engine.regroup_fn(mesh, G), suffix, keep_X, ladder[level])
 
 
