@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--threads", type=int, default=1,
                      help="with --compile: compile this many programs at once (each compile takes one core and a few "
                      "GiB of memory; default 1)")
+    cli.add_argument("--only", action="append", default=[], metavar="TEXT",
+                     help="with --compile: only the programs whose name contains TEXT (repeatable), e.g. to finish "
+                     "a check that was cut short")
     cli.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
     args = cli.parse_args(argv)
     if args.devices < 1:
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             from g2rl_jax.aot.check import check
 
-            fits, text = check(cfg, model, target, args.programs, threads=args.threads)
+            fits, text = check(cfg, model, target, args.programs, threads=args.threads, only=tuple(args.only))
             print("\n" + text)
             return 0 if fits else 1
     except (ConfigError, PlanError, TargetError) as err:

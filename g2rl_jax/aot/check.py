@@ -105,17 +105,24 @@ def verdict(cfg: Config, model, target: Target, results: list[report_lib.Result]
                    f"Change: {change}")
 
 
-def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
-          threads: int = 1) -> tuple[bool, str]:
-    """(fits, report text) of every program of a step of `cfg` compiled for `target` (see the module docstring)."""
+def check(cfg: Config, model, target: Target, scope: str = "all", progress=None, threads: int = 1,
+          only: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """(fits, report text) of every program of a step of `cfg` compiled for `target` (see the module docstring);
+    `only`: just the programs whose name contains one of these strings (the verdict then covers those)."""
     from g2rl_jax.plan import plan
 
     sizes = resolve_mesh(cfg, target.chips)
     check_divisible(model, sizes)
     mesh = parallel.make_mesh(cfg.mesh, target.devices())
     progs = programs_lib.step_programs(cfg, model, mesh, scope=scope)
+    if only:
+        progs = [p for p in progs if any(text in p.name for text in only)]
+        if not progs:
+            raise ConfigError(f"--only {list(only)}: no program of this step is named so; see the names that "
+                              "--programs largest prints")
     shapes = programs_lib.step_shapes(cfg, mesh)
-    header = (f"compiling {len(progs)} programs ({scope}) for {target.name}: {target.chips} chips of "
+    picked = f"{scope}, only {list(only)}" if only else scope
+    header = (f"compiling {len(progs)} programs ({picked}) for {target.name}: {target.chips} chips of "
               f"{target.hbm_gib:.0f} GiB, {target.hosts} host(s), topology {target.topology}, mesh {sizes}")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     say(header)
