@@ -13,13 +13,27 @@ holds the GIL) and of compiling, the process's CPU seconds meanwhile (its own wi
 threads of its own, so a thread's CPU clock would miss them) and the compiler's temporary bytes per device;
 then the wall clock, the process's CPU seconds and how many XLA compiles the pool ran (jax.monitoring), which
 equals the programs picked when none compiled twice. Leave the persistent compilation cache off for this.
+
+    python -m g2rl_jax.bench compile --config configs/demo.yaml --relaunch                     # a relaunch, for real
+
+--relaunch answers what JAX's persistent compilation cache (run.compilation_cache_dir) saves a relaunch: it runs
+the trainer (`python -m g2rl_jax.train`, one step, no validation, a fresh run directory each time) as separate
+processes: once untimed (it builds a demo model and warms the file cache), then with the cache off, with an empty
+cache directory (the first launch, which fills it) and again with that directory (the relaunch). Per launch: the
+seconds from starting the process to its first step's metrics line (time to first step, watched from outside),
+the step's own seconds (its rollout, reward, score and update stages, from metrics.jsonl) and the cache's files.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from g2rl_jax.bench.step import COMPILE_EVENT
 
@@ -31,6 +45,8 @@ def _args(argv):
     p.add_argument("--target", help="a TPU slice as gcloud names it (v5p-8, ...); default: this process's devices")
     p.add_argument("--match", action="append", default=[], help="compile the programs whose name contains this")
     p.add_argument("--threads", action="append", type=int, default=[], help="compile threads (repeatable; default 1)")
+    p.add_argument("--relaunch", action="store_true",
+                   help="instead, launch the trainer for one step: cache off, empty cache, the same cache again")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
     return p.parse_args(argv)
 
@@ -40,7 +56,51 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _launch(cmd: list[str], run_dir: Path, log: Path) -> tuple[float, float, dict]:
+    """(seconds to the first metrics line, seconds to exit, that line) of the trainer run as `cmd`."""
+    metrics = run_dir / "metrics.jsonl"
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        first_s = None
+        while proc.poll() is None:
+            if first_s is None and metrics.exists() and metrics.read_text().endswith("\n"):
+                first_s = time.perf_counter() - start
+            time.sleep(0.05)  # watching from outside: the trainer has no hook for this
+    wall = time.perf_counter() - start
+    if proc.returncode != 0 or not metrics.exists():
+        raise SystemExit(f"bench compile error: the trainer failed (exit {proc.returncode}); see {log}")
+    line = json.loads(metrics.read_text().splitlines()[0])
+    return (first_s if first_s is not None else wall), wall, line
+
+
+def relaunch(config: str, overrides: list[str]) -> int:
+    """The --relaunch measurement (module docstring)."""
+    tmp = Path(tempfile.mkdtemp(prefix="g2rl_relaunch_"))
+    cache = tmp / "cache"
+    base = [sys.executable, "-m", "g2rl_jax.train", "--config", config, "run.total_steps=1", "run.eval_every=0",
+            "run.loggers=jsonl", *overrides]
+    launches = [("untimed (builds the model)", ""), ("cache off", ""), ("first launch, empty cache", str(cache)),
+                ("relaunch, same cache", str(cache))]
+    print(f"trainer launches of {config} {' '.join(overrides)} (logs under {tmp})\n"
+          f"| launch | to first step s | process s | step s (rollout + reward + score + update) | cache files |\n"
+          f"|{'---|' * 5}", flush=True)
+    for i, (name, directory) in enumerate(launches):
+        run_dir = tmp / f"run{i}"
+        first_s, wall, line = _launch([*base, f"run.output_dir={run_dir}", f"run.compilation_cache_dir={directory}"],
+                                      run_dir, tmp / f"launch{i}.log")
+        step_s = sum(line[k] for k in ("rollout_seconds", "reward_seconds", "score_seconds", "update_seconds"))
+        files = sum(1 for f in cache.rglob("*") if f.is_file()) if cache.exists() else 0
+        if i:
+            print(f"| {name} | {first_s:.1f} | {wall:.1f} | {step_s:.1f} | {files} |", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    a = _args(argv)
+    if a.relaunch:
+        return relaunch(a.config, a.overrides)
     import jax
 
     from g2rl_jax import parallel
@@ -49,7 +109,6 @@ def main(argv: list[str]) -> int:
     from g2rl_jax.plan import model_config
     from g2rl_jax.train import warmup
 
-    a = _args(argv)
     cfg = load_config(a.config, a.overrides)
     model, source = model_config(cfg, a.preset)
     devices = parse_target(a.target).devices() if a.target else jax.devices()

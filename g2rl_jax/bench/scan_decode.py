@@ -9,7 +9,9 @@ run-time cost? `Qwen3.decode_step` unrolls its layers so that each layer's suffi
 in place and read where it lies. A scan needs the cache stacked [layers, ...] and carried through the loop: the
 write is an in-place dynamic-update-slice of the carried buffer, but the read of layer i's slice is a
 dynamic-slice, which XLA may copy. The compiled program's temporary bytes say whether it does: a copy shows up as
-about one layer's K and V cache per chip more than the unrolled segment. Both programs are
+one layer's K and V cache per chip or more above the unrolled segment's. (Measured at 1.7B on v5p-8, docs/tpu.md:
+the scan compiles in half the time but holds most of the suffix cache again in temporaries, and at 8,192 slots it
+runs out of HBM.) Both programs are
 `engine._segment` (the same while loop, sampling and bookkeeping), jitted alike (the suffix and the decode state
 donated), over abstract inputs with the trainer's shardings; the scanned one swaps `Qwen3.decode_step` for a scan
 over stacked layers, caches and weights while it is lowered. Nothing runs: a compile for --target (or this
@@ -99,6 +101,7 @@ def main(argv: list[str]) -> int:
     from g2rl_jax.aot import parse_target
     from g2rl_jax.aot.programs import Abstract, abstract_policy, decode_layers, step_shapes
     from g2rl_jax.config import load_config
+    from g2rl_jax.memory import shards
     from g2rl_jax.plan import model_config
     from g2rl_jax.rollout import engine
     from g2rl_jax.rollout.sampling import spec_for
@@ -143,14 +146,50 @@ def main(argv: list[str]) -> int:
             return fn.lower(graphdef, params, stacked_w, PrefixCache(stacked_pre, stacked_pre, mask, lengths),
                             SuffixCache(stacked_suf, stacked_suf), ds, *scalars, spec=spec)
 
-    layer_kv = 2 * rows * G * capacity * K * kv_dtype.itemsize / engine.batch_shards(mesh)
+    layer_kv = 2 * rows * G * capacity * K * kv_dtype.itemsize / (shards("batch", dict(mesh.shape))
+                                                                 * shards("kv_heads", dict(mesh.shape)))
     print(f"decode segment {rows} rows x {capacity} slots, {source}, {a.target or devices[0].device_kind}, "
           f"mesh {dict(mesh.shape)}; one layer's K and V cache: {layer_kv / 2**30:.3f} GiB per device")
     print(f"| layer loop | compile s | CPU s | args GiB | out GiB | alias GiB | temp GiB |\n|{'---|' * 7}")
+    temps = {}
     for name, lower in (("unrolled", lower_unrolled), ("scan", lower_scanned)):
-        compiled, wall, cpu = _compile(lower)
+        try:
+            compiled, wall, cpu = _compile(lower)
+        except jax.errors.JaxRuntimeError as err:  # e.g. RESOURCE_EXHAUSTED: the compiler's own line says why
+            print(f"| {name} | failed: {str(err).splitlines()[0]} |||||", flush=True)
+            return 1
         m = compiled.memory_analysis()
+        temps[name] = m.temp_size_in_bytes
         print(f"| {name} | {wall:.1f} | {cpu:.1f} | {m.argument_size_in_bytes / 2**30:.3f} | "
               f"{m.output_size_in_bytes / 2**30:.3f} | {m.alias_size_in_bytes / 2**30:.3f} | "
               f"{m.temp_size_in_bytes / 2**30:.3f} |", flush=True)
+    if a.target:
+        print(roofline(cfg, model, a.target, prompts, s.prompt_len, rows, capacity, layer_kv,
+                       temps["scan"] - temps["unrolled"]))
     return 0
+
+
+def roofline(cfg, model, target_name, prompts, prompt_len, rows, capacity, layer_kv, extra_temp) -> str:
+    """The HBM roofline of one decode step of this segment, per chip: the decode weights (gathered over fsdp, as
+    the compiled segment holds them) and the whole prefix and suffix cache read once. Both layer loops do the same
+    FLOPs and read the same bytes, unless the scan copies each layer's cache slice out of the stacked buffer (read
+    and write one layer's K and V: twice the suffix cache per step more); the compiler's temporaries say whether it
+    keeps such a copy (about one layer's K and V more)."""
+    from g2rl_jax.aot import parse_target
+    from g2rl_jax.memory import decode_weight_bytes, gathered_decode_weight_bytes, kv_token_bytes, resolve_mesh, shards
+
+    target = parse_target(target_name)
+    sizes = resolve_mesh(cfg, target.chips)
+    weights = max(decode_weight_bytes(cfg, model, sizes), gathered_decode_weight_bytes(cfg, model, sizes))
+    per_chip = shards("batch", sizes) * shards("kv_heads", sizes)
+    kv = model.num_hidden_layers * (prompts * prompt_len + rows * capacity) * kv_token_bytes(cfg, model) / per_chip
+    step_s = (weights + kv) / (target.hbm_gbps * 1e9)
+    copy_s = 2 * model.num_hidden_layers * layer_kv / (target.hbm_gbps * 1e9)
+    copied = "yes" if extra_temp >= 0.5 * layer_kv else "no"
+    suffix = model.num_hidden_layers * layer_kv
+    return (f"roofline per decode step at {target.hbm_gbps:.0f} GB/s, per chip: {weights / 2**30:.2f} GiB of decode "
+            f"weights + {kv / 2**30:.2f} GiB of cache = {step_s * 1e3:.1f} ms, the same for both layer loops (same "
+            f"FLOPs and bytes); if the scan copies each layer's cache slice (read and write the suffix cache once "
+            f"more per step): +{copy_s * 1e3:.1f} ms (+{copy_s / step_s:.0%}). Scanned temporaries - unrolled: "
+            f"{extra_temp / 2**30:+.3f} GiB against one layer's K and V of {layer_kv / 2**30:.3f} GiB and the suffix "
+            f"cache's {suffix / 2**30:.3f} GiB: a copy held, {copied}")
