@@ -1,0 +1,47 @@
+"""aot/first_step.py: the programs a step meets are programs the compile check lists (by name), so the time to first
+step prices each one at its own compile seconds when `--programs all` compiled it, and the decode segments it counts
+are those the sampler's decode loop runs (engine.decode_schedule, checked against generate in
+tests/test_rollout_segments.py)."""
+import jax
+import pytest
+
+from g2rl_jax import parallel
+from g2rl_jax.aot import first_step
+from g2rl_jax.aot import programs as programs_lib
+from g2rl_jax.config import MeshConfig, load_config
+from g2rl_jax.plan import model_config
+from g2rl_jax.rollout import engine
+
+
+@pytest.fixture(scope="module")
+def paper_step():
+    """The 1.7B config's step on 4 CPU devices (fsdp 4, as on v5p-8): config, shapes, every program's name."""
+    cfg = load_config("configs/qwen3_1p7b_g2rl.yaml", ["model.path=unused"])
+    model, _ = model_config(cfg, "qwen3-1.7b")
+    mesh = parallel.make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4])
+    names = {p.name for p in programs_lib.step_programs(cfg, model, mesh, scope="all")}
+    return cfg, programs_lib.step_shapes(cfg, mesh), names
+
+
+def test_every_program_a_step_meets_is_one_the_check_compiles(paper_step):
+    cfg, s, names = paper_step
+    for seed in range(3):
+        lengths = first_step.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, seed)
+        meets = first_step.step_meets(cfg, s, lengths)
+        assert meets.names <= names, sorted(meets.names - names)
+        segments = {n for n in meets.names if n.startswith("decode segment")}
+        schedule = engine.decode_schedule(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards)
+        assert segments == {f"decode segment {r} rows x {c} slots" for r, c in schedule}
+        assert lengths.max() == cfg.rollout.max_new_tokens  # the longest response at the budget
+
+
+def test_later_steps_compile_only_new_shapes(paper_step):
+    cfg, s, _ = paper_step
+    firsts = first_step.first_steps(cfg, s, steps=4)
+    seen = set()
+    for meets in firsts:
+        assert not meets.names & seen
+        seen |= meets.names
+    union = set().union(*(first_step.step_meets(cfg, s, first_step.long_tailed_lengths(
+        s.step_rows, cfg.rollout.max_new_tokens, i)).names for i in range(4)))
+    assert seen == union
