@@ -33,6 +33,19 @@ def test_every_program_a_step_meets_is_one_the_check_compiles(paper_step):
         schedule = engine.decode_schedule(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards)
         assert segments == {f"decode segment {r} rows x {c} slots" for r, c in schedule}
         assert lengths.max() == cfg.rollout.max_new_tokens  # the longest response at the budget
+        # the steps each segment runs add up to the decode loop's (token 0 comes from the prefill's logits)
+        steps = [n for _, _, n in engine.decode_segments(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards)]
+        assert min(steps) >= 1 and sum(steps) == lengths.max() - 1, steps
+
+
+def test_a_higher_first_capacity_runs_fewer_segments(paper_step):
+    cfg, s, _ = paper_step
+    lengths = first_step.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, 0)
+    runs = {first: engine.decode_segments(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards, first)
+            for first in (128, 512)}
+    assert runs[512][0][1] == 512 and len(runs[512]) == len(runs[128]) - 2  # 128 and 256 are skipped
+    assert [c for _, c, _ in runs[128]] == [c for _, c, _ in engine.decode_segments(
+        lengths, s.rows, cfg.rollout.max_new_tokens, s.shards)]  # the default is FIRST_CAPACITY = 128
 
 
 def test_later_steps_compile_only_new_shapes(paper_step):

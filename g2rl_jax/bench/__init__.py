@@ -13,4 +13,5 @@ BENCHMARKS = {
     "update": "g2rl_jax.bench.update",     # the PPO update alone: time and MFU per remat / micro / dtype setting
     "compile": "g2rl_jax.bench.compile",   # compile seconds of a step's programs, per program and per thread count
     "scan_decode": "g2rl_jax.bench.scan_decode",  # the decode segment's layers unrolled vs scanned: compile, memory
+    "ladder": "g2rl_jax.bench.ladder",     # the KV capacity ladder's first capacity: segments vs decode roofline
 }

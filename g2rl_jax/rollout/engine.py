@@ -73,10 +73,10 @@ def batch_shards(mesh) -> int:
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in DEFAULT_RULES.mesh_axes("batch"))
 
 
-def capacity_ladder(new_tokens: int) -> tuple[int, ...]:
-    """Suffix capacities a decode walks through: FIRST_CAPACITY doubling, the last one `new_tokens` (the bucketed
-    budget). A step at position t reads at most max(FIRST_CAPACITY, 2t) slots."""
-    ladder = [min(FIRST_CAPACITY, new_tokens)]
+def capacity_ladder(new_tokens: int, first: int = 0) -> tuple[int, ...]:
+    """Suffix capacities a decode walks through: `first` (default FIRST_CAPACITY) doubling, the last one `new_tokens`
+    (the bucketed budget). A step at position t reads at most max(first, 2t) slots."""
+    ladder = [min(first or FIRST_CAPACITY, new_tokens)]
     while ladder[-1] < new_tokens:
         ladder.append(min(2 * ladder[-1], new_tokens))
     return tuple(ladder)
@@ -110,15 +110,23 @@ def decode_schedule(lengths_B, rows: int, max_new_tokens: int, shards: int) -> l
     """(rows, capacity) of each segment `generate` runs when its samples draw lengths_B tokens each (the stop token
     included; a sample at max_new_tokens never stops), starting from `rows` rows (the bucketed prompts x samples,
     dummies stopped): the decode loop of generate.py, with each segment's stopping step worked out on the host."""
+    return [(r, c) for r, c, _ in decode_segments(lengths_B, rows, max_new_tokens, shards)]
+
+
+def decode_segments(lengths_B, rows: int, max_new_tokens: int, shards: int,
+                    first_capacity: int = 0) -> list[tuple[int, int, int]]:
+    """decode_schedule's segments with the decode steps each runs: (rows, capacity, steps); `first_capacity` the
+    ladder's first capacity (default FIRST_CAPACITY)."""
     lengths_B = np.sort(np.asarray(lengths_B))
-    ladder = capacity_ladder(new_tokens_bucket(max_new_tokens))
+    ladder = capacity_ladder(new_tokens_bucket(max_new_tokens), first_capacity)
     t, level, out = 1, 0, []
     while True:
-        out.append((rows, ladder[level]))
+        start = t
         t_end, min_live = segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
         live = lambda t: int(len(lengths_B) - np.searchsorted(lengths_B, t, side="right"))  # noqa: E731 n_b > t
         while t < t_end and live(t) > 0 and live(t) > min_live:
             t += 1
+        out.append((rows, ladder[level], t - start))
         step = next_shape(rows, t, live(t), min_live, level, ladder, max_new_tokens, shards)
         if step is None:
             return out
