@@ -15,6 +15,9 @@ CASES = {
     "update": (["--preset", "tiny", "--rows", "4", "--prompt-len", "8", "--response-len", "32", "--iters", "1",
                 "--long-tail", "--variant", "micro=2"], ["update s", "tokens/s", "resp MFU", "long-tailed / equal"]),
     "verify": (["--n", "12", "--latency-n", "4"], ["checks/s/core", "worst-case time of one check"]),
+    "ladder": (["--config", "configs/qwen3_1p7b_g2rl.yaml", "--preset", "qwen3-1.7b", "--target", "v5p-8", "--first",
+                "128", "--first", "512", "--steps", "2", "model.path=unused"],
+               ["decode roofline s per step", "| 128 | 12 |", "| 512 | 10 |"]),
 }
 
 

@@ -82,7 +82,7 @@ def relaunch(config: str, overrides: list[str]) -> int:
             "run.loggers=jsonl", *overrides]
     launches = [("untimed (builds the model)", ""), ("cache off", ""), ("first launch, empty cache", str(cache)),
                 ("relaunch, same cache", str(cache))]
-    print(f"trainer launches of {config} {' '.join(overrides)} (logs under {tmp})\n"
+    print(f"trainer launches of {config} {' '.join(overrides)} (logs under {tmp}, kept if a launch fails)\n"
           f"| launch | to first step s | process s | step s (rollout + reward + score + update) | cache files |\n"
           f"|{'---|' * 5}", flush=True)
     for i, (name, directory) in enumerate(launches):
