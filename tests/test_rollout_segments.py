@@ -11,7 +11,7 @@ from flax import nnx
 
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.parallel import MeshConfig, make_mesh
-from g2rl_jax.rollout import batching, engine, generate, logprob_drift
+from g2rl_jax.rollout import batching, engine, generate, logprob_drift, prewarm
 from g2rl_jax.rollout.sampling import spec_for
 
 from _helpers import tiny_qwen3_fixtures
@@ -155,3 +155,27 @@ def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
     assert short.finish_reasons.count("stop") >= 20 and calls == [], (short.finish_reasons, calls)
     generate(model, PROMPTS, max_new_tokens=24, **kw)
     assert calls, "budget 24 should compact"
+
+
+def test_prewarm_compiles_every_reachable_segment_in_the_pool(model_dir, long_budget, first_capacity_16):
+    """compile_threads=2 on the sharded mesh (4 row shards, budget 24: capacities 16 and 32 x buckets 32, 16, 8, 4):
+    every reachable segment compiles on the pool's threads, the decode loop compiles none, the samples are the
+    same; a second rollout compiles no segment at all."""
+    from test_warmup import Compiles
+
+    big, _ = long_budget
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = load_pretrained(model_dir, mesh=mesh)
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp, jax.set_mesh(mesh):
+        mp.setattr(prewarm, "WARMED", set())
+        with Compiles() as compiles:
+            r = generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **KW)
+        reachable = len(engine.capacity_ladder(32)) * len(engine.batch_buckets(32, 4, 24))
+        assert reachable == 8 and len(prewarm.WARMED) == reachable
+        assert compiles.by[("_segment", True)] == reachable and compiles.by[("_segment", False)] == 0, compiles.by
+        assert len(set(r.segments)) >= 3, r.segments  # the loop met several of them
+        assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
+        with Compiles() as again:
+            generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **{**KW, "seed": 5})
+        assert again.by[("_segment", True)] == again.by[("_segment", False)] == 0, again.by

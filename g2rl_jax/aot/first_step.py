@@ -15,9 +15,11 @@ moves, micro-batch gathers and scatters) are counted apart from the named ones.
 
 The estimate prices each program met at its own compile seconds when it was compiled (`--programs all`), else at
 the seconds of the compiled program of its kind (`--programs largest`: an estimate, labelled as such), and gives
-both the one-at-a-time sum (what the step pays without a warm-up) and the step with train/warmup.py's concurrent
-compile of the score, reference and update programs on N threads (their lowering, which holds the GIL, summed;
-their compiles spread over the threads, never less than the longest).
+both the one-at-a-time sum (what the step pays without a warm-up) and the step with the warm-ups on N threads:
+rollout/prewarm.py compiles every reachable decode segment right after the prefill (when they fit in
+prewarm.ROUNDS rounds of N; else the segments the step meets compile one at a time), train/warmup.py the score,
+reference and update programs after the rollout; in each, the lowering (which holds the GIL) summed and the
+compiles spread over the threads, never less than the longest.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from g2rl_jax.aot.programs import StepShapes
 from g2rl_jax.config import Config
-from g2rl_jax.rollout import engine
+from g2rl_jax.rollout import engine, prewarm
 from g2rl_jax.rollout.batching import new_tokens_bucket
 from g2rl_jax.train import micro as micro_lib
 
@@ -102,9 +104,16 @@ class Estimate:
     by_kind: dict[str, int]  # programs met per kind
 
 
-def estimate(meets: StepMeets, results, threads=(8, 32)) -> Estimate:
+def _pool(programs, threads: int) -> float:
+    """Seconds to lower `programs` (report.Results) one at a time and compile them on `threads` threads."""
+    compile_s = [r.seconds - r.lower_seconds for r in programs]
+    return sum(r.lower_seconds for r in programs) + max(max(compile_s, default=0.0), sum(compile_s) / threads)
+
+
+def estimate(meets: StepMeets, results, threads=(8, 32), segments: int = 0) -> Estimate:
     """Compile seconds of the programs `meets` names, from `results` (report.Result of the compiled programs):
-    each program's own seconds, or its kind's (the most expensive compiled program of that kind)."""
+    each program's own seconds, or its kind's (the most expensive compiled program of that kind); `segments`: the
+    decode segments a run can reach (rollout/prewarm.py compiles them all, with enough threads)."""
     by_name = {r.program.name: r for r in results if r.error is None}
     by_kind: dict[str, object] = {}
     for r in by_name.values():
@@ -119,10 +128,11 @@ def estimate(meets: StepMeets, results, threads=(8, 32)) -> Estimate:
     small_s = len(meets.small) * (small.seconds if small else 0.0)
     serial = sum(r.seconds for r in seconds.values()) + small_s
     warmed = [r for n, r in seconds.items() if kinds[n] in WARMED]
-    rest = serial - sum(r.seconds for r in warmed)
-    lower = sum(r.lower_seconds for r in warmed)
-    compile_s = [r.seconds - r.lower_seconds for r in warmed]
-    warm = {n: rest + lower + max(max(compile_s, default=0.0), sum(compile_s) / n) for n in threads}
+    met_segments = [r for n, r in seconds.items() if kinds[n] == "segment"]
+    rest = serial - sum(r.seconds for r in warmed) - sum(r.seconds for r in met_segments)
+    reachable = [by_kind["segment"]] * segments if "segment" in by_kind else []
+    warm = {n: rest + _pool(warmed, n) + (_pool(reachable, n) if 0 < segments <= prewarm.ROUNDS * n
+                                          else sum(r.seconds for r in met_segments)) for n in threads}
     counts: dict[str, int] = {}
     for k in kinds.values():
         counts[k] = counts.get(k, 0) + 1
@@ -162,7 +172,7 @@ def report_lines(cfg: Config, s: StepShapes, results, scope: str, threads=(8, 32
         priced = sum(n * by_kind[k].seconds for k, n in counts.items() if k in by_kind)
         run = f"~{priced:,.0f} s, an ESTIMATE at the seconds of each kind's program above"
     firsts = first_steps(cfg, s, steps)
-    est = estimate(firsts[0], results, threads)
+    est = estimate(firsts[0], results, threads, segments=counts.get("segment", 0))
     label = "" if est.measured else ", an ESTIMATE at the seconds of each kind's program above"
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(est.by_kind.items(), key=lambda kv: -kv[1]))
     warm = " / ".join(f"~{sec:,.0f} s on {n} threads" for n, sec in est.warm_s.items())
@@ -170,6 +180,8 @@ def report_lines(cfg: Config, s: StepShapes, results, scope: str, threads=(8, 32
     return [f"programs a run can reach: {sum(counts.values())} ({run})",
             f"time to first step: a step of long-tailed responses (bench update --long-tail's lengths: mean "
             f"{cfg.rollout.max_new_tokens // 4}, the longest at the budget) compiles {est.programs} programs ({kinds}) "
-            f"and {est.small} small ones: ~{est.serial_s:,.0f} s one at a time{label}; with the score, reference "
-            f"and update programs compiled concurrently (train/warmup.py): {warm}",
+            f"and {est.small} small ones: ~{est.serial_s:,.0f} s one at a time{label}; with the warm-ups "
+            f"(rollout/prewarm.py: all {counts.get('segment', 0)} reachable decode segments when they fit in "
+            f"{prewarm.ROUNDS} rounds of the threads; train/warmup.py: the score, reference and update programs): "
+            f"{warm}",
             f"the next {steps - 1} steps compile {later} more programs each (new shapes)"]

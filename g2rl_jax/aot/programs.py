@@ -153,13 +153,10 @@ def step_shapes(cfg: Config, mesh) -> StepShapes:
     prompts = -(-batching.bucket(cfg.data.prompts_per_step, 1) // shards) * shards
     m = cfg.rollout.num_samples
     t = batching.new_tokens_bucket(cfg.rollout.max_new_tokens)
-    buckets = [prompts * m]
-    while buckets[-1] // 2 >= shards and t > engine.COMPACT_MIN_STEPS:
-        buckets.append(engine.batch_bucket(buckets[-1] // 2, shards))
     return StepShapes(shards=shards, prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
                                                                   batching.MIN_PROMPT_BUCKET),
                       new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
-                      capacities=engine.capacity_ladder(t), buckets=tuple(buckets),
+                      capacities=engine.capacity_ladder(t), buckets=engine.batch_buckets(prompts * m, shards, t),
                       micro_rows=micro_lib.row_counts(cfg.algorithm.micro_batch_size, shards),
                       widths=response_widths(t))
 

@@ -88,6 +88,15 @@ def batch_bucket(live: int, shards: int) -> int:
     return shards * (1 << (per_shard - 1).bit_length())
 
 
+def batch_buckets(rows: int, shards: int, new_tokens: int) -> tuple[int, ...]:
+    """Row counts the decode batch can have: `rows`, then each smaller bucket a compaction reaches (none when the
+    budget is too short for a compaction to pay)."""
+    buckets = [rows]
+    while buckets[-1] // 2 >= shards and new_tokens > COMPACT_MIN_STEPS:
+        buckets.append(batch_bucket(buckets[-1] // 2, shards))
+    return tuple(buckets)
+
+
 def segment_bounds(rows: int, t: int, level: int, ladder: tuple[int, ...], max_new_tokens: int,
                    shards: int) -> tuple[int, int]:
     """(t_end, min_live) of the segment that starts at step t with `rows` rows and capacity ladder[level]: it runs

@@ -30,7 +30,7 @@ from jax.sharding import AxisType, Mesh
 
 from g2rl_jax import parallel
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
-from g2rl_jax.rollout import batching, engine
+from g2rl_jax.rollout import batching, engine, prewarm
 from g2rl_jax.rollout.sampling import spec_for
 
 
@@ -82,12 +82,13 @@ def _active_mesh(mesh):
 
 
 def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_samples=1,
-             stop_token_ids=(), seed=0, mesh=None) -> Rollout:
+             stop_token_ids=(), seed=0, mesh=None, compile_threads: int = 1) -> Rollout:
     """Sample `num_samples` completions of each prompt (a list of token-id lists); see `Rollout`.
 
     temperature 0 is greedy; top_k 0 and top_p 1 are off. Raises ValueError on bad input (empty prompt,
     prompt + max_new_tokens beyond max_position_embeddings, max_new_tokens <= 0, top_p outside (0, 1],
-    negative temperature, ...).
+    negative temperature, ...). compile_threads > 1 compiles every decode segment the rollout can reach first,
+    that many at a time, when they fit in a few rounds (rollout/prewarm.py; the samples are the same).
     """
     cfg = model.config
     prompts = batching.validate(
@@ -103,7 +104,8 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=len(prompts),
                           num_samples=num_samples, temperature=temperature, top_p=top_p,
-                          stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens)
+                          stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens,
+                          compile_threads=compile_threads)
     outs, decode_steps, segments = outs  # decode_steps: the longest completion over the global batch (every process)
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
@@ -138,7 +140,7 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
 
 
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
-               temperature, top_p, stop_token_ids, seed, max_new_tokens):
+               temperature, top_p, stop_token_ids, seed, max_new_tokens, compile_threads):
     """Place parameters and prompts on `mesh`, prefill once, decode segment by segment (see engine.py):
     (tokens [B, T], log-probs [B, T], lengths [B]) as device arrays, the decode steps taken and the segments'
     (rows, capacity)."""
@@ -156,12 +158,16 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, jnp.int32(num_real_prompts * num_samples),
                                num_samples=num_samples, new_tokens=sizes.new_tokens, spec=spec)
     layers = engine.decode_layers_fn(mesh)(graphdef, state)
+    segment = engine.segment_fn(mesh, G, L)
+    prewarm.segments(segment, (graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(1), jnp.int32(1),
+                               key, temp, top_p, stops), spec, ladder,
+                     engine.batch_buckets(ds.last_X.shape[0], shards, max_new_tokens), compile_threads)
     t, level, per_prefix, segments = 1, 0, num_samples, []
     while True:  # engine.decode_schedule predicts the (rows, capacity) of each segment from the lengths
         rows = ds.last_X.shape[0]
         t_end, min_live = engine.segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
         segments.append((rows, ladder[level]))
-        ds, suffix, t_dev, live_dev = engine.segment_fn(mesh, G, L)(
+        ds, suffix, t_dev, live_dev = segment(
             graphdef, state, layers, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,
             top_p, stops, spec=spec)
         t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
