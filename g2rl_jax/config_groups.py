@@ -53,9 +53,10 @@ class RunConfig:
                                     "JAX's persistent compilation cache: a relaunch (a resume after a preemption) "
                                     "reads the compiled programs back instead of compiling them again; several hosts "
                                     "need a directory they share, e.g. gs://BUCKET/DIR; \"\" = off")
-    compile_threads: int = _f(0, "compile a step's new score, reference and update programs this many at a time, "
-                              "before the step runs them (train/warmup.py; results unchanged); 0 = one per CPU core "
-                              "up to 32, 1 = each when first called")
+    compile_threads: int = _f(0, "compile this many programs at a time before a step runs them: every reachable "
+                              "decode segment after the first prefill (rollout/prewarm.py, when they fit in 4 rounds), "
+                              "each step's new score, reference and update programs (train/warmup.py); results "
+                              "unchanged; 0 = one per CPU core up to 32, 1 = each when first called")
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
                                   "where step metrics go: jsonl (always; summaries, plots and resume read it), "
                                   "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")

@@ -85,4 +85,5 @@ def test_estimate_prices_each_program_and_the_warm_ups(paper_step):
         else:
             seg = sum(segs)
         assert est.warm_s[n] == pytest.approx(rest + pool + seg), n
+        assert est.unwarmed_segments_s[n] == pytest.approx(rest + pool + sum(segs)), n
     assert reachable == 49 and est.warm_s[32] < est.warm_s[8]  # 49 fit in 4 rounds of 32 threads, not of 8

@@ -99,7 +99,8 @@ class Estimate:
     programs: int  # named programs met
     small: int  # small programs met
     serial_s: float  # compile seconds, one program at a time (lowering included)
-    warm_s: dict[int, float]  # threads -> seconds with the score / reference / update programs compiled concurrently
+    warm_s: dict[int, float]  # threads -> seconds with the warm-ups (decode segments; score, reference, update)
+    unwarmed_segments_s: dict[int, float]  # the same without the decode segments' (they compile when met)
     measured: bool  # every named program's seconds were its own (else some were priced by their kind)
     by_kind: dict[str, int]  # programs met per kind
 
@@ -131,12 +132,14 @@ def estimate(meets: StepMeets, results, threads=(8, 32), segments: int = 0) -> E
     met_segments = [r for n, r in seconds.items() if kinds[n] == "segment"]
     rest = serial - sum(r.seconds for r in warmed) - sum(r.seconds for r in met_segments)
     reachable = [by_kind["segment"]] * segments if "segment" in by_kind else []
-    warm = {n: rest + _pool(warmed, n) + (_pool(reachable, n) if 0 < segments <= prewarm.ROUNDS * n
-                                          else sum(r.seconds for r in met_segments)) for n in threads}
+    met_s = sum(r.seconds for r in met_segments)
+    unwarmed = {n: rest + _pool(warmed, n) + met_s for n in threads}
+    warm = {n: unwarmed[n] - met_s + _pool(reachable, n) if 0 < segments <= prewarm.ROUNDS * n else unwarmed[n]
+            for n in threads}
     counts: dict[str, int] = {}
     for k in kinds.values():
         counts[k] = counts.get(k, 0) + 1
-    return Estimate(len(meets.names), len(meets.small), serial, warm, measured, counts)
+    return Estimate(len(meets.names), len(meets.small), serial, warm, unwarmed, measured, counts)
 
 
 def _kind(name: str) -> str:
@@ -176,6 +179,7 @@ def report_lines(cfg: Config, s: StepShapes, results, scope: str, threads=(8, 32
     label = "" if est.measured else ", an ESTIMATE at the seconds of each kind's program above"
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(est.by_kind.items(), key=lambda kv: -kv[1]))
     warm = " / ".join(f"~{sec:,.0f} s on {n} threads" for n, sec in est.warm_s.items())
+    unwarmed = " / ".join(f"~{sec:,.0f} s" for sec in est.unwarmed_segments_s.values())
     later = ", ".join(str(len(m.names)) for m in firsts[1:])
     return [f"programs a run can reach: {sum(counts.values())} ({run})",
             f"time to first step: a step of long-tailed responses (bench update --long-tail's lengths: mean "
@@ -183,5 +187,5 @@ def report_lines(cfg: Config, s: StepShapes, results, scope: str, threads=(8, 32
             f"and {est.small} small ones: ~{est.serial_s:,.0f} s one at a time{label}; with the warm-ups "
             f"(rollout/prewarm.py: all {counts.get('segment', 0)} reachable decode segments when they fit in "
             f"{prewarm.ROUNDS} rounds of the threads; train/warmup.py: the score, reference and update programs): "
-            f"{warm}",
+            f"{warm} (without the decode segments' warm-up: {unwarmed})",
             f"the next {steps - 1} steps compile {later} more programs each (new shapes)"]
