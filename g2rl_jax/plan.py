@@ -306,8 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--programs", choices=("all", "largest"), default="all",
                         help="with --compile: every shape a run reaches (default), or only the largest shape of each "
                         "program, which bounds the others' memory and compiles much faster")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="with --compile: compile this many programs at once (each compile takes one core and a "
+                        "few GiB of memory; default 1)")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="with --compile: only the programs whose name contains TEXT (repeatable), e.g. to finish "
+                        "a check that was cut short")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.devices < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}")
     if args.compile and not args.target:
@@ -323,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             from g2rl_jax.aot.check import check
 
-            fits, text = check(cfg, model, target, args.programs)
+            fits, text = check(cfg, model, target, args.programs, threads=args.threads, only=tuple(args.only))
             print("\n" + text)
             return 0 if fits else 1
     except (*cli.USER_ERRORS, PlanError, TargetError) as err:

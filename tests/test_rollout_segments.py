@@ -11,7 +11,7 @@ from flax import nnx
 
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.parallel import MeshConfig, make_mesh
-from g2rl_jax.rollout import batching, engine, generate, logprob_drift
+from g2rl_jax.rollout import batching, engine, generate, logprob_drift, prewarm
 from g2rl_jax.rollout.sampling import spec_for
 
 from _helpers import tiny_qwen3_fixtures
@@ -40,11 +40,13 @@ def long_budget(model):
     return r, engine.TRACE_COUNTS - before
 
 
-def test_long_budget_compacts_and_grows(long_budget):
+def test_long_budget_compacts_and_grows(long_budget, first_capacity_16):
     r, traced = long_budget
     lengths = np.array(list(map(len, r.completion_ids)))
     assert r.finish_reasons == ["stop"] * 32 and 1 < np.median(lengths) < 40 and lengths.max() > 32, lengths
     assert traced["live_rows"] >= 2 and traced["regroup"] >= 2, traced  # the batch shrank and the cache grew
+    # the segments' (rows, capacity), as the compile report predicts them from the lengths alone
+    assert len(set(r.segments)) > 3 and list(r.segments) == engine.decode_schedule(lengths, 32, 192, 1), r.segments
     assert r.decode_steps == lengths.max() and r.completion_ids_BxT.shape[1] == batching.new_tokens_bucket(
         int(lengths.max()))
 
@@ -75,6 +77,7 @@ def test_sharded_compaction_samples_the_same(model_dir, long_budget, first_capac
     with jax.set_mesh(mesh):
         r = generate(sharded, PROMPTS, max_new_tokens=24, **KW)
     assert (engine.TRACE_COUNTS - before)["live_rows"] >= 1, "no compaction happened"
+    assert list(r.segments) == engine.decode_schedule(list(map(len, r.completion_ids)), 32, 24, 4), r.segments
     assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
     for b, lp in enumerate(r.logprobs):
         np.testing.assert_allclose(lp, big.logprobs[b][:24], atol=1e-5)
@@ -152,3 +155,27 @@ def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
     assert short.finish_reasons.count("stop") >= 20 and calls == [], (short.finish_reasons, calls)
     generate(model, PROMPTS, max_new_tokens=24, **kw)
     assert calls, "budget 24 should compact"
+
+
+def test_prewarm_compiles_every_reachable_segment_in_the_pool(model_dir, long_budget, first_capacity_16):
+    """compile_threads=2 on the sharded mesh (4 row shards, budget 24: capacities 16 and 32 x buckets 32, 16, 8, 4):
+    every reachable segment compiles on the pool's threads, the decode loop compiles none, the samples are the
+    same; a second rollout compiles no segment at all."""
+    from test_warmup import Compiles
+
+    big, _ = long_budget
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = load_pretrained(model_dir, mesh=mesh)
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp, jax.set_mesh(mesh):
+        mp.setattr(prewarm, "WARMED", set())
+        with Compiles() as compiles:
+            r = generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **KW)
+        reachable = len(engine.capacity_ladder(32)) * len(engine.batch_buckets(32, 4, 24))
+        assert reachable == 8 and len(prewarm.WARMED) == reachable
+        assert compiles.by[("_segment", True)] == reachable and compiles.by[("_segment", False)] == 0, compiles.by
+        assert len(set(r.segments)) >= 3, r.segments  # the loop met several of them
+        assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
+        with Compiles() as again:
+            generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **{**KW, "seed": 5})
+        assert again.by[("_segment", True)] == again.by[("_segment", False)] == 0, again.by

@@ -14,6 +14,7 @@ import sys
 import time
 
 from g2rl_jax import parallel
+from g2rl_jax.aot import first_step
 from g2rl_jax.aot import programs as programs_lib
 from g2rl_jax.aot import report as report_lib
 from g2rl_jax.aot.targets import GiB, Target, tpu_name, tpu_target
@@ -108,30 +109,38 @@ def verdict(cfg: Config, model, target: Target, results: list[report_lib.Result]
                    f"Change: {change}")
 
 
-def check(cfg: Config, model, target: Target, scope: str = "all", progress=None) -> tuple[bool, str]:
-    """(fits, report text) of every program of a step of `cfg` compiled for `target` (see the module docstring)."""
+def check(cfg: Config, model, target: Target, scope: str = "all", progress=None, threads: int = 1,
+          only: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """(fits, report text) of every program of a step of `cfg` compiled for `target` (see the module docstring);
+    `only`: just the programs whose name contains one of these strings (the verdict then covers those)."""
     from g2rl_jax.plan import plan
 
     sizes = resolve_mesh(cfg, target.chips)
     check_divisible(model, sizes)
     mesh = parallel.make_mesh(cfg.mesh, target.devices())
     progs = programs_lib.step_programs(cfg, model, mesh, scope=scope)
+    if only:
+        progs = [p for p in progs if any(text in p.name for text in only)]
+        if not progs:
+            raise ConfigError(f"--only {list(only)}: no program of this step is named so; see the names that "
+                              "--programs largest prints")
     shapes = programs_lib.step_shapes(cfg, mesh)
-    header = (f"compiling {len(progs)} programs ({scope}) for {target.name}: {target.chips} chips of "
+    picked = f"{scope}, only {list(only)}" if only else scope
+    header = (f"compiling {len(progs)} programs ({picked}) for {target.name}: {target.chips} chips of "
               f"{target.hbm_gib:.0f} GiB, {target.hosts} host(s), topology {target.topology}, mesh {sizes}")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     say(header)
-    start = time.perf_counter()
-    results = report_lib.compile_programs(progs, say, target.kernel_mark)
-    total = time.perf_counter() - start
+    start, cpu = time.perf_counter(), time.process_time()
+    results = report_lib.compile_programs(progs, say, threads, target.kernel_mark)
+    total, cpu = time.perf_counter() - start, time.process_time() - cpu
     fits, line = verdict(cfg, model, target, results)
     passes_s, decode_s = report_lib.step_time_estimate(cfg, model, shapes, target)
     lines = [header, "", *report_lib.table(results, target), "",
              "planner vs compiler, peak per chip by phase (program + state resident beside it):",
              *report_lib.planner_rows(plan(cfg, model, target.chips, target.platform), results), "",
-             f"total compile time: {total:.1f} s for {len(progs)} programs, "
-             f"{sum(r.cpu_seconds for r in results):.1f} s of CPU "
+             f"total compile time: {total:.1f} s for {len(progs)} programs on {threads} thread(s), {cpu:.1f} s of CPU "
              f"(rollout {sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s)",
+             *first_step.report_lines(cfg, shapes, results, scope),
              f"step time, an ESTIMATE from the FLOP model (every response at the budget): score, reference and "
              f"update {passes_s:.1f} s at {report_lib.ESTIMATE_MFU:.0%} MFU of {target.peak_tflops:.0f} TFLOP/s per "
              f"chip; decode at least {decode_s:.1f} s at {target.hbm_gbps:.0f} GB/s HBM bandwidth",

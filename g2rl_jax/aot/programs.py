@@ -148,6 +148,7 @@ def abstract_policy(model: Qwen3Config, runtime, mesh, build: Callable[[], nnx.M
 class StepShapes:
     """The worst-case sizes of one step on a mesh (as the sampler and the micro-batching bucket them)."""
 
+    shards: int  # how many ways the batch rows are split over the mesh
     prompts: int  # P: prompt rows of the rollout, bucketed and a multiple of the batch shards
     prompt_len: int  # S: the largest prompt bucket
     new_tokens: int  # T: KV slots of the budget
@@ -165,13 +166,10 @@ def step_shapes(cfg: Config, mesh) -> StepShapes:
     prompts = -(-batching.bucket(cfg.data.prompts_per_step, 1) // shards) * shards
     m = cfg.rollout.num_samples
     t = batching.new_tokens_bucket(cfg.rollout.max_new_tokens)
-    buckets = [prompts * m]
-    while buckets[-1] // 2 >= shards and t > engine.COMPACT_MIN_STEPS:
-        buckets.append(engine.batch_bucket(buckets[-1] // 2, shards))
-    return StepShapes(prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
+    return StepShapes(shards=shards, prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
                                                                   batching.MIN_PROMPT_BUCKET),
                       new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
-                      capacities=engine.capacity_ladder(t), buckets=tuple(buckets),
+                      capacities=engine.capacity_ladder(t), buckets=engine.batch_buckets(prompts * m, shards, t),
                       micro_rows=micro_lib.row_counts(cfg.algorithm.micro_batch_size, shards),
                       widths=response_widths(t))
 

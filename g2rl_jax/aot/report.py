@@ -13,11 +13,11 @@ loop body once): the step-time line is an estimate from the FLOP model of `bench
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable
 
 from g2rl_jax.aot.programs import PHASES, Program, StepShapes
 from g2rl_jax.aot.targets import GiB, Target
+from g2rl_jax.train import warmup
 
 KERNEL_MARK = "tpu_custom_call"  # a Mosaic (Pallas TPU) kernel in compiled HLO
 OOM_MARKS = ("resource_exhausted", "hbm")
@@ -27,8 +27,8 @@ ESTIMATE_MFU = 0.4  # model FLOP utilisation the step-time estimate assumes for 
 @dataclasses.dataclass(frozen=True)
 class Result:
     program: Program
-    seconds: float  # wall clock
-    cpu_seconds: float  # this process's CPU time (threads summed): what the compile costs on a shared machine
+    seconds: float  # wall clock, lowering and compiling
+    cpu_seconds: float  # this process's CPU time (threads summed) meanwhile: its own when compiled one at a time
     error: str | None = None  # the compiler's first error line
     argument: int = 0
     output: int = 0
@@ -36,6 +36,7 @@ class Result:
     temp: int = 0
     code: int = 0
     kernels: int = 0  # Pallas kernel calls in the compiled program
+    lower_seconds: float = 0.0  # of `seconds`, the lowering (Python: holds the GIL)
 
     @property
     def oom(self) -> bool:
@@ -52,33 +53,35 @@ class Result:
         return self.bytes + self.program.resident
 
 
-def compile_one(program: Program, mark: str = KERNEL_MARK) -> Result:
-    start, cpu = time.perf_counter(), time.process_time()
-    try:
-        compiled = program.lower().compile()
-    except Exception as err:  # noqa: BLE001 - any compiler failure is reported as the program's result
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-        return Result(program, time.perf_counter() - start, time.process_time() - cpu, error=lines[0][:300])
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    stats = compiled.memory_analysis()
-    return Result(program, seconds, cpu, argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
+def _result(program: Program, t: warmup.Timing, mark: str) -> Result:
+    seconds = t.lower_s + t.compile_s
+    if t.error is not None:
+        lines = [line.strip() for line in str(t.error).splitlines() if line.strip()] or [type(t.error).__name__]
+        return Result(program, seconds, t.cpu_s, error=lines[0][:300], lower_seconds=t.lower_s)
+    stats = t.compiled.memory_analysis()
+    return Result(program, seconds, t.cpu_s, argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
                   alias=stats.alias_size_in_bytes, temp=stats.temp_size_in_bytes,
-                  code=stats.generated_code_size_in_bytes, kernels=compiled.as_text().count(mark))
+                  code=stats.generated_code_size_in_bytes, kernels=t.compiled.as_text().count(mark),
+                  lower_seconds=t.lower_s)
 
 
 def compile_programs(programs: list[Program], progress: Callable[[str], None] | None = None,
-                     mark: str = KERNEL_MARK) -> list[Result]:
-    """Compile each program in turn; `progress` gets one line per program as it finishes; `mark` is how the
+                     threads: int = 1, mark: str = KERNEL_MARK) -> list[Result]:
+    """Compile the programs on `threads` threads (train.warmup.compile_all); `progress` gets one line per program
+    as it finishes. With more than one thread a program's CPU seconds overlap the others'. `mark` is how the
     target's fused kernel appears in compiled HLO (Target.kernel_mark)."""
-    results = []
-    for i, program in enumerate(programs, 1):
-        r = compile_one(program, mark)
-        results.append(r)
+    count = [0]
+
+    def done(i: int, t: warmup.Timing) -> Result:
+        r = _result(programs[i], t, mark)  # the executable is dropped here: a run's hundreds would not fit in memory
+        count[0] += 1
         if progress is not None:
             state = f"{r.total / GiB:7.2f} GiB/chip" if r.error is None else ("OUT OF MEMORY" if r.oom else "FAILED")
-            progress(f"[{i:>{len(str(len(programs)))}}/{len(programs)}] {program.name:48s} {r.seconds:6.1f} s "
-                     f"({r.cpu_seconds:.1f} s CPU)  {state}")
-    return results
+            progress(f"[{count[0]:>{len(str(len(programs)))}}/{len(programs)}] {programs[i].name:48s} "
+                     f"{r.seconds:6.1f} s ({r.cpu_seconds:.1f} s CPU)  {state}")
+        return r
+
+    return warmup.compile_all([p.lower for p in programs], threads, done)
 
 
 def phase_peaks(results: list[Result]) -> dict[str, Result]:

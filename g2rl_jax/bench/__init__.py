@@ -12,4 +12,7 @@ BENCHMARKS = {
     "step": "g2rl_jax.bench.step",         # RL step split: rollout / rewards / scoring / update (issue: training)
     "update": "g2rl_jax.bench.update",     # the PPO update alone: time and MFU per remat / micro / dtype setting
     "lora": "g2rl_jax.bench.lora",         # LoRA vs full fine-tuning: update time and memory, decode tokens/s
+    "compile": "g2rl_jax.bench.compile",   # compile seconds of a step's programs, per program and per thread count
+    "scan_decode": "g2rl_jax.bench.scan_decode",  # the decode segment's layers unrolled vs scanned: compile, memory
+    "ladder": "g2rl_jax.bench.ladder",     # the KV capacity ladder's first capacity: segments vs decode roofline
 }

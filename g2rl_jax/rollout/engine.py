@@ -32,12 +32,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from g2rl_jax import parallel
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
 from g2rl_jax.parallel import DEFAULT_RULES
+from g2rl_jax.rollout.batching import new_tokens_bucket
 from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -71,10 +73,10 @@ def batch_shards(mesh) -> int:
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in DEFAULT_RULES.mesh_axes("batch"))
 
 
-def capacity_ladder(new_tokens: int) -> tuple[int, ...]:
-    """Suffix capacities a decode walks through: FIRST_CAPACITY doubling, the last one `new_tokens` (the bucketed
-    budget). A step at position t reads at most max(FIRST_CAPACITY, 2t) slots."""
-    ladder = [min(FIRST_CAPACITY, new_tokens)]
+def capacity_ladder(new_tokens: int, first: int = 0) -> tuple[int, ...]:
+    """Suffix capacities a decode walks through: `first` (default FIRST_CAPACITY) doubling, the last one `new_tokens`
+    (the bucketed budget). A step at position t reads at most max(first, 2t) slots."""
+    ladder = [min(first or FIRST_CAPACITY, new_tokens)]
     while ladder[-1] < new_tokens:
         ladder.append(min(2 * ladder[-1], new_tokens))
     return tuple(ladder)
@@ -84,6 +86,60 @@ def batch_bucket(live: int, shards: int) -> int:
     """Rows that hold `live` samples: a power of two times the batch shard count, at least one row per shard."""
     per_shard = -(-max(live, 1) // shards)
     return shards * (1 << (per_shard - 1).bit_length())
+
+
+def batch_buckets(rows: int, shards: int, new_tokens: int) -> tuple[int, ...]:
+    """Row counts the decode batch can have: `rows`, then each smaller bucket a compaction reaches (none when the
+    budget is too short for a compaction to pay)."""
+    buckets = [rows]
+    while buckets[-1] // 2 >= shards and new_tokens > COMPACT_MIN_STEPS:
+        buckets.append(batch_bucket(buckets[-1] // 2, shards))
+    return tuple(buckets)
+
+
+def segment_bounds(rows: int, t: int, level: int, ladder: tuple[int, ...], max_new_tokens: int,
+                   shards: int) -> tuple[int, int]:
+    """(t_end, min_live) of the segment that starts at step t with `rows` rows and capacity ladder[level]: it runs
+    until the cache is full (t_end) or at most min_live samples still run (half the rows, while a compaction can
+    pay for itself: more than COMPACT_MIN_STEPS steps left and a smaller bucket exists; else -1, never)."""
+    compactable = rows // 2 >= shards and max_new_tokens - t > COMPACT_MIN_STEPS
+    return min(ladder[level] + 1, max_new_tokens), rows // 2 if compactable else -1
+
+
+def next_shape(rows: int, t: int, live: int, min_live: int, level: int, ladder: tuple[int, ...],
+               max_new_tokens: int, shards: int) -> tuple[int, int] | None:
+    """After a segment stopped at step t with `live` samples running: None when the decode is done, else the
+    (rows, level) of the next segment (fewer rows when it compacts, the next capacity when the cache is full)."""
+    if live == 0 or t >= max_new_tokens:
+        return None
+    return (batch_bucket(live, shards) if live <= min_live else rows), level + (t > ladder[level])
+
+
+def decode_schedule(lengths_B, rows: int, max_new_tokens: int, shards: int) -> list[tuple[int, int]]:
+    """(rows, capacity) of each segment `generate` runs when its samples draw lengths_B tokens each (the stop token
+    included; a sample at max_new_tokens never stops), starting from `rows` rows (the bucketed prompts x samples,
+    dummies stopped): the decode loop of generate.py, with each segment's stopping step worked out on the host."""
+    return [(r, c) for r, c, _ in decode_segments(lengths_B, rows, max_new_tokens, shards)]
+
+
+def decode_segments(lengths_B, rows: int, max_new_tokens: int, shards: int,
+                    first_capacity: int = 0) -> list[tuple[int, int, int]]:
+    """decode_schedule's segments with the decode steps each runs: (rows, capacity, steps); `first_capacity` the
+    ladder's first capacity (default FIRST_CAPACITY)."""
+    lengths_B = np.sort(np.asarray(lengths_B))
+    ladder = capacity_ladder(new_tokens_bucket(max_new_tokens), first_capacity)
+    t, level, out = 1, 0, []
+    while True:
+        start = t
+        t_end, min_live = segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
+        live = lambda t: int(len(lengths_B) - np.searchsorted(lengths_B, t, side="right"))  # noqa: E731 n_b > t
+        while t < t_end and live(t) > 0 and live(t) > min_live:
+            t += 1
+        out.append((rows, ladder[level], t - start))
+        step = next_shape(rows, t, live(t), min_live, level, ladder, max_new_tokens, shards)
+        if step is None:
+            return out
+        rows, level = step
 
 
 def _is_stop(tokens_X, stops_Z):

@@ -30,7 +30,7 @@ from jax.sharding import AxisType, Mesh
 
 from g2rl_jax import parallel
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
-from g2rl_jax.rollout import batching, engine
+from g2rl_jax.rollout import batching, engine, prewarm
 from g2rl_jax.rollout.sampling import spec_for
 
 
@@ -51,6 +51,8 @@ class Rollout:
       completion_lengths: int32 [B].
     decode_steps: length of the longest completion, i.e. how many tokens the decode loop generated before every
       sample had stopped (or max_new_tokens).
+    segments: (batch rows, cache capacity) of each decode segment, in order: the compiled shapes it ran
+      (engine.decode_schedule predicts them from the completion lengths).
     """
 
     completion_ids: list[list[int]]
@@ -64,6 +66,7 @@ class Rollout:
     logprobs_BxT: np.ndarray
     completion_lengths: np.ndarray
     decode_steps: int
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 def _active_mesh(mesh):
@@ -79,12 +82,13 @@ def _active_mesh(mesh):
 
 
 def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_samples=1,
-             stop_token_ids=(), seed=0, mesh=None) -> Rollout:
+             stop_token_ids=(), seed=0, mesh=None, compile_threads: int = 1) -> Rollout:
     """Sample `num_samples` completions of each prompt (a list of token-id lists); see `Rollout`.
 
     temperature 0 is greedy; top_k 0 and top_p 1 are off. Raises ValueError on bad input (empty prompt,
     prompt + max_new_tokens beyond max_position_embeddings, max_new_tokens <= 0, top_p outside (0, 1],
-    negative temperature, ...).
+    negative temperature, ...). compile_threads > 1 compiles every decode segment the rollout can reach first,
+    that many at a time, when they fit in a few rounds (rollout/prewarm.py; the samples are the same).
     """
     cfg = model.config
     prompts = batching.validate(
@@ -100,8 +104,9 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=len(prompts),
                           num_samples=num_samples, temperature=temperature, top_p=top_p,
-                          stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens)
-    outs, decode_steps = outs  # decode_steps: the longest completion over the global batch (every process)
+                          stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens,
+                          compile_threads=compile_threads)
+    outs, decode_steps, segments = outs  # decode_steps: the longest completion over the global batch (every process)
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
     width = min(batching.new_tokens_bucket(decode_steps), sizes.new_tokens)  # decode_steps >= 1: token 0 is drawn
@@ -110,8 +115,9 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     last_B = tokens_BxT[np.arange(len(lengths_B)), lengths_B - 1]
     stopped_B = np.isin(last_B, np.asarray(list(stop_token_ids), np.int64))  # a sample stops on its stop token
     sample_prompt_B = np.repeat(np.arange(len(prompts)), num_samples)[rows]
-    return _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
-                     lengths_B, stopped_B, decode_steps)
+    rollout = _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
+                        lengths_B, stopped_B, decode_steps)
+    return dataclasses.replace(rollout, segments=tuple(segments))
 
 
 def _spans_processes(mesh) -> bool:
@@ -134,9 +140,10 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
 
 
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
-               temperature, top_p, stop_token_ids, seed, max_new_tokens):
+               temperature, top_p, stop_token_ids, seed, max_new_tokens, compile_threads):
     """Place parameters and prompts on `mesh`, prefill once, decode segment by segment (see engine.py):
-    (tokens [B, T], log-probs [B, T], lengths [B]) as device arrays and the decode steps taken."""
+    (tokens [B, T], log-probs [B, T], lengths [B]) as device arrays, the decode steps taken and the segments'
+    (rows, capacity)."""
     cfg = model.config
     G, L, shards = cfg.num_key_value_heads, cfg.num_hidden_layers, engine.batch_shards(mesh)
     graphdef, state = nnx.split(model)
@@ -151,24 +158,28 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, jnp.int32(num_real_prompts * num_samples),
                                num_samples=num_samples, new_tokens=sizes.new_tokens, spec=spec)
     layers = engine.decode_layers_fn(mesh)(graphdef, state)
-    t, level, per_prefix = 1, 0, num_samples
-    while True:
+    segment = engine.segment_fn(mesh, G, L)
+    prewarm.segments(segment, (graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(1), jnp.int32(1),
+                               key, temp, top_p, stops), spec, ladder,
+                     engine.batch_buckets(ds.last_X.shape[0], shards, max_new_tokens), compile_threads)
+    t, level, per_prefix, segments = 1, 0, num_samples, []
+    while True:  # engine.decode_schedule predicts the (rows, capacity) of each segment from the lengths
         rows = ds.last_X.shape[0]
-        compactable = rows // 2 >= shards and max_new_tokens - t > engine.COMPACT_MIN_STEPS
-        min_live = rows // 2 if compactable else -1  # end the segment once half the rows could go
-        t_end = min(ladder[level] + 1, max_new_tokens)
-        ds, suffix, t_dev, live_dev = engine.segment_fn(mesh, G, L)(
+        t_end, min_live = engine.segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
+        segments.append((rows, ladder[level]))
+        ds, suffix, t_dev, live_dev = segment(
             graphdef, state, layers, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,
             top_p, stops, spec=spec)
         t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
-        if live == 0 or t >= max_new_tokens:
-            return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t
+        step = engine.next_shape(rows, t, live, min_live, level, ladder, max_new_tokens, shards)
+        if step is None:
+            return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t, segments
         keep_X = None
-        if live <= min_live:  # compact: live rows into a smaller bucket, each with its own prompt prefix
-            ds, keep_X = engine.compact(mesh, ds, engine.batch_bucket(live, shards))
+        if step[0] < rows:  # compact: live rows into a smaller bucket, each with its own prompt prefix
+            ds, keep_X = engine.compact(mesh, ds, step[0])
             prefix = _take_prefix_rows(mesh, G, prefix, keep_X // per_prefix)
             per_prefix = 1
-        level += t > ladder[level]  # the cache is full: move to the next capacity
+        level = step[1]  # the next capacity when the cache is full
         suffix = _regroup(engine.regroup_fn(mesh, G), suffix, keep_X, ladder[level])
 
 

@@ -38,7 +38,7 @@ from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift
-from g2rl_jax.train import identity, report
+from g2rl_jax.train import identity, report, warmup
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
@@ -165,6 +165,7 @@ class Trainer(SamplingRounds):
         # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
         self.opt_state = train_step.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
+        self.warmup = warmup.StepWarmup(warmup.resolve_threads(cfg.run.compile_threads))
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
         self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints,
@@ -224,6 +225,7 @@ class Trainer(SamplingRounds):
             batch = shard_rows(batch, self.mesh)
             in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
+            self.warmup.score(self.graphdef, self.params, self.ref_params, batch, temperature=temp, micro=micro)
             scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
         ref = None
         if algo.kl_coef > 0:
@@ -267,9 +269,11 @@ class Trainer(SamplingRounds):
                                          sampler_logp)
         infos, plans = [], []
         n, mb = adv_B.shape[0], algo.mini_batch_size
+        minis = [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
+        self.warmup.update(self.graphdef, self.params, minis, settings=self.settings, micro=algo.micro_batch_size,
+                           opt_state=self.opt_state, optimizer=self.optimizer)
         for _ in range(algo.ppo_epochs):
-            for start in range(0, n, mb):
-                rows = step_rows.rows(slice(start, start + mb))
+            for rows in minis:
                 plans.append(micro_lib.plan_for(rows.batch, algo.micro_batch_size))
                 self.params, self.opt_state, info = train_step.update(
                     self.graphdef, self.params, self.opt_state, rows,

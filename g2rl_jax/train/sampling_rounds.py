@@ -40,7 +40,8 @@ class SamplingRounds:
             rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
-                               seed=self._step_seed(step, round_), mesh=self.mesh)
+                               seed=self._step_seed(step, round_), mesh=self.mesh,
+                               compile_threads=self.warmup.threads)
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rows = [ex.as_row() for ex in examples for _ in range(m)]

@@ -378,16 +378,23 @@ def _diag_shapes(loss_fn, graphdef, params, data: tuple, settings: LossSettings)
     return _DIAG_SHAPES[key]
 
 
-def zero_accumulator(loss_fn, graphdef, params, data: tuple, settings: LossSettings, rows_B):
-    """The (grads f32 like the trainable params, loss, diagnostics) zeros that add_micro accumulates into, for the
-    loss loss_fn(params, graphdef, *data, settings); scalars on rows_B's mesh, replicated."""
+def accumulator_spec(loss_fn, graphdef, params, data: tuple, settings: LossSettings, rows_B):
+    """Shapes, dtypes and placements of the (grads f32 like the trainable params, loss, diagnostics) that add_micro
+    accumulates into, for the loss loss_fn(params, graphdef, *data, settings); scalars on rows_B's mesh, replicated."""
     sharding = rows_B.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     diag = _diag_shapes(loss_fn, graphdef, params, data, settings)
-    return (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), lora.trainable(params)),
-            jnp.zeros((), jnp.float32, device=sharding),
-            {k: jnp.zeros(d.shape, d.dtype, device=sharding) for k, d in diag.items()})
+    return (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
+                         lora.trainable(params)),
+            jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding),
+            {k: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=sharding) for k, d in diag.items()})
+
+
+def zero_accumulator(loss_fn, graphdef, params, data: tuple, settings: LossSettings, rows_B):
+    """The zeros of accumulator_spec (what add_micro accumulates into)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
+                        accumulator_spec(loss_fn, graphdef, params, data, settings, rows_B))
 
 
 def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False):
