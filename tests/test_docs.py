@@ -75,7 +75,7 @@ def test_relative_links_resolve(page):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_nothing_points_outside_the_repository(page):
     text = page.read_text(encoding="utf-8")
-    assert not re.search(r"/work/|\.\./shared", text), page.name
+    assert not re.search(r"[/]work[/]|\.\.[/]shared", text), page.name  # this machine's checkout, the shared folder
 
 
 def test_config_doc_matches_the_help():
