@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 
 import jax
@@ -16,6 +18,13 @@ from g2rl_jax.model import load_pretrained
 from g2rl_jax.parallel import DEFAULT_RULES, state_shardings
 
 from hf_tiny import make_tiny_qwen3_dir
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test's subprocess with `devices` fake CPU devices: the suite's flags (conftest.py) with that
+    device count."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+ ?", "", os.environ.get("XLA_FLAGS", ""))
+    return f"--xla_force_host_platform_device_count={devices} {flags}".strip()
 
 
 def create_sharded(make_module: Callable[[], nnx.Module], mesh, rules=DEFAULT_RULES):

@@ -1,10 +1,14 @@
-"""Test set-up: JAX on CPU with 8 fake devices, so sharded code runs on a (data, fsdp, tensor) mesh; fixtures
-more than one module shares; the full demo run, started in the background when a test needs it.
+"""Test set-up: JAX on CPU with 8 fake devices, so sharded code runs on a (data, fsdp, tensor) mesh; the XLA flags
+and compilation cache every test process shares; the order and grouping that `-n 2` (pyproject.toml) runs the
+modules in; fixtures more than one module shares; the full demo run.
 
-XLA:CPU runs each fake device's share of a program on its own thread and ends the process (SIGABRT, "Fatal Python
-error: Aborted") when a collective's 8 threads do not all arrive within
+XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU) and
+the tests' programs are too small for it to slow their runs down; the same tests pass at both levels. XLA:CPU runs
+each fake device's share of a program on its own thread and ends the process (SIGABRT, "Fatal Python error:
+Aborted") when a collective's 8 threads do not all arrive within
 --xla_cpu_collective_call_terminate_timeout_seconds (40 s by default). On a 2-core machine shared with other jobs a
-thread can be starved that long: one CI run aborted so in test_train.py. The tests allow 10 minutes.
+thread can be starved that long: one CI run aborted so in test_train.py. The tests allow 10 minutes. Tests that
+start processes with another device count take these flags from `_helpers.xla_flags(devices)`.
 """
 import atexit
 import os
@@ -17,13 +21,16 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_collective_call_terminate_timeout_seconds=600"):
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+              "--xla_cpu_collective_call_terminate_timeout_seconds=600"):
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # A fresh persistent compilation cache for this session (empty at the start, deleted at the end), inherited by
-    # the trainer subprocesses: a relaunched or resumed run (kill -9, SIGTERM, multi-host resume) loads the programs
-    # the first launch compiled instead of compiling them again. JAX caches programs that took >= 1 s to compile.
+    # the trainer subprocesses and the `-n` workers: a relaunched or resumed run (kill -9, SIGTERM, multi-host resume)
+    # loads the programs the first launch compiled instead of compiling them again. JAX caches programs that took
+    # >= 1 s to compile. (Caching every program, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, hung the 8-device
+    # trainer of test_multihost.py in a program's collective: not used.)
     _cache = tempfile.mkdtemp(prefix="g2rl_jax_tests_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
@@ -32,46 +39,56 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# `-n 2` (pyproject.toml) runs one module (one xdist group) per worker at a time, so a module's fixtures and compiled
+# programs serve all its tests. Modules that share a session fixture share a group. The costliest start first (the
+# demo run: minutes of one core while its worker waits; the other worker meanwhile runs single-process modules),
+# so the two workers end together; the rest follow in file order. `--durations=0` shows what each costs.
+GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
+SLOW_FIRST = ("test_demo_run.py", "test_micro.py", "test_rollout_segments.py", "test_bench.py", "test_train.py",
+              "test_lora_train.py", "test_multihost.py", "test_aot.py", "test_micro_multihost.py",
+              "test_gpu_compile.py", "test_lifecycle.py", "test_plan.py", "test_study.py", "test_model.py",
+              "test_warmup.py", "test_verify_bounds.py", "test_lora.py", "test_g2rl.py", "test_rollout.py",
+              "test_demo_assets.py", "test_launch.py", "test_algorithm_options.py")
+
+
+def _group(name: str) -> str:
+    return GROUPS.get(name, name)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduler by scope, the scope a module's group (the `@group` suffix of `--dist loadgroup` does not
+    reach pytest 9.2's node ids)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    # stable: a group's own file first, then file order
+    items.sort(key=lambda item: (rank.get(_group(item.path.name), len(rank)), item.path.name != _group(item.path.name)))
+
 
 @pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory):
-    """The demo policy configs/demo.yaml builds (`demo:DIR` reuses a build of the same recipe), built once for the
-    session: the demo run and the Colab notebook start from it."""
-    from g2rl_jax.demo import build_demo_model
-
-    return build_demo_model(tmp_path_factory.mktemp("demo") / "model")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _demo_run_in_background(request, tmp_path_factory):
-    """When a selected test uses `demo_run`: start `python -m g2rl_jax.train --config configs/demo.yaml` (one CPU
-    device, as on a laptop) at the session's first test, so its minutes of mostly one core overlap the other tests
-    instead of following them. Yields a function that waits for it: (finished process, its run dir)."""
-    if not any("demo_run" in item.fixturenames for item in request.session.items):
-        yield None
-        return
-    model = request.getfixturevalue("demo_model_dir")
-    out = tmp_path_factory.mktemp("demo_run") / "run"
-    stdout, stderr = out.parent / "stdout.txt", out.parent / "stderr.txt"
+def demo_run(tmp_path_factory):
+    """(finished process, run dir) of `python -m g2rl_jax.train --config configs/demo.yaml` as a newcomer's first
+    command runs it: one CPU device, XLA's default flags, the demo policy built first (`model.path=demo:DIR`)."""
+    root = tmp_path_factory.mktemp("demo_run")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
-           f"run.output_dir={out}", f"model.path=demo:{model}"]
-    with open(stdout, "w") as out_file, open(stderr, "w") as err_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=out_file, stderr=err_file, cwd=ROOT)
-
-    def finished(timeout: float = 3600):  # a guard against a hang only: the run shares the machine with the suite
-        proc.wait(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, stdout.read_text(), stderr.read_text()), out
-
-    try:
-        yield finished
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+           f"run.output_dir={root / 'run'}", f"model.path=demo:{root / 'model'}"]
+    # a guard against a hang only: the run shares the machine with the other worker
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600), root / "run"
 
 
 @pytest.fixture(scope="session")
-def demo_run(_demo_run_in_background):
-    """(finished process, run dir) of the full demo run started in the background."""
-    return _demo_run_in_background()
+def demo_model_dir(demo_run):
+    """The demo policy the demo run built (`demo:DIR` reuses a build of the same recipe): the Colab notebook starts
+    from it. (The build itself is tested in test_demo_assets.py.)"""
+    done, out = demo_run
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out.parent / "model"

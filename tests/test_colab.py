@@ -6,13 +6,15 @@ import pathlib
 import nbformat
 from nbclient import NotebookClient
 
+from _helpers import xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_colab_notebook_executes(tmp_path, monkeypatch, demo_model_dir):
     monkeypatch.setenv("G2RL_MODEL_PATH", f"demo:{demo_model_dir}")  # built once for the session (conftest.py)
     monkeypatch.setenv("G2RL_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as in a fresh Colab CPU runtime
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # one CPU device, as in a fresh Colab CPU runtime
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(ROOT / "launch" / "colab.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()

@@ -1,5 +1,5 @@
 """The embedded demo through the real command: one full run of `python -m g2rl_jax.train --config
-configs/demo.yaml` on one CPU device (tests/conftest.py starts it in the background when the session starts),
+configs/demo.yaml` on one CPU device, the demo policy built first (tests/conftest.py: `demo_run`),
 checked for what the command leaves behind and for the README's promise, with a safe bound on its margin.
 
 Measured on the 2-core CPU (README): held-out mean@4 0.384 -> 0.646 after 200 steps (+0.262; twelve runs of four
@@ -35,7 +35,7 @@ def test_response_flags_count_format_junk_and_truncation():
 
 @pytest.fixture(scope="module")
 def full_run(demo_run):
-    done, out = demo_run  # started in the background at the session's start (tests/conftest.py)
+    done, out = demo_run
     assert done.returncode == 0, done.stderr[-4000:]
     return {"out": out, "stdout": done.stdout, "summary": json.loads((out / "summary.json").read_text())}
 

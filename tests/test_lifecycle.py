@@ -20,6 +20,8 @@ from g2rl_jax.train.lifecycle import HISTORY_FILE, LOCK_FILE, PREEMPTED_EXIT, Ru
 from g2rl_jax.train.loop import main
 from g2rl_jax.train.metrics import read_metrics
 
+from _helpers import xla_flags
+
 
 def _wait_for(condition, proc, timeout=300):
     t0 = time.time()
@@ -73,7 +75,7 @@ def preempted_run(assets, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("sigterm") / "run"
     cmd = [*_train_cmd(assets, out, steps=1000), "run.checkpoint_every=500"]
     env = _env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags(8)
     env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

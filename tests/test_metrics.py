@@ -1,6 +1,8 @@
 """Metrics: metrics.jsonl content, truncation on resume, TensorBoard events, process-0-only, progress bar."""
 import json
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -177,3 +179,15 @@ def test_missing_wandb_is_a_clear_error(monkeypatch):
                        match=r'wandb package is not installed; pip install -e "\.\[wandb\]"'):
         M.check_loggers(("jsonl", "wandb"))
     M.check_loggers(("jsonl", "tensorboard"))
+
+
+def test_tensorboard_writer_leaves_torch_unimported_and_importable(tmp_path):
+    """tensorboardX imports torch (seconds of every trainer start) where it is installed; the writer avoids that,
+    and `import torch` still works afterwards (a reward may use it). A fresh process: this one imported both."""
+    code = ("import sys; from g2rl_jax.train import metrics as M\n"
+            f"w = M.MetricsWriter({str(tmp_path)!r}, start_step=0); w.write(1, {{'reward': 0.5}}); w.close()\n"
+            "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
+            "import torch; print(torch.ones(2).sum().item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr[-2000:]
+    assert len(list((tmp_path / M.TENSORBOARD_DIR).iterdir())) == 1

@@ -15,6 +15,8 @@ from test_micro import AGGS, CFG, RT, _long_tailed_batch, _rel, unpacked_pass
 
 from g2rl_jax.model import Qwen3
 
+from _helpers import xla_flags
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -26,7 +28,7 @@ def _free_port() -> int:
 
 def test_two_processes_equal_one_unpacked_pass(tmp_path):
     out, port = tmp_path / "two.npz", _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4))
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, str(HERE / "micro_multihost_worker.py"), str(i), str(port), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

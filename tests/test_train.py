@@ -24,7 +24,7 @@ from g2rl_jax.train import step as train_step
 from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
 
-from _helpers import placed_on_mesh_and_one_device
+from _helpers import placed_on_mesh_and_one_device, xla_flags
 from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -190,7 +190,7 @@ def test_kill_9_mid_run_and_mid_save_then_resume(assets, tmp_path, reference):
     out = tmp_path / "killed"
     ckpts = out / "checkpoints"
     env = _env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags(8)
     cmd = _train_cmd(assets, out, steps=STEPS)
     # stderr goes to a file: a pipe nobody reads fills up and stalls the trainer before the awaited state
     with open(tmp_path / "trainer.err", "w") as log:

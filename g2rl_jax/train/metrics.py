@@ -40,7 +40,6 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
@@ -69,6 +68,21 @@ def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[st
             out[f"single_class_adv_{which}_novel"] = _masked_mean(adv_B, single_B)
             out[f"all_wrong_adv_{which}_novel"] = _masked_mean(adv_B, wrong_B)
     return out
+
+
+def _summary_writer(*args, **kwargs):
+    """A tensorboardX SummaryWriter, its module imported without torch: where torch is installed, tensorboardX imports
+    it (about 2 s of every trainer start) only to accept torch tensors, which the trainer never logs. `torch` stays
+    importable afterwards (a reward that uses it is unaffected)."""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX's path without torch
+        try:
+            import tensorboardX  # noqa: F401 - imported once here, without torch
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(*args, **kwargs)
 
 
 def _is_writer() -> bool:
@@ -162,7 +176,7 @@ class MetricsWriter:
         self._tb = self._wandb = None
         if "tensorboard" in loggers:
             # a unique file per writer: tensorboardX names files by the second, so a quick resume would clobber one
-            self._tb = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else 0,
+            self._tb = _summary_writer(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else 0,
                                      filename_suffix=f".{os.getpid()}.{time.time_ns()}")
         if "wandb" in loggers:
             self._wandb = _wandb_run(run_dir, config)
