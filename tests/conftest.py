@@ -8,7 +8,8 @@ each fake device's share of a program on its own thread and ends the process (SI
 Aborted") when a collective's 8 threads do not all arrive within
 --xla_cpu_collective_call_terminate_timeout_seconds (40 s by default). On a 2-core machine shared with other jobs a
 thread can be starved that long: one CI run aborted so in test_train.py. The tests allow 10 minutes. Tests that
-start processes with another device count take these flags from `_helpers.xla_flags(devices)`.
+start processes with another device count take these flags, at the default level, from
+`_helpers.xla_flags(devices)`.
 """
 import atexit
 import os
@@ -29,8 +30,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # A fresh persistent compilation cache for this session (empty at the start, deleted at the end), inherited by
     # the trainer subprocesses and the `-n` workers: a relaunched or resumed run (kill -9, SIGTERM, multi-host resume)
     # loads the programs the first launch compiled instead of compiling them again. JAX caches programs that took
-    # >= 1 s to compile. (Caching every program, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, hung the 8-device
-    # trainer of test_multihost.py in a program's collective: not used.)
+    # >= 1 s to compile. (With every program cached, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, the 8-device
+    # trainer of test_multihost.py hung once inside a program's execution, every thread waiting: not used.)
     _cache = tempfile.mkdtemp(prefix="g2rl_jax_tests_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
