@@ -22,9 +22,8 @@ from hf_tiny import make_tiny_qwen3_dir
 
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a test's subprocess with `devices` fake CPU devices: the suite's flags (conftest.py) with that
-    device count, at XLA's default optimisation level. (At -O0 the one-process 8-device trainer of test_multihost.py
-    hung twice while the other worker ran, 7 of its 8 device threads waiting in a collective; never at the default
-    level. Its subprocesses spend their CPU running programs and importing, not compiling.)"""
+    device count, at XLA's default optimisation level (the subprocesses spend their CPU running programs and
+    importing, not compiling)."""
     flags = re.sub(r"--xla_(force_host_platform_device_count|backend_optimization_level)=\d+ ?", "",
                    os.environ.get("XLA_FLAGS", ""))
     return f"--xla_force_host_platform_device_count={devices} {flags}".strip()

@@ -2,8 +2,8 @@
 and compilation cache every test process shares; the order, and the grouping that `-n 2` runs the modules
 in; fixtures more than one module shares; the full demo run.
 
-XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU) and
-the tests' programs are too small for it to slow their runs down; the same tests pass at both levels. XLA:CPU runs
+XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU);
+long runs (the demo) stay in subprocesses at the default level; the same tests pass at both levels. XLA:CPU runs
 each fake device's share of a program on its own thread and ends the process (SIGABRT, "Fatal Python error:
 Aborted") when a collective's 8 threads do not all arrive within
 --xla_cpu_collective_call_terminate_timeout_seconds (40 s by default). On a 2-core machine shared with other jobs a
