@@ -147,7 +147,9 @@ def test_fast_checks_queued_behind_slow_ones_finish_quickly():
 
 def test_a_request_that_waits_without_cpu_leaves_the_fast_lane(tmp_path):
     """A reward function that sleeps uses no CPU: it leaves the fast lane after workers.SLICE_WALL_S of wall-clock
-    time, so a check queued behind it on a one-slot pool does not wait out the sleep, and its value still comes."""
+    time, so a check queued behind it on a one-slot pool does not wait out the sleep, and its value still comes.
+    A fast check that itself outruns its slice (a very busy machine: SLICE_WALL_S is wall-clock) rightly restarts
+    behind the sleeper in the slow lane and proves nothing, so the scenario is tried up to three times."""
     import json
 
     fn = tmp_path / "sleepy.py"
@@ -155,15 +157,21 @@ def test_a_request_that_waits_without_cpu_leaves_the_fast_lane(tmp_path):
     pool = bounded.BoundedPool(1)
     try:
         assert pool.check("x+x", "2x", 60.0)
-        out = []
-        sleeper = threading.Thread(target=lambda: out.append(pool.request(["fn", f"{fn}:reward", "r", {}], 30.0)))
-        sleeper.start()
-        time.sleep(0.2)
-        t = time.monotonic()
-        assert pool.check(r"\sqrt{8}", r"2\sqrt{2}", 30.0)
-        assert time.monotonic() - t < 3.0, "the fast check waited for the sleeping reward function"
-        sleeper.join(timeout=60)
-        assert json.loads(out[0]) == {"value": 0.5}
+        for _ in range(3):
+            out, restarted = [], pool.restarted
+            sleeper = threading.Thread(target=lambda: out.append(pool.request(["fn", f"{fn}:reward", "r", {}], 30.0)))
+            sleeper.start()
+            time.sleep(0.2)
+            t = time.monotonic()
+            assert pool.check(r"\sqrt{8}", r"2\sqrt{2}", 30.0)
+            waited = time.monotonic() - t
+            sleeper.join(timeout=60)
+            assert json.loads(out[0]) == {"value": 0.5}
+            if pool.restarted == restarted:  # neither check restarted: the fast one kept its slice
+                assert waited < 3.0, "the fast check waited for the sleeping reward function"
+                break
+        else:
+            pytest.fail("the fast check outran its own slice three times (machine too busy): nothing was shown")
     finally:
         pool.close()
 
