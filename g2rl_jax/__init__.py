@@ -77,6 +77,42 @@ if _no_tpu_chips():
     os.environ.update(_quiet)
     os.environ[QUIET_TPU_MARK] = ",".join(_quiet)
 
+CPU_POOL_MARK = "G2RL_JAX_PJRT_NPROC"  # the PJRT_NPROC value set below, so that a child process with another
+#                                      device count sets its own
+
+
+def _cpu_pool_threads(xla_flags: str, cores: int) -> int | None:
+    """The PJRT_NPROC a CPU backend of `--xla_force_host_platform_device_count` N > 1 fake devices needs (2 N), or
+    None when XLA's default (one thread per core, at least N) is already enough.
+
+    XLA:CPU runs each device's share of a multi-device program on one pool of max(cores, N) threads, and the launch
+    of each device's share on the same pool. With N threads and no spare, a launch that waits for its device's
+    in-flight slot, held by work queued for a pool thread, never reaches the collective the other N - 1 threads
+    wait in: the process hangs (XLA's rendezvous warns "not all of them arrived") or aborts after
+    --xla_cpu_collective_call_terminate_timeout_seconds. On a 2-core machine with 8 fake devices it took a busy
+    machine; two threads per device never hung (tests/test_cpu_pool.py)."""
+    import re
+
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", xla_flags)
+    devices = int(found[-1]) if found else 1
+    return 2 * devices if devices > 1 and 2 * devices > cores else None
+
+
+def _size_cpu_pool() -> None:
+    """Set PJRT_NPROC for fake CPU devices (above), unless the user set it; a value a parent process set here is
+    recomputed for this process's device count."""
+    if CPU_POOL_MARK in os.environ and os.environ.get("PJRT_NPROC") == os.environ[CPU_POOL_MARK]:
+        del os.environ["PJRT_NPROC"], os.environ[CPU_POOL_MARK]
+    if "PJRT_NPROC" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = _cpu_pool_threads(os.environ.get("XLA_FLAGS", ""), cores)
+    if threads:
+        os.environ["PJRT_NPROC"] = os.environ[CPU_POOL_MARK] = str(threads)
+
+
+_size_cpu_pool()
+
 _CUDA_PLUGIN_WITHOUT_DRIVER = bool(importlib.util.find_spec("jax_plugins") and importlib.util.find_spec(
     "jax_plugins.xla_cuda12") and not os.path.exists("/proc/driver/nvidia/version"))
 

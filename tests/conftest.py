@@ -3,12 +3,11 @@ and compilation cache every test process shares; the order, and the grouping tha
 in; fixtures more than one module shares; the full demo run.
 
 XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU);
-long runs (the demo) stay in subprocesses at the default level; the same tests pass at both levels. XLA:CPU runs
-each fake device's share of a program on its own thread and ends the process (SIGABRT, "Fatal Python error:
-Aborted") when a collective's 8 threads do not all arrive within
---xla_cpu_collective_call_terminate_timeout_seconds (40 s by default). On a 2-core machine shared with other jobs a
-thread can be starved that long: one CI run aborted so in test_train.py. The tests allow 10 minutes. Tests that
-start processes with another device count take these flags, at the default level, from
+the demo run, a newcomer's command, runs without these flags; the same tests pass at both levels. XLA:CPU runs each
+fake device's share of a program on its own thread of one pool; with one thread per device a run could hang in a
+collective (or abort after --xla_cpu_collective_call_terminate_timeout_seconds, 40 s by default: one CI run aborted
+so in test_train.py), which importing g2rl_jax now prevents (PJRT_NPROC, tests/test_cpu_pool.py). The tests allow
+10 minutes. Tests that start processes with another device count take these flags from
 `_helpers.xla_flags(devices)`.
 """
 import atexit
@@ -29,12 +28,14 @@ for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimiz
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # A fresh persistent compilation cache for this session (empty at the start, deleted at the end), inherited by
     # the trainer subprocesses and the `-n` workers: a relaunched or resumed run (kill -9, SIGTERM, multi-host resume)
-    # loads the programs the first launch compiled instead of compiling them again. JAX caches programs that took
-    # >= 1 s to compile. (With every program cached, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, the 8-device
-    # trainer of test_multihost.py hung once inside a program's execution, every thread waiting: not used.)
+    # loads the programs the first launch compiled instead of compiling them again, and a worker loads what the
+    # other compiled. Every program, however quick to compile (JAX's default keeps those of >= 1 s).
     _cache = tempfile.mkdtemp(prefix="g2rl_jax_tests_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+import g2rl_jax  # noqa: E402,F401 -- sizes XLA:CPU's pool for the 8 fake devices (PJRT_NPROC) before a backend starts
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -157,9 +157,10 @@ def test_a_request_that_waits_without_cpu_leaves_the_fast_lane(tmp_path):
     pool = bounded.BoundedPool(1)
     try:
         assert pool.check("x+x", "2x", 60.0)
+        sleepy = ["fn", f"{fn}:reward", "r", {}]
         for _ in range(3):
             out, restarted = [], pool.restarted
-            sleeper = threading.Thread(target=lambda: out.append(pool.request(["fn", f"{fn}:reward", "r", {}], 30.0)))
+            sleeper = threading.Thread(target=lambda out=out: out.append(pool.request(sleepy, 30.0)))
             sleeper.start()
             time.sleep(0.2)
             t = time.monotonic()
@@ -182,8 +183,8 @@ def test_slice_restart_gives_the_verdict_of_an_uninterrupted_check():
     pool = bounded.BoundedPool(1)
     try:
         assert pool.check("x+x", "2x", 60.0)
-        blocker = threading.Thread(target=pool.check, args=("(a+b+c+d+1)^{60}", "(a+b+c+d+2)^{60}", 30.0))
-        blocker.start()  # moves to the slow lane and fills it
+        blocker = threading.Thread(target=pool.check, args=("(a+b+c+d+1)^{60}", "(a+b+c+d+2)^{60}", 5.0))
+        blocker.start()  # moves to the slow lane and fills it until its 5 s bound
         time.sleep(workers.SLICE_S + 0.5)
         t = time.monotonic()
         slower = ("(a+b+c+d+1)^{8}", "(a+b+c+d+1)^{7}(a+b+c+d)+(a+b+c+d+1)^{7}")  # equal; about 1 s of sympy
