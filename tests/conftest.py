@@ -41,7 +41,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# `-n 2` (not the default: README) runs one module (one group) per worker at a time, so a module's fixtures and compiled
+# `-n 2` (the default, pyproject.toml) runs one module (one group) per worker at a time, so a module's fixtures and compiled
 # programs serve all its tests. Modules that share a session fixture share a group. The costliest start first (the
 # demo run: minutes of one core while its worker waits; the other worker meanwhile runs single-process modules),
 # so the two workers end together; the rest follow in file order. `--durations=0` shows what each costs.
