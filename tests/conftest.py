@@ -41,10 +41,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# `-n 2` (the default, pyproject.toml) runs one module (one group) per worker at a time, so a module's fixtures and compiled
-# programs serve all its tests. Modules that share a session fixture share a group. The costliest start first (the
-# demo run: minutes of one core while its worker waits; the other worker meanwhile runs single-process modules),
-# so the two workers end together; the rest follow in file order. `--durations=0` shows what each costs.
+# `-n 2` (the default, pyproject.toml) runs one module (one group) per worker at a time, so a module's fixtures and
+# compiled programs serve all its tests. Modules that share a session fixture share a group. The costliest start
+# first (the demo run: minutes of one core while its worker waits; the other worker meanwhile runs single-process
+# modules), so the two workers end together; the rest follow in file order. `--durations=0` shows what each costs.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a `-n` worker
 GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
 SLOW_FIRST = ("test_demo_run.py", "test_micro.py", "test_rollout_segments.py", "test_bench.py", "test_train.py",
