@@ -45,7 +45,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # compiled programs serve all its tests. Modules that share a session fixture share a group. The costliest start
 # first (the demo run: minutes of one core while its worker waits; the other worker meanwhile runs single-process
 # modules), so the two workers end together; the rest follow in file order. `--durations=0` shows what each costs.
-WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a `-n` worker
 GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
 SLOW_FIRST = ("test_demo_run.py", "test_micro.py", "test_rollout_segments.py", "test_bench.py", "test_train.py",
               "test_lora_train.py", "test_multihost.py", "test_aot.py", "test_micro_multihost.py",
@@ -72,59 +71,20 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    if not WORKER:  # one process: the demo run starts in the background at the first test; its tests wait for it last
-        rank[SLOW_FIRST[0]] = len(rank) + 1
     # stable: a group's own file first, then file order
     items.sort(key=lambda item: (rank.get(_group(item.path.name), len(rank)), item.path.name != _group(item.path.name)))
 
 
-def _start_demo_run(root):
-    """Start `python -m g2rl_jax.train --config configs/demo.yaml` as a newcomer's first command runs it: one CPU
-    device, XLA's default flags, the demo policy built first (`model.path=demo:DIR`). Returns a function that waits
-    for it: (finished process, run dir); `.kill` stops it."""
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """(finished process, run dir) of `python -m g2rl_jax.train --config configs/demo.yaml` as a newcomer's first
+    command runs it: one CPU device, XLA's default flags, the demo policy built first (`model.path=demo:DIR`)."""
+    root = tmp_path_factory.mktemp("demo_run")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
            f"run.output_dir={root / 'run'}", f"model.path=demo:{root / 'model'}"]
-    with open(root / "stdout.txt", "w") as out_file, open(root / "stderr.txt", "w") as err_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=out_file, stderr=err_file, cwd=ROOT)
-
-    def kill():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-    def finished(timeout: float = 3600):  # a guard against a hang only: the run shares the machine
-        try:
-            proc.wait(timeout=timeout)
-        finally:
-            kill()
-        done = subprocess.CompletedProcess(cmd, proc.returncode, (root / "stdout.txt").read_text(),
-                                           (root / "stderr.txt").read_text())
-        return done, root / "run"
-
-    finished.kill = kill
-    return finished
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _demo_run_in_background(request, tmp_path_factory):
-    """In one process (no `-n`), when a selected test uses `demo_run`: start the demo run at the session's first test
-    so that its minutes of one core overlap the other tests (its tests run last). With `-n` its group runs first and
-    its worker waits for it while the other worker goes on."""
-    if WORKER or not any("demo_run" in item.fixturenames for item in request.session.items):
-        yield None
-        return
-    finished = _start_demo_run(tmp_path_factory.mktemp("demo_run"))
-    try:
-        yield finished
-    finally:
-        finished.kill()
-
-
-@pytest.fixture(scope="session")
-def demo_run(_demo_run_in_background, tmp_path_factory):
-    """(finished process, run dir) of the full demo run."""
-    return (_demo_run_in_background or _start_demo_run(tmp_path_factory.mktemp("demo_run")))()
+    # a guard against a hang only: the run shares the machine with the other worker
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600), root / "run"
 
 
 @pytest.fixture(scope="session")
