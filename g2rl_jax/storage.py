@@ -199,6 +199,30 @@ class Appender:
             self._file.close()
 
 
+class Mirror:
+    """Keeps the files of a fresh local directory `local_dir` (for a tool that writes only local files, e.g.
+    TensorBoard's event writer) copied to directory `dst`: `sync()` appends to each object the bytes its local file
+    gained since the last sync, so a growing events file costs one compose per sync, not a rewrite."""
+
+    def __init__(self, dst: PathLike, purpose: str):
+        self.local_dir, self.dst = Path(tempfile.mkdtemp(prefix=f"g2rl_jax_{purpose}_")), path(dst)
+        self._sent: dict[str, int] = {}
+
+    def close(self) -> None:
+        """A last sync; the local copy is then deleted."""
+        self.sync()
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    def sync(self) -> None:
+        for file in sorted(f for f in self.local_dir.iterdir() if f.is_file()):
+            size, sent = file.stat().st_size, self._sent.get(file.name, 0)
+            if size > sent:
+                with open(file, "rb") as fh:
+                    fh.seek(sent)
+                    append_bytes(self.dst / file.name, fh.read(size - sent), known_to_exist=sent > 0)
+                self._sent[file.name] = size
+
+
 def create_exclusive(p: PathLike, text: str) -> bool:
     """Create `p` holding `text` if no `p` exists; False (and nothing written) if one does. Atomic: of two
     creators, exactly one gets True, and a reader sees the whole text or no file."""
