@@ -11,14 +11,6 @@ import pytest
 
 from g2rl_jax import storage
 
-from gcs_emulator import GcsEmulator
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    with GcsEmulator() as emulator:
-        yield emulator
-
 
 @pytest.fixture(params=["local", "gs"])
 def root(request, tmp_path, gcs):
@@ -131,17 +123,13 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
 def test_credentials_and_permission_errors_are_one_line(gcs, monkeypatch, status, message, match):
     """Neither emulator checks credentials, so a loopback server answers as GCS does when it refuses a caller (the
     status and JSON body of its documented errors); what is tested is the line a user gets from that answer."""
-    import fsspec
-
     handler = type("Refusing", (_Refusing,), {"status": status, "message": message})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.server_port}")
-        fsspec.filesystem("gcs").clear_instance_cache()
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.server_port}")  # read per request
         with pytest.raises(storage.StorageError, match=match) as err:
             storage.check_writable("gs://b/run", "run.output_dir")
         assert "\n" not in str(err.value)
     finally:
         server.shutdown()
-        fsspec.filesystem("gcs").clear_instance_cache()
