@@ -204,7 +204,8 @@ def test_eval_and_export_from_the_bucket_checkpoint(killed_run, gcs, tmp_path, m
     assert eval_main(["--checkpoint", run, "--datasets", gcs.url("data/eval.jsonl"), "--samples", "2",
                       "--max-new-tokens", "8", "--batch-size", "3", "--out", out]) == 0, capsys.readouterr().err
     results = json.loads(storage.read_text(f"{out}/results.json"))
-    assert results["settings"]["checkpoint_step"] == STEPS and results["metrics"]["eval.jsonl"]["problems"] == 3
+    assert results["settings"]["checkpoint_step"] == STEPS
+    assert results["metrics"][gcs.url("data/eval.jsonl")]["problems"] == 3  # datasets are named as given
     assert results["settings"]["model"] == f"{run}/checkpoints/{STEPS}"
     exported = gcs.url("exported/killed")
     assert export_main(["--checkpoint", run, "--out", exported]) == 0, capsys.readouterr().err
