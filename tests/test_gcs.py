@@ -234,3 +234,67 @@ def test_compilation_cache_in_the_bucket(gcs):
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert storage.names(url), "no compiled program was written to the bucket"
+
+
+def _one_line_failure(done, *needles):
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and all(n in lines[-1] for n in needles), done.stderr[-3000:]
+
+
+def test_gs_path_without_the_gcs_extra_is_one_line(assets, tmp_path):  # noqa: F811
+    """As if `pip install -e .` had left out the gcs extra: one line naming it, before any model loads."""
+    cmd = _train_cmd(assets, "gs://my-bucket/runs/demo", steps=1)
+    code = ("import sys; sys.modules['gcsfs'] = None\n"
+            "from g2rl_jax.train.loop import main\n"
+            f"sys.exit(main({cmd[cmd.index('--config'):]!r}))\n")
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    _one_line_failure(done, "config error: run.output_dir: 'gs://my-bucket/runs/demo' is a gs:// path",
+                      'pip install -e ".[gcs]"')
+    assert not (tmp_path / "gs:").exists()
+
+
+def test_missing_bucket_is_one_line_before_any_model_loads(assets, gcs):  # noqa: F811
+    cmd = _train_cmd(assets, "gs://no-such-bucket/runs/demo", steps=1)
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    _one_line_failure(done, "run.output_dir: the bucket gs://no-such-bucket does not exist",
+                      "gcloud storage buckets create gs://no-such-bucket")
+
+
+def _hub_cache(home, repo_id: str, model_dir) -> None:
+    """A Hugging Face cache (HF_HOME) holding `model_dir` as repository `repo_id`, laid out as huggingface_hub lays
+    out a download: blobs by hash, a snapshot of links to them, refs/main naming the snapshot."""
+    import hashlib
+
+    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_hugging_face_id_from_the_cache_and_one_line_when_absent(assets, tmp_path):  # noqa: F811
+    """model.path / --model-path `org/name`: read from the Hugging Face cache (HF_HUB_OFFLINE=1: the cache only);
+    an id neither cached nor downloadable is one line naming the cache and the download command."""
+    _hub_cache(tmp_path / "hf", "tiny-org/tiny-qwen3", assets["policy"])
+    env = dict(_env(), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", XLA_FLAGS=xla_flags(1))
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"problem": "1+2", "answer": "3"}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "g2rl_jax.eval", "--model-path", "tiny-org/tiny-qwen3", "--datasets",
+                           str(data), "--samples", "2", "--max-new-tokens", "4", "--template", "plain", "--out",
+                           str(tmp_path / "eval")], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["model"] == "tiny-qwen3" and results["settings"]["model"] == "tiny-org/tiny-qwen3"
+    cmd = [*_train_cmd(assets, tmp_path / "run", steps=1), "model.path=tiny-org/not-cached"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    _one_line_failure(done, "model.path: 'tiny-org/not-cached' is not a local directory, and as a Hugging Face id",
+                      "HF_HUB_OFFLINE=1", "huggingface-cli download tiny-org/not-cached")
