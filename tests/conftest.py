@@ -77,10 +77,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def gcs():
-    """A real GCS server on loopback (tests/gcs_emulator.py), one per test process: tensorstore reads its address
-    once per process and etils keeps its gcsfs client, so every module a worker runs shares this one (each under
-    its own prefix of the bucket)."""
-    from gcs_emulator import GcsEmulator
+    """A real GCS server on loopback (g2rl_jax/bench/gcs_emulator.py), one per test process: tensorstore reads its
+    address once per process and etils keeps its gcsfs client, so every module a worker runs shares this one (each
+    under its own prefix of the bucket)."""
+    from g2rl_jax.bench.gcs_emulator import GcsEmulator
 
     with GcsEmulator() as emulator:
         yield emulator

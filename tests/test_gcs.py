@@ -1,9 +1,10 @@
-"""A run whose every path is in a bucket, on a real GCS server on loopback (fake-gcs-server, tests/gcs_emulator.py):
-model.path and a jsonl training set in the bucket, run.output_dir there; kill -9 mid-save and mid-run, then the same
-command resumes and gives exactly the uninterrupted local run's metrics (tests/test_train.py's reference); a second
-trainer refused by the lock; the corrupt newest checkpoint set aside in the bucket; eval and export reading the gs://
-checkpoint and writing to the bucket; JAX's compilation cache in the bucket. (The two-process run on a bucket:
-tests/test_multihost.py.) Tiny random Qwen3 and the demo tokenizer, as test_train.py."""
+"""A run whose every path is in a bucket, on a real GCS server on loopback (fake-gcs-server,
+g2rl_jax/bench/gcs_emulator.py): model.path and a jsonl training set in the bucket, run.output_dir there; kill -9
+mid-save and mid-run, then the same command resumes and gives exactly the uninterrupted local run's metrics
+(tests/test_train.py's reference); a second trainer refused by the lock; the corrupt newest checkpoint set aside in the
+bucket; eval and export reading the gs:// checkpoint and writing to the bucket; JAX's compilation cache in the bucket.
+(The two-process run on a bucket: tests/test_multihost.py.) Tiny random Qwen3 and the demo tokenizer, as
+test_train.py."""
 import json
 import os
 import signal

@@ -95,7 +95,7 @@ def _run_two_processes(assets, out, steps, extra=()):
 @pytest.fixture(scope="module")
 def runs(assets, gcs, tmp_path_factory):
     """The 2-process run writes to a bucket (a pod's hosts share no disk: run.output_dir=gs://...), on a real GCS
-    server on loopback (tests/gcs_emulator.py); the 1-process run to a local directory."""
+    server on loopback (g2rl_jax/bench/gcs_emulator.py); the 1-process run to a local directory."""
     root = tmp_path_factory.mktemp("multihost_runs")
     _run_two_processes(assets, gcs.url("multihost/two"), STEPS)
     _run_one_process(assets, root / "one", STEPS + 1)

