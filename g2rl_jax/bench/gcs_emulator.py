@@ -30,6 +30,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server's process before it starts: on Linux, be sent SIGKILL when the process that started it dies
+    (a killed test run leaves no server behind); elsewhere nothing."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class GcsEmulator:
     def __init__(self, bucket: str = "g2rl-test"):
         self.bucket = bucket
@@ -54,7 +65,8 @@ class GcsEmulator:
         port = self.endpoint.rsplit(":", 1)[1]
         self.proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
                                       "127.0.0.1", "-port", port, "-external-url", self.endpoint, "-log-level",
-                                      "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -95,3 +107,31 @@ class GcsEmulator:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv=None) -> int:
+    """`python -m g2rl_jax.bench.gcs_emulator [--bucket B] [--port P]`: serve until Ctrl-C, after printing the
+    `export` line that points the clients of another shell at it."""
+    import argparse
+    import shlex
+
+    p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench.gcs_emulator", description=main.__doc__.split(":")[0])
+    p.add_argument("--bucket", default="my-bucket", help="the bucket to create (default: my-bucket)")
+    p.add_argument("--port", type=int, help="loopback port (default: a free one)")
+    args = p.parse_args(argv)
+    emulator = GcsEmulator(bucket=args.bucket)
+    if args.port:
+        emulator.endpoint = f"http://127.0.0.1:{args.port}"
+    with emulator:
+        print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in emulator.env.items()), flush=True)
+        print(f"serving gs://{args.bucket} at {emulator.endpoint}; Ctrl-C stops it (its objects live in memory)",
+              flush=True)
+        try:
+            emulator.proc.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
