@@ -123,9 +123,12 @@ def is_dir(p: PathLike) -> bool:
 
 
 def names(p: PathLike) -> list[str]:
-    """The names directly under directory `p` ([] when there is none)."""
-    where = path(p)
-    return sorted(child.name for child in where.iterdir()) if where.is_dir() else []
+    """The names directly under directory `p` ([] when there is none; on an object store a "directory" is gone as
+    soon as another process deletes its last object, even between two calls)."""
+    try:
+        return sorted(child.name for child in path(p).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 # ------------------------------------------------------------------------------------------------ writing

@@ -106,7 +106,8 @@ def test_kill_9_on_a_bucket_then_resume_exactly(killed_run, reference):  # noqa:
     assert f"resumed from the checkpoint of step {max(killed_run['committed'])}" in done.stdout, done.stdout[-2000:]
     _assert_same_metrics(read_metrics(out), reference["records"])  # model and data read from the bucket
     names = storage.names(out)
-    for name in ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard"):
+    for name in ("config.yaml", "config_history.jsonl", "metrics.jsonl", "checkpoints", "tensorboard", "summary.json",
+                 "curves.png"):
         assert name in names, names
     assert LOCK_FILE not in names and not any(".part." in n for n in names)
     assert not os.path.exists(out.replace("://", ":/")), "a local 'gs:' folder was written"
