@@ -25,12 +25,11 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from g2rl_jax import cli
+from g2rl_jax import cli, storage
 from g2rl_jax.train.checkpoint import load_policy, resolve_checkpoint, run_config, run_defaults
 from g2rl_jax.train.setup import runtime_config
 
@@ -87,7 +86,7 @@ class ModelSource:
     """One model to analyse: a HF dir (`kind="model"`) or a training run/checkpoint (`kind="checkpoint"`)."""
 
     kind: str
-    path: Path
+    path: str  # local, a URL (gs://...), or for a model a Hugging Face id
     label: str
 
 
@@ -99,9 +98,12 @@ def load_source(source: ModelSource, mesh):
     if source.kind == "checkpoint":
         model, tokenizer_dir = load_policy(source.path, mesh=mesh)
         return model, tokenizer_dir, run_config(resolve_checkpoint(source.path)[0]).data.prompt_template
-    model_cfg = ModelConfig(path=str(source.path))
+    from g2rl_jax.model.sources import local_model_dir
+
+    path = local_model_dir(source.path, "--model-path")
+    model_cfg = ModelConfig(path=path)
     runtime = runtime_config(model_cfg, remat="none")  # nothing here takes gradients
-    return load_pretrained(source.path, model_cfg.param_dtype, runtime=runtime, mesh=mesh), source.path, "chat"
+    return load_pretrained(path, model_cfg.param_dtype, runtime=runtime, mesh=mesh), path, "chat"
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -188,9 +190,9 @@ def embed_groups(embedder, tokenizer, texts: list[str], m: int, rows_per_call: i
 # ------------------------------------------------------------------------------------------------ the command
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.ArgumentParser(prog="python -m g2rl_jax.analyze", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", dest="models", action="append", default=[], type=lambda v: ("model", Path(v)),
+    p.add_argument("--model-path", dest="models", action="append", default=[], type=lambda v: ("model", v),
                    help="Hugging Face model dir to analyse (repeatable)")
-    p.add_argument("--checkpoint", dest="models", action="append", type=lambda v: ("checkpoint", Path(v)),
+    p.add_argument("--checkpoint", dest="models", action="append", type=lambda v: ("checkpoint", v),
                    help="training run dir (its newest checkpoint) or <run>/checkpoints/<step> dir (repeatable)")
     p.add_argument("--label", action="append", default=[],
                    help="legend label per model, in command-line order (default: the dir name; a checkpoint "
@@ -205,12 +207,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="prompt template (default: a checkpoint's data.prompt_template, chat for --model-path)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate/score call")
     p.add_argument("--micro-batch", type=int, default=8, help="responses per scoring micro-batch")
-    p.add_argument("--embedding-model", type=Path, help="Qwen3-Embedding-architecture HF dir for semantic cosines")
+    p.add_argument("--embedding-model", help="Qwen3-Embedding-architecture HF dir for semantic cosines")
     p.add_argument("--embedding-max-tokens", type=int, default=1024,
                    help="tokens embedded per response, the tail kept (as algorithm.embedding_max_tokens)")
     p.add_argument("--bins", type=int, default=HIST_BINS, help="histogram bins over [-1, 1]")
     p.add_argument("--seed", type=int, default=0, help="seed of the problem draw and of sampling")
-    p.add_argument("--out", type=Path, default=Path("runs/analysis"))
+    p.add_argument("--out", default="runs/analysis", help="output directory (local or gs://...)")
     args = p.parse_args(argv)
     if not args.models:
         p.error("give at least one --model-path or --checkpoint")
@@ -236,12 +238,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def default_label(kind: str, path: Path) -> str:
+def default_label(kind: str, path: str) -> str:
     """The dir's name; RUN@STEP for one checkpoint step dir of a run."""
+    def name(where) -> str:
+        return (where if storage.is_url(where) else storage.path(where).resolve()).name
+
     if kind == "checkpoint":
         run_dir, step_dir = resolve_checkpoint(path)
-        return run_dir.resolve().name if run_dir == path else f"{run_dir.resolve().name}@{step_dir.name}"
-    return path.resolve().name
+        return name(run_dir) if str(run_dir) == str(storage.path(path)) else f"{name(run_dir)}@{step_dir.name}"
+    return name(path)
 
 
 def model_sources(args: argparse.Namespace) -> list[ModelSource]:
@@ -284,6 +289,7 @@ def analyze(args: argparse.Namespace) -> int:
 
     try:
         sources = model_sources(args)
+        storage.check_writable(args.out, "--out")  # a missing bucket, no credentials: one line before any model loads
     except ValueError as err:
         return cli.fail("analyze", err)
     examples = draw_problems(args.dataset, args.problems, args.seed)
@@ -297,10 +303,12 @@ def analyze(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, micro_batch=args.micro_batch, seed=args.seed)
     embedder = embed_tokenizer = None
     if args.embedding_model is not None:
-        emb_cfg = ModelConfig(path=str(args.embedding_model))
-        embedder = load_pretrained(args.embedding_model, emb_cfg.param_dtype,
+        from g2rl_jax.model.sources import local_model_dir
+
+        emb_cfg = ModelConfig(path=local_model_dir(args.embedding_model, "--embedding-model"))
+        embedder = load_pretrained(emb_cfg.path, emb_cfg.param_dtype,
                                    runtime=runtime_config(emb_cfg, remat="none"), mesh=mesh)
-        embed_tokenizer = AutoTokenizer.from_pretrained(args.embedding_model)
+        embed_tokenizer = AutoTokenizer.from_pretrained(emb_cfg.path)
     models = {}
     for source in sources:
         model, tokenizer_dir, template = load_source(source, mesh)
@@ -319,14 +327,14 @@ def analyze(args: argparse.Namespace) -> int:
         print(f"{source.label}: gradient cosine {stats['gradient_cosine_mean']:.3f}, negative pairs "
               f"{100 * stats['negative_pair_ratio']:.2f}%" + ("" if sem_cos is None else
                                                               f", semantic cosine {stats['semantic_cosine_mean']:.3f}"))
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = storage.path(args.out, "--out")
     settings = {"dataset": args.dataset, "problem_ids": [ex.id for ex in examples], "samples": args.samples,
                 "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                 "template": args.template, "embedding_model": None if embedder is None else str(args.embedding_model)}
-    (args.out / "analysis.json").write_text(json.dumps({"settings": settings, "models": models}, indent=1))
-    geometry_figure(models, args.out / "geometry.png", title=f"{args.dataset}: {len(examples)} problems x "
+    storage.write_text(out / "analysis.json", json.dumps({"settings": settings, "models": models}, indent=1))
+    geometry_figure(models, out / "geometry.png", title=f"{args.dataset}: {len(examples)} problems x "
                                                                f"{args.samples} samples")
-    print(f"wrote {args.out / 'analysis.json'} and {args.out / 'geometry.png'}")
+    print(f"wrote {out / 'analysis.json'} and {out / 'geometry.png'}")
     return 0
 
 

@@ -22,11 +22,11 @@ import os
 import textwrap
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from g2rl_jax import storage
 from g2rl_jax.config_aliases import suggestion
 from g2rl_jax.config_groups import (
     _REQUIRED,
@@ -112,7 +112,7 @@ def _did_you_mean(key: str, candidates: list[str]) -> str:
     return suggestion(key) or f"did you mean '{_nearest(key, candidates)}'?"
 
 
-def _yaml_error(path: Path, err: yaml.YAMLError) -> ConfigError:
+def _yaml_error(path, err: yaml.YAMLError) -> ConfigError:
     """A YAML syntax error as one line: file:line:column, what the parser expected."""
     mark = getattr(err, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -167,14 +167,14 @@ def _parse(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"config field {key} has unsupported type {tp}")
 
 
-def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
-    """Flatten `path` (after its `base:` chain) to {dotted key: (raw value, source file)}."""
+def _read_yaml(path, chain: tuple = ()) -> dict[str, tuple[Any, str]]:
+    """Flatten `path` (a local path or a URL, after its `base:` chain) to {dotted key: (raw value, source file)}."""
     if path in chain:
         raise ConfigError(f"{path}: 'base' files form a cycle: {' -> '.join(map(str, chain + (path,)))}")
-    if not path.is_file():
+    if not storage.is_file(path):
         raise ConfigError(f"config file {path} does not exist" + (f" (named as base in {chain[-1]})" if chain else ""))
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        doc = yaml.safe_load(storage.read_text(path)) or {}
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save the file as UTF-8") \
             from None
@@ -185,7 +185,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict[str, tuple[Any, str]
     flat: dict[str, tuple[Any, str]] = {}
     base = doc.pop("base", None)
     if base is not None:
-        flat.update(_read_yaml((path.parent / str(base)).resolve(), chain + (path,)))
+        flat.update(_read_yaml(_resolved(path.parent / str(base)), chain + (path,)))
     groups = _groups()
     for group, body in doc.items():
         if group not in groups:
@@ -271,7 +271,7 @@ def _construct(cls: type, kwargs: dict[str, Any], flat: dict[str, tuple[Any, str
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """Load a YAML file (following `base:`), apply dotted `key=value` overrides, parse and check everything."""
-    flat = _read_yaml(Path(path).resolve(), ())
+    flat = _read_yaml(_resolved(path), ())
     for text in overrides:
         key, value = _split_override(text)
         flat[key] = (value, f"command-line override {text!r}")
@@ -293,13 +293,16 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
 
 
-def save_resolved(cfg: Config, run_dir: str | os.PathLike) -> Path:
-    """Write the fully resolved config to run_dir/config.yaml (atomically) and return its path."""
-    target = Path(run_dir) / RESOLVED_NAME
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{RESOLVED_NAME}.{os.getpid()}.tmp")
-    tmp.write_text("# Resolved g2rl_jax config; rerun with --config pointing here.\n" + to_yaml(cfg))
-    os.replace(tmp, target)
+def _resolved(path):
+    """A config file's path: a local one made absolute (symlinks resolved), a URL as it is."""
+    where = storage.path(path, "--config")
+    return where if storage.is_url(where) else where.resolve()
+
+
+def save_resolved(cfg: Config, run_dir: str | os.PathLike):
+    """Write the fully resolved config to run_dir/config.yaml (whole or not at all) and return its path."""
+    target = storage.path(run_dir) / RESOLVED_NAME
+    storage.write_text(target, "# Resolved g2rl_jax config; rerun with --config pointing here.\n" + to_yaml(cfg))
     return target
 
 

@@ -41,7 +41,8 @@ FIELD_NAMES = ("id", "problem", "answer", "choices")  # Example fields a jsonl f
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    output_dir: str = _f(_REQUIRED, "run directory: checkpoints/, metrics.jsonl, tensorboard/, config.yaml")
+    output_dir: str = _f(_REQUIRED, "run directory, local or a URL (gs://BUCKET/DIR: what a multi-host "
+                               "slice's hosts share): checkpoints/, metrics.jsonl, tensorboard/, config.yaml")
     total_steps: int = _f(500, "RL steps (rollout + update) to train; paper silent, 500 chosen")
     checkpoint_every: int = _f(50, "save a checkpoint every this many steps (and always at the end)")
     keep_checkpoints: int = _f(3, "keep only the newest this many checkpoints")
@@ -91,7 +92,7 @@ class LoraConfig:
                                   "down (MLP); the default is all seven, as Tunix's Qwen3 GRPO example")
     base_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of the frozen base weights (the adapters "
                                                     "train in model.param_dtype)")
-    init_from: Optional[str] = _f(None, "a PEFT LoRA adapter directory (adapter_config.json + "
+    init_from: Optional[str] = _f(None, "a PEFT LoRA adapter directory, local or gs://... (adapter_config.json + "
                                   "adapter_model.safetensors, e.g. from export --adapter) to start from; null = A "
                                   "random, B zero, so step 0's policy is the base model")
 
@@ -114,7 +115,9 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    path: str = _f(_REQUIRED, "local Hugging Face directory of the policy (config.json, *.safetensors, tokenizer)")
+    path: str = _f(_REQUIRED, "Hugging Face model of the policy (config.json, *.safetensors, tokenizer): a "
+                         "local directory, gs://BUCKET/DIR (copied once to the local cache), or a Hugging Face id "
+                         "such as Qwen/Qwen3-1.7B-Base (read from its cache, downloaded there if missing)")
     param_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the trained parameters (with LoRA: the "
                                                      "adapters; the frozen base is in model.lora.base_dtype)")
     compute_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of activations and matmuls")
@@ -145,7 +148,8 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    train_dataset: str = _f("math_train", "registered dataset name or path to a .jsonl file (paper: MATH train)")
+    train_dataset: str = _f("math_train", "registered dataset name or a .jsonl file, local or gs://... (paper: "
+                                                  "MATH train)")
     prompt_template: Literal["chat", "plain"] = _f("chat", "prompt format around the question (paper: SimpleRL-Zoo)")
     prompts_per_step: int = _f(16, "prompts per RL step (paper: train batch size 16)")
     max_prompt_tokens: int = _f(1024, "longer prompts are dropped; paper silent, 1024 chosen (verl default)")
@@ -228,7 +232,8 @@ class AlgorithmConfig:
     shaping_mode: Literal["text", "literal"] = _f("text", "g2rl: text = r·(1+λν̄) as the paper's prose; "
                                                   "literal = r + λν̄ as its equation (see docs/paper.md)")
     entropy_coef: float = _f(0.0, "entropy_bonus: coefficient of the entropy bonus (> 0 there, 0 otherwise)")
-    embedding_model: Optional[str] = _f(None, "evol: local HF dir of a Qwen3-architecture embedding model")
+    embedding_model: Optional[str] = _f(None, "evol: a Qwen3-architecture embedding model (a local HF dir, "
+                                           "gs://..., or a Hugging Face id)")
     embedding_max_tokens: int = _f(1024, "evol: tokens embedded per response, end token included; a longer response "
                                    "keeps its tail (EVOL-RL's code embeds whole responses, up to 16,384 tokens)")
     filter_equal_groups: bool = _f(False, "drop groups whose BASE correctness is all equal (all right or all "

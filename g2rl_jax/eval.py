@@ -33,13 +33,12 @@ import sys
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from g2rl_jax import cli
+from g2rl_jax import cli, storage
 from g2rl_jax.data import Example, encode_prompts, load_dataset
 from g2rl_jax.data.datasets import iter_jsonl
 
@@ -150,20 +149,19 @@ def results_table(rows: dict[str, dict[str, dict[str, float]]], datasets: Sequen
 
 # ---- resume bookkeeping ---------------------------------------------------------------------------------------
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records appended so far; a torn last line (a crash mid-write) is cut off the file."""
-    if not path.exists():
+def read_records(path) -> list[dict[str, Any]]:
+    """Records appended so far (a local path or a URL); a torn last line (a crash mid-write) is cut off the file."""
+    if not storage.exists(path):
         return []
-    text = path.read_text(encoding="utf-8")
+    text = storage.read_text(path)
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
-        path.write_text(text, encoding="utf-8")
+        storage.write_text(path, text)
     return [row for _, row in iter_jsonl(path, text)]
 
 
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+def append_record(path, record: dict[str, Any]) -> None:
+    storage.append_text(path, json.dumps(record) + "\n")  # on GCS: composed onto the object
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,26 +184,26 @@ class RunSettings:
         return (f"step{self.checkpoint_step}-" if self.checkpoint_step is not None else "") + digest
 
 
-def records_path(out: Path, settings: RunSettings) -> Path:
+def records_path(out, settings: RunSettings):
     """OUT/records/<key>.jsonl of these settings, with the settings themselves beside it in <key>.json (written
     on first use, so a run that fails before sampling leaves nothing that blocks a retry with other settings)."""
-    folder = out / RECORDS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = storage.path(out, "--out") / RECORDS_DIR
+    storage.makedirs(folder)
     meta = folder / f"{settings.key()}.json"
-    if not meta.exists():
-        meta.write_text(json.dumps(dataclasses.asdict(settings), indent=2))
+    if not storage.exists(meta):
+        storage.write_text(meta, json.dumps(dataclasses.asdict(settings), indent=2))
     return folder / f"{settings.key()}.jsonl"
 
 
-def write_results(out: Path, model_name: str, datasets: dict[str, list[dict[str, Any]]], settings: RunSettings,
+def write_results(out, model_name: str, datasets: dict[str, list[dict[str, Any]]], settings: RunSettings,
                   dropped_for_length: dict[str, int] | None = None) -> dict:
     """results.json (settings, per-dataset metrics, prompts left out for length and per-problem records) and
     results.md (the paper's table)."""
     metrics = {name: dataset_metrics(records, settings.seed) for name, records in datasets.items() if records}
     results = {"model": model_name, "settings": dataclasses.asdict(settings), "metrics": metrics,
                "dropped_for_length": dropped_for_length or {}, "problems": datasets}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(results_table({model_name: metrics}, list(metrics)))
+    storage.write_text(out / "results.json", json.dumps(results, indent=1))
+    storage.write_text(out / "results.md", results_table({model_name: metrics}, list(metrics)))
     return results
 
 
@@ -252,7 +250,7 @@ def _run_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         from g2rl_jax.train.checkpoint import run_defaults
 
         try:
-            run = run_defaults([Path(args.checkpoint)], lambda c: {
+            run = run_defaults([args.checkpoint], lambda c: {
                 "temperature": c.data.eval_temperature, "max_new_tokens": c.data.eval_max_new_tokens,
                 "template": c.data.prompt_template, "max_prompt_tokens": c.data.max_prompt_tokens}, args)
         except (FileNotFoundError, ValueError) as err:
@@ -285,10 +283,13 @@ def load_tokenizer(args: argparse.Namespace, settings: RunSettings):
     from transformers import AutoTokenizer
 
     if args.tokenizer or args.checkpoint is None:
-        folder = Path(args.tokenizer or args.model_path)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{'--tokenizer' if args.tokenizer else '--model-path'} {str(folder)!r} is not a "
-                                    "directory here; pass a local Hugging Face model folder")
+        from g2rl_jax.model.sources import local_model_dir
+
+        flag = "--tokenizer" if args.tokenizer else "--model-path"
+        folder = local_model_dir(args.tokenizer or args.model_path, flag)
+        if not storage.is_dir(folder):
+            raise FileNotFoundError(f"{flag} {folder!r} is not a directory here; pass a Hugging Face model folder "
+                                    "(local, gs://..., or a Hugging Face id)")
         return AutoTokenizer.from_pretrained(folder)
     from g2rl_jax.train.checkpoint import base_model_dir
 
@@ -302,8 +303,9 @@ def load_policy(args: argparse.Namespace, settings: RunSettings):
 
         return load_checkpoint(settings.model)[0]  # the step the records are keyed by
     from g2rl_jax.model import load_pretrained
+    from g2rl_jax.model.sources import local_model_dir
 
-    return load_pretrained(args.model_path)
+    return load_pretrained(local_model_dir(args.model_path, "--model-path"))
 
 
 def length_filtered(datasets: dict[str, list[Example]], tokenizer, args) -> tuple[dict[str, list[Example]],
@@ -329,12 +331,14 @@ def length_filtered(datasets: dict[str, list[Example]], tokenizer, args) -> tupl
 def run_settings(args: argparse.Namespace) -> RunSettings:
     """The settings of this invocation; --checkpoint is resolved to its step now (a run that trained on since an
     earlier evaluation gets new records)."""
-    model, step = Path(args.model_path or "").resolve(), None
+    model, step = args.model_path, None
     if args.checkpoint is not None:
         from g2rl_jax.train.checkpoint import resolve_checkpoint
 
-        model = resolve_checkpoint(args.checkpoint)[1].resolve()
+        model = resolve_checkpoint(args.checkpoint)[1]
         step = int(model.name)
+    if storage.is_dir(model) and not storage.is_url(model):  # a local folder: its absolute path (URLs, ids as given)
+        model = storage.path(model).resolve()
     return RunSettings(model=str(model), checkpoint_step=step, samples=args.samples, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                        template=args.template, seed=args.seed)
@@ -368,7 +372,7 @@ def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path)
 
 def merged_table(paths: Sequence[str]) -> str:
     """One results table from several runs' results.json, a row per run, the benchmarks of the first run first."""
-    runs = [json.loads(Path(path).read_text()) for path in paths]
+    runs = [json.loads(storage.read_text(path)) for path in paths]
     names = Counter(run["model"] for run in runs)
     rows = {run["model"] if names[run["model"]] == 1 else f"{run['model']} ({path})": run["metrics"]
             for run, path in zip(runs, paths)}
@@ -380,8 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.table:
         print(merged_table(args.table), end="")
         return 0
-    out = Path(args.out)
     try:
+        out = storage.path(args.out, "--out")
+        storage.check_writable(out, "--out")  # a missing bucket, no credentials: one line before any model loads
         settings = run_settings(args)
         datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
         tokenizer = load_tokenizer(args, settings)
@@ -399,9 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = read_records(path)
     by_key = {(r["dataset"], r["id"]): r for r in records}
     chosen = {name: [by_key[(name, e.id)] for e in examples] for name, examples in datasets.items()}
-    results = write_results(out, args.model_name or Path(args.model_path or args.checkpoint).name, chosen, settings,
-                            dropped)
-    print((out / "results.md").read_text())
+    results = write_results(out, args.model_name or storage.path(args.model_path or args.checkpoint).name, chosen,
+                            settings, dropped)
+    print(storage.read_text(out / "results.md"))
     print(f"wrote {out / 'results.json'} and {out / 'results.md'} ({sum(map(len, chosen.values()))} problems)")
     return 0 if results["metrics"] else 1
 

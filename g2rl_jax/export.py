@@ -12,11 +12,11 @@ Nothing already in `--out` is overwritten unless `--overwrite` is given.
 """
 from __future__ import annotations
 
-import shutil
+import os
 import sys
-from pathlib import Path
+import tempfile
 
-from g2rl_jax import cli
+from g2rl_jax import cli, storage
 
 # Files a Hugging Face model dir keeps besides the weights: the tokenizer and generation defaults.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -32,21 +32,35 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def export(checkpoint: str | Path, out: str | Path, *, adapter: bool = False, overwrite: bool = False) -> Path:
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, adapter: bool = False,
+           overwrite: bool = False):
     """Write the policy of `checkpoint` to `out` as a Hugging Face directory (merged weights), or with `adapter` its
-    LoRA adapters as a PEFT adapter directory; returns `out`."""
-    from g2rl_jax.model import lora, peft_io, save_pretrained
+    LoRA adapters as a PEFT adapter directory; returns `out`. Either may be a URL (gs://...): a bucket's `out` is
+    written in a local temporary directory, then uploaded file by file."""
     from g2rl_jax.train import identity
-    from g2rl_jax.train.checkpoint import load_policy, resolve_checkpoint, run_config
+    from g2rl_jax.train.checkpoint import resolve_checkpoint
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if storage.names(out) and not overwrite:
         raise FileExistsError(f"--out {str(out)!r} is not empty; choose an empty directory or pass --overwrite")
+    if storage.is_url(out):
+        storage.check_writable(out, "--out")  # a missing bucket, no credentials: one line before any model loads
     run_dir, step_dir = resolve_checkpoint(checkpoint)
     record = identity.saved(step_dir)
     if adapter and record["lora"] is None:
         raise ValueError(f"--adapter: {step_dir} is a full fine-tune (model.lora.rank=0), which has no adapters; "
                          "export it without --adapter")
+    if not storage.is_url(out):
+        return _write(checkpoint, storage.path(out), adapter, record, run_dir)
+    with tempfile.TemporaryDirectory(prefix="g2rl_jax_export_") as local:
+        storage.upload_tree(_write(checkpoint, local, adapter, record, run_dir), out)
+    return storage.path(out)
+
+
+def _write(checkpoint, out, adapter: bool, record: dict, run_dir):
+    """The export into local directory `out`."""
+    from g2rl_jax.model import lora, peft_io, save_pretrained
+    from g2rl_jax.train.checkpoint import load_policy, run_config
+
     model, base_dir = load_policy(checkpoint)
     if adapter:
         return peft_io.save_adapter(model, out, base_model=record["base"]["path"], base_sha256=record["base"]["sha256"])
@@ -54,8 +68,8 @@ def export(checkpoint: str | Path, out: str | Path, *, adapter: bool = False, ov
         model = lora.merged(model, run_config(run_dir).model.param_dtype)
     save_pretrained(model, out)
     for name in TOKENIZER_FILES:
-        if (Path(base_dir) / name).is_file():
-            shutil.copy2(Path(base_dir) / name, out / name)
+        if storage.is_file(base_dir / name):
+            storage.write_bytes(storage.path(out) / name, storage.read_bytes(base_dir / name))
     return out
 
 
@@ -63,7 +77,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         out = export(args.checkpoint, args.out, adapter=args.adapter, overwrite=args.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
+    except (*cli.USER_ERRORS, ValueError) as err:
         return cli.fail("export", err)
     how = ("peft.PeftModel.from_pretrained(base_model, {!r})" if args.adapter
            else "transformers.AutoModelForCausalLM.from_pretrained({!r})")

@@ -11,6 +11,7 @@ negative-pair ratios. Both write PNGs with matplotlib's Agg backend (no display 
 """
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
+
+from g2rl_jax import storage  # noqa: E402
 
 # metric key -> axis label, in panel order; validation keys (val/<dataset>/mean@k) go right after accuracy
 CURVES = {"accuracy": "training accuracy", "response_length": "response length (tokens)", "entropy": "entropy",
@@ -125,12 +128,13 @@ def geometry_figure(models: Mapping[str, Mapping[str, Any]], path: str | Path, *
     return _save(fig, path)
 
 
-def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+def _save(fig, path):
+    """The figure as a PNG at `path` (local or a URL), written whole."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
-    return path
+    storage.write_bytes(path, buffer.getvalue())
+    return storage.path(path)
 
 
 def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, list[dict]]:
@@ -138,12 +142,12 @@ def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, list[dict]]:
     from g2rl_jax.train.metrics import METRICS_FILE, read_metrics
 
     runs: dict[str, list[dict]] = {}
-    for run_dir in map(Path, run_dirs):
+    for run_dir in map(storage.path, run_dirs):
         records = read_metrics(run_dir)
         if not records:
             raise FileNotFoundError(f"{run_dir / METRICS_FILE}: missing or empty; pass run directories written by "
                                     "python -m g2rl_jax.train")
-        label = run_dir.resolve().name
+        label = (run_dir if storage.is_url(run_dir) else run_dir.resolve()).name
         if label in runs:  # two runs named alike in different parents
             label = str(run_dir)
         runs[label] = records

@@ -49,9 +49,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
-from g2rl_jax import cli
+from g2rl_jax import cli, storage
 from g2rl_jax.config import Config, load_config
 from g2rl_jax.memory import (
     F32,
@@ -250,10 +249,10 @@ def model_config(cfg: Config, preset: str | None) -> tuple[Qwen3Config, str]:
 
     if cfg.model.path.startswith(SCHEME):  # the demo policy: its architecture, built or not
         return demo_architecture(), f"demo policy ({cfg.model.path})"
-    path = Path(cfg.model.path) / "config.json"
-    if path.is_file():
-        return Qwen3Config.from_hf_dict(json.loads(path.read_text()), str(path)), str(path)
-    name = Path(cfg.model.path).name.lower()
+    path = storage.path(cfg.model.path, "model.path") / "config.json"  # local or gs://... (a hub id: by its name)
+    if storage.is_file(path):
+        return Qwen3Config.from_hf_dict(json.loads(storage.read_text(path)), str(path)), str(path)
+    name = path.parent.name.lower()
     matches = sorted((k for k in PRESETS if name.startswith(k)), key=len)
     if not matches:
         raise PlanError(f"model.path: no {path} and {name!r} names no preset; download the model or pass "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from g2rl_jax import cli
 from g2rl_jax.figures import load_runs, training_figure
@@ -15,11 +14,11 @@ from g2rl_jax.figures import load_runs, training_figure
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.ArgumentParser(prog="python -m g2rl_jax.plot", description="Draw the training-dynamics figure "
                                 "(accuracy, response length, entropy, novelty vs step) of one or more runs.")
-    p.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl")
-    p.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/curves.png for one run, ./curves.png "
-                                            "for several)")
+    p.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl (local or gs://...)")
+    p.add_argument("--out", help="PNG path, local or gs://... (default: RUN_DIR/curves.png for one run, "
+                                 "./curves.png for several)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    out = args.out or (Path(args.runs[0]) / "curves.png" if len(args.runs) == 1 else Path("curves.png"))
+    out = args.out or (f"{str(args.runs[0]).rstrip('/')}/curves.png" if len(args.runs) == 1 else "curves.png")
     try:
         path = training_figure(load_runs(args.runs), out)
     except (*cli.USER_ERRORS, ValueError) as err:  # no metrics.jsonl there, or a damaged one

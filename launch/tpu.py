@@ -11,8 +11,10 @@
 `create` first checks, on this machine, that the config fits the slice: `python -m g2rl_jax.plan --config FILE
 --target TYPE --compile --programs largest` compiles the step's largest programs for that slice (needs jax and
 libtpu here: pip install -e ".[tpu]") and prints its verdict; a config that does not fit is refused unless --force
-(which also skips the check). `train` points JAX's persistent compilation cache at --compile-cache on the workers'
-disk, so a run resumed there does not compile everything again.
+(which also skips the check). `create --bucket gs://BUCKET/DIR` keeps the bucket in the VM's metadata; `train` then
+writes the run to gs://BUCKET/DIR/runs/NAME and JAX's persistent compilation cache to gs://BUCKET/DIR/jax_cache,
+which every host of the slice shares and which outlive the VM (`train --bucket` names one directly). Without a bucket
+the cache is --compile-cache on each worker's disk, so a run resumed there does not compile everything again.
 
 Every subcommand takes --dry-run (print the exact gcloud command lines, run nothing) and --project. A TPU slice
 of several hosts runs the same command on every worker (`--worker=all`); JAX then finds its peers itself on TPU
@@ -37,6 +39,10 @@ RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-li
 # The worker's index inside its slice, from the TPU VM metadata server (TPU_WORKER_ID wins where the image sets it).
 WORKER_ID = ("${TPU_WORKER_ID:-$(curl -s -H 'Metadata-Flavor: Google' "
              "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)}")
+# The bucket `create --bucket` stored in the VM's metadata (G2RL_JAX_BUCKET, even empty, wins where it is set).
+BUCKET_KEY = "g2rl-jax-bucket"
+BUCKET_SOURCE = ("${G2RL_JAX_BUCKET-$(curl -s -f -H 'Metadata-Flavor: Google' "
+                 f"http://metadata.google.internal/computeMetadata/v1/instance/attributes/{BUCKET_KEY} || true)}}")
 
 
 def _target(args) -> list[str]:
@@ -83,6 +89,8 @@ def create(args) -> list[list[str]]:
     version = args.runtime_version or runtime_version(args.accelerator_type)
     cmd = ["gcloud", "compute", "tpus", "queued-resources", "create", args.name, "--node-id", args.name,
            *_target(args), "--accelerator-type", args.accelerator_type, "--runtime-version", version]
+    if args.bucket:  # `train` reads it back on every worker: run.output_dir and the compile cache go there
+        cmd += ["--metadata", f"{BUCKET_KEY}={args.bucket.rstrip('/')}"]
     return [cmd + (["--spot"] if args.spot else [])]
 
 
@@ -91,7 +99,7 @@ def setup(args) -> list[list[str]]:
     d, branch, repo = args.dir, shlex.quote(args.branch), shlex.quote(args.repo)
     script = (f"set -e; if [ -d {d}/.git ]; then git -C {d} fetch origin {branch} && git -C {d} checkout {branch} "
               f"&& git -C {d} pull --ff-only origin {branch}; else git clone --branch {branch} {repo} {d}; fi; "
-              f"cd {d} && python3 -m pip install -e '.[tpu]'")
+              f"cd {d} && python3 -m pip install -e '.[tpu,gcs]'")
     return [_ssh(args, script, "all")]
 
 
@@ -99,11 +107,17 @@ def train_script(args) -> str:
     """The shell line each worker runs: nohup python -m g2rl_jax.train, one log file per worker."""
     train = shlex.join(["python3", "-m", "g2rl_jax.train", "--config", args.config, *args.overrides])
     env = shlex.join(["PYTHONUNBUFFERED=1", *args.env])
-    if not any(o.startswith("run.compilation_cache_dir=") for o in args.overrides):
-        train = f"{train} {shlex.quote('run.compilation_cache_dir=' + args.compile_cache)}"
+    bucket = shlex.quote(args.bucket.rstrip("/")) if args.bucket else BUCKET_SOURCE
+    if not any(o.startswith("run.output_dir=") for o in args.overrides):  # in the bucket, when there is one
+        train += f' ${{BUCKET:+"run.output_dir=$BUCKET/runs/{args.name}"}}'
+    if args.compile_cache is not None:
+        train += f" {shlex.quote('run.compilation_cache_dir=' + args.compile_cache)}"
+    elif not any(o.startswith("run.compilation_cache_dir=") for o in args.overrides):  # the bucket's, else the disk's
+        train += f' "run.compilation_cache_dir=${{CACHE:-{DEFAULT_CACHE}}}"'
     log = f"{args.log_dir}/worker-$WORKER.log"
     # JAX_PLATFORMS is unset so JAX picks the TPU; TPU_* variables set by the VM image are left alone.
-    return (f"set -e; cd {args.dir}; mkdir -p {args.log_dir}; WORKER={WORKER_ID}; "
+    return (f"set -e; cd {args.dir}; mkdir -p {args.log_dir}; WORKER={WORKER_ID}; BUCKET={bucket}; "
+            "CACHE=${BUCKET:+$BUCKET/jax_cache}; "
             f"nohup env -u JAX_PLATFORMS {env} {train} > {log} 2>&1 < /dev/null & "
             f"echo \"worker $WORKER: started, log $PWD/{log}\"")
 
@@ -153,9 +167,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spot", action="store_true", help="spot (preemptible) capacity")
     p.add_argument("--config", help="training config YAML, checked here to fit the slice before the VM is created")
     p.add_argument("--force", action="store_true", help="create the VM without (or despite) the fit check")
+    p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help="kept in the VM's metadata: `train` then writes "
+                   "run.output_dir to gs://BUCKET/DIR/runs/NAME and the compile cache to gs://BUCKET/DIR/jax_cache, "
+                   "storage every host of the slice shares")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the check, as for train")
 
-    p = sub("setup", setup, "clone the repository and pip install -e '.[tpu]' on every worker")
+    p = sub("setup", setup, "clone the repository and pip install -e '.[tpu,gcs]' on every worker")
     p.add_argument("--repo", required=True, help="git URL of the g2rl_jax repository")
     p.add_argument("--branch", default="main", help="branch or tag to check out (default: main)")
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
@@ -164,9 +181,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="config YAML, relative to --dir on the workers")
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
     p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
-    p.add_argument("--compile-cache", default=DEFAULT_CACHE, metavar="DIR",
-                   help=f"JAX compilation cache on the workers (run.compilation_cache_dir; default {DEFAULT_CACHE}, "
-                   "on the VM's persistent disk; several hosts: gs://BUCKET/DIR, which they share)")
+    p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help="run.output_dir gs://BUCKET/DIR/runs/NAME and the "
+                   "compile cache gs://BUCKET/DIR/jax_cache (default: the bucket `create --bucket` kept, if any)")
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help=f"JAX compilation cache on the workers (run.compilation_cache_dir; default: the bucket's "
+                   f"jax_cache, else {DEFAULT_CACHE} on the VM's persistent disk)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the run, e.g. --env HF_HOME=/mnt/hf (repeatable)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.total_steps=10")
@@ -197,6 +216,9 @@ def _check(args, top: argparse.ArgumentParser) -> None:
     for item in getattr(args, "overrides", []):
         if "=" not in item or item.startswith("-"):
             top.error(f"train: {item!r} is not a config override; expected group.key=value, e.g. run.total_steps=10")
+    bucket = getattr(args, "bucket", None)
+    if bucket is not None and not bucket.startswith("gs://"):
+        top.error(f"--bucket {bucket!r}: expected gs://BUCKET/DIR, the storage the slice's hosts share")
     for flag in ("dir", "log_dir"):  # pasted into remote shell lines unquoted, so that ~ expands there
         value = getattr(args, flag, "")
         if any(c.isspace() or c in "'\"$`;&|<>" for c in value):

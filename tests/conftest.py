@@ -50,7 +50,7 @@ SLOW_FIRST = ("test_demo_run.py", "test_micro.py", "test_rollout_segments.py", "
               "test_lora_train.py", "test_multihost.py", "test_aot.py", "test_micro_multihost.py",
               "test_gpu_compile.py", "test_lifecycle.py", "test_plan.py", "test_study.py", "test_model.py",
               "test_warmup.py", "test_verify_bounds.py", "test_lora.py", "test_g2rl.py", "test_rollout.py",
-              "test_demo_assets.py", "test_launch.py", "test_algorithm_options.py")
+              "test_demo_assets.py", "test_launch.py", "test_algorithm_options.py", "test_gcs.py")
 
 
 def _group(name: str) -> str:
@@ -73,6 +73,17 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     # stable: a group's own file first, then file order
     items.sort(key=lambda item: (rank.get(_group(item.path.name), len(rank)), item.path.name != _group(item.path.name)))
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A real GCS server on loopback (g2rl_jax/bench/gcs_emulator.py), one per test process: tensorstore reads its
+    address once per process and etils keeps its gcsfs client, so every module a worker runs shares this one (each
+    under its own prefix of the bucket)."""
+    from g2rl_jax.bench.gcs_emulator import GcsEmulator
+
+    with GcsEmulator() as emulator:
+        yield emulator
 
 
 @pytest.fixture(scope="session")

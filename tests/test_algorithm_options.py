@@ -47,7 +47,7 @@ def test_help_and_configs_name_the_new_keys():
     for mode in ("grpo", "entropy_bonus", "evol", "g2rl"):
         cfg = load_config(ROOT / "configs" / f"qwen3_4b_{mode}.yaml")
         assert (cfg.algorithm.exploration, cfg.rollout.max_new_tokens, cfg.model.path) == (
-            mode, 12288, "models/Qwen3-4B-Base")
+            mode, 12288, "Qwen/Qwen3-4B-Base")
 
 
 def np_choose(mixed_per_round, blocks, block):

@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TPU, GPU, SLURM = ROOT / "launch" / "tpu.sh", ROOT / "launch" / "gpu.sh", ROOT / "launch" / "slurm_example.sbatch"
 WORKER_SOURCE = ("${TPU_WORKER_ID:-$(curl -s -H 'Metadata-Flavor: Google' "
                  "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)}")
+BUCKET_SOURCE = ("${G2RL_JAX_BUCKET-$(curl -s -f -H 'Metadata-Flavor: Google' "
+                 "http://metadata.google.internal/computeMetadata/v1/instance/attributes/g2rl-jax-bucket || true)}")
 
 FAKE = """#!{python}
 import json, os, shlex, sys
@@ -118,7 +120,7 @@ def test_setup_clones_and_installs_on_all_workers(fakes):
     assert flags == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z", "--worker=all"]
     assert "git clone --branch dev https://example.com/g2rl_jax.git ~/g2rl_jax" in command
     assert "git -C ~/g2rl_jax pull --ff-only origin dev" in command
-    assert command.endswith("cd ~/g2rl_jax && python3 -m pip install -e '.[tpu]'")
+    assert command.endswith("cd ~/g2rl_jax && python3 -m pip install -e '.[tpu,gcs]'")
 
 
 def test_setup_script_really_clones_and_installs(fakes, tmp_path):
@@ -138,7 +140,7 @@ def test_setup_script_really_clones_and_installs(fakes, tmp_path):
         assert done.returncode == 0, done.stderr
     assert (dest / ".git").is_dir()
     pips = [c for c in calls() if c["argv"].startswith("python3 -m pip")]
-    assert [c["argv"] for c in pips] == ["python3 -m pip install -e '.[tpu]'"] * 2
+    assert [c["argv"] for c in pips] == ["python3 -m pip install -e '.[tpu,gcs]'"] * 2
     assert all(c["cwd"] == str(dest) for c in pips)
 
 
@@ -152,10 +154,13 @@ def test_train_command_on_all_workers(fakes):
     assert flags == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z", "--project", "p",
                      "--worker=all"]
     assert command == (
-        f"set -e; cd ~/g2rl_jax; mkdir -p logs; WORKER={WORKER_SOURCE}; "
+        f"set -e; cd ~/g2rl_jax; mkdir -p logs; WORKER={WORKER_SOURCE}; BUCKET={BUCKET_SOURCE}; "
+        "CACHE=${BUCKET:+$BUCKET/jax_cache}; "
         "nohup env -u JAX_PLATFORMS PYTHONUNBUFFERED=1 HF_HOME=/mnt/hf python3 -m g2rl_jax.train "
         "--config configs/qwen3_4b_g2rl.yaml run.total_steps=3 mesh.tensor=2 "
-        "'run.compilation_cache_dir=~/.cache/g2rl_jax/jax' > logs/worker-$WORKER.log 2>&1 "
+        '${BUCKET:+"run.output_dir=$BUCKET/runs/g"} '
+        '"run.compilation_cache_dir=${CACHE:-~/.cache/g2rl_jax/jax}" '
+        "> logs/worker-$WORKER.log 2>&1 "
         "< /dev/null & echo \"worker $WORKER: started, log $PWD/logs/worker-$WORKER.log\"")
 
 
@@ -169,7 +174,8 @@ def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
                     "--compile-cache", "/cache", "--dry-run", "run.seed=1"], env)
     _, command = _ssh_command(out.stdout.strip())
     for worker in ("0", "3"):
-        worker_env = {**env, "TPU_WORKER_ID": worker, "JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5p-32"}
+        worker_env = {**env, "TPU_WORKER_ID": worker, "JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5p-32",
+                      "G2RL_JAX_BUCKET": ""}  # set, so the metadata server is not asked: no bucket
         done = subprocess.run(["bash", "-c", command], env=worker_env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert f"worker {worker}: started, log {workdir}/logs/worker-{worker}.log" in done.stdout
@@ -187,6 +193,37 @@ def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
         while "ran" not in log.read_text() and time.time() < deadline:
             time.sleep(0.1)
         assert log.read_text() == "fake python3 ran\n"
+
+
+def test_create_bucket_points_the_run_and_the_compile_cache_there(fakes, tmp_path):
+    """create --bucket keeps it in the VM's metadata; the train line each worker runs reads it back (here from
+    G2RL_JAX_BUCKET, as the metadata server would give it) and writes run.output_dir and the compile cache there;
+    without one, the cache stays on the worker's disk; train --bucket names one directly."""
+    env, calls = fakes
+    out = run(TPU, ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8", "--force", "--bucket",
+                    "gs://my-bucket/g2rl/"], env)
+    assert out.returncode == 0, out.stderr
+    assert calls()[-1]["argv"].endswith("--runtime-version v2-alpha-tpuv5 --metadata g2rl-jax-bucket=gs://my-bucket/g2rl")
+    out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--dir", str(tmp_path), "--dry-run",
+                    "run.seed=1"], env)
+    _, command = _ssh_command(out.stdout.strip())
+    for bucket, want in (("gs://my-bucket/g2rl", " run.output_dir=gs://my-bucket/g2rl/runs/g "
+                                                 "run.compilation_cache_dir=gs://my-bucket/g2rl/jax_cache"),
+                         ("", " 'run.compilation_cache_dir=~/.cache/g2rl_jax/jax'")):  # ~: expanded by python
+        done = subprocess.run(["bash", "-c", command], env={**env, "TPU_WORKER_ID": "0", "G2RL_JAX_BUCKET": bucket},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        deadline = time.time() + 30
+        while not (tmp_path / "logs" / "worker-0.log").read_text() and time.time() < deadline:
+            time.sleep(0.1)
+        assert calls()[-1]["argv"] == "python3 -m g2rl_jax.train --config c.yaml run.seed=1" + want
+        (tmp_path / "logs" / "worker-0.log").write_text("")
+    out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--bucket", "gs://b/x", "--dry-run"],
+              env)
+    assert "BUCKET=gs://b/x;" in out.stdout and "metadata" not in out.stdout.split("BUCKET=")[1].split(";")[0]
+    out = run(TPU, ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8", "--force", "--bucket",
+                    "/local/dir"], env)
+    assert out.returncode == 2 and "--bucket '/local/dir': expected gs://BUCKET/DIR" in out.stderr
 
 
 def test_logs_tail_follow_and_collect(fakes, tmp_path):

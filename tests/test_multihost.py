@@ -3,9 +3,10 @@
 8 devices and the same mesh. Tiny random Qwen3 with the demo tokenizer, as in test_train.py.
 
 Checks: the deterministic metrics (and the validation mean@k, on 5 prompts so the last chunk needs padding) of
-the 2-process run equal the 1-process run; only process 0 wrote metrics; rerunning the 2-process command with
-one more step resumes from its Orbax multi-host checkpoint (both processes' data-iterator states) and its next
-step equals the 1-process run's; with LoRA, 2 processes equal one device. Also: start-up
+the 2-process run, which writes to a bucket on a GCS emulator as a pod's hosts would, equal the 1-process run; only
+process 0 wrote metrics; rerunning the 2-process command with one more step resumes from its Orbax multi-host
+checkpoint in the bucket (both processes' data-iterator states) and its next step equals the 1-process run's;
+with LoRA, 2 processes equal one device. Also: start-up
 errors for partial distributed.* settings.
 """
 import json
@@ -18,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from g2rl_jax import parallel
+from g2rl_jax import parallel, storage
 from g2rl_jax.config import DistributedConfig
 from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train.metrics import read_metrics
@@ -92,11 +93,13 @@ def _run_two_processes(assets, out, steps, extra=()):
 
 
 @pytest.fixture(scope="module")
-def runs(assets, tmp_path_factory):
+def runs(assets, gcs, tmp_path_factory):
+    """The 2-process run writes to a bucket (a pod's hosts share no disk: run.output_dir=gs://...), on a real GCS
+    server on loopback (g2rl_jax/bench/gcs_emulator.py); the 1-process run to a local directory."""
     root = tmp_path_factory.mktemp("multihost_runs")
-    _run_two_processes(assets, root / "two", STEPS)
+    _run_two_processes(assets, gcs.url("multihost/two"), STEPS)
     _run_one_process(assets, root / "one", STEPS + 1)
-    return root
+    return {"two": gcs.url("multihost/two"), "one": root / "one"}
 
 
 def _run_one_process(assets, out, steps, extra=(), devices=8):
@@ -115,7 +118,7 @@ def _assert_same(got, want, keys):
 
 
 def test_two_processes_equal_one_process(runs):
-    two, one = read_metrics(runs / "two"), read_metrics(runs / "one")[:STEPS + 1]
+    two, one = read_metrics(runs["two"]), read_metrics(runs["one"])[:STEPS + 1]
     assert [r["step"] for r in two] == list(range(STEPS + 1))  # step 0: the validation before any update
     val = sorted(k for k in one[-1] if k.startswith("val/"))  # mean@2 and the response shares of the validation
     assert [k.rsplit("/", 1)[-1] for k in val] == ["format_fraction", "junk_fraction", "mean@2",
@@ -124,17 +127,22 @@ def test_two_processes_equal_one_process(runs):
 
 
 def test_only_process_0_writes_and_both_checkpoint(runs):
-    assert sorted(p.name for p in (runs / "two").glob("metrics*")) == ["metrics.jsonl"]
-    assert len(list((runs / "two" / "tensorboard").iterdir())) == 1
-    data = runs / "two" / "checkpoints" / str(STEPS) / "data"
-    assert sorted(p.name for p in data.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    """In the bucket: one metrics file and one events file (process 0's), both processes' iterator states, no lock
+    and no write probe left."""
+    names = storage.names(runs["two"])
+    assert [n for n in names if n.startswith("metrics")] == ["metrics.jsonl"]
+    assert not any(n.startswith((".write_test", "run.lock")) for n in names), names
+    assert len(storage.names(f"{runs['two']}/tensorboard")) == 1
+    data = f"{runs['two']}/checkpoints/{STEPS}/data"
+    assert [n for n in storage.names(data) if n.startswith("process_")] == ["process_0-of-2.json",
+                                                                            "process_1-of-2.json"]
 
 
-def test_two_processes_resume(assets, runs):
-    """The 2-process run continues from its step-STEPS checkpoint; with a constant LR its next step must equal
-    step STEPS + 1 of the uninterrupted 1-process run."""
-    _run_two_processes(assets, runs / "two", STEPS + 1)
-    two, one = read_metrics(runs / "two"), read_metrics(runs / "one")
+def test_two_processes_resume_from_the_bucket(assets, runs):
+    """The 2-process run continues from its step-STEPS checkpoint in the bucket (each process its own iterator
+    state); with a constant LR its next step must equal step STEPS + 1 of the uninterrupted 1-process run."""
+    _run_two_processes(assets, runs["two"], STEPS + 1)
+    two, one = read_metrics(runs["two"]), read_metrics(runs["one"])
     assert [r["step"] for r in two] == list(range(STEPS + 2))
     _assert_same(two[STEPS + 1:], one[STEPS + 1:], DETERMINISTIC)
 

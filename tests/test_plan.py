@@ -1,6 +1,7 @@
 """g2rl_jax.plan: the analytic memory plan against hand counts, XLA's compiled memory analysis of the real
 `train.step.update` on CPU (within 25%), the mesh errors, and the CLI."""
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,7 @@ def test_fits_picks_the_smallest_slice(tmp_path):
 
 def test_cli_prints_table_and_verdicts(tmp_path, capsys):
     cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(f"base: {(P.Path(PAPER_1P7B)).resolve()}\nrun:\n  output_dir: {tmp_path / 'run'}\n")
+    cfg_path.write_text(f"base: {(pathlib.Path(PAPER_1P7B)).resolve()}\nrun:\n  output_dir: {tmp_path / 'run'}\n")
     assert P.main(["--config", str(cfg_path), "--preset", "qwen3-1.7b", "--devices", "8"]) == 0
     out = capsys.readouterr().out
     for needle in ("params", "rollout KV cache", "activations", "PEAK", "v5e", "v5p", "v6e", "H100", "H200"):

@@ -350,16 +350,16 @@ def _embed_width(cfg: Config) -> int:
 
 def _embedder_config(cfg: Config) -> Qwen3Config:
     import json
-    from pathlib import Path
 
+    from g2rl_jax import storage
     from g2rl_jax.demo.build import SCHEME
 
     if cfg.algorithm.embedding_model.startswith(SCHEME):  # the demo's embedder: the demo policy's backbone
         from g2rl_jax.plan import demo_architecture
 
         return demo_architecture()
-    path = Path(cfg.algorithm.embedding_model) / "config.json"
-    return Qwen3Config.from_hf_dict(json.loads(path.read_text()), str(path))
+    path = storage.path(cfg.algorithm.embedding_model) / "config.json"  # local or gs://...
+    return Qwen3Config.from_hf_dict(json.loads(storage.read_text(path)), str(path))
 
 
 def _embedder(cfg: Config, a: Abstract, s: StepShapes, resident: int) -> Program:

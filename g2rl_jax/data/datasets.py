@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from g2rl_jax import storage
+
 FILES_DIR = Path(__file__).parent / "files"
 GPQA_PASSWORD = b"g2rl-gpqa"  # see files/LICENSES.md: the zip keeps GPQA out of plain-text crawls
 GPQA_SHUFFLE_SEED = 0
@@ -104,8 +106,8 @@ def load_dataset(
         examples = list(_REGISTRY[key]())
         if not examples:
             raise DataError(f"dataset {key!r} has no usable rows (its loader returned nothing)")
-    elif Path(key).is_file():
-        examples = read_jsonl_examples(Path(key), fields=fields or {}, kind=kind or "math")
+    elif storage.is_file(key):  # a local file or a URL (gs://bucket/data.jsonl)
+        examples = read_jsonl_examples(storage.path(key), fields=fields or {}, kind=kind or "math")
     else:
         raise DataError(
             f"unknown dataset {key!r}: it is neither a registered name ({', '.join(dataset_names())}) "
@@ -114,13 +116,13 @@ def load_dataset(
     return examples if limit is None else examples[:limit]
 
 
-def iter_jsonl(path: Path, text: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) per non-blank line; a malformed line raises naming the file and line."""
+def iter_jsonl(path, text: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) per non-blank line of a local or URL `path`; a malformed line raises naming the file
+    and line."""
     if text is None:
-        opener = gzip.open if path.name.endswith(".gz") else open
+        data = storage.read_bytes(path)
         try:
-            with opener(path, "rt", encoding="utf-8") as f:
-                text = f.read()
+            text = (gzip.decompress(data) if path.name.endswith(".gz") else data).decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of the decoded stream); "
                              "save the file as UTF-8") from None

@@ -38,16 +38,15 @@ import base64
 import dataclasses
 import json
 import os
-import shutil
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from g2rl_jax import storage
 from g2rl_jax.train import identity
 
 CHECKPOINT_DIR = "checkpoints"
@@ -111,8 +110,14 @@ class IteratorStateRestore(ocp.args.CheckpointArgs):
     pass
 
 
-def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINT_DIR
+def checkpoint_dir(run_dir: str | os.PathLike) -> epath.Path:
+    return storage.path(run_dir) / CHECKPOINT_DIR
+
+
+def _absolute(path: str | os.PathLike) -> epath.Path:
+    """What Orbax is given: a local path made absolute, a URL (gs://...) as it is."""
+    where = storage.path(path)
+    return where if storage.is_url(where) else where.absolute()
 
 
 def latest_step(run_dir: str | os.PathLike) -> int | None:
@@ -150,7 +155,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=True,
                                                enable_async_checkpointing=True)
         self._manager = ocp.CheckpointManager(
-            checkpoint_dir(run_dir).absolute(), options=options,
+            _absolute(checkpoint_dir(run_dir)), options=options,
             item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: IteratorStateHandler(),
                            identity.MODEL_ITEM: ocp.JsonCheckpointHandler(identity.MODEL_FILE)})
 
@@ -222,13 +227,11 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback")
         if jax.process_index() == 0:
-            aside = Path(self._manager.directory).parent / CORRUPT_DIR
-            aside.mkdir(exist_ok=True)
-            for step in steps:
+            aside = storage.path(self._manager.directory).parent / CORRUPT_DIR
+            storage.makedirs(aside)
+            for step in steps:  # on GCS a copy then a delete: a kill midway leaves it to be found corrupt again
                 target = aside / str(step)
-                if target.exists():
-                    shutil.rmtree(target)
-                os.replace(Path(self._manager.directory) / str(step), target)
+                storage.move(storage.path(self._manager.directory) / str(step), target)
                 print(f"warning: moved the unreadable checkpoint of step {step} to {target}", file=sys.stderr)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback done")
@@ -244,9 +247,10 @@ class Checkpointer:
 
 
 # ------------------------------------------------------------------------------------------------ reading a policy
-def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
-    """(run_dir, step_dir) of a run directory (its newest checkpoint) or of one `<run>/checkpoints/<step>` dir."""
-    path = Path(path)
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[epath.Path, epath.Path]:
+    """(run_dir, step_dir) of a run directory (its newest checkpoint) or of one `<run>/checkpoints/<step>` dir,
+    local or a URL."""
+    path = storage.path(path, "--checkpoint")
     if (path / STATE_ITEM).is_dir() and path.parent.name == CHECKPOINT_DIR:
         return path.parent.parent, path
     step = latest_step(path)
@@ -260,8 +264,8 @@ def run_config(run_dir: str | os.PathLike):
     """The resolved training Config a run wrote to `<run>/config.yaml`."""
     from g2rl_jax.config import RESOLVED_NAME, load_config
 
-    path = Path(run_dir) / RESOLVED_NAME
-    if not path.is_file():
+    path = storage.path(run_dir) / RESOLVED_NAME
+    if not storage.is_file(path):
         raise FileNotFoundError(f"{path} not found: a g2rl_jax run directory holds the config.yaml the trainer "
                                 "wrote; pass the run directory or one of its checkpoints/<step> directories")
     return load_config(path)
@@ -284,20 +288,22 @@ def read_params(step_dir: str | os.PathLike, abstract_params: Any) -> Any:
     """The `params` of a checkpoint's state item laid out as `abstract_params`; the rest is not read."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        restored = reader.restore(epath.Path(os.path.abspath(step_dir)) / STATE_ITEM, args=ocp.args.PyTreeRestore(
+        restored = reader.restore(_absolute(step_dir) / STATE_ITEM, args=ocp.args.PyTreeRestore(
             item={"params": abstract}, restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
             partial_restore=True))
     return restored["params"]
 
 
-def base_model_dir(run_or_checkpoint_dir: str | os.PathLike) -> Path:
-    """The base model dir (config and tokenizer) of a run, from its config.yaml's model.path; FileNotFoundError
-    naming it when it is not a Hugging Face model dir here."""
+def base_model_dir(run_or_checkpoint_dir: str | os.PathLike) -> epath.Path:
+    """The base model dir (config and tokenizer) of a run, from its config.yaml's model.path (a bucket's copied to
+    the local cache, a Hugging Face id from its cache: model/sources.py); FileNotFoundError naming it when it is not
+    a Hugging Face model dir."""
     from g2rl_jax.demo import resolve_demo_paths
+    from g2rl_jax.model.sources import local_model_dir
 
     run_dir = resolve_checkpoint(run_or_checkpoint_dir)[0]
     path = run_config(run_dir).model.path
-    base_dir = Path(resolve_demo_paths(path, None)[0])  # "demo:DIR" is (re)built at DIR
+    base_dir = storage.path(local_model_dir(resolve_demo_paths(path, None)[0], "model.path"))  # "demo:DIR": built
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {path!r} is not a Hugging Face "
                                 "model directory here; the checkpoint holds only the trained params, so the base "

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
+from g2rl_jax import storage
 from g2rl_jax.model import lora
 from g2rl_jax.model.hf_io import weights_sha256
 
@@ -47,8 +47,8 @@ def record(model_cfg, sha256: str | None) -> dict[str, Any]:
 
 def saved(step_dir: str | os.PathLike) -> dict[str, Any]:
     """The model.json a checkpoint step holds ({"lora": None} for a checkpoint written before it existed)."""
-    path = Path(step_dir) / MODEL_ITEM / MODEL_FILE
-    return json.loads(path.read_text()) if path.is_file() else {"lora": None}
+    path = storage.path(step_dir) / MODEL_ITEM / MODEL_FILE
+    return json.loads(storage.read_text(path)) if storage.is_file(path) else {"lora": None}
 
 
 def _describe(lora_rec: dict[str, Any]) -> str:

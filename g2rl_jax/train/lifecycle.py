@@ -1,9 +1,11 @@
 """What keeps a run directory whole across starts, stops and relaunches.
 
 - `RunLock`: `<run>/run.lock` names the host and pid of the trainer that holds the run; a trainer in another
-  process on the same run.output_dir is refused while that process lives. A lock left by a process that is gone
-  (same host, pid not running, or the pid of this very process after a container restart) is stale and replaced
-  with a warning; a lock from another host cannot be checked from here, so the error says what to delete.
+  process on the same run.output_dir is refused while that process lives. Created create-if-absent: a hard link
+  locally, an upload with the precondition ifGenerationMatch=0 on GCS (g2rl_jax.storage). A lock left by a process
+  that is gone (same host, pid not running, or the pid of this very process after a container restart) is stale and
+  replaced with a warning; a lock from another host (a pod's hosts, a deleted VM) cannot be checked from here, so the
+  error says what to delete (`gcloud storage rm gs://.../run.lock` for a bucket).
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
   optim, seeds), listed old -> new; the trainer refuses them unless run.allow_config_change=true.
 - `append_history`: every start appends its resolved config to `<run>/config_history.jsonl`.
@@ -18,9 +20,9 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from g2rl_jax import storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, load_config, to_dict
 
 LOCK_FILE = "run.lock"
@@ -32,7 +34,7 @@ FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "
              "data.eval_temperature", "data.eval_max_new_tokens", "model.attention", "model.remat")
 FREE_GROUPS = ("mesh.", "distributed.")
 
-_HELD: dict[Path, int] = {}  # lock files this process holds -> how many RunLocks hold each
+_HELD: dict[str, int] = {}  # lock files this process holds -> how many RunLocks hold each
 
 
 def _warn(message: str) -> None:
@@ -50,9 +52,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _read_holder(path: Path) -> dict[str, Any] | None:
+def _read_holder(path) -> dict[str, Any] | None:
     try:
-        holder = json.loads(path.read_text())
+        holder = json.loads(storage.read_text(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -60,26 +62,32 @@ def _read_holder(path: Path) -> dict[str, Any] | None:
     return holder if isinstance(holder, dict) else {}
 
 
-def _stale(holder: dict[str, Any], path: Path) -> bool:
+def _key(path) -> str:
+    """The lock's identity within this process: a local path resolved, a URL as it is."""
+    return str(path) if storage.is_url(path) else str(storage.path(path).resolve())
+
+
+def _stale(holder: dict[str, Any], path) -> bool:
     """True when the holder is certainly gone: same host and its pid not running, or our own pid (a restarted
     container reuses pids) while this process holds no such lock."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False
     if holder["pid"] == os.getpid():
-        return path.resolve() not in _HELD
+        return _key(path) not in _HELD
     return not _pid_alive(holder["pid"])
 
 
 class RunLock:
-    """`<run_dir>/run.lock`, created atomically (a complete file linked into place), removed by `release` (or at
-    exit). Trainers within one process (a notebook cell run twice) share it: the file goes when the last releases."""
+    """`<run_dir>/run.lock`, created atomically (storage.create_exclusive: a complete file linked into place, or on
+    GCS an upload with ifGenerationMatch=0), removed by `release` (or at exit). Trainers within one process (a
+    notebook cell run twice) share it: the file goes when the last releases."""
 
     def __init__(self, run_dir: str | os.PathLike):
-        self.path = Path(run_dir) / LOCK_FILE
+        self.path = storage.path(run_dir) / LOCK_FILE
         self._held = False
 
     def acquire(self) -> None:
-        key = self.path.resolve()
+        key = _key(self.path)
         if self._held:
             return
         if key in _HELD:
@@ -87,21 +95,15 @@ class RunLock:
             self._held = True
             return
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        try:
-            for _ in range(3):
-                try:
-                    os.link(tmp, self.path)  # atomic, fails if a lock exists: readers never see half a lock
-                    _HELD[key], self._held = 1, True
-                    atexit.register(self.release)
-                    return
-                except FileExistsError:
-                    self._replace_if_stale()
-            raise ConfigError(f"run.output_dir: could not take {self.path} after removing stale locks three times; "
-                              "another trainer keeps starting on this directory")
-        finally:
-            tmp.unlink(missing_ok=True)
+        storage.makedirs(self.path.parent)
+        for _ in range(3):
+            if storage.create_exclusive(self.path, json.dumps(record) + "\n"):  # readers never see half a lock
+                _HELD[key], self._held = 1, True
+                atexit.register(self.release)
+                return
+            self._replace_if_stale()
+        raise ConfigError(f"run.output_dir: could not take {self.path} after removing stale locks three times; "
+                          "another trainer keeps starting on this directory")
 
     def _replace_if_stale(self) -> None:
         holder = _read_holder(self.path)
@@ -114,25 +116,27 @@ class RunLock:
                               f"wait for it to finish or stop it, or choose another run.output_dir. If no trainer "
                               f"runs there any more, delete {self.path}")
         _warn(f"removing the stale lock {self.path} of pid {holder['pid']} on this host, which is no longer running")
-        aside = self.path.with_name(f".{LOCK_FILE}.stale.{os.getpid()}")
         try:
-            os.rename(self.path, aside)  # atomic: of two starters replacing it, one wins
-            aside.unlink()
+            # of two starters replacing this very lock (this generation of it), only the one that creates the
+            # takeover marker deletes it; markers stay, so a late starter can never delete a newer lock
+            marker = self.path.with_name(f".{LOCK_FILE}.takeover.{storage.generation(self.path)}")
         except FileNotFoundError:
-            pass
+            return
+        if storage.create_exclusive(marker, json.dumps({"pid": os.getpid()}) + "\n"):
+            storage.remove(self.path)
 
     def release(self) -> None:
         if not self._held:
             return
         self._held = False
-        key = self.path.resolve()
+        key = _key(self.path)
         _HELD[key] -= 1
         if _HELD[key]:
             return
         del _HELD[key]
         holder = _read_holder(self.path)
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            self.path.unlink(missing_ok=True)
+            storage.remove(self.path)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -156,9 +160,9 @@ def config_changes(old: Config, new: Config) -> list[str]:
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k] and not _free(k, a, b)]
 
 
-def check_resume_config(cfg: Config, run_dir: Path) -> None:
+def check_resume_config(cfg: Config, run_dir) -> None:
     """Refuse to resume a run whose config.yaml differs from `cfg` in keys that change what it computes."""
-    if cfg.run.allow_config_change or not (run_dir / RESOLVED_NAME).is_file():
+    if cfg.run.allow_config_change or not storage.is_file(run_dir / RESOLVED_NAME):
         return
     try:
         old = load_config(run_dir / RESOLVED_NAME)
@@ -174,13 +178,12 @@ def check_resume_config(cfg: Config, run_dir: Path) -> None:
                           f"{HISTORY_FILE})")
 
 
-def append_history(cfg: Config, run_dir: Path, **facts: Any) -> Path:
+def append_history(cfg: Config, run_dir, **facts: Any):
     """Append this start's resolved config (and `facts`: checkpoint found, rows kept, ...) to the history file."""
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),
               "argv": sys.argv, **facts, "config": to_dict(cfg)}
-    path = run_dir / HISTORY_FILE
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record) + "\n")
+    path = storage.path(run_dir) / HISTORY_FILE
+    storage.append_text(path, json.dumps(record) + "\n")
     return path
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from g2rl_jax import cli, parallel
+from g2rl_jax import cli, parallel, storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
@@ -89,7 +88,7 @@ class Trainer(SamplingRounds):
     def __init__(self, cfg: Config):
         self.started = time.perf_counter()
         preflight(cfg, model_dirs=False)
-        self.run_dir = Path(cfg.run.output_dir)
+        self.run_dir = storage.path(cfg.run.output_dir, "run.output_dir")  # a local path or a URL
         self.lock = RunLock(self.run_dir) if jax.process_index() == 0 else None  # one holder per run directory
         self.stop = StopSignal()
         self.preempted = False

@@ -12,6 +12,11 @@ Only process 0 writes (on other processes every method is a no-op), so multi-hos
         bar.update(step, scalars)
     metrics.close(); bar.close()
 
+Storage (g2rl_jax.storage): run_dir may be a URL. On GCS, where an object cannot be appended to, each record is
+uploaded as a small object and composed onto metrics.jsonl (one compose request per step whatever the file's size),
+and TensorBoard's events, written to a local directory, have each flush's new bytes composed onto their object the
+same way; W&B keeps its local files in the cache (storage.scratch_dir).
+
 Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ... again, so MetricsWriter first
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
 equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`. A start from step 0 moves
@@ -34,13 +39,14 @@ import os
 import secrets
 import sys
 import time
-from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
+
+from g2rl_jax import storage
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -107,23 +113,29 @@ def check_loggers(loggers) -> None:
                           "pip install -e \".[wandb]\" (or drop wandb from run.loggers)")
 
 
-def _wandb_run(run_dir: Path, config: Mapping[str, Any] | None):
+def _local_dir(run_dir, purpose: str):
+    """run_dir itself, or for a URL the local directory kept for it (storage.scratch_dir): TensorBoard's writer and
+    W&B write local files only."""
+    return storage.scratch_dir(run_dir, purpose) if storage.is_url(run_dir) else run_dir
+
+
+def _wandb_run(run_dir, config: Mapping[str, Any] | None):
     """Start (or, with the id kept in run_dir, resume) the W&B run of this training run."""
     import wandb
 
     id_file = run_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
-    id_file.write_text(run_id + "\n")
-    return wandb.init(dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name, config=dict(config or {}),
-                      project=os.environ.get("WANDB_PROJECT", "g2rl_jax"))
+    run_id = storage.read_text(id_file).strip() if storage.exists(id_file) else secrets.token_hex(4)  # [a-z0-9]
+    storage.write_text(id_file, run_id + "\n")
+    return wandb.init(dir=str(_local_dir(run_dir, "wandb")), id=run_id, resume="allow", name=run_dir.name,
+                      config=dict(config or {}), project=os.environ.get("WANDB_PROJECT", "g2rl_jax"))
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """All complete records of run_dir/metrics.jsonl (a torn final line from a kill is ignored)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
+    path = storage.path(run_dir) / METRICS_FILE
+    if not storage.exists(path):
         return []
-    lines = path.read_text().splitlines()
+    lines = storage.read_text(path).splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
         try:
@@ -135,28 +147,26 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
-def _move_aside(path: Path) -> Path:
+def _move_aside(path):
     """Rename `path` to the first free `<name>.<n>` and return the new path."""
     n = 1
-    while path.with_name(f"{path.name}.{n}").exists():
+    while storage.exists(path.with_name(f"{path.name}.{n}")):
         n += 1
     target = path.with_name(f"{path.name}.{n}")
-    os.replace(path, target)
+    storage.move(path, target)
     return target
 
 
-def _truncate(run_dir: Path, start_step: int) -> None:
-    """Rewrite metrics.jsonl atomically with only the records of steps <= start_step: a run resumed at step k
-    keeps what steps 1..k wrote (and the step-0 validation). A run that (re)starts from step 0 (no checkpoint)
-    begins a new file; a non-empty old one is moved aside to metrics.jsonl.<n>, never truncated."""
+def _truncate(run_dir, start_step: int) -> None:
+    """Rewrite metrics.jsonl whole with only the records of steps <= start_step: a run resumed at step k keeps what
+    steps 1..k wrote (and the step-0 validation). A run that (re)starts from step 0 (no checkpoint) begins a new
+    file; a non-empty old one is moved aside to metrics.jsonl.<n>, never truncated."""
     path = run_dir / METRICS_FILE
-    if start_step == 0 and path.exists() and path.stat().st_size:
+    if start_step == 0 and storage.exists(path) and storage.path(path).stat().length:
         print(f"warning: no checkpoint to resume from, so this run starts at step 0; the existing {path} was "
               f"moved to {_move_aside(path)}", file=sys.stderr, flush=True)
     kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step] if start_step > 0 else []
-    tmp = run_dir / f".{METRICS_FILE}.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, run_dir / METRICS_FILE)
+    storage.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MetricsWriter:
@@ -169,15 +179,19 @@ class MetricsWriter:
         if not self._enabled:
             return
         check_loggers(loggers)
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = storage.path(run_dir)
+        storage.makedirs(run_dir)
         _truncate(run_dir, start_step)
-        self._file = open(run_dir / METRICS_FILE, "a")
-        self._tb = self._wandb = None
+        self._file = storage.Appender(run_dir / METRICS_FILE)  # on GCS each line is composed onto the object
+        self._tb = self._wandb = self._tb_mirror = None
         if "tensorboard" in loggers:
+            events = run_dir / TENSORBOARD_DIR
+            if storage.is_url(events):  # written locally, each flush's new bytes appended to the bucket's copy
+                self._tb_mirror = storage.Mirror(events, TENSORBOARD_DIR)
             # a unique file per writer: tensorboardX names files by the second, so a quick resume would clobber one
-            self._tb = _summary_writer(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else 0,
-                                     filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+            self._tb = _summary_writer(str(self._tb_mirror.local_dir if self._tb_mirror else events),
+                                       purge_step=start_step + 1 if start_step else 0,
+                                       filename_suffix=f".{os.getpid()}.{time.time_ns()}")
         if "wandb" in loggers:
             self._wandb = _wandb_run(run_dir, config)
 
@@ -192,11 +206,12 @@ class MetricsWriter:
             record[name] = number if math.isfinite(number) else None
         finite = {k: v for k, v in record.items() if k != "step" and v is not None}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
         if self._tb is not None:
             for name, number in finite.items():
                 self._tb.add_scalar(name, number, global_step=int(step))
             self._tb.flush()
+            if self._tb_mirror is not None:
+                self._tb_mirror.sync()
         if self._wandb is not None:
             self._wandb.log(finite, step=int(step))
 
@@ -205,6 +220,8 @@ class MetricsWriter:
             self._file.close()
             if self._tb is not None:
                 self._tb.close()
+                if self._tb_mirror is not None:
+                    self._tb_mirror.close()
             if self._wandb is not None:
                 self._wandb.finish()
 

@@ -14,10 +14,11 @@ still reports it, and the curves start from it). Only process 0 writes.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
+
+from g2rl_jax import storage
 
 SUMMARY_FILE = "summary.json"
 CURVES_FILE = "curves.png"
@@ -50,7 +51,7 @@ def before(records: list[dict]) -> dict[str, float] | None:
     return {k: v for k, v in first[0].items() if k != "step"} if first else None
 
 
-def finish(run_dir: Path, *, before: dict | None, after: dict | None, steps: int, seconds: float) -> dict | None:
+def finish(run_dir, *, before: dict | None, after: dict | None, steps: int, seconds: float) -> dict | None:
     """Write summary.json and curves.png; returns the summary (None on processes other than 0)."""
     if jax.process_index() != 0:
         return None
@@ -60,6 +61,6 @@ def finish(run_dir: Path, *, before: dict | None, after: dict | None, steps: int
                **{share: accuracy(after or {}, share) for share in SHARES},
                "validation_before": before or {}, "validation_after": after or {},
                "steps": steps, "seconds": round(seconds, 1)}
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    storage.write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     training_figure(load_runs([run_dir]), run_dir / CURVES_FILE)
     return summary

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,12 +12,13 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from g2rl_jax import parallel
+from g2rl_jax import parallel, storage
 from g2rl_jax.config import Config, ConfigError
 from g2rl_jax.data import DataError, dataset_names, encode_prompts, load_dataset
 from g2rl_jax.demo import resolve_demo_paths
 from g2rl_jax.model import load_pretrained, lora
 from g2rl_jax.model.config import RuntimeConfig
+from g2rl_jax.model.sources import local_model_dir
 
 
 def check_platforms() -> None:
@@ -50,10 +50,11 @@ def compilation_cache(directory: str) -> None:
         return
     if jax.process_count() > 1 and jax.devices()[0].platform == "cpu":
         return
-    if "://" not in directory:
-        path = Path(directory).expanduser()
+    storage.require_client(directory, "run.compilation_cache_dir")  # jax reads a URL through etils epath too
+    if not storage.is_url(directory):
+        path = storage.path(directory)
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            storage.makedirs(path)
         except OSError as err:
             raise ConfigError(f"run.compilation_cache_dir: cannot create {str(path)!r} ({err}); choose a writable "
                               "directory, or \"\" to turn the cache off") from err
@@ -63,12 +64,20 @@ def compilation_cache(directory: str) -> None:
 
 
 def resolve_model_paths(cfg: Config) -> Config:
-    """The config with `demo:DIR` model paths built (or reused) at DIR and replaced by DIR (g2rl_jax/demo)."""
+    """The config with local model directories: `demo:DIR` built (or reused) at DIR (g2rl_jax/demo), a bucket's
+    directory copied to the local cache and a Hugging Face id taken from its cache (model/sources.py), for
+    model.path, algorithm.embedding_model and model.lora.init_from."""
     try:
-        path, embedder = resolve_demo_paths(cfg.model.path, cfg.algorithm.embedding_model)
+        path, embedder = resolve_demo_paths(local_model_dir(cfg.model.path, "model.path"),
+                                            cfg.algorithm.embedding_model)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path),
+    if embedder is not None:
+        embedder = local_model_dir(embedder, "algorithm.embedding_model")
+    lora_cfg = cfg.model.lora
+    if lora_cfg.init_from:
+        lora_cfg = dataclasses.replace(lora_cfg, init_from=local_model_dir(lora_cfg.init_from, "model.lora.init_from"))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path, lora=lora_cfg),
                                algorithm=dataclasses.replace(cfg.algorithm, embedding_model=embedder))
 
 
@@ -97,24 +106,24 @@ def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
     writable. Raises ConfigError."""
     dirs = (("model.path", cfg.model.path), ("algorithm.embedding_model", cfg.algorithm.embedding_model))
     for key, path in dirs if model_dirs else ():
-        if path is not None and not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{key}: {path!r} is not a local Hugging Face model directory (no config.json there); "
-                              "download the checkpoint first and point the key at its directory")
+        if path is not None and not storage.is_file(storage.path(path) / "config.json"):
+            raise ConfigError(f"{key}: {path!r} is not a Hugging Face model directory (no config.json there); "
+                              "download the checkpoint first and point the key at its directory (or a bucket's "
+                              "gs:// copy, or its Hugging Face id)")
+    for key, path in (("model.path", cfg.model.path), ("model.lora.init_from", cfg.model.lora.init_from),
+                      ("algorithm.embedding_model", cfg.algorithm.embedding_model),
+                      ("run.compilation_cache_dir", cfg.run.compilation_cache_dir)):
+        if path:
+            storage.require_client(path, key)  # a gs:// path without the gcs extra: one line, before anything loads
     known = dataset_names()
     datasets = (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets))
     for key, names in datasets:
         for name in names:
-            if name not in known and not Path(name).is_file():
+            if name not in known and not (storage.require_client(name, key) or storage.is_file(name)):
                 raise ConfigError(f"{key}: {name!r} is neither a registered dataset ({', '.join(known)}) nor a "
-                                  "local .jsonl file")
-    out = Path(cfg.run.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test.{jax.process_index()}"  # one per process: hosts may share the directory
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({err}); choose a writable directory") from err
+                                  ".jsonl file (local or a URL such as gs://bucket/data.jsonl)")
+    # one probe per process: hosts may share the directory
+    storage.check_writable(cfg.run.output_dir, "run.output_dir", f".write_test.{jax.process_index()}")
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

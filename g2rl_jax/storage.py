@@ -1,0 +1,402 @@
+"""One storage layer for every path a run reads or writes: a local path or a URL (gs://bucket/dir first; any scheme
+etils `epath` and fsspec support), through the same calls.
+
+    storage.check_writable("gs://my-bucket/runs/demo", "run.output_dir")  # one line for a missing bucket, ...
+    run = storage.path("gs://my-bucket/runs/demo")                         # an etils epath.Path
+    storage.write_text(run / "config.yaml", text)                          # whole, or not at all
+    storage.append_text(run / "metrics.jsonl", line)                       # GCS: a compose onto the object
+    storage.create_exclusive(run / "run.lock", record)                     # GCS: ifGenerationMatch=0
+
+The choice: etils `epath`, the path type Orbax takes for its checkpoint directories and JAX's persistent compilation
+cache uses for non-local directories, with fsspec's gcsfs behind it for gs:// (epath's own backend for gs:// when
+TensorFlow is absent). So the checkpoints, the compile cache and every file the project writes itself go through one
+client, one set of credentials and one emulator setting (STORAGE_EMULATOR_HOST). gcsfs is the optional extra
+`pip install -e ".[gcs]"`; a gs:// path without it is one line naming the extra.
+
+What an object store does not have, done here once:
+- append: `append_text` writes the new bytes as a small object and composes [object, part] onto the object (one
+  compose request, whatever the object's size), so metrics.jsonl and the TensorBoard events grow as one object;
+- an atomic create-if-absent (the run lock): a write with the precondition ifGenerationMatch=0, refused (412) when
+  the object exists; locally, a complete file hard-linked into place;
+- rename: a copy and a delete (`move`), not atomic; used only to set a corrupt checkpoint aside, where a partial move
+  is harmless (the step is found corrupt again on the next start);
+- directories: none; `makedirs` does nothing for a URL.
+A model directory in a bucket is copied once to the local cache (`local_copy`): safetensors are memory-mapped and
+read slice by slice, which a local file does at disk speed and an object store only with a request per slice.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Union
+
+from etils import epath
+
+from g2rl_jax.config_groups import ConfigError
+
+PathLike = Union[str, os.PathLike]
+EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}  # scheme -> (the client module, the extra that has it)
+CACHE_ENV = "G2RL_JAX_CACHE"  # where bucket copies and local staging live (default ~/.cache/g2rl_jax)
+_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+class StorageError(ConfigError):
+    """A path that cannot be used (no client for its scheme, a missing bucket, no credentials, no permission); the
+    message names the path and what to do."""
+
+
+def scheme(p: PathLike) -> str | None:
+    """'gs' for gs://bucket/x, None for a local path."""
+    match = _URL.match(str(p))
+    return match.group(1).lower() if match else None
+
+
+def is_url(p: PathLike) -> bool:
+    return scheme(p) is not None
+
+
+def require_client(p: PathLike, key: str = "") -> None:
+    """StorageError (one line naming the extra) when `p` is a URL whose client library is not installed."""
+    which = scheme(p)
+    if which not in EXTRAS:
+        return
+    module, extra = EXTRAS[which]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        where = f"{key}: " if key else ""
+        raise StorageError(f"{where}{str(p)!r} is a {which}:// path, which needs the {module} package: "
+                           f"pip install -e \".[{extra}]\" (or pip install {module})") from None
+    _configure_gcs()
+
+
+def _configure_gcs() -> None:
+    """gcsfs without its listings cache: hosts that share a bucket must see each other's writes (Orbax lists the
+    checkpoint directory that another process wrote)."""
+    import fsspec
+
+    fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
+    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
+
+
+def path(p: PathLike, key: str = "") -> epath.Path:
+    """`p` as an epath.Path (a local path, or a URL with its client installed; `key` names the config key or flag
+    in the error)."""
+    require_client(p, key)
+    return epath.Path(p) if is_url(p) else epath.Path(os.path.expanduser(os.fspath(p)))
+
+
+def _fs(p: PathLike):
+    """(fsspec filesystem, path within it) of a URL."""
+    import fsspec
+
+    require_client(p)
+    return fsspec.core.url_to_fs(str(p))
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def read_bytes(p: PathLike) -> bytes:
+    return path(p).read_bytes()
+
+
+def read_text(p: PathLike) -> str:
+    return read_bytes(p).decode("utf-8")
+
+
+def exists(p: PathLike) -> bool:
+    return path(p).exists()
+
+
+def is_file(p: PathLike) -> bool:
+    return path(p).is_file()
+
+
+def is_dir(p: PathLike) -> bool:
+    return path(p).is_dir()
+
+
+def names(p: PathLike) -> list[str]:
+    """The names directly under directory `p` ([] when there is none; on an object store a "directory" is gone as
+    soon as another process deletes its last object, even between two calls)."""
+    try:
+        return sorted(child.name for child in path(p).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def makedirs(p: PathLike) -> None:
+    """Create directory `p` and its parents (nothing to do on an object store)."""
+    if not is_url(p):
+        path(p).mkdir(parents=True, exist_ok=True)
+
+
+def write_bytes(p: PathLike, data: bytes) -> None:
+    """Replace `p` whole: locally a temporary file renamed over it, on an object store one upload (an object
+    appears complete or not at all). A reader never sees half a file."""
+    target = path(p)
+    if is_url(p):
+        target.write_bytes(data)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+
+
+def write_text(p: PathLike, text: str) -> None:
+    write_bytes(p, text.encode("utf-8"))
+
+
+def append_bytes(p: PathLike, data: bytes, *, known_to_exist: bool | None = None) -> None:
+    """Append `data` to `p` (created when absent). On an object store: the new bytes as a part object, composed
+    onto `p` (GCS compose: atomic, one request whatever the size of `p`), the part then deleted. A caller that knows
+    whether `p` exists passes `known_to_exist` and saves a request."""
+    if not is_url(p):
+        with open(path(p), "ab") as fh:
+            fh.write(data)
+        return
+    fs, key = _fs(p)
+    if not (fs.exists(key) if known_to_exist is None else known_to_exist):
+        fs.pipe_file(key, data)
+        return
+    part = f"{key.rsplit('/', 1)[0]}/.{key.rsplit('/', 1)[-1]}.part.{os.getpid()}"
+    fs.pipe_file(part, data)
+    try:
+        fs.merge(key, [key, part])
+    finally:
+        fs.rm_file(part)
+
+
+def append_text(p: PathLike, text: str, **kw) -> None:
+    append_bytes(p, text.encode("utf-8"), **kw)
+
+
+class Appender:
+    """A file grown one `write` at a time, each written through at once (a local file flushed; an object composed),
+    so a kill loses at most the write in progress."""
+
+    def __init__(self, p: PathLike):
+        self.path = path(p)
+        self._url = is_url(p)
+        self._exists = exists(p) if self._url else True
+        self._file = None if self._url else open(self.path, "a", encoding="utf-8")
+
+    def write(self, text: str) -> None:
+        if self._file is not None:
+            self._file.write(text)
+            self._file.flush()
+            return
+        append_text(self.path, text, known_to_exist=self._exists)
+        self._exists = True
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class Mirror:
+    """Keeps the files of a fresh local directory `local_dir` (for a tool that writes only local files, e.g.
+    TensorBoard's event writer) copied to directory `dst`: `sync()` appends to each object the bytes its local file
+    gained since the last sync, so a growing events file costs one compose per sync, not a rewrite."""
+
+    def __init__(self, dst: PathLike, purpose: str):
+        self.local_dir, self.dst = Path(tempfile.mkdtemp(prefix=f"g2rl_jax_{purpose}_")), path(dst)
+        self._sent: dict[str, int] = {}
+
+    def close(self) -> None:
+        """A last sync; the local copy is then deleted."""
+        self.sync()
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    def sync(self) -> None:
+        for file in sorted(f for f in self.local_dir.iterdir() if f.is_file()):
+            size, sent = file.stat().st_size, self._sent.get(file.name, 0)
+            if size > sent:
+                with open(file, "rb") as fh:
+                    fh.seek(sent)
+                    append_bytes(self.dst / file.name, fh.read(size - sent), known_to_exist=sent > 0)
+                self._sent[file.name] = size
+
+
+def create_exclusive(p: PathLike, text: str) -> bool:
+    """Create `p` holding `text` if no `p` exists; False (and nothing written) if one does. Atomic: of two
+    creators, exactly one gets True, and a reader sees the whole text or no file."""
+    data = text.encode("utf-8")
+    if is_url(p):
+        fs, key = _fs(p)
+        try:
+            fs.pipe_file(key, data, mode="create")  # the upload carries ifGenerationMatch=0
+        except FileExistsError:  # 412 Precondition Failed
+            return False
+        return True
+    target = path(p)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    try:
+        os.link(tmp, target)  # fails if `target` exists; a complete file appears at once
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    return True
+
+
+def generation(p: PathLike) -> str:
+    """A token that changes whenever `p` is rewritten: the object generation on GCS, inode and mtime locally."""
+    if is_url(p):
+        fs, key = _fs(p)
+        info = fs.info(key)
+        return str(info.get("generation") or info.get("etag") or info.get("mtime"))
+    stat = os.stat(path(p))
+    return f"{stat.st_ino}.{stat.st_mtime_ns}"
+
+
+def remove(p: PathLike, *, missing_ok: bool = True) -> None:
+    try:
+        if is_url(p):
+            fs, key = _fs(p)
+            fs.rm_file(key)  # one object, no glob expansion of the name
+        else:
+            path(p).unlink()
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def rmtree(p: PathLike) -> None:
+    target = path(p)
+    if target.exists():
+        target.rmtree()
+
+
+def move(src: PathLike, dst: PathLike) -> None:
+    """Move file or directory `src` to `dst` (a `dst` that exists is deleted first). Locally one rename; on an
+    object store a copy, then the delete of `src` (not atomic: see the module docstring)."""
+    rmtree(dst)
+    if not is_url(src):
+        os.replace(path(src), path(dst))
+        return
+    fs, key = _fs(src)
+    fs.mv(key, _fs(dst)[1], recursive=True)
+
+
+def upload_tree(local_dir: PathLike, dst: PathLike) -> None:
+    """Copy the files under local directory `local_dir` to `dst` (a URL, or another local directory)."""
+    root = Path(local_dir)
+    for file in sorted(f for f in root.rglob("*") if f.is_file()):
+        write_bytes(path(dst) / file.relative_to(root).as_posix(), file.read_bytes())
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def check_writable(directory: PathLike, key: str, probe_name: str = ".write_test") -> None:
+    """StorageError naming `key`, the path and the fix when `directory` cannot be written: a bucket that does not
+    exist, no credentials, permission denied, an unwritable local directory. Writes and deletes one small probe
+    file (`probe_name`: one per process when hosts share the directory)."""
+    try:
+        makedirs(directory)
+        probe = path(directory, key) / probe_name
+        write_text(probe, "ok")
+        remove(probe)
+    except StorageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - every failure becomes the one line below, the cause named in it
+        raise StorageError(f"{key}: {_explain(directory, err)}") from None
+
+
+def _explain(directory: PathLike, err: BaseException) -> str:
+    """What a failed write to `directory` means and what to do, from the client's error."""
+    detail = " ".join(str(err).split())[:300]
+    if not is_url(directory):
+        return f"cannot write to {str(directory)!r} ({detail}); choose a writable directory"
+    url = str(directory)
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    code = getattr(err, "code", None)
+    if isinstance(err, FileNotFoundError) or code == 404:
+        return (f"the bucket {scheme(url)}://{bucket} does not exist (writing {url}); create it (gcloud storage "
+                f"buckets create {scheme(url)}://{bucket}) or fix the name")
+    if code == 401 or "anonymous caller" in detail.lower() or "credentials" in detail.lower():
+        return (f"no Google Cloud credentials to write {url} ({detail}); run `gcloud auth application-default "
+                "login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account key, or run on a VM whose service "
+                "account may write the bucket")
+    if isinstance(err, PermissionError) or code == 403 or detail.startswith("Forbidden"):
+        return (f"permission denied writing {url} ({detail}); grant this machine's account roles/storage.objectUser "
+                f"on {scheme(url)}://{bucket} (gcloud storage buckets add-iam-policy-binding), or choose a bucket it "
+                "may write")
+    return f"cannot write to {url} ({type(err).__name__}: {detail}); check the path and the network"
+
+
+# ------------------------------------------------------------------------------------------------ local copies
+def cache_dir() -> Path:
+    """The local cache root: $G2RL_JAX_CACHE, else ~/.cache/g2rl_jax."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "g2rl_jax")
+
+
+def scratch_dir(url: PathLike, purpose: str) -> Path:
+    """A local directory kept for `url` (per URL and `purpose`), for tools that only write local files
+    (TensorBoard's event writer, W&B's offline files)."""
+    digest = hashlib.sha256(str(url).encode()).hexdigest()[:16]
+    out = cache_dir() / purpose / digest
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _manifest(url: str) -> dict[str, list]:
+    """{relative name: [size, generation]} of every object under `url`."""
+    fs, key = _fs(url)
+    found = fs.find(key, detail=True)
+    return {name[len(key):].lstrip("/"): [info.get("size"), str(info.get("generation") or info.get("etag"))]
+            for name, info in sorted(found.items()) if info.get("type") != "directory"}
+
+
+MANIFEST = ".g2rl_jax_manifest.json"
+
+
+def local_copy(url: PathLike, key: str) -> str:
+    """A local directory holding the files under `url` (a model directory or a PEFT adapter in a bucket), copied
+    once into the cache and copied again only when an object changed (by name, size and generation). A local path
+    is returned as it is. FileNotFoundError naming `key` when nothing is there."""
+    if not is_url(url):
+        return os.fspath(url)
+    require_client(url, key)
+    url = str(url).rstrip("/")
+    manifest = _manifest(url)
+    if not manifest:
+        raise FileNotFoundError(f"{key}: nothing found at {url}; copy the directory there first (gcloud storage cp "
+                                "-r DIR URL) or fix the path")
+    target = cache_dir() / "copies" / scheme(url) / url.split("://", 1)[1]
+    if _same_manifest(target, manifest):
+        return str(target)
+    size = sum(s or 0 for s, _ in manifest.values())
+    print(f"{key}: copying {url} ({len(manifest)} files, {size / 1e6:.1f} MB) to {target}", file=sys.stderr,
+          flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    fs, root = _fs(url)
+    for name in manifest:
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{root}/{name}", str(tmp / name))
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process on this host finished the same copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _same_manifest(target, manifest):
+            raise
+    return str(target)
+
+
+def _same_manifest(target: Path, manifest: dict) -> bool:
+    try:
+        return json.loads((target / MANIFEST).read_text()) == json.loads(json.dumps(manifest))
+    except (OSError, ValueError):
+        return False
