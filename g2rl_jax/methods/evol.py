@@ -13,4 +13,4 @@ def rewards(group: Group, algo) -> Signal:
 
 
 register(Method("evol", "EVOL-RL: novelty of response embeddings from an external model (the G2RL paper's "
-                "baseline)", rewards, needs=frozenset({"embeddings"})))
+                "baseline, arXiv 2512.15687)", rewards, needs=frozenset({"embeddings"})))

@@ -61,7 +61,8 @@ def correct_peers(group: Group, algo) -> Signal:
 
 register(Method("g2rl", "G2RL: rewards shaped by gradient-feature novelty (arXiv 2512.15687), the paper's equations",
                 paper, novelty=True))
-register(Method("g2rl_mixed_correct", "G2RL's shaping on the correct responses of mixed groups only (the paper's "
-                "stated rationale; study variant)", mixed_correct, novelty=True))
-register(Method("g2rl_correct_peers", "G2RL with novelty measured against the correct peers only (study variant)",
+register(Method("g2rl_mixed_correct", "G2RL's shaping on the correct responses of mixed groups only (the stated "
+                "rationale of arXiv 2512.15687; study variant)", mixed_correct, novelty=True))
+register(Method("g2rl_correct_peers", "G2RL (arXiv 2512.15687) with novelty measured against the correct peers only "
+                "(study variant)",
                 correct_peers, novelty=True))

@@ -25,4 +25,4 @@ def rewards(group: Group, algo) -> Signal:
 
 register(Method("grpo", "GRPO: the group-standardised base reward (DeepSeekMath, arXiv 2402.03300)", rewards))
 register(Method("entropy_bonus", "GRPO plus an entropy bonus −entropy_coef · H in the loss (the G2RL paper's "
-                "baseline)", rewards))
+                "baseline, arXiv 2512.15687)", rewards))

@@ -125,3 +125,14 @@ def token_terms(advantages_B, old_logp_BxT, entropy_BxT, mask_BxT, key, *, algo:
     terms = jax.vmap(one)(per_mini(advantages_B), per_mini(old_logp_BxT), per_mini(entropy_BxT), per_mini(mask_BxT),
                           jax.random.split(key, n))
     return jax.tree.map(lambda x: x.reshape(b, t), terms)
+
+
+def token_fields(algo: "AlgorithmConfig") -> tuple[bool, bool]:
+    """Which TokenTerms the configured method sets: (weight, abs_log_ratio), e.g. to lower its update ahead of time."""
+    rule = get(algo.exploration).tokens
+    if rule is None:
+        return False, False
+    x = jax.ShapeDtypeStruct((2, 2), jax.numpy.float32)
+    terms = jax.eval_shape(lambda *a: rule(Tokens(*a), algo), x.update(shape=(2,)), x, x, x,
+                           jax.eval_shape(lambda: jax.random.key(0)))
+    return terms.weight is not None, terms.abs_log_ratio is not None
