@@ -115,7 +115,7 @@ def sample(model, tokenizer, examples, *, samples: int, max_new_tokens: int, bat
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.ArgumentParser(prog="python -m g2rl_jax.demo.explore_eval", description=__doc__.split("\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("run_dir", nargs="?", type=Path, help="a finished demo_explore run (its last checkpoint)")
+    source.add_argument("run_dir", nargs="?", type=Path, help="a finished Countdown run (its last checkpoint)")
     source.add_argument("--model-path", type=Path, help="a Hugging Face model directory (e.g. the warm start)")
     p.add_argument("--dataset", default="countdown_test", choices=("countdown_test", "countdown_study_test"))
     p.add_argument("--samples", type=int, default=8, help="n: responses per problem")
