@@ -331,8 +331,13 @@ def test_sumprod_splits_teacher_and_judge():
     assert len(set(keys)) == len(keys)  # no sum of products twice, within or across splits
     rng = random.Random(0)
     example = splits["test"][0]
-    texts = sumprod.teacher_responses(example, rng) + ["junk", "3*4=12\n\\boxed{12}"]
-    assert all(sumprod.reward(t, example.row) == 1.0 for t in texts[:4])
+    taught = sumprod.teacher_responses(example, rng)  # 4 right, then 4 with one carry slip each
+    texts = taught[:4] + ["junk", "3*4=12\n\\boxed{12}"]
+    assert [sumprod.reward(t, example.row) for t in taught] == [1.0] * 4 + [-1.0] * 4
+    for slipped in taught[4:]:  # exactly one line's arithmetic is off, by a carry slip
+        steps, boxed = sumprod.parse(slipped)
+        offs = [c - (a * b if op == "*" else a + b) for a, op, b, c in steps]
+        assert sorted(offs, key=abs)[:-1] == [0] * (len(offs) - 1) and offs[np.argmax(np.abs(offs))] in sumprod.SLIPS
     correct, paths, labels, used = sumprod.judge(texts, example.row)
     assert correct == [True] * 4 + [False, False] and used is None
     assert len(set(paths[:4])) > 1 and paths[4:] == [None, None]  # random orders: different paths

@@ -71,10 +71,13 @@ def _spec_hash(spec: dict) -> str:
 STUDY_SFT_STEPS = 5000
 STUDY_SFT_BATCH = 128
 STUDY_TEACHER_ACCURACY = 1.0
-# the second task's warm start (g2rl_jax/demo/sumprod.py): a teacher that always works the sum out right, in a random
-# order, on the 20,000 "sft" problems; rows are ~100 tokens, so fewer of them
-SUMPROD_SFT_STEPS = 2000
+# the second task's warm start (g2rl_jax/demo/sumprod.py): a teacher that works the sum out in a random order, right
+# SUMPROD_TEACHER_ACCURACY of the time and with one carry slip otherwise (as the addition demo's teacher: an unreliable
+# policy, not an ignorant one; an always-right teacher gave held-out pass@1 0.73 and pass@8 1.0, no room for RL), on
+# the 20,000 "sft" problems; rows are ~100 tokens, so fewer of them than the first study's
+SUMPROD_SFT_STEPS = 1500
 SUMPROD_SFT_BATCH = 64
+SUMPROD_TEACHER_ACCURACY = 0.4
 
 
 def default_sft_steps(task_name: str) -> int:
@@ -86,7 +89,8 @@ def sft_config(seed: int, sft_steps: int, task_name: str) -> SFTConfig:
         return SFTConfig(steps=sft_steps, seed=seed, batch_size=STUDY_SFT_BATCH,
                          teacher_accuracy=STUDY_TEACHER_ACCURACY)
     if task_name == "sumprod":
-        return SFTConfig(steps=sft_steps, seed=seed, batch_size=SUMPROD_SFT_BATCH, teacher_accuracy=1.0)
+        return SFTConfig(steps=sft_steps, seed=seed, batch_size=SUMPROD_SFT_BATCH,
+                         teacher_accuracy=SUMPROD_TEACHER_ACCURACY)
     accuracy = COUNTDOWN_TEACHER_ACCURACY if task_name == "countdown" else SFTConfig.teacher_accuracy
     return SFTConfig(steps=sft_steps, seed=seed, teacher_accuracy=accuracy)
 
@@ -95,7 +99,7 @@ def task_spec(task_name: str) -> dict:
     if task_name == "sumprod":
         return {"name": task_name, "terms": sumprod.TERMS, "digits": [sumprod.DIGITS.start, sumprod.DIGITS.stop],
                 "shuffle_seed": sumprod.SHUFFLE_SEED, "splits": [list(x) for x in sumprod.SPLITS],
-                "teacher_variants": sumprod.TEACHER_VARIANTS}
+                "teacher_variants": sumprod.TEACHER_VARIANTS, "slips": list(sumprod.SLIPS)}
     if task_name == "countdown_study":
         return {"name": task_name, **countdown.STUDY.spec(), "teacher_variants": countdown.TEACHER_VARIANTS}
     if task_name == "countdown":
@@ -127,7 +131,8 @@ def sft_data(task_name: str, tokenizer, cfg: SFTConfig):
         rng = random.Random(cfg.seed)
         train = sumprod.examples("sft")
         ids, mask = encode_variants(train, [sumprod.teacher_responses(ex, rng) for ex in train], tokenizer)
-        return ids, mask, np.full(sumprod.TEACHER_VARIANTS, 1.0 / sumprod.TEACHER_VARIANTS)
+        k = sumprod.TEACHER_VARIANTS
+        return ids, mask, np.array([cfg.teacher_accuracy / k] * k + [(1 - cfg.teacher_accuracy) / k] * k)
     if task_name in ("countdown", "countdown_study"):
         rng = random.Random(cfg.seed)
         train = (countdown.examples("sft", countdown.STUDY) if task_name == "countdown_study"

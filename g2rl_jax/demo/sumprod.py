@@ -19,7 +19,7 @@ of 5 terms is 9 lines, about 80 tokens of the demo tokenizer, and one slip anywh
     reward(response, example) -> float          # +1 a correct worked sum, -1 otherwise (what RL trains on)
     judge(texts, row)                           # per response: correct, its path, its vote label (explore_eval)
     examples("train"), examples("test"), examples("sft")   # disjoint splits, the same on every machine
-    teacher_responses(example, rng)             # the warm start's teacher: TEACHER_VARIANTS random valid orders
+    teacher_responses(example, rng)             # the warm start's teacher: random valid orders, right or with a slip
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ DIGITS = range(2, 10)
 SHUFFLE_SEED = 20261126
 SPLITS = (("test", 512), ("train", 4096), ("sft", 20000))
 TEACHER_VARIANTS = 4
+SLIPS = (-10, -1, 1, 10)  # the teacher's carry slips: a result's tens or ones digit off by one
 MAX_LINES = 4 * TERMS  # a longer response is not checked (scores -1)
 LINE = re.compile(r"(\d{1,4})([*+])(\d{1,4})=(\d{1,5})")
 BOXED = re.compile(r"\\boxed\{(\d{1,5})\}")
@@ -146,32 +147,39 @@ def examples(split: str) -> list[Example]:
 
 
 # ------------------------------------------------------------------------------------------- the warm start
-def worked_sum(terms: Sequence[Sequence[int]], rng: random.Random) -> str:
-    """A correct response in a random valid order: at each step, one legal move drawn uniformly (compute a term
-    not yet computed, or add two values on hand)."""
+def worked_sum(terms: Sequence[Sequence[int]], rng: random.Random, slip: bool = False) -> str:
+    """A response in a random valid order: at each step, one legal move drawn uniformly (compute a term not yet
+    computed, or add two values on hand). slip=True: one line, drawn uniformly, writes a result off by one of
+    SLIPS (a carry slip, kept positive) and the later lines carry the wrong value on, so the response is wrong."""
     todo = [tuple(t) for t in terms]
     pool: list[int] = []
     lines = []
+    slip_at = rng.randrange(2 * len(todo) - 1) if slip else -1
     while todo or len(pool) > 1:
         moves = [("*", i) for i in range(len(todo))]
         moves += [("+", (i, j)) for i in range(len(pool)) for j in range(len(pool)) if i != j]
         op, pick = rng.choice(moves)
         if op == "*":
             a, b = todo.pop(pick)
-            lines.append(f"{a}*{b}={a * b}")
-            pool.append(a * b)
+            value = a * b
         else:
-            x, y = pool[pick[0]], pool[pick[1]]
+            a, b = pool[pick[0]], pool[pick[1]]
             for index in sorted(pick, reverse=True):
                 pool.pop(index)
-            lines.append(f"{x}+{y}={x + y}")
-            pool.append(x + y)
+            value = a + b
+        if len(lines) == slip_at:
+            value = value + rng.choice([d for d in SLIPS if value + d > 0])
+        lines.append(f"{a}{op}{b}={value}")
+        pool.append(value)
     return "\n".join(lines + [f"\\boxed{{{pool[0]}}}"])
 
 
 def teacher_responses(example: Example, rng: random.Random) -> list[str]:
-    """TEACHER_VARIANTS correct responses of the example, each in an independently drawn order."""
-    return [worked_sum(example.row["terms"], rng) for _ in range(TEACHER_VARIANTS)]
+    """TEACHER_VARIANTS correct responses of the example, each in an independently drawn order, then
+    TEACHER_VARIANTS with one carry slip each (the warm start's teacher picks among them)."""
+    terms = example.row["terms"]
+    return ([worked_sum(terms, rng) for _ in range(TEACHER_VARIANTS)]
+            + [worked_sum(terms, rng, slip=True) for _ in range(TEACHER_VARIANTS)])
 
 
 def corpus(count: int = 64) -> list[str]:
