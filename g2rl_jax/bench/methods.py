@@ -5,10 +5,12 @@ steps (the first compiles), then times, on the second step's batch, the parts of
 every method of `g2rl_jax.methods` (evol aside: its cost is its embedding model's forward pass): the advantages
 program (novelty, shaping, groups), the token rule (Clip-Cov, KL-Cov, forking tokens) and the update over every
 mini-batch, exactly as `Trainer._update` runs it (the method's rows, token terms and loss). Each method is
-compiled before timing; then `--repeats` rounds time every method once per round, interleaved, and the medians
-are printed. The rest of a step (rollout, rewards, scoring) is the same for every method; "step vs grpo" adds it
-back: (rest + this method's parts) / (rest + GRPO's parts), the rest from the second step's stage times (a
-compile there, from a length bucket the first step did not meet, would count in it).
+compiled before timing; then `--repeats` rounds time every method once per round, in a new random order each
+round, and the medians are printed, with the update's spread over the rounds (min–max) and each method's
+fastest round against GRPO's (on a busy machine the least disturbed figures). The rest of a step
+(rollout, rewards, scoring) is the same for every method; "step vs grpo" adds it back: (rest + this method's
+parts) / (rest + GRPO's parts), the rest from the second step's stage times (a compile there, from a length
+bucket the first step did not meet, would count in it).
 """
 from __future__ import annotations
 
@@ -107,16 +109,24 @@ def main(argv) -> int:
         algos = {n: dataclasses.replace(cfg.algorithm, exploration=n, **KNOBS.get(n, {})) for n in names}
         for n in names:  # compile each method's programs
             time_method(trainer, result, algos[n], 2)
-        rounds = [{n: time_method(trainer, result, algos[n], 3 + r) for n in names} for r in range(args.repeats)]
+        order = np.random.default_rng(0)
+        rounds = []
+        for r in range(args.repeats):  # every round in its own order: the machine's load drifts within a round
+            timed = {n: time_method(trainer, result, algos[n], 3 + r) for n in order.permutation(names)}
+            rounds.append(timed)
         print(f"batch {tuple(result.batch.input_ids.shape)}; rollout + rewards + scoring of the step: {rest:.3f} s")
     med = {n: {part: float(np.median([r[n][part] for r in rounds])) for part in ("advantages", "tokens", "update")}
            for n in names}
+    best = {n: min(sum(r[n].values()) for r in rounds) for n in names}  # the least disturbed round of each method
     base = sum(med["grpo"].values())
     print(f"\nmedian over {args.repeats} interleaved rounds (ms; update in s)")
-    print("| method | advantages ms | token rule ms | update s | method parts s | vs grpo | step vs grpo |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | advantages ms | token rule ms | update s (min–max) | method parts s | vs grpo | step vs grpo "
+          "| fastest round vs grpo's |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in names:
         parts = sum(med[n].values())
-        print(f"| {n} | {1e3 * med[n]['advantages']:.2f} | {1e3 * med[n]['tokens']:.2f} | {med[n]['update']:.3f} | "
-              f"{parts:.3f} | {parts / base:.3f} | {(rest + parts) / (rest + base):.3f} |")
+        spread = [r[n]["update"] for r in rounds]
+        print(f"| {n} | {1e3 * med[n]['advantages']:.2f} | {1e3 * med[n]['tokens']:.2f} | {med[n]['update']:.3f} "
+              f"({min(spread):.3f}–{max(spread):.3f}) | {parts:.3f} | {parts / base:.3f} | "
+              f"{(rest + parts) / (rest + base):.3f} | {best[n] / best['grpo']:.3f} |")
     return 0
