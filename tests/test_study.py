@@ -263,8 +263,8 @@ def test_best_variants_by_held_out_pass_at_n(tmp_path):
 
 def test_task_arguments_and_defaults(tmp_path, capsys):
     args = study.parse_args(["--task", "sumprod"])
-    assert (args.seeds, args.lambda_seeds, args.max_new_tokens, str(args.config)) == (
-        3, 0, 128, "configs/study_sumprod.yaml")
+    assert (args.seeds, args.lambda_seeds, args.max_new_tokens, args.problems, str(args.config)) == (
+        3, 0, 128, 256, "configs/study_sumprod.yaml")
     assert study.parse_args([]).max_new_tokens == 16 and study.parse_args(["--seeds", "2"]).seeds == 2
     with pytest.raises(SystemExit):
         study.parse_args(["--best-from", str(tmp_path)])

@@ -78,10 +78,12 @@ class Task:
     max_new_tokens: int
     seeds: int
     lambda_seeds: int
+    problems: int  # held-out problems evaluated (32 samples of up to max_new_tokens each)
 
 
-TASKS = {"countdown": Task("configs/study_countdown.yaml", "g2rl_jax.demo.explore_eval:judge", 16, 5, 3),
-         "sumprod": Task("configs/study_sumprod.yaml", "g2rl_jax.demo.sumprod:judge", 128, 3, 0)}
+TASKS = {"countdown": Task("configs/study_countdown.yaml", "g2rl_jax.demo.explore_eval:judge", 16, 5, 3, 512),
+         # 256 held-out problems: 32 samples of ~80 tokens for 512 would cost ~4 min of CPU per run
+         "sumprod": Task("configs/study_sumprod.yaml", "g2rl_jax.demo.sumprod:judge", 128, 3, 0, 256)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +212,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: 5, sumprod 3)")
     p.add_argument("--lambdas", default=",".join(f"{x:g}" for x in LAMBDAS), help="λ points besides the config's")
     p.add_argument("--lambda-seeds", type=int, default=None, help="seeds per λ point (0: none; default 3, sumprod 0)")
-    p.add_argument("--problems", type=int, default=512, help="held-out problems (the first N of the test split)")
+    p.add_argument("--problems", type=int, default=None,
+                   help="held-out problems, the first N of the test split (default: 512, sumprod 256)")
     p.add_argument("--samples", type=int, default=32, help="n: responses per held-out problem (pass@k up to n)")
     p.add_argument("--geometry-samples", type=int, default=8, help="responses per problem whose Φ cosines are taken")
     p.add_argument("--max-new-tokens", type=int, default=None, help="evaluation budget (default: 16, sumprod 128)")
@@ -222,7 +225,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     task = TASKS[args.task]
     for name, value in (("config", Path(task.config)), ("seeds", task.seeds), ("lambda_seeds", task.lambda_seeds),
-                        ("max_new_tokens", task.max_new_tokens)):
+                        ("max_new_tokens", task.max_new_tokens), ("problems", task.problems)):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.best_from is not None and args.variants is not None:
