@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from g2rl_jax import storage
+from g2rl_jax import methods, storage
 from g2rl_jax.config_aliases import suggestion
 from g2rl_jax.config_groups import (
     _REQUIRED,
@@ -70,6 +70,9 @@ class Config:
         _check(responses % self.algorithm.mini_batch_size == 0, "algorithm.mini_batch_size",
                f"must divide data.prompts_per_step*rollout.num_samples = {responses}, "
                f"got {self.algorithm.mini_batch_size}")
+        method = methods.get(self.algorithm.exploration)
+        problem = method.check(self) if method.check is not None else None  # (key, what is wrong) or None
+        _check(problem is None, *(problem or ("", "")))
 
 
 def _groups() -> dict[str, type]:

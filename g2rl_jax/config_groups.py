@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any, Literal, Optional
 
+from g2rl_jax.methods import NAMES as EXPLORATION_METHODS
+
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 _REQUIRED = dataclasses.MISSING
 
@@ -224,9 +226,14 @@ class RewardConfig:
                 raise ConfigError(f"reward.function: {err}") from None
 
 
+Exploration = Literal[EXPLORATION_METHODS]  # the registered methods' names (g2rl_jax/methods/)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    exploration: Literal["grpo", "entropy_bonus", "evol", "g2rl"] = _f("g2rl", "exploration signal added to GRPO")
+    exploration: Exploration = _f("g2rl", "exploration method (g2rl_jax/methods/, one file each): g2rl = the "
+                                  "paper; grpo, entropy_bonus, evol = its baselines; the others are off by "
+                                  "default (docs/peers.md)")
     lam: float = _f(0.5, "g2rl: novelty strength λ >= 0 in r·(1 + λ·ν̄); paper gives no value, 0.5 chosen")
     reward_clip: float = _f(3.0, "g2rl: shaped rewards are clipped to [-c, c]")
     shaping_mode: Literal["text", "literal"] = _f("text", "g2rl: text = r·(1+λν̄) as the paper's prose; "
@@ -242,6 +249,19 @@ class AlgorithmConfig:
                                 "the step holds data.prompts_per_step mixed groups, at most max_sampling_rounds")
     max_sampling_rounds: int = _f(4, "dynamic_sampling: rollout rounds per step at most; short of mixed groups, the "
                                   "step is topped up with single-class groups, which the filter masks; 4 chosen")
+    clip_cov_ratio: float = _f(2e-4, "clip_cov: share r of a mini-batch's response tokens detached (paper: 2e-4)")
+    clip_cov_low: float = _f(1.0, "clip_cov: ω_low, the detached tokens' covariance exceeds it (paper: 1)")
+    clip_cov_high: float = _f(5.0, "clip_cov: ω_high, the detached tokens' covariance stays below it (paper: 5)")
+    kl_cov_ratio: float = _f(2e-3, "kl_cov: share k of a mini-batch's response tokens penalised (paper: 2e-3 for "
+                             "its 7B model, 2e-4 for 32B)")
+    kl_cov_coef: float = _f(1.0, "kl_cov: β of the |log ρ| penalty on the chosen tokens (paper: 1)")
+    passk_k: int = _f(4, "passk: k of the pass@k objective, <= rollout.num_samples; paper varies k, 4 chosen")
+    unlikeliness_penalty: float = _f(0.25, "unlikeliness: β_rank, a correct response's reward falls by "
+                                     "β_rank·rank/G on the paper's 0/1 scale (paper: 0.25)")
+    positive_weight: float = _f(0.1, "w_reinforce: λ, the weight of the positive responses' REINFORCE term "
+                                "(paper: 0.1)")
+    forking_ratio: float = _f(0.2, "forking: share of a mini-batch's response tokens, by entropy, that keep their "
+                              "policy gradient (paper: 0.2)")
     single_class_groups: Literal["shaped", "zero"] = _f(
         "shaped", "groups whose base rewards are all equal: shaped = the paper's equations (G2RL/EVOL give them "
         "unit-scale advantages from novelty alone), zero = zero advantage as in GRPO (see docs/paper.md)")
@@ -293,6 +313,16 @@ class AlgorithmConfig:
         _check(self.entropy_coef > 0 if bonus else self.entropy_coef == 0, "algorithm.entropy_coef",
                f"must be > 0 with exploration=entropy_bonus and 0 otherwise (exploration={self.exploration}, "
                f"entropy_coef={self.entropy_coef}); set algorithm.exploration=entropy_bonus for an entropy bonus")
+        for name in ("clip_cov_ratio", "kl_cov_ratio", "forking_ratio"):
+            value = getattr(self, name)
+            _check(0 < value <= 1, f"algorithm.{name}", f"must be a share of tokens in (0, 1], got {value}")
+        _check(self.clip_cov_low < self.clip_cov_high, "algorithm.clip_cov_high",
+               f"must exceed algorithm.clip_cov_low={self.clip_cov_low}, got {self.clip_cov_high}")
+        _check(self.kl_cov_coef >= 0, "algorithm.kl_cov_coef", f"must be >= 0, got {self.kl_cov_coef}")
+        _check(self.passk_k >= 1, "algorithm.passk_k", f"must be >= 1, got {self.passk_k}")
+        _check(0 <= self.unlikeliness_penalty <= 1, "algorithm.unlikeliness_penalty",
+               f"must be in [0, 1] (a reward factor 1 - β·rank/G stays >= 0), got {self.unlikeliness_penalty}")
+        _check(self.positive_weight >= 0, "algorithm.positive_weight", f"must be >= 0, got {self.positive_weight}")
         evol = self.exploration == "evol"
         _check((self.embedding_model is not None) == evol, "algorithm.embedding_model",
                "is required with exploration=evol and must be null otherwise "

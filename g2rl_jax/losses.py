@@ -1,6 +1,7 @@
 """Policy losses for the update step: per-token KL estimators, PPO-clip with DAPO-style asymmetric clipping and an
 optional dual clip, token- or sequence-level importance ratios (GSPO), truncated importance weights against the
-sampler's own log-probs, loss aggregation over [B, T] tokens, the entropy bonus, and per-step diagnostics.
+sampler's own log-probs, loss aggregation over [B, T] tokens, the entropy bonus, the per-token terms an exploration
+method may set (g2rl_jax/methods/: a token weight, a |log ρ| penalty, no clip), and per-step diagnostics.
 
 All per-token arrays are [B, T] (B sequences, T response positions; the shape letters of `g2rl_jax`) with a 0/1
 `mask` marking response tokens; advantages are one per sequence, [B] (outcome rewards, eq. grpo-adv of the G2RL
@@ -59,11 +60,13 @@ def aggregate(x_BxT, mask_BxT, mode="token-mean"):
 
 
 def _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, entropy, entropy_coef,
-                    ref_logp, kl_coef, kl_kind, ratio_level, sampler_logp, is_cap):
+                    ref_logp, kl_coef, kl_kind, ratio_level, sampler_logp, is_cap, token_weight=None,
+                    abs_log_ratio_coef=None):
     if logp.ndim != 2:
         raise ValueError(f"logp must be [B, T]; got shape {logp.shape}")
     for name, x in (("old_logp", old_logp), ("mask", mask), ("entropy", entropy), ("ref_logp", ref_logp),
-                    ("sampler_logp", sampler_logp)):
+                    ("sampler_logp", sampler_logp), ("token_weight", token_weight),
+                    ("abs_log_ratio_coef", abs_log_ratio_coef)):
         if x is not None and x.shape != logp.shape:
             raise ValueError(f"{name} must be [B, T] = {logp.shape} like logp; got shape {x.shape}")
     if advantages.shape != logp.shape[:1]:
@@ -110,25 +113,30 @@ def truncated_is_weights(old_logp, sampler_logp, cap):
 
 def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean",
              entropy=None, entropy_coef=0.0, ref_logp=None, kl_coef=0.0, kl_kind="k3", ratio_level="token",
-             sampler_logp=None, is_cap=None):
+             sampler_logp=None, is_cap=None, clip=True, token_weight=None, abs_log_ratio_coef=None):
     """PPO-clip objective as a loss to minimise (eq. grpo-obj with DAPO's separate ε_low / ε_high), plus
     kl_coef · KL(π_θ ‖ π_ref) and minus entropy_coef · entropy (the paper's "Entropy Bonus" baseline).
 
     Per token: ρ = exp(importance_log_ratio(ratio_level)); ℓ = max(−A ρ, −A clip(ρ, 1 − clip_low, 1 + clip_high));
     with dual_clip = c, tokens with A < 0 take min(ℓ, −A c); with is_cap = C, ℓ is weighted by
-    min(π_old / π_sampler, C) from sampler_logp. Returns (loss, diagnostics): pg_loss, clip_frac_low (A < 0 and
+    min(π_old / π_sampler, C) from sampler_logp. An exploration method's per-token terms ([B, L], constants):
+    clip=False takes ℓ = −A ρ unclipped; abs_log_ratio_coef adds coef·|log ρ| to ℓ (KL-Cov); token_weight multiplies
+    ℓ (Clip-Cov's detached tokens, forking tokens). Returns (loss, diagnostics): pg_loss, clip_frac_low (A < 0 and
     ρ < 1 − clip_low), clip_frac_high (A > 0 and ρ > 1 + clip_high), dual_clip_frac (A < 0 and ρ > c, if set),
     approx_kl (k3 estimate of KL(π_old ‖ π_θ) on the sampled tokens), rollout_is_weight_mean and
     rollout_is_capped_frac (if is_cap is set), and entropy / kl when given; all token means.
     """
     _check_ppo_args(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, entropy, entropy_coef,
-                    ref_logp, kl_coef, kl_kind, ratio_level, sampler_logp, is_cap)
+                    ref_logp, kl_coef, kl_kind, ratio_level, sampler_logp, is_cap, token_weight, abs_log_ratio_coef)
     mask = mask.astype(jnp.float32)
     adv_Bx1 = advantages.astype(jnp.float32)[:, None]
     token_log_ratio = importance_log_ratio(logp, old_logp, mask, "token")
     log_ratio = token_log_ratio if ratio_level == "token" else importance_log_ratio(logp, old_logp, mask, "sequence")
     ratio = jnp.exp(log_ratio)
-    per_token = jnp.maximum(-adv_Bx1 * ratio, -adv_Bx1 * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
+    if clip:
+        per_token = jnp.maximum(-adv_Bx1 * ratio, -adv_Bx1 * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
+    else:
+        per_token = -adv_Bx1 * ratio
     diagnostics = {
         "clip_frac_low": masked_mean(((adv_Bx1 < 0) & (ratio < 1.0 - clip_low)).astype(jnp.float32), mask),
         "clip_frac_high": masked_mean(((adv_Bx1 > 0) & (ratio > 1.0 + clip_high)).astype(jnp.float32), mask),
@@ -142,6 +150,10 @@ def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, d
         per_token = per_token * weight_BxL
         diagnostics["rollout_is_weight_mean"] = masked_mean(weight_BxL, mask)
         diagnostics["rollout_is_capped_frac"] = masked_mean(capped_BxL.astype(jnp.float32), mask)
+    if abs_log_ratio_coef is not None:
+        per_token = per_token + abs_log_ratio_coef.astype(jnp.float32) * jnp.abs(token_log_ratio)
+    if token_weight is not None:
+        per_token = per_token * token_weight.astype(jnp.float32)
     pg_loss = aggregate(per_token, mask, agg)
     loss = pg_loss
     diagnostics["pg_loss"] = pg_loss

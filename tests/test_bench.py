@@ -67,3 +67,29 @@ def test_memory_and_plan_only_modes_print_without_running(capsys):
     assert main(["update", *update]) == 0
     out = capsys.readouterr().out
     assert "widths" in out and "FLOP model long-tailed / equal" in out and "update s" not in out, out
+
+
+def test_methods_benchmark_on_a_tiny_model(tmp_path, capsys):
+    """bench methods times every method it is given against GRPO on one step of a tiny random model."""
+    import json
+
+    from g2rl_jax.demo import countdown as cd
+    from g2rl_jax.demo.tokenizer import make_tokenizer
+
+    from hf_tiny import make_tiny_qwen3_dir
+
+    tok = make_tokenizer(cd.corpus(8))
+    model = make_tiny_qwen3_dir(tmp_path / "model", vocab_size=-(-len(tok) // 64) * 64, max_position_embeddings=128,
+                                num_hidden_layers=1, hidden_size=32, intermediate_size=64, head_dim=16,
+                                num_attention_heads=2, num_key_value_heads=2)
+    tok.save_pretrained(model)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(ex.as_row()) + "\n" for ex in cd.examples("test")[:16]))
+    argv = ["methods", "--repeats", "1", "--methods", "kl_cov,unlikeliness", "--config", "configs/study_countdown.yaml",
+            f"model.path={model}", f"data.train_dataset={data}", f"data.eval_datasets={data}",
+            "data.prompts_per_step=2", "rollout.num_samples=4", "algorithm.mini_batch_size=8",
+            "algorithm.micro_batch_size=8", "run.loggers=jsonl"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for needle in ("| grpo |", "| kl_cov |", "| unlikeliness |", "step vs grpo"):
+        assert needle in out, (needle, out[-2000:])

@@ -147,16 +147,16 @@ def test_explore_measures():
     assert out["distinct@k"] == pytest.approx((2 + 0) / 2) and out["truncated_fraction"] == pytest.approx(1 / 8)
 
 
-def test_demo_explore_config_plugs_the_reward_into_the_worker_path(splits):
-    """configs/demo_explore.yaml loads, and its reward.function scores through the bounded worker processes."""
+def test_study_config_plugs_the_reward_into_the_worker_path(splits):
+    """configs/study_countdown.yaml loads, and its reward.function scores through the bounded worker processes."""
     import pathlib
 
     from g2rl_jax.config import load_config
     from g2rl_jax.rewards.custom import custom_rewards
 
-    cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "demo_explore.yaml",
+    cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "study_countdown.yaml",
                       ["run.output_dir=x", "model.path=x"])
-    assert cfg.reward.function == "g2rl_jax.demo.countdown:reward" and cfg.data.train_dataset == "countdown"
+    assert cfg.reward.function == "g2rl_jax.demo.countdown:reward" and cfg.data.train_dataset == "countdown_study"
     ex = splits[1][0]
     right = f"\\boxed{{{next(iter(cd.solutions(tuple(ex.row['numbers']), ex.row['target']).values()))}}}"
     got = custom_rewards(cfg.reward.function, [right, right + "9", "\\boxed{1+1+1+1+1}"], [ex.as_row()] * 3,

@@ -225,3 +225,126 @@ def test_tiny_study_writes_the_report(tiny_study, capsys):
 def test_report_only_needs_finished_runs(tmp_path):
     with pytest.raises(SystemExit, match="no finished run"):
         study.main(["--out", str(tmp_path), "--report-only"])
+
+
+# ------------------------------------------------------------------------------------------------ the extended grid
+def test_every_variant_is_a_config_and_belongs_to_a_family():
+    from g2rl_jax.config import load_config
+
+    for task in study.TASKS.values():
+        for overrides in study.VARIANTS.values():
+            cfg = load_config(task.config, list(overrides))
+            assert cfg.algorithm.exploration in overrides[0]
+    assert {"grpo", *study.PEERS, *study.GRADIENT_GUIDED} == set(study.VARIANTS)
+    assert study.variant_overrides("g2rl_zero_lam0.25")[-1] == "algorithm.lam=0.25"
+    assert study.VARIANTS["g2rl_correct_peers"][-1] == "algorithm.single_class_groups=zero"
+
+
+def test_best_variants_by_held_out_pass_at_n(tmp_path):
+    def finished(name, variant, pass_n):
+        run = tmp_path / "runs" / name
+        run.mkdir(parents=True)
+        (run / study.EVAL_FILE).write_text(json.dumps({"run": {"variant": variant}, "samples": 4,
+                                                       "pass": {"1": [0.9, 0.9], "4": pass_n}}))
+
+    finished("grpo_s0", "grpo", [1.0, 1.0])
+    finished("passk_s0", "passk", [0.6, 0.8])
+    finished("passk_s1", "passk", [0.8, 0.8])
+    finished("nsr_s0", "nsr", [0.7, 0.7])
+    finished("g2rl_zero_s0", "g2rl_zero", [0.5, 0.5])
+    finished("g2rl_zero_lam0.25_s0", "g2rl_zero_lam0.25", [0.6, 0.6])
+    assert study.best_variants(tmp_path) == ("passk", "g2rl_zero_lam0.25")  # pass@n, not pass@1; λ points count
+    (tmp_path / "runs" / "nsr_s0" / study.EVAL_FILE).unlink()
+    for name in ("passk_s0", "passk_s1"):
+        (tmp_path / "runs" / name / study.EVAL_FILE).unlink()
+    with pytest.raises(SystemExit, match="no finished run of entropy_bonus"):
+        study.best_variants(tmp_path)
+
+
+def test_task_arguments_and_defaults(tmp_path, capsys):
+    args = study.parse_args(["--task", "sumprod"])
+    assert (args.seeds, args.lambda_seeds, args.max_new_tokens, args.problems, str(args.config)) == (
+        3, 0, 128, 256, "configs/study_sumprod.yaml")
+    assert study.parse_args([]).max_new_tokens == 16 and study.parse_args(["--seeds", "2"]).seeds == 2
+    with pytest.raises(SystemExit):
+        study.parse_args(["--best-from", str(tmp_path)])
+    assert "no finished study there" in capsys.readouterr().err
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit):
+        study.parse_args(["--best-from", str(tmp_path), "--variants", "grpo"])
+    assert "drop --variants" in capsys.readouterr().err
+
+
+def test_time_totals_count_the_warm_start_build():
+    from g2rl_jax.demo.study_report import time_totals
+
+    t = lambda w, c: {"wall_s": w, "cpu_s": c}  # noqa: E731
+    summary = {"times": {"warmstart": {"build": t(600, 500), "eval": t(60, 30)},
+                         "grpo_s0": {"train": t(100, 90), "eval": t(10, 5)},
+                         "grpo_s1": {"train": t(120, 80), "eval": t(20, 6)}}}
+    totals = time_totals(summary)
+    assert totals["training, 2 runs"] == t(220, 170) and totals["evaluation, 2 runs"] == t(30, 11)
+    assert totals["total"] == t(910, 711)
+    summary["times"]["warmstart"] = {"build": t(615, None), "build_and_eval": t(114, 42)}  # a build without CPU
+    assert time_totals(summary)["total"] == t(979, None)
+
+
+def test_tiny_study_draws_the_tradeoff_and_the_totals(tiny_study):
+    out, _ = tiny_study
+    assert (out / "tradeoff.png").stat().st_size > 0
+    text = (out / "study.md").read_text()
+    assert "| total |" in text and "| training, 2 runs |" in text
+
+
+# ------------------------------------------------------------------------------------------------ the second task
+PROBLEM = {"terms": [[3, 4], [5, 6], [7, 2]]}  # 12 + 30 + 14 = 56
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("3*4=12\n5*6=30\n7*2=14\n12+30=42\n42+14=56\n\\boxed{56}", 1.0),
+    ("7*2=14\n12+14=26\n3*4=12\n\\boxed{56}", -1.0),  # 12 is not on hand yet
+    ("2*7=14\n4*3=12\n14+12=26\n6*5=30\n30+26=56\n\\boxed{56}", 1.0),  # factors and addends in any order
+    ("3*4=12\n5*6=30\n7*2=14\n12+30=42\n42+14=57\n\\boxed{57}", -1.0),  # wrong arithmetic
+    ("3*4=12\n3*4=12\n5*6=30\n7*2=14\n12+30=42\n42+14=56\n\\boxed{56}", -1.0),  # a term twice
+    ("3*4=12\n5*6=30\n12+30=42\n\\boxed{42}", -1.0),  # a term missing
+    ("3*4=12\n5*6=30\n7*2=14\n12+30=42\n\\boxed{42}", -1.0),  # two values left
+    ("3*4=12\n5*6=30\n7*2=14\n12+12=24\n\\boxed{56}", -1.0),  # a value used twice
+    ("3*4=12\n5*6=30\n7*2=14\n12+30=42\n42+14=56\n\\boxed{55}", -1.0),  # the wrong value boxed
+    ("3*4=12\n5*6=30\n7*2=14\n12+30=42\n42+14=56\n\\boxed{56} done", -1.0),  # something after the box
+    ("\\boxed{56}", -1.0), ("", -1.0), ("3*4=12 \n 5*6=30\n7*2=14\n12+30=42\n42+14=56\n\\boxed{56}", 1.0),
+])
+def test_sumprod_reward(response, expected):
+    from g2rl_jax.demo import sumprod
+
+    assert sumprod.reward(response, PROBLEM) == expected
+
+
+def test_sumprod_splits_teacher_and_judge():
+    import random
+
+    from g2rl_jax.demo import sumprod
+    from g2rl_jax.demo.explore_eval import problem_record
+
+    splits = {name: sumprod.examples(name) for name, _ in sumprod.SPLITS}
+    assert {k: len(v) for k, v in splits.items()} == {"test": 512, "train": 4096, "sft": 20000}
+    keys = [tuple(sorted(tuple(sorted(t)) for t in e.row["terms"])) for v in splits.values() for e in v]
+    assert len(set(keys)) == len(keys)  # no sum of products twice, within or across splits
+    rng = random.Random(0)
+    example = splits["test"][0]
+    taught = sumprod.teacher_responses(example, rng)  # 4 right, then 4 with one carry slip each
+    texts = taught[:4] + ["junk", "3*4=12\n\\boxed{12}"]
+    assert [sumprod.reward(t, example.row) for t in taught] == [1.0] * 4 + [-1.0] * 4
+    for slipped in taught[4:]:  # exactly one line's arithmetic is off, by a carry slip
+        steps, boxed = sumprod.parse(slipped)
+        offs = [c - (a * b if op == "*" else a + b) for a, op, b, c in steps]
+        assert sorted(offs, key=abs)[:-1] == [0] * (len(offs) - 1) and offs[np.argmax(np.abs(offs))] in sumprod.SLIPS
+    correct, paths, labels, used = sumprod.judge(texts, example.row)
+    assert correct == [True] * 4 + [False, False] and used is None
+    assert len(set(paths[:4])) > 1 and paths[4:] == [None, None]  # random orders: different paths
+    assert labels[:4] == [0] * 4 and labels[4] is None and labels[5] == 1  # the vote is on the boxed value
+    record = problem_record(texts, example.row, judge=sumprod.judge)
+    assert record["c"] == 4 and "two_numbers" not in record and record["valid"] == 5 / 6
+    from g2rl_jax.demo import build
+
+    assert build.SCHEMES["sumprod:"] == "sumprod" and build.default_sft_steps("sumprod") == build.SUMPROD_SFT_STEPS
+    assert build.policy_spec(0, 2000, "sumprod")["task"]["terms"] == sumprod.TERMS

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from g2rl_jax import parallel
+from g2rl_jax import methods, parallel
 from g2rl_jax.config import Config
 from g2rl_jax.model import lora
 from g2rl_jax.model.config import Qwen3Config
@@ -111,11 +111,14 @@ class Abstract:
                                 rewards=self.rows((rows,), jnp.float32), correct=self.rows((rows,), jnp.bool_),
                                 group_size=group)
 
-    def mini(self, rows: int, prompt_len: int, width: int, group: int, sampler: bool) -> train_step.MiniBatch:
+    def mini(self, rows: int, prompt_len: int, width: int, group: int, sampler: bool,
+             terms: tuple[bool, bool] = (False, False)) -> train_step.MiniBatch:
         logp = self.rows((rows, width), jnp.float32)
         return train_step.MiniBatch(self.batch(rows, prompt_len, width, group), old_logp_BxT=logp, ref_logp_BxT=logp,
                                     advantages_B=self.rows((rows,), jnp.float32),
-                                    sampler_logp_BxT=logp if sampler else None)
+                                    sampler_logp_BxT=logp if sampler else None,
+                                    token_weight_BxT=logp if terms[0] else None,
+                                    abs_log_ratio_coef_BxT=logp if terms[1] else None)
 
     def kv(self, rows: int, kv_heads: int, length: int, head_dim: int, dtype, layers: int):
         sharding = engine._kv_sharding(self.mesh, kv_heads)
@@ -304,7 +307,8 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
     if scope == "largest":
         shapes = [(s.micro_rows[0], T)]
     grads = a.like(lora.trainable(params), jnp.float32)
-    mini = a.mini(algo.mini_batch_size, S, T, m, algo.rollout_is_cap is not None)
+    terms = methods.token_fields(algo)  # the method's per-token loss terms (weight, |log ρ| coefficient)
+    mini = a.mini(algo.mini_batch_size, S, T, m, algo.rollout_is_cap is not None, terms)
     ref_graphdef = lora.reference_graphdef(graphdef, params) if lora.has_adapters(params) else graphdef
     progs = []
     for label, fn, kind, gd in (("score", train_step._score_micro, "score", graphdef),
@@ -324,11 +328,13 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
     if algo.exploration == "evol":
         progs.append(_embedder(cfg, a, s, state_bytes + step_arrays))
         embeddings, valid = a.rows((s.step_rows, _embed_width(cfg)), jnp.float32), a.rows((s.step_rows,), jnp.bool_)
+    method = methods.get(algo.exploration)
+    logp = a.rows((s.step_rows, T), jnp.float32) if "seq_logp" in method.needs else None
     progs.append(Program("advantages (novelty, shaping, groups)", "advantages", "score",
-                         functools.partial(train_step.advantages.lower, step_batch, phi, algo, embeddings, valid),
-                         state_bytes))
+                         functools.partial(train_step.advantages.lower, step_batch, phi, algo, embeddings, valid,
+                                           logp), state_bytes))
     for rows, width in shapes:
-        mb = a.mini(rows, S, width, m, algo.rollout_is_cap is not None)
+        mb = a.mini(rows, S, width, m, algo.rollout_is_cap is not None, terms)
         diag = jax.eval_shape(lambda p, b: train_step.policy_loss(p, graphdef, b, settings)[1], params, mb)
         acc = (grads, a.scalar(jnp.float32), {k: a.scalar(d.dtype, d.shape) for k, d in diag.items()})
         lower = functools.partial(train_step.accumulate.lower, graphdef, params, acc, mb, a.scalar(jnp.float32),

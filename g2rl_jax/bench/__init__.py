@@ -10,6 +10,7 @@ BENCHMARKS = {
     "score": "g2rl_jax.bench.score",       # fused token_stats vs log-probs alone / naive (issue: G2RL core)
     "verify": "g2rl_jax.bench.verify",     # answers verified per second per core (issue: rewards)
     "step": "g2rl_jax.bench.step",         # RL step split: rollout / rewards / scoring / update (issue: training)
+    "methods": "g2rl_jax.bench.methods",   # each exploration method's cost per step against GRPO, side by side
     "update": "g2rl_jax.bench.update",     # the PPO update alone: time and MFU per remat / micro / dtype setting
     "lora": "g2rl_jax.bench.lora",         # LoRA vs full fine-tuning: update time and memory, decode tokens/s
     "compile": "g2rl_jax.bench.compile",   # compile seconds of a step's programs, per program and per thread count

@@ -5,12 +5,17 @@
     tokenizer.py  a tiny BPE (digits always single tokens) saved as a Hugging Face tokenizer directory
     sft.py        the supervised warm start: imitate a teacher right 40% of the time (jitted AdamW loop)
     build.py      build_demo_model / build_demo_embedder (cached by a spec hash) and resolve_demo_paths, which
-                  turns "demo:DIR" / "countdown:DIR" / "countdown-study:DIR" config values into built directories
-    countdown.py  Countdown (configs/demo_explore.yaml, configs/study_countdown.yaml): problem sets with several
+                  turns "demo:DIR" / "countdown:DIR" / "countdown-study:DIR" / "sumprod:DIR" config values into
+                  built directories (showing the warm start's progress)
+    countdown.py  Countdown (configs/study_countdown.yaml; the MEMORISE set of tests): problem sets with several
                   correct answers per problem, a safe expression parser and the reward function the configs plug in
-    explore_eval.py  pass@k, maj@k, distinct correct answers (and Φ) of a Countdown policy on held-out problems
+    sumprod.py    the study's second task: a sum of products worked out step by step (71-83 tokens), its checker
+                  and reward, splits and the warm start's teacher
+    explore_eval.py  pass@k, maj@k, distinct correct answers (and Φ) of a policy on held-out problems (Countdown's
+                  judge by default)
     study.py      `python -m g2rl_jax.demo.study`: the grid of variants x seeds of the study, run and evaluated
-    study_report.py  its bootstrap intervals, tables (study.md, study.json) and figures (passk.png, geometry.png)
+    study_report.py  its bootstrap intervals, tables (study.md, study.json) and figures (passk.png, tradeoff.png,
+                  geometry.png)
 
 Nothing here needs a network or downloaded weights: `python -m g2rl_jax.train --config configs/demo.yaml` builds
 the model on first use (about half a minute of CPU) and then trains it with the real RL loop.

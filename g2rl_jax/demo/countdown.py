@@ -6,7 +6,7 @@ exactly to the target: `\\boxed{3*5+7}`, `\\boxed{8*3-7+5}`. Problems have sever
 than the order of their terms, which is what lets a policy collapse onto one of them or keep several.
 
 Two problem sets (`ProblemSet`), each cut into disjoint splits:
-    MEMORISE  the exploration demo (configs/demo_explore.yaml; datasets `countdown`, `countdown_test`): every 5th
+    MEMORISE  the first exploration demo's (datasets `countdown`, `countdown_test`; tests use it): every 5th
               multiset of digits, problems with >= 10 answers; 303 training problems, which a tiny policy memorises
     STUDY     the study (configs/study_countdown.yaml, g2rl_jax/demo/study.py; datasets `countdown_study`,
               `countdown_study_test`): every multiset, problems with >= 3 answers, 10,005 problems cut into
@@ -258,7 +258,8 @@ class ProblemSet:
                 "shuffle_seed": self.shuffle_seed, "splits": [list(s) for s in self.splits]}
 
 
-# the exploration demo (configs/demo_explore.yaml): 303 training problems a tiny policy can memorise
+# the first exploration demo's problems (datasets countdown, countdown_test): 303 training problems a tiny policy
+# can memorise
 MEMORISE = ProblemSet(stride=MULTISET_STRIDE, min_solutions=MIN_SOLUTIONS, shuffle_seed=SHUFFLE_SEED,
                       splits=(("test", TEST_SIZE), ("train", None)))
 # the study (g2rl_jax/demo/study.py): every multiset, >= 3 answers; the warm start learns from "sft", RL draws

@@ -52,10 +52,11 @@ def judge(texts: Sequence[str], row: dict) -> tuple[list[bool], list[str | None]
     return correct, canonical, labels, used
 
 
-def problem_record(texts: Sequence[str], row: dict, *, seed: int = 0) -> dict:
+def problem_record(texts: Sequence[str], row: dict, *, seed: int = 0, judge=judge) -> dict:
     """c, n and pass@k / distinct@k / maj@k for k in sample_ks(n) of one problem's n responses; what they are:
-    the share that are well-formed expressions of the numbers (valid), the share that use exactly two numbers,
-    and the number of different response texts (unique)."""
+    the share that are well-formed (valid: they have a vote label), the share that use exactly two numbers (when
+    the judge counts numbers used, as Countdown's), and the number of different response texts (unique). `judge`:
+    the task's checker (Countdown's by default; the study's second task: g2rl_jax.demo.sumprod.judge)."""
     correct, canonical, labels, used = judge(texts, row)
     n, c = len(texts), sum(correct)
     counts = Counter(a for a in canonical if a is not None)
@@ -64,8 +65,8 @@ def problem_record(texts: Sequence[str], row: dict, *, seed: int = 0) -> dict:
     return {"n": n, "c": c, "pass": {k: pass_at_k(n, c, k) for k in ks},
             "distinct": {k: sum(pass_at_k(n, count, k) for count in counts.values()) for k in ks},
             "maj": {k: majority_vote(labels, correct, k, rng) for k in ks},
-            "valid": sum(label is not None for label in labels) / n, "two_numbers": used.count(2) / n,
-            "unique": len({t.strip() for t in texts})}
+            "valid": sum(label is not None for label in labels) / n, "unique": len({t.strip() for t in texts}),
+            **({} if used is None else {"two_numbers": used.count(2) / n})}
 
 
 def measure(texts_Pxn: Sequence[Sequence[str]], rows: Sequence[dict], truncated_Pxn: np.ndarray) -> dict:
@@ -114,7 +115,7 @@ def sample(model, tokenizer, examples, *, samples: int, max_new_tokens: int, bat
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = cli.ArgumentParser(prog="python -m g2rl_jax.demo.explore_eval", description=__doc__.split("\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("run_dir", nargs="?", type=Path, help="a finished demo_explore run (its last checkpoint)")
+    source.add_argument("run_dir", nargs="?", type=Path, help="a finished Countdown run (its last checkpoint)")
     source.add_argument("--model-path", type=Path, help="a Hugging Face model directory (e.g. the warm start)")
     p.add_argument("--dataset", default="countdown_test", choices=("countdown_test", "countdown_study_test"))
     p.add_argument("--samples", type=int, default=8, help="n: responses per problem")

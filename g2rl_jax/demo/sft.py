@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm import tqdm
 
 from g2rl_jax.data.datasets import Example
 from g2rl_jax.data.prompts import plain_prompt
@@ -99,9 +100,10 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
 
 
 def train_sft(model: Qwen3, ids_BxJxL: np.ndarray, mask_BxJxL: np.ndarray, cfg: SFTConfig,
-              probs_J: np.ndarray | None = None) -> list[float]:
+              probs_J: np.ndarray | None = None, progress: str | None = None) -> list[float]:
     """Run `cfg.steps` AdamW steps on random rows with teacher-drawn variants (variant j with probability
-    probs_J[j]; default: cfg.variant_probs() for the addition task); `model` ends trained."""
+    probs_J[j]; default: cfg.variant_probs() for the addition task); `model` ends trained. With `progress`, a
+    progress bar of that title (steps, rate, time left, the loss) on stderr."""
     probs = cfg.variant_probs() if probs_J is None else np.asarray(probs_J, np.float64)
     if ids_BxJxL.shape != mask_BxJxL.shape or ids_BxJxL.shape[1:2] != probs.shape:
         raise ValueError(f"ids {ids_BxJxL.shape} and mask {mask_BxJxL.shape} must both be [N, {len(probs)}, L]")
@@ -119,10 +121,16 @@ def train_sft(model: Qwen3, ids_BxJxL: np.ndarray, mask_BxJxL: np.ndarray, cfg: 
 
     rng = np.random.default_rng(cfg.seed)
     losses = []
-    for _ in range(cfg.steps):
+    bar = tqdm(total=cfg.steps, desc=progress, unit="step", disable=progress is None, dynamic_ncols=True,
+               mininterval=1.0)
+    for i in range(cfg.steps):
         rows = rng.choice(len(ids_BxJxL), size=cfg.batch_size, replace=False)
         variants = rng.choice(len(probs), size=cfg.batch_size, p=probs)
         params, opt_state, loss = step(params, opt_state, ids_BxJxL[rows, variants], mask_BxJxL[rows, variants])
         losses.append(loss)
+        bar.update(1)
+        if progress is not None and i % 100 == 99:  # reading the loss waits for the step: only now and then
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+    bar.close()
     nnx.update(model, params)
     return [float(x) for x in jax.device_get(losses)]

@@ -1,6 +1,6 @@
-"""The study's report: means with 95% bootstrap intervals, differences, the tables and the two figures.
+"""The study's report: means with 95% bootstrap intervals, differences, the tables and the three figures.
 
-    write_report(out)  -> [OUT/study.md, OUT/study.json, OUT/passk.png, OUT/geometry.png]
+    write_report(out)  -> [OUT/study.md, OUT/study.json, OUT/passk.png, OUT/tradeoff.png, OUT/geometry.png]
 
 Inputs are what `g2rl_jax.demo.study` leaves in OUT/runs/NAME/: study_eval.json (held-out measures per
 problem), study_time.json and the training run's metrics.jsonl. Runs are grouped by variant (the run name less
@@ -32,7 +32,8 @@ WRITES = {"valid responses": "valid", "two-number responses": "two_numbers", "di
 TRAINING = ("train accuracy", "held-out − train", "single-class share", "all-wrong share",
             "A(most novel), single-class", "A(least novel), single-class", "A(most novel), all-wrong",
             "A(least novel), all-wrong")
-ORDER = ("warmstart", "grpo", "entropy_bonus", "g2rl_shaped", "g2rl_zero")
+ORDER = ("warmstart", "grpo", "entropy_bonus", "g2rl_shaped", "g2rl_zero", "clip_cov", "kl_cov", "passk",
+         "unlikeliness", "nsr", "w_reinforce", "forking", "g2rl_mixed_correct", "g2rl_correct_peers")
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -179,8 +180,9 @@ def markdown(summary: dict) -> str:
     writes = [c for c in writes if all(c in row for row in table.values())]
     if writes:
         lines += ["", "What the policies write (held-out responses; interval over seeds and problems): the share "
-                  "that are well-formed expressions of the given numbers, the share that use exactly two of them, "
-                  "and how many different responses a problem's samples hold.", "",
+                  "that are well-formed (Countdown: an expression of the given numbers; sum of products: step lines "
+                  "and a box), for Countdown the share that use exactly two of the numbers, and how many different "
+                  "responses a problem's samples hold.", "",
                   "| variant | " + " | ".join(writes) + " |", "|" + "---|" * (len(writes) + 1)]
         lines += [f"| {v} | " + " | ".join(_cell(row[c]) for c in writes) + " |" for v, row in table.items()]
     train_cols = [c for c in TRAINING if any(c in row for row in table.values())]
@@ -196,6 +198,11 @@ def markdown(summary: dict) -> str:
     for name, row in summary["differences"].items():
         cells = [(f"**{_cell(row[m])}**" if row[m]["excludes_zero"] else _cell(row[m])) for m in measures]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Time (minutes, wall / CPU): the warm start's build (from its own record, whichever invocation "
+              "built it), its evaluation, every run's training and evaluation, and all of it.", "",
+              "| part | wall | CPU |", "|---|---|---|"]
+    lines += [f"| {part} | {_minutes(t['wall_s'])} | {_minutes(t['cpu_s'])} |"
+              for part, t in time_totals(summary).items()]
     lines += ["", "Time per run (s): training wall / CPU, evaluation wall / CPU.", "",
               "| run | train wall | train CPU | eval wall | eval CPU |", "|---|---|---|---|---|"]
     for name, t in summary["times"].items():
@@ -203,6 +210,28 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {name} | {t['train']['wall_s']:.0f} | {t['train']['cpu_s']:.0f} | "
                          f"{t['eval']['wall_s']:.0f} | {t['eval']['cpu_s']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def _minutes(seconds) -> str:
+    return "" if seconds is None else f"{seconds / 60:.1f}"
+
+
+def time_totals(summary: dict) -> dict[str, dict]:
+    """{part: {"wall_s", "cpu_s"}}: warm start build and evaluation, training and evaluation over all runs, total
+    (None where a part did not record it: a build from before builds recorded their CPU time)."""
+    warm = summary["times"].get("warmstart", {})
+    runs = [t for t in summary["times"].values() if "train" in t]
+
+    def add(parts):
+        return {k: (None if any(p.get(k) is None for p in parts) else sum(p[k] for p in parts))
+                for k in ("wall_s", "cpu_s")}
+
+    out = {"warm start build": warm.get("build") or {"wall_s": None, "cpu_s": None},
+           # "build_and_eval": the record of runs made before builds and evaluations were timed apart
+           "warm start evaluation": warm.get("eval") or warm.get("build_and_eval") or {"wall_s": None, "cpu_s": None},
+           f"training, {len(runs)} runs": add([t["train"] for t in runs]),
+           f"evaluation, {len(runs)} runs": add([t["eval"] for t in runs])}
+    return out | {"total": add(list(out.values()))}
 
 
 def _pyplot():
@@ -243,6 +272,31 @@ def passk_figure(variants: dict[str, list[dict]], path: Path) -> Path:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.86))
+    return _save(fig, path)
+
+
+def tradeoff_figure(variants: dict[str, list[dict]], path: Path) -> Path:
+    """Held-out pass@1 against pass@n per variant, each with its 95% interval (seeds and problems resampled), the
+    warm start marked: which methods trade breadth (pass@n) for accuracy (pass@1)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 6.5))
+    n = str(next(iter(variants.values()))[0]["samples"])
+    for (variant, runs), colour in zip(variants.items(), _colours(len(variants))):
+        x, y = bootstrap(per_problem(runs, "pass", "1")), bootstrap(per_problem(runs, "pass", n))
+        warm = variant == "warmstart"
+        ax.errorbar(x["mean"], y["mean"], xerr=[[x["mean"] - x["lo"]], [x["hi"] - x["mean"]]],
+                    yerr=[[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]], fmt="*" if warm else "o",
+                    markersize=14 if warm else 6, color="black" if warm else colour, capsize=3,
+                    label=f"{variant} ({len(runs)})")
+        ax.annotate(variant, (x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        if warm:
+            ax.axhline(y["mean"], color="grey", linewidth=0.8, linestyle="--")
+            ax.axvline(x["mean"], color="grey", linewidth=0.8, linestyle="--")
+    ax.set(title="accuracy against breadth (held-out, 95% intervals; dashed: the warm start)",
+           xlabel="pass@1", ylabel=f"pass@{n}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -287,4 +341,5 @@ def write_report(out: Path) -> list[Path]:
                            "held_out_pass@1": float(np.mean(r["pass"]["1"])), "time": r["time"],
                            "responses": r["responses"]} for v, runs in variants.items() for r in runs}
     js.write_text(json.dumps(summary | {"runs": per_run}, indent=1) + "\n")
-    return [md, js, passk_figure(variants, out / "passk.png"), geometry_figure(variants, out / "geometry.png")]
+    return [md, js, passk_figure(variants, out / "passk.png"), tradeoff_figure(variants, out / "tradeoff.png"),
+            geometry_figure(variants, out / "geometry.png")]

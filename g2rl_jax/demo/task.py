@@ -68,3 +68,13 @@ register_dataset("countdown", functools.partial(_countdown, "train"))  # g2rl_ja
 register_dataset("countdown_test", functools.partial(_countdown, "test"))  # its held-out problems
 register_dataset("countdown_study", functools.partial(_countdown, "train", True))  # the study's RL problems
 register_dataset("countdown_study_test", functools.partial(_countdown, "test", True))  # its held-out problems
+
+
+def _sumprod(split: str) -> list[Example]:
+    from g2rl_jax.demo import sumprod  # the study's second task
+
+    return sumprod.examples(split)
+
+
+register_dataset("sumprod", functools.partial(_sumprod, "train"))  # g2rl_jax/demo/sumprod.py: RL's problems
+register_dataset("sumprod_test", functools.partial(_sumprod, "test"))  # its held-out problems

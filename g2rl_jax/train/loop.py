@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from g2rl_jax import cli, parallel, storage
+from g2rl_jax import cli, methods, parallel, storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
@@ -149,7 +149,8 @@ class Trainer(SamplingRounds):
         elif cfg.algorithm.kl_coef > 0:  # frozen, sharded like the policy
             self.ref_params = jax.tree.map(jnp.copy, self.params)
         self.embedder = self.embed_tokenizer = None
-        if cfg.algorithm.exploration == "evol":
+        self.method = methods.get(cfg.algorithm.exploration)
+        if "embeddings" in self.method.needs:  # evol
             runtime = runtime_config(cfg.model, remat="none")  # frozen: in the base weights' dtype
             self.embedder = load_pretrained(cfg.algorithm.embedding_model, runtime.param_dtype, mesh=self.mesh,
                                             runtime=runtime)
@@ -231,17 +232,19 @@ class Trainer(SamplingRounds):
             with stage("reference", input_ids=batch.input_ids):
                 ref = train_step.ref_logprobs(*self._reference(), batch, temperature=temp, micro=micro)
         embeddings = valid = None
-        if algo.exploration == "evol":
+        if "embeddings" in self.method.needs:
             with stage("embed", texts=texts):
                 embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh,
                                          algo.embedding_max_tokens)
                 valid = shard_rows(answers_found(texts, examples[0].kind), self.mesh)
         with stage("advantages", phi=scores.phi_BxD, rewards=batch.rewards):
-            signal = jax.block_until_ready(train_step.advantages(batch, scores.phi_BxD, algo, embeddings, valid))
+            logp = scores.logp_BxT if "seq_logp" in self.method.needs else None
+            signal = jax.block_until_ready(train_step.advantages(batch, scores.phi_BxD, algo, embeddings, valid, logp))
         t3 = time.perf_counter()
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
             sampler_logp = None if algo.rollout_is_cap is None else shard_rows(rollout.logprobs_BxT, self.mesh)
-            info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B, sampler_logp)
+            info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B, sampler_logp,
+                                scores.entropy_BxT, step)
         t4 = time.perf_counter()
         plan = micro_lib.plan_for(batch, micro)  # the plan score (and the reference pass) ran over
         passes = 1 + (ref is not None)
@@ -254,18 +257,25 @@ class Trainer(SamplingRounds):
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
     def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B,
-                sampler_logp=None) -> dict[str, float]:
+                sampler_logp=None, entropy=None, step: int = 0) -> dict[str, float]:
         algo = self.cfg.algorithm
         keep_B = np.ones(adv_B.shape[0], bool)
         if algo.filter_equal_groups:
             keep_B = train_step.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
         groups_kept = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
         keep_B = keep_B & parallel.gather(in_loss_B).astype(bool)  # reward.truncated=mask
+        if self.method.keep_rows is not None:  # the method's own choice of rows (nsr: the wrong responses)
+            keep_B = keep_B & np.asarray(self.method.keep_rows(parallel.gather(batch.correct)))
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
         batch = dataclasses.replace(batch, response_mask=batch.response_mask * keep_Bx1)
+        terms = methods.TokenTerms()
+        if self.method.tokens is not None:  # Clip-Cov, KL-Cov, forking tokens: decided once, before the update
+            key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), step)
+            terms = methods.token_terms(adv_B, old_logp, entropy, batch.response_mask, key, algo=algo,
+                                        mini_batch_size=algo.mini_batch_size)
         step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
-                                         sampler_logp)
+                                         sampler_logp, terms.weight, terms.abs_log_ratio)
         infos, plans = [], []
         n, mb = adv_B.shape[0], algo.mini_batch_size
         minis = [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
@@ -293,7 +303,7 @@ class Trainer(SamplingRounds):
         mask_BxT = batch.response_mask
         tokens = float(jnp.sum(mask_BxT))
         updates_done = (step + 1) * self.updates_per_step
-        novelty = {"novelty": float(jnp.mean(signal["nu"]))} if self.cfg.algorithm.exploration == "g2rl" else {}
+        novelty = {"novelty": float(jnp.mean(signal["nu"]))} if self.method.novelty else {}
         return novelty | {
             "step": step + 1,
             "accuracy": float(jnp.mean(batch.correct)),

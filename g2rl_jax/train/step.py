@@ -4,6 +4,7 @@
     scores  = score(graphdef, params, batch, temperature=T)      # Scores: logp_BxT, entropy_BxT, phi_BxD
     ref     = ref_logprobs(graphdef, ref_params, batch, ...)     # reference-model log-probs (KL term)
     signal  = advantages(batch, scores.phi_BxD, algorithm, ...)  # ν, shaped rewards r̃, group advantages A
+    terms   = methods.token_terms(signal["advantages"], scores.logp_BxT, scores.entropy_BxT, mask, key, ...)
     mini    = MiniBatch(batch, scores.logp_BxT, ref, signal["advantages"])   # rows of one optimizer update
     params, opt_state, info = update(graphdef, params, opt_state, mini, ...)
 
@@ -23,7 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from g2rl_jax import g2rl, losses
+from g2rl_jax import g2rl, losses, methods
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import lora
 from g2rl_jax.train import micro as micro_lib
@@ -66,18 +67,22 @@ class Scores:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["batch", "old_logp_BxT", "ref_logp_BxT", "advantages_B", "sampler_logp_BxT"],
+                   data_fields=["batch", "old_logp_BxT", "ref_logp_BxT", "advantages_B", "sampler_logp_BxT",
+                                "token_weight_BxT", "abs_log_ratio_coef_BxT"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class MiniBatch:
-    """The rows of one optimizer update: the responses, their behaviour and reference log-probs, advantages, and
-    (for algorithm.rollout_is_cap only) the sampler's own log-probs, Rollout.logprobs_BxT."""
+    """The rows of one optimizer update: the responses, their behaviour and reference log-probs, advantages,
+    (for algorithm.rollout_is_cap only) the sampler's own log-probs, Rollout.logprobs_BxT, and (for the methods
+    with a token rule only, `methods.token_terms`) the per-token weight and |log ρ| coefficient of the policy loss."""
 
     batch: Batch
     old_logp_BxT: jax.Array
     ref_logp_BxT: jax.Array
     advantages_B: jax.Array
     sampler_logp_BxT: jax.Array | None = None
+    token_weight_BxT: jax.Array | None = None
+    abs_log_ratio_coef_BxT: jax.Array | None = None
 
     def rows(self, rows: slice) -> MiniBatch:
         """The mini-batch of rows `rows` (a slice of every array's leading axis)."""
@@ -188,30 +193,36 @@ def _plan(batch: Batch, micro: int, stage: str, padded: bool = False) -> micro_l
         raise StageError(f"{stage}: {err}") from None
 
 
+def _sequence_logp(logp_BxT, mask_BxT):
+    """Each response's mean token log-prob [B] (0 for an empty response)."""
+    mask = mask_BxT.astype(jnp.float32)
+    return jnp.sum(logp_BxT * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+
+
 @functools.partial(jax.jit, static_argnames=("algo",))
-def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None,
-               valid_B=None) -> dict[str, jax.Array]:
-    """ν, shaped rewards and group advantages [B] for the configured exploration signal (eqs. novelty,
-    shaped-reward, grpo-adv); rewards are regrouped [P, m] and the group functions are vmapped over P. One
-    program (jitted): run op by op, its dispatches cost the tiny demo more than the math.
-    evol only: embeddings_BxE from the embedding model, valid_B (default all) marks responses with an answer."""
+def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None, valid_B=None,
+               logp_BxT=None) -> dict[str, jax.Array]:
+    """ν, shaped rewards and group advantages [B] of the configured exploration method (g2rl_jax/methods/; for g2rl
+    eqs. novelty, shaped-reward, grpo-adv); rewards are regrouped [P, m] and the method's group functions see
+    every group at once. One program (jitted): run op by op, its dispatches cost the tiny demo more than the math.
+    What a method needs (Method.needs): embeddings_BxE from the embedding model and valid_B (default all), the
+    responses with an answer (evol); logp_BxT, the behaviour log-probs (unlikeliness)."""
+    method = methods.get(algo.exploration)
     m = batch.group_size
     r_Pxm, correct_Pxm = batch.rewards.reshape(-1, m), batch.correct.reshape(-1, m)
-    if algo.exploration == "g2rl":
-        nu_Pxm = g2rl.novelty(phi_BxD.reshape(-1, m, phi_BxD.shape[-1]), r_Pxm)
-        shaped_Pxm = g2rl.shape_rewards(r_Pxm, nu_Pxm, lam=algo.lam, clip=algo.reward_clip, mode=algo.shaping_mode)
-    elif algo.exploration == "evol":
-        if embeddings_BxE is None:
-            raise StageError("advantages: exploration=evol needs embeddings_BxE from the embedding model")
-        nu_Pxm = jnp.full_like(r_Pxm, jnp.nan)
-        valid_Pxm = jnp.ones_like(correct_Pxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m)
-        shaped_Pxm = g2rl.embedding_novelty(embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]), correct_Pxm,
-                                            valid_Pxm)
-    else:  # grpo and entropy_bonus shape nothing; the bonus lives in the loss
-        nu_Pxm = jnp.full_like(r_Pxm, jnp.nan)
-        shaped_Pxm = r_Pxm
-    adv_Pxm = g2rl.group_advantages(shaped_Pxm, correct_Pxm, single_class=algo.single_class_groups)
-    if algo.exploration == "g2rl":  # diagnostics: what each group gives its most and least novel response
+    given = {"embeddings": embeddings_BxE, "seq_logp": logp_BxT}
+    missing = [name for name in sorted(method.needs) if given[name] is None]
+    if missing:
+        raise StageError(f"advantages: exploration={algo.exploration} needs {', '.join(missing)} "
+                         "(embeddings_BxE from the embedding model; logp_BxT from the scoring pass)")
+    group = methods.Group(
+        rewards=r_Pxm, correct=correct_Pxm, phi=phi_BxD.reshape(-1, m, phi_BxD.shape[-1]),
+        embeddings=None if embeddings_BxE is None else embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]),
+        valid=jnp.ones_like(correct_Pxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m),
+        seq_logp=None if logp_BxT is None else _sequence_logp(logp_BxT, batch.response_mask).reshape(-1, m))
+    signal = method.rewards(group, algo)
+    nu_Pxm, shaped_Pxm, adv_Pxm = signal.nu, signal.shaped, signal.advantages
+    if method.novelty:  # diagnostics: what each group gives its most and least novel response
         most_P, least_P = g2rl.novelty_extremes(adv_Pxm, nu_Pxm)
     else:
         most_P = least_P = jnp.full(r_Pxm.shape[:1], jnp.nan)
@@ -284,13 +295,15 @@ class LossSettings:
     ratio_level: str = "token"
     rollout_is_cap: float | None = None
     chunk: int = g2rl.DEFAULT_CHUNK
+    clip: bool = True  # the exploration method's (Method.ppo_clip): KL-Cov's loss does not clip the ratio
 
     @classmethod
     def from_config(cls, algo: AlgorithmConfig, temperature: float) -> "LossSettings":
         return cls(temperature=temperature if temperature > 0 else 1.0, clip_low=algo.clip_low,
                    clip_high=algo.clip_high, dual_clip=algo.dual_clip, agg=algo.loss_agg,
                    entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_kind=algo.kl_kind,
-                   ratio_level=algo.ratio_level, rollout_is_cap=algo.rollout_is_cap)
+                   ratio_level=algo.ratio_level, rollout_is_cap=algo.rollout_is_cap,
+                   clip=methods.get(algo.exploration).ppo_clip)
 
 
 def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
@@ -305,13 +318,15 @@ def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
     else:
         logp, ent = g2rl.token_logprobs(h, head, targets, temperature=s.temperature, chunk_size=s.chunk), None
     return loss_from_logprobs(logp, ent, mb.old_logp_BxT, mb.ref_logp_BxT, mb.sampler_logp_BxT, mb.advantages_B,
-                              batch.response_mask, s)
+                              batch.response_mask, s, token_weight_BxT=mb.token_weight_BxT,
+                              abs_log_ratio_coef_BxT=mb.abs_log_ratio_coef_BxT)
 
 
 def loss_from_logprobs(logp_BxT, entropy_BxT, old_logp_BxT, ref_logp_BxT, sampler_logp_BxT, advantages_B, mask_BxT,
-                       s: LossSettings):
+                       s: LossSettings, *, token_weight_BxT=None, abs_log_ratio_coef_BxT=None):
     """losses.ppo_loss with the settings s (eq. grpo-obj) on per-token log-probs (entropy: None without the bonus)
-    of some responses and their old / reference / sampler log-probs, advantages and response mask."""
+    of some responses and their old / reference / sampler log-probs, advantages and response mask, and the
+    exploration method's per-token terms (methods.token_terms; None without a token rule)."""
     if s.rollout_is_cap is not None and sampler_logp_BxT is None:
         raise StageError("update: algorithm.rollout_is_cap needs the sampler's log-probs in the mini-batch "
                          "(MiniBatch.sampler_logp_BxT = Rollout.logprobs_BxT)")
@@ -320,7 +335,7 @@ def loss_from_logprobs(logp_BxT, entropy_BxT, old_logp_BxT, ref_logp_BxT, sample
         dual_clip=s.dual_clip, agg=s.agg, entropy=entropy_BxT, entropy_coef=s.entropy_coef,
         ref_logp=ref_logp_BxT if s.kl_coef else None, kl_coef=s.kl_coef, kl_kind=s.kl_kind,
         ratio_level=s.ratio_level, sampler_logp=sampler_logp_BxT if s.rollout_is_cap is not None else None,
-        is_cap=s.rollout_is_cap)
+        is_cap=s.rollout_is_cap, clip=s.clip, token_weight=token_weight_BxT, abs_log_ratio_coef=abs_log_ratio_coef_BxT)
 
 
 def _micro_weight(mask_BxT, agg: str, total_tokens, total_rows):
