@@ -9,6 +9,7 @@ parts against hand counts.
 """
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +158,7 @@ def test_lora_config_errors_are_one_clear_line(overrides, message):
 
 def test_lora_yaml_group_round_trips(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("base: " + str((P.Path("configs/demo.yaml")).resolve()) + "\nmodel:\n  lora:\n    rank: 8\n"
+    path.write_text("base: " + str(Path("configs/demo.yaml").resolve()) + "\nmodel:\n  lora:\n    rank: 8\n"
                     "    targets: [q, v]\n")
     cfg = load_config(path)
     assert (cfg.model.lora.rank, cfg.model.lora.targets, cfg.model.lora.alpha) == (8, ("q", "v"), None)

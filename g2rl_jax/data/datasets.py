@@ -73,7 +73,7 @@ Loader = Callable[[], Sequence[Example]]
 _REGISTRY: dict[str, Loader] = {}
 # Datasets registered by another module when it is imported: {name: that module}, imported on first use.
 _LAZY = {name: "g2rl_jax.demo.task" for name in ("demo", "demo_test", "countdown", "countdown_test", "countdown_study",
-                                                 "countdown_study_test")}
+                                                 "countdown_study_test", "sumprod", "sumprod_test")}
 
 
 def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> None:
