@@ -134,9 +134,9 @@ def steps(assets, policy, tmp_path_factory):  # noqa: F811
     with pytest.MonkeyPatch.context() as mp:
         fresh_process(mp)
         trainer = Trainer(_config(assets, policy, out, threads=2, steps=3))
-        full = micro_lib.ShapeSet.full(8, 64, 4)
-        key = {"micro": 8, "min_rows": 4, "prompt_len": trainer.prompt_len, "resp_len": 64}
-        trainer.warmup.choice_file.write_text(json.dumps({"key": key, "name": full.name, "widths": full.widths}))
+        key = {"micro": 8, "min_rows": 4, "resp_len": 64, "prompts": sorted(trainer.warmup.shares)}
+        trainer.warmup.choice_file.write_text(json.dumps({"key": key, "name": "4/octave x all",
+                                                          "prompts": [max(trainer.warmup.shares)]}))
         with Compiles() as first:
             results = [trainer.step_stages(0)]
         with BackendCompiles() as later:
@@ -147,7 +147,8 @@ def steps(assets, policy, tmp_path_factory):  # noqa: F811
 
 def test_the_first_step_compiles_the_whole_set_on_the_pool(steps):
     trainer, _, first, _ = steps
-    assert trainer.warmup.shapes == micro_lib.ShapeSet.full(8, 64, 4) and trainer.warmup.choice is None  # as saved
+    assert trainer.warmup.shapes.shapes == micro_lib.ShapeSet.full(8, 64, 4).shapes  # as the file said
+    assert trainer.warmup.choice is None
     in_pool = {fn: first[fn, True] for fn in HEAVY}
     assert in_pool == dict.fromkeys(HEAVY, 6), in_pool  # every shape of the set, once each
     assert first["apply_gradients", True] == 1 and first["_segment", True] >= 3

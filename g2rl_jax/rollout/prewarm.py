@@ -27,6 +27,7 @@ from g2rl_jax.rollout import engine
 
 WARMED: set = set()  # keys of the programs compiled here (in this process)
 _ROWS: dict[tuple, tuple] = {}  # live rows program key -> its compiled outputs' (old row, prefix row) templates
+COMPILED: list[tuple[int, float]] = []  # per call that compiled anything: (programs, their lower + compile seconds)
 
 
 def _like(x, shape) -> jax.ShapeDtypeStruct:
@@ -120,4 +121,6 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
                 functools.partial(regroup.lower, kv(rows, slots), kv(rows, slots), keep_X, capacity=slots))
     done = compile_all(list(jobs.values()), threads) if jobs else []
     WARMED.update(key for key, t in zip(jobs, done) if t.error is None)
+    if timings or done:
+        COMPILED.append((len(timings) + len(done), sum(t.lower_s + t.compile_s for t in timings + done)))
     return timings + done

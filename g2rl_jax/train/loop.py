@@ -21,6 +21,7 @@ metrics; checkpoints are Orbax multi-host (every process saves its shards and it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -39,6 +40,7 @@ from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift
+from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
 from g2rl_jax.train import compiles, identity, report, warmup
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
@@ -61,7 +63,7 @@ from g2rl_jax.train.setup import (
     load_model,
     on_mesh,
     preflight,
-    prompt_bucket,
+    prompt_lengths,
     resolve_model_paths,
     runtime_config,
     shard_rows,
@@ -134,9 +136,10 @@ class Trainer(SamplingRounds):
                 raise ConfigError(f"reward.function: {err}") from None
         examples, dropped = usable_examples(cfg, self.tokenizer)
         self.eval_sets, eval_dropped = eval_examples(cfg, self.tokenizer)
-        # one prompt shape per rollout kind, whatever prompts a step draws (train/warmup.py: a run compiles once)
-        self.prompt_len = prompt_bucket([examples], self.tokenizer, cfg.data)
-        self.eval_prompt_len = prompt_bucket(self.eval_sets.values(), self.tokenizer, cfg.data)
+        # a few prompt shapes per run, whatever prompts a step draws (train/warmup.py: a run compiles once)
+        train_lengths = prompt_lengths([examples], self.tokenizer, cfg.data)
+        self.eval_prompt_len = bucket(int(max(prompt_lengths(self.eval_sets.values(), self.tokenizer, cfg.data),
+                                              default=1)), MIN_PROMPT_BUCKET)
         block, blocks = parallel.batch_block(self.mesh)
         if cfg.data.prompts_per_step % blocks:
             raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be a multiple of the {blocks} "
@@ -174,9 +177,11 @@ class Trainer(SamplingRounds):
         self.warmup = warmup.RunWarmup(warmup.resolve_threads(cfg.run.compile_threads),
                                        choice_file=self.run_dir / warmup.CHOICE_FILE,
                                        budget=cfg.rollout.max_new_tokens, mini_rows=cfg.algorithm.mini_batch_size,
-                                       epochs=cfg.algorithm.ppo_epochs, remat=cfg.model.remat != "none")
+                                       epochs=cfg.algorithm.ppo_epochs, remat=cfg.model.remat != "none",
+                                       prompt_lengths=train_lengths, prompts_per_step=cfg.data.prompts_per_step)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
+        self._warmed_prompts: set[int] = set()  # prompt buckets whose rollout is compiled
         self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints,
                                  model=self.model_record)
         if jax.process_index() == 0:  # one writer when the hosts share run.output_dir; demo: paths kept as given
@@ -236,7 +241,9 @@ class Trainer(SamplingRounds):
             in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
             shapes = self.warmup.score(self.graphdef, self.params, self._reference() if algo.kl_coef > 0 else None,
-                                       batch, temperature=temp, micro=micro, steps_left=cfg.run.total_steps - step)
+                                       batch, temperature=temp, micro=micro, steps_left=cfg.run.total_steps - step,
+                                       batch_like=functools.partial(self._batch_like, batch))
+            self.warm_prompt_buckets()
             scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro, shapes=shapes)
         ref = None
         if algo.kl_coef > 0:
@@ -275,14 +282,19 @@ class Trainer(SamplingRounds):
         keep_B = keep_B & parallel.gather(in_loss_B).astype(bool)  # reward.truncated=mask
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
-        batch = dataclasses.replace(batch, response_mask=batch.response_mask * keep_Bx1)
-        step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
-                                         sampler_logp)
-        infos, plans = [], []
+        masked = lambda b: dataclasses.replace(b, response_mask=b.response_mask * keep_Bx1)  # noqa: E731
+        batch = masked(batch)
         n, mb = adv_B.shape[0], algo.mini_batch_size
-        minis = [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
-        self.warmup.update(self.graphdef, self.params, minis, settings=self.settings, micro=algo.micro_batch_size,
-                           opt_state=self.opt_state, optimizer=self.optimizer)
+
+        def minis_of(batch: train_step.Batch) -> list[train_step.MiniBatch]:
+            step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
+                                             sampler_logp)
+            return [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
+
+        minis, infos, plans = minis_of(batch), [], []
+        self.warmup.update(self.graphdef, self.params, minis[0], settings=self.settings, opt_state=self.opt_state,
+                           optimizer=self.optimizer,
+                           mini_like=lambda s: minis_of(masked(self._batch_like(batch, s)))[0])
         for _ in range(algo.ppo_epochs):
             for rows in minis:
                 plans.append(micro_lib.plan_for(rows.batch, algo.micro_batch_size, shapes=self.warmup.shapes))
@@ -298,6 +310,16 @@ class Trainer(SamplingRounds):
         out["positions"] = sum(p.positions for p in plans)
         out["padding"] = sum(p.padding for p in plans)
         return out
+
+    def _batch_like(self, batch: train_step.Batch, prompt_len: int) -> train_step.Batch:
+        """A batch of zeros placed as `batch`, with prompts of `prompt_len` tokens (the warm-up's template for the
+        programs of another prompt bucket)."""
+        _, blocks = parallel.batch_block(self.mesh)
+        rows, t = batch.response_mask.shape[0] // blocks, batch.response_mask.shape[1]
+        zeros = lambda width: np.zeros((rows, width), np.int32)  # noqa: E731
+        like = train_step.build_batch(zeros(prompt_len), zeros(prompt_len) + 1, zeros(t), zeros(t),
+                                      np.zeros(rows, np.float32), np.zeros(rows, bool), batch.group_size)
+        return shard_rows(like, self.mesh)
 
     def _metrics(self, step, batch, scores, signal, info, times) -> dict[str, float]:
         """Reductions over the global arrays (every process gets the same numbers)."""

@@ -36,6 +36,9 @@ class SamplingRounds:
         cfg, m = self.cfg, self.cfg.rollout.num_samples
         examples = next(self.loader)
         prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
+        longest = max(map(len, prompts))
+        if jax.process_count() > 1:  # the bucket of the global batch's longest prompt, the same on every process
+            longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
         t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
             rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -43,7 +46,7 @@ class SamplingRounds:
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
                                seed=self._step_seed(step, round_), mesh=self.mesh,
                                compile_threads=self.warmup.threads,
-                               pad_to=(cfg.data.prompts_per_step, self.prompt_len))
+                               pad_to=(cfg.data.prompts_per_step, self.warmup.prompt_len(longest)))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rows = [ex.as_row() for ex in examples for _ in range(m)]
@@ -121,6 +124,19 @@ class SamplingRounds:
             shares = np.mean(np.concatenate(all_flags), axis=0)
             out |= {f"val/{name}/{k}": float(v) for k, v in zip(report.SHARES, shares)}
         return out
+
+    def warm_prompt_buckets(self) -> None:
+        """Compile the rollout at every prompt bucket of the run (train/warmup.py chose them on the first step,
+        whose rollout compiled the largest), without running it."""
+        cfg = self.cfg
+        for prompt_len in self.warmup.prompts:
+            if prompt_len not in self._warmed_prompts:
+                self._warmed_prompts.add(prompt_len)
+                if prompt_len != max(self.warmup.shares):
+                    warm(self.model, num_prompts=cfg.data.prompts_per_step, prompt_len=prompt_len,
+                         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k or 0, num_samples=cfg.rollout.num_samples,
+                         stop_token_ids=self.stop_ids, mesh=self.mesh, compile_threads=self.warmup.threads)
 
     def warm_validation(self) -> None:
         """Compile the validation's rollout (generate.warm) without running it: a resumed run validates first after

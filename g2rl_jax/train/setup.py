@@ -144,15 +144,11 @@ def length_filter(examples: list, tokenizer, data_cfg) -> tuple[list, int]:
     return kept, len(examples) - len(kept)
 
 
-def prompt_bucket(example_sets, tokenizer, data_cfg) -> int:
-    """The prompt length every rollout of a run pads to: the bucket (rollout.batching) of the longest prompt of
-    these examples (lists of them, e.g. the training set, or every evaluation set), so that a run meets one prompt
-    shape whatever prompts a step draws."""
-    from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
-
-    longest = max((len(p) for examples in example_sets
-                   for p in encode_prompts(examples, tokenizer, data_cfg.prompt_template)), default=1)
-    return bucket(longest, MIN_PROMPT_BUCKET)
+def prompt_lengths(example_sets, tokenizer, data_cfg) -> np.ndarray:
+    """The token counts of the prompts of these examples (lists of them: the training set, or every evaluation
+    set), as the rollout encodes them: a run pads each step's prompts to one of a few buckets of these lengths."""
+    return np.array([len(p) for examples in example_sets
+                     for p in encode_prompts(examples, tokenizer, data_cfg.prompt_template)], dtype=np.int64)
 
 
 def _report_dropped(key: str, name: str, total: int, dropped: int, limit: int) -> None:

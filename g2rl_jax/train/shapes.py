@@ -1,8 +1,9 @@
-"""The micro-batch shapes a run may meet: a small set, chosen by the whole run's time (compile + compute).
+"""The shapes a run's steps may meet: a small set, chosen by the whole run's time (compile + compute).
 
-    sets = candidates(micro=16, min_rows=4, prompt_len=512, resp_len=8192)   # {name: micro.ShapeSet}
-    load = step_load(sets, step_rows=256, mini_rows=32, epochs=1, prompt_len=512, resp_len=8192, budget=8192)
-    pick = choose(sets, load, Prices(...), steps=1000, threads=32)           # Choice: the set and the table
+    sets = candidates(micro=16, min_rows=4, prompt_len=1024, resp_len=8192)   # {name: micro.ShapeSet}
+    shares = prompt_shares(train_prompt_lengths, prompts_per_step=16)         # {prompt bucket: share of steps}
+    loads = {s: step_load(sets, step_rows=256, mini_rows=32, epochs=1, prompt_len=s, budget=8192) for s in shares}
+    pick = choose(sets, loads, shares, Prices(...), rollout=(programs, seconds), steps=1000, threads=32)
 
 The score and reference passes and the update run each micro-batch at one (rows, response width) shape, and each
 shape is a program of each of the three kinds to compile. More shapes fit the response lengths more tightly (less
@@ -11,15 +12,19 @@ padding computed, train/micro.py), fewer compile faster. The candidates cross
     rows:   "all" every halving of micro (micro.row_counts); "sparse" every other one (micro, micro/4, ...);
             "tokens" per width w one row count r(w), the most rows with r(w) x (S + w) <= micro x (S + T/8), and
             r(w)/4 (long rows come few at a time, so they get fewer rows per micro-batch); "single" r(w) alone
-and `choose` takes the one of least estimated run time: the compile seconds of its programs spread over the
-warm-up's threads, plus the steps left times the seconds a step computes. A step's compute is each kind's cost
-units (micro.micro_cost summed over the plans train/micro.py cuts) over response lengths drawn long-tailed
-(exponential with mean budget / 4, capped at the budget, the longest at it: `bench update --long-tail`'s),
-priced at the measured seconds of one run of the kind's largest program per unit. The trainer measures those
-prices on its first step (train/warmup.py); `plan --compile` takes them from the TPU compiler and the FLOP model.
-A gradient program is priced from the score program's: GRADIENT_COMPILE times its compile seconds (measured:
-4.68 / 1.33 s at the demo size on the 2-core CPU, 65.8 / 19.5 s for Qwen3-1.7B compiled for v5p-8) and 3
-times its run (forward and backward; 4 with model.remat, which runs the forward again).
+with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest,
+and each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket
+the training prompts reach alone, then with each smaller one in turn. `choose` takes the pair of least estimated
+run time: the compile seconds of its programs spread over the warm-up's threads, plus the steps left times the
+seconds a step computes, averaged over the buckets steps' longest prompts fall in (`prompt_shares`, from the
+training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost summed over the plans
+train/micro.py cuts) over response lengths drawn long-tailed (exponential with mean budget / 4, capped at the
+budget, the longest at it: `bench update --long-tail`'s), priced at the measured seconds of one run of the kind's
+largest program per unit. The trainer measures those prices on its first step (train/warmup.py); `plan --compile`
+takes them from the TPU compiler and the FLOP model. A gradient program is priced from the score program's:
+GRADIENT_COMPILE times its compile seconds (measured: 4.68 / 1.33 s at the demo size on the 2-core CPU, 65.8 /
+19.5 s for Qwen3-1.7B compiled for v5p-8) and 3 times its run (forward and backward; 4 with model.remat, which
+runs the forward again).
 """
 from __future__ import annotations
 
@@ -109,11 +114,34 @@ class Prices:
         return cls({**compile_s, "gradient": GRADIENT_COMPILE * compile_s["score"]}, unit_s)
 
 
+def prompt_shares(lengths, prompts_per_step: int) -> dict[int, float]:
+    """{prompt bucket: share of steps whose longest prompt falls in it}, for steps of `prompts_per_step` prompts
+    drawn from prompts of these lengths: P(longest <= x) = F(x)^n."""
+    from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
+
+    lengths = np.sort(np.asarray(lengths))
+    buckets = sorted({bucket(int(n), MIN_PROMPT_BUCKET) for n in lengths})
+    below = [(np.searchsorted(lengths, b, side="right") / len(lengths)) ** prompts_per_step for b in buckets]
+    return {b: float(p - q) for b, p, q in zip(buckets, below, [0.0, *below[:-1]]) if p > q}
+
+
+def prompt_sets(shares: dict[int, float]) -> list[tuple[int, ...]]:
+    """Candidate prompt buckets of a run: the largest alone, then with each next smaller bucket steps fall in."""
+    buckets = sorted(shares, reverse=True)
+    return [tuple(sorted(buckets[:i])) for i in range(1, len(buckets) + 1)]
+
+
+def pad_prompt(bucket_: int, prompts: tuple[int, ...]) -> int:
+    """The prompt length of a step whose longest prompt is in `bucket_`: the smallest of the run's at least it."""
+    return min(p for p in prompts if p >= bucket_)
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    name: str
+    name: str  # the micro-batch shape set
+    prompts: tuple[int, ...]  # the prompt buckets
     shapes: int  # (rows, width) shapes in the set
-    programs: int  # programs to compile: shapes x kinds
+    programs: int  # programs to compile: prompt buckets x (shapes x kinds + a rollout's)
     compile_s: float  # their compile seconds spread over the threads
     step_s: float  # compute seconds of one long-tailed step's score, reference and update passes
     run_s: float  # compile_s + steps x step_s
@@ -122,30 +150,45 @@ class Estimate:
 @dataclasses.dataclass(frozen=True)
 class Choice:
     shapes: micro_lib.ShapeSet
-    table: tuple[Estimate, ...]  # every candidate, in candidates() order
+    prompts: tuple[int, ...]
+    table: tuple[Estimate, ...]  # every candidate pair, prompt sets outer, micro sets inner (candidates() order)
+
+    @property
+    def chosen(self) -> Estimate:
+        return next(e for e in self.table if e.name == self.shapes.name and e.prompts == self.prompts)
 
     def lines(self, steps: int) -> list[str]:
-        """The table as the trainer and `plan --compile` print it: each candidate's programs, compile seconds, the
-        padding it computes (step compute against the finest set's) and the estimated run time."""
-        finest = self.table[0].step_s
-        out = [f"{'micro-batch shapes':22s} {'shapes':>6s} {'programs':>8s} {'compile s':>9s} {'step s':>8s} "
-               f"{'compute':>8s} {f'{steps} steps s':>12s}"]
-        for e in self.table:
-            mark = "  <- chosen" if e.name == self.shapes.name else ""
-            out.append(f"{e.name:22s} {e.shapes:6d} {e.programs:8d} {e.compile_s:9.1f} {e.step_s:8.3f} "
-                       f"{e.step_s / finest:7.3f}x {e.run_s:12.1f}{mark}")
+        """The candidates as the trainer and `plan --compile` print them: every micro-batch shape set at the chosen
+        prompt buckets, then every prompt-bucket set at the chosen shapes, each with its programs, compile seconds,
+        the padding it computes (step compute against the finest candidate's) and the estimated run time."""
+        finest = min(e.step_s for e in self.table)
+        head = (f"{'micro-batch shapes':22s} {'prompt buckets':20s} {'shapes':>6s} {'programs':>8s} {'compile s':>9s} "
+                f"{'step s':>8s} {'compute':>8s} {f'{steps} steps s':>12s}")
+        rows = [e for e in self.table if e.prompts == self.prompts]
+        rows += [e for e in self.table if e.name == self.shapes.name and e.prompts != self.prompts]
+        out = [head]
+        for e in rows:
+            mark = "  <- chosen" if e is self.chosen else ""
+            out.append(f"{e.name:22s} {','.join(map(str, e.prompts)):20s} {e.shapes:6d} {e.programs:8d} "
+                       f"{e.compile_s:9.1f} {e.step_s:8.3f} {e.step_s / finest:7.3f}x {e.run_s:12.1f}{mark}")
         return out
 
 
-def choose(sets: dict[str, micro_lib.ShapeSet], load: dict[str, dict[str, float]], prices: Prices, *, steps: int,
+def choose(sets: dict[str, micro_lib.ShapeSet], loads: dict[int, dict[str, dict[str, float]]],
+           shares: dict[int, float], prices: Prices, *, rollout: tuple[int, float], steps: int,
            threads: int) -> Choice:
-    """The set of least estimated run time (module docstring); ties go to the fewer programs."""
+    """The (micro-batch shape set, prompt buckets) of least estimated run time (module docstring); ties go to the
+    fewer programs. loads: step_load at each prompt bucket; shares: prompt_shares; rollout: the programs and the
+    compile seconds of one prompt bucket's rollout (train/warmup.py measures them on the first rollout)."""
     kinds = prices.compile_s.keys()
     table = []
-    for name, shapes in sets.items():
-        n = len(shapes.shapes)
-        compile_s = n * sum(prices.compile_s.values()) / max(threads, 1)
-        step_s = sum(load[name]["gradient" if k == "gradient" else "score"] * prices.unit_s[k] for k in kinds)
-        table.append(Estimate(name, n, n * len(kinds), compile_s, step_s, compile_s + steps * step_s))
+    for prompts in prompt_sets(shares):
+        for name, shapes in sets.items():
+            n = len(shapes.shapes)
+            compile_s = len(prompts) * (n * sum(prices.compile_s.values()) + rollout[1]) / max(threads, 1)
+            step_s = sum(share * sum(loads[pad_prompt(b, prompts)][name]["gradient" if k == "gradient" else "score"]
+                                     * prices.unit_s[k] for k in kinds) for b, share in shares.items())
+            programs = len(prompts) * (n * len(kinds) + rollout[0])
+            table.append(Estimate(name, prompts, n, programs, compile_s, step_s, compile_s + steps * step_s))
     best = min(table, key=lambda e: (e.run_s, e.programs))
-    return Choice(sets[best.name], tuple(table))
+    return Choice(sets[best.name], best.prompts, tuple(table))

@@ -108,18 +108,31 @@ def _template(x) -> jax.ShapeDtypeStruct:
 
 
 class RunWarmup:
-    """The run's micro-batch shape set and its compiled programs (module docstring). `timings` keeps the Timing of
-    every program it compiled (executables dropped), `choice` the shapes.Choice when it measured one."""
+    """The run's micro-batch shape set and prompt buckets, and their compiled programs (module docstring).
+    `timings` keeps the Timing of every program it compiled (executables dropped), `choice` the shapes.Choice when
+    it measured one. prompt_lengths: the training prompts' lengths (their buckets and how often a step's longest
+    falls in each, shapes.prompt_shares)."""
 
     def __init__(self, threads: int, *, choice_file: Path | None, budget: int, mini_rows: int, epochs: int,
-                 remat: bool):
+                 remat: bool, prompt_lengths, prompts_per_step: int):
         self.threads = threads
         self.choice_file = choice_file
         self.budget, self.mini_rows, self.epochs, self.remat = budget, mini_rows, epochs, remat
+        self.shares = shapes_lib.prompt_shares(prompt_lengths, prompts_per_step)
         self.shapes: micro_lib.ShapeSet | None = None
+        self.prompts: tuple[int, ...] | None = None
         self.choice: shapes_lib.Choice | None = None
         self.timings: list[Timing] = []
-        self._done: set[str] = set()
+        self._done: set[tuple] = set()
+
+    def prompt_len(self, longest: int) -> int:
+        """The prompt length a step whose longest prompt has `longest` tokens pads to: the largest bucket until the
+        first step has chosen the run's buckets, then the smallest of them that holds it."""
+        from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
+
+        if self.prompts is None:
+            return max(self.shares)
+        return shapes_lib.pad_prompt(bucket(longest, MIN_PROMPT_BUCKET), self.prompts)
 
     def _compile(self, lowers: list[Callable[[], Any]]) -> list[Timing]:
         """Lower and compile on the pool; the Timings with their executables (the record keeps them without)."""
@@ -129,33 +142,44 @@ class RunWarmup:
         self.timings += [dataclasses.replace(t, compiled=None) for t in timings]
         return timings
 
-    # ------------------------------------------------------------------------------------------- the set
-    def _candidates(self, micro: int, min_rows: int, prompt_len: int, resp_len: int):
-        return shapes_lib.candidates(micro, min_rows, prompt_len, resp_len)
-
-    def _saved(self, key: dict) -> micro_lib.ShapeSet | None:
-        """The set a previous launch of this run chose for the same sizes, if it left one."""
+    # ------------------------------------------------------------------------------------------- the choice
+    def _saved(self, key: dict, sets: dict) -> tuple[str, tuple[int, ...]] | None:
+        """(set name, prompt buckets) a previous launch of this run chose for the same sizes, if it left them."""
         if self.choice_file is None or not self.choice_file.is_file():
             return None
         try:
             saved = json.loads(self.choice_file.read_text())
         except (OSError, ValueError):
             return None
-        if saved.get("key") != key:
+        name, prompts = saved.get("name"), tuple(saved.get("prompts", ()))
+        if saved.get("key") != key or name not in sets or not prompts or not set(prompts) <= set(self.shares):
             return None
-        return micro_lib.ShapeSet(tuple((int(r), tuple(int(w) for w in ws)) for r, ws in saved["widths"]),
-                                  saved["name"])
+        return name, prompts
 
     def _choose(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, micro: int,
-                chunk: int, steps_left: int) -> micro_lib.ShapeSet:
-        """Measure the largest score (and reference) program, and choose the set of least estimated run time."""
+                chunk: int, steps_left: int) -> None:
+        """Measure the largest score (and reference) program and choose the shapes and prompt buckets of least
+        estimated run time (or take those a previous launch chose); every process takes process 0's."""
+        from g2rl_jax.rollout import prewarm
+
         seq_len, resp_len = batch.input_ids.shape[1], batch.response_mask.shape[1]
         prompt_len, min_rows = seq_len - resp_len, micro_lib.row_shards(batch.rewards)
-        key = {"micro": micro, "min_rows": min_rows, "prompt_len": prompt_len, "resp_len": resp_len}
-        sets = self._candidates(micro, min_rows, prompt_len, resp_len)
-        saved = self._saved(key)
-        if saved is not None:
-            return saved
+        key = {"micro": micro, "min_rows": min_rows, "resp_len": resp_len, "prompts": sorted(self.shares)}
+        sets = shapes_lib.candidates(micro, min_rows, prompt_len, resp_len)
+        names = list(sets)
+        saved = self._saved(key, sets) if jax.process_index() == 0 else None
+        index = -1 if saved is None else names.index(saved[0])
+        prompts = (0,) if saved is None else saved[1]
+        if jax.process_count() > 1:  # process 0 decides, so every process runs the same programs
+            from jax.experimental import multihost_utils
+
+            index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))
+            buckets = sorted(self.shares)
+            mask = multihost_utils.broadcast_one_to_all(np.array([b in prompts for b in buckets]))
+            prompts = tuple(b for b, m in zip(buckets, np.asarray(mask)) if m)
+        if index >= 0:
+            self.shapes, self.prompts = sets[names[index]], prompts
+            return
         rows_X = np.arange(micro, dtype=np.int32)
         mb = micro_lib.take_micro(batch, rows_X, width=resp_len, seq_len=seq_len, resp_len=resp_len)
         kinds = {"score": (train_step._score_micro, graphdef, params)}
@@ -166,35 +190,35 @@ class RunWarmup:
         compile_s, run_s = {}, {}
         for (kind, (fn, gd, p)), t in zip(kinds.items(), timings):
             compile_s[kind] = t.lower_s + t.compile_s
-            seconds = []
-            for _ in range(2):  # the second run is the one timed: the first may pay one-time costs
-                start = time.perf_counter()
-                jax.block_until_ready(fn(gd, p, mb, **static))
-                seconds.append(time.perf_counter() - start)
-            run_s[kind] = seconds[-1]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(gd, p, mb, **static))
+            run_s[kind] = time.perf_counter() - start
         prices = shapes_lib.Prices.from_score(compile_s, run_s, micro_lib.micro_cost(micro, seq_len), self.remat)
-        load = shapes_lib.step_load(sets, step_rows=batch.rewards.shape[0], mini_rows=self.mini_rows,
-                                    epochs=self.epochs, prompt_len=prompt_len, budget=self.budget)
-        choice = shapes_lib.choose(sets, load, prices, steps=steps_left, threads=max(self.threads, 1))
-        names = list(sets)
-        index = names.index(choice.shapes.name)
-        if jax.process_count() > 1:  # process 0's timings decide, so every process runs the same programs
+        loads = {s: shapes_lib.step_load(sets, step_rows=batch.rewards.shape[0], mini_rows=self.mini_rows,
+                                         epochs=self.epochs, prompt_len=s, budget=self.budget) for s in self.shares}
+        rollout = prewarm.COMPILED[-1] if prewarm.COMPILED else (0, 0.0)  # this step's rollout, the largest bucket
+        choice = shapes_lib.choose(sets, loads, self.shares, prices, rollout=rollout, steps=steps_left,
+                                   threads=max(self.threads, 1))
+        index, buckets = names.index(choice.shapes.name), sorted(self.shares)
+        mask = np.array([b in choice.prompts for b in buckets])
+        if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))
-        self.choice = dataclasses.replace(choice, shapes=sets[names[index]])
+            mask = np.asarray(multihost_utils.broadcast_one_to_all(mask))
+        self.shapes, self.prompts = sets[names[index]], tuple(b for b, m in zip(buckets, mask) if m)
+        self.choice = dataclasses.replace(choice, shapes=self.shapes, prompts=self.prompts)
         if jax.process_index() == 0:
-            chosen = self.choice.shapes
-            print(f"micro-batch shapes: {chosen.name}, {len(chosen.shapes)} shapes, chosen by the estimated time of "
-                  f"the {steps_left} steps left (measured: score program compiles in {compile_s['score']:.1f} s, "
-                  f"runs in {run_s['score']:.3f} s at {micro} x {seq_len}; {max(self.threads, 1)} compile threads):",
-                  file=sys.stderr, flush=True)
+            print(f"micro-batch shapes {self.shapes.name} ({len(self.shapes.shapes)} shapes), prompt buckets "
+                  f"{list(self.prompts)}: chosen by the estimated time of the {steps_left} steps left (measured: the "
+                  f"score program of {micro} x {seq_len} compiles in {compile_s['score']:.1f} s and runs in "
+                  f"{run_s['score']:.3f} s; a rollout compiles {rollout[0]} programs in {rollout[1]:.1f} s; "
+                  f"{max(self.threads, 1)} compile threads)", file=sys.stderr, flush=True)
             for line in self.choice.lines(steps_left):
                 print("  " + line, file=sys.stderr, flush=True)
             if self.choice_file is not None:
-                self.choice_file.write_text(json.dumps({"key": key, "name": chosen.name,
-                                                        "widths": [[r, list(ws)] for r, ws in chosen.widths]}) + "\n")
-        return self.choice.shapes
+                self.choice_file.write_text(json.dumps({"key": key, "name": self.shapes.name,
+                                                        "prompts": list(self.prompts)}) + "\n")
 
     # ------------------------------------------------------------------------------------------- the programs
     def _take(self, tree, batch: train_step.Batch, shapes: micro_lib.ShapeSet) -> dict:
@@ -210,25 +234,30 @@ class RunWarmup:
         return out
 
     def score(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, micro: int,
-              steps_left: int, chunk: int = train_step.g2rl.DEFAULT_CHUNK) -> micro_lib.ShapeSet:
-        """The run's set (chosen on the first call), with its score and reference programs compiled (reference:
-        (graphdef, params) of the KL reference, or None without the KL term)."""
+              steps_left: int, batch_like: Callable[[int], train_step.Batch],
+              chunk: int = train_step.g2rl.DEFAULT_CHUNK) -> micro_lib.ShapeSet:
+        """The run's set (chosen on the first call), with its score and reference programs compiled at every prompt
+        bucket (reference: (graphdef, params) of the KL reference, or None without the KL term; batch_like(S): a
+        batch placed like `batch` with prompts of S tokens)."""
         if self.shapes is None:
-            self.shapes = self._choose(graphdef, params, reference, batch, temperature=temperature, micro=micro,
-                                       chunk=chunk, steps_left=steps_left)
-        if "score" in self._done:
-            return self.shapes
-        self._done.add("score")
-        mbs = self._take(batch, batch, self.shapes)
+            self._choose(graphdef, params, reference, batch, temperature=temperature, micro=micro, chunk=chunk,
+                         steps_left=steps_left)
         static = dict(temperature=temperature, chunk=chunk)
         passes = [(train_step._score_micro, graphdef, params)]
         if reference is not None:
             passes.append((train_step._ref_micro, *reference))
-        jobs = [(key, fn, functools.partial(fn.lower, gd, p, mb, **static)) for key, mb in mbs.items()
-                for fn, gd, p in passes]
-        outs = [(key, t.compiled.out_info) for (key, _, _), t in zip(jobs, self._compile([j[2] for j in jobs]))
-                if t.error is None]
-        self._put(batch, outs)
+        own = batch.prompt_len
+        for prompt_len in self.prompts:
+            if ("score", prompt_len) in self._done:
+                continue
+            self._done.add(("score", prompt_len))
+            like = batch if prompt_len == own else batch_like(prompt_len)
+            mbs = self._take(like, like, self.shapes)
+            jobs = [(key, functools.partial(fn.lower, gd, p, mb, **static)) for key, mb in mbs.items()
+                    for fn, gd, p in passes]
+            outs = [(key, t.compiled.out_info) for (key, _), t in zip(jobs, self._compile([j[1] for j in jobs]))
+                    if t.error is None]
+            self._put(like, outs)
         return self.shapes
 
     def _put(self, batch: train_step.Batch, outs: list) -> None:
@@ -252,24 +281,28 @@ class RunWarmup:
             jobs = [(rows, part, _template(t.compiled.out_info)) for (rows, part, _), t in zip(jobs, timings)
                     if t.error is None]
 
-    def update(self, graphdef, params, minis: Sequence[train_step.MiniBatch], *, settings: train_step.LossSettings,
-               micro: int, opt_state=None, optimizer=None) -> None:
-        """The gradient program at every shape of the set (over mini-batches like minis[0]) and, with `optimizer`,
-        the optimizer step (train_step.apply_gradients) of `opt_state`; after `score` chose the set."""
-        if "update" in self._done or self.shapes is None:
+    def update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings,
+               mini_like: Callable[[int], train_step.MiniBatch], opt_state=None, optimizer=None) -> None:
+        """The gradient program at every shape of the set and every prompt bucket (over mini-batches like `mini`;
+        mini_like(S): one with prompts of S tokens) and, with `optimizer`, the optimizer step
+        (train_step.apply_gradients) of `opt_state`; after `score` chose the set."""
+        if self.shapes is None:
             return
-        self._done.add("update")
-        mini = minis[0]
-        mbs = self._take(mini, mini.batch, self.shapes)
-        total_tokens = jnp.sum(mini.batch.response_mask)  # as `accumulate_plan` computes it
-        rows = mini.batch.response_mask.shape[0]
         lowers, acc = [], None
-        for mb in mbs.values():
-            acc = acc or train_step.accumulator_spec(train_step.policy_loss, graphdef, params, (mb,), settings,
-                                                     mini.batch.rewards)  # the same for every shape
-            lowers.append(functools.partial(train_step.accumulate.lower, graphdef, params, acc, mb, total_tokens,
-                                            settings=settings, total_rows=rows))
-        if optimizer is not None and acc is not None:
+        for prompt_len in self.prompts:
+            if ("update", prompt_len) in self._done:
+                continue
+            self._done.add(("update", prompt_len))
+            like = mini if prompt_len == mini.batch.prompt_len else mini_like(prompt_len)
+            total_tokens = jnp.sum(like.batch.response_mask)  # as `accumulate_plan` computes it
+            rows = like.batch.response_mask.shape[0]
+            for mb in self._take(like, like.batch, self.shapes).values():
+                acc = acc or train_step.accumulator_spec(train_step.policy_loss, graphdef, params, (mb,), settings,
+                                                         like.batch.rewards)  # the same for every shape
+                lowers.append(functools.partial(train_step.accumulate.lower, graphdef, params, acc, mb, total_tokens,
+                                                settings=settings, total_rows=rows))
+        if optimizer is not None and acc is not None and ("apply",) not in self._done:
+            self._done.add(("apply",))
             lowers.append(functools.partial(train_step.apply_gradients.lower, params, opt_state, *acc,
                                             optimizer=optimizer))
         self._compile(lowers)
