@@ -15,4 +15,5 @@ BENCHMARKS = {
     "compile": "g2rl_jax.bench.compile",   # compile seconds of a step's programs, per program and per thread count
     "scan_decode": "g2rl_jax.bench.scan_decode",  # the decode segment's layers unrolled vs scanned: compile, memory
     "ladder": "g2rl_jax.bench.ladder",     # the KV capacity ladder's first capacity: segments vs decode roofline
+    "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
 }
