@@ -25,7 +25,7 @@ problems x 8 samples) on a random policy of the study's architecture and tokeniz
 training's wall and CPU seconds (its study_time.json) and the process's CPU seconds.
 
 rollout: `generate` on a long-tailed workload (bench rollout --long-tail's: a random Qwen3 of --hidden 256, 4
-layers, vocab 32,768, float32, 4 prompts x 8 samples, --budget new tokens, a stop set that ends a response with
+layers, --vocab 32,768, float32, 4 prompts x 8 samples, --budget new tokens, a stop set that ends a response with
 probability ~8 / budget per token), with run.compile_threads' default of this machine: one untimed call (seed 0: it
 compiles what it meets, or with the warm-up everything a call can reach), then --new-seeds calls with new seeds
 (new lengths, so new decode shapes, as between RL steps), timed with whatever they compile, then the same seeds
@@ -206,7 +206,7 @@ from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.rollout import generate
 from g2rl_jax.train.warmup import resolve_threads
 args = json.loads(sys.argv[1])
-cfg = Qwen3Config(vocab_size=32768, hidden_size=args["hidden"], intermediate_size=3 * args["hidden"],
+cfg = Qwen3Config(vocab_size=args["vocab"], hidden_size=args["hidden"], intermediate_size=3 * args["hidden"],
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                   tie_word_embeddings=True, max_position_embeddings=4096)
 model = Qwen3(cfg, RuntimeConfig(param_dtype="float32", compute_dtype="float32", kv_cache_dtype="float32"),
@@ -232,7 +232,7 @@ print(json.dumps(passes))
 
 
 def rollout(a) -> int:
-    payload = json.dumps({"hidden": a.hidden, "budget": a.budget, "seeds": a.new_seeds})
+    payload = json.dumps({"hidden": a.hidden, "vocab": a.vocab, "budget": a.budget, "seeds": a.new_seeds})
     print(f"generate, long-tailed, budget {a.budget}, {a.new_seeds} new seeds then the same again; "
           f"jax on {os.environ.get('JAX_PLATFORMS', 'cpu')}\n"
           "| code | new seeds: useful tokens/s | same seeds again: useful tokens/s | new / again |\n|---|---|---|---|",
@@ -325,6 +325,7 @@ def _args(argv):
     p.add_argument("--new-seeds", type=int, default=6, help="rollout: calls with new seeds")
     p.add_argument("--budget", type=int, default=1024, help="rollout: new tokens per response at most")
     p.add_argument("--hidden", type=int, default=256, help="rollout: the random model's hidden size")
+    p.add_argument("--vocab", type=int, default=32768, help="rollout: the random model's vocabulary")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p.parse_intermixed_args(argv)
 

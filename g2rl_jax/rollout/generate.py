@@ -44,8 +44,8 @@ class Rollout:
     finish_reasons[b]: "stop" (ended on a stop token) or "length" (reached max_new_tokens).
     Padded host arrays for the scoring pass, B = len(prompts) * num_samples; S is the bucketed prompt length (a
     power of two) and T the bucket of the LONGEST completion (`batching.new_tokens_bucket(decode_steps)`, at most
-    that of max_new_tokens), so downstream jitted passes see few distinct shapes and never run over response
-    slots that no sample reached (early in RL training, responses are often far shorter than the budget):
+    that of max_new_tokens; with `generate(..., pad_to=...)` that of max_new_tokens, so that every call of a run
+    has the same shapes):
       prompt_ids_BxS / prompt_mask_BxS: each sample's prompt, LEFT-padded with 0.
       completion_ids_BxT / completion_mask_BxT / logprobs_BxT: RIGHT-padded with 0.
       completion_lengths: int32 [B].

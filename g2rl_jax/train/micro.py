@@ -8,11 +8,13 @@ width would spend most of the work on padding when lengths are long-tailed. Inst
     ...  run the model on mb ([X_u, S + T_u]) ...
     out  = put_micro(out, rows, part_XxT_u)        # scatter its per-token results back into [B, T]
 
-T_u = width_bucket(longest response of micro-batch u), capped at T. Widths come from one fixed ladder (powers of
-two up to MIN_WIDTH, then four steps per octave); a micro-batch holds X_u = micro, micro/2, micro/4, ... rows,
-cut where it costs least (`micro_cost`: a long-tailed batch's few long rows go in small micro-batches instead of
-padding micro-1 shorter rows to the longest). So a run compiles the model passes for at most a few dozen widths
-times a few row counts, whatever its length distribution. Only how rows are cut into micro-batches changes: which
+Each micro-batch takes one shape (X_u rows, T_u response positions) of a ShapeSet: by default every row count
+micro, micro/2, micro/4, ... at every width of one ladder (powers of two up to MIN_WIDTH, then four steps per
+octave, capped at T); a run uses a smaller set chosen by its whole run's time (train/shapes.py). The rows, sorted
+by length, are cut into runs at the shapes of least total cost (`micro_cost`: a long-tailed batch's few long rows
+go in small micro-batches instead of padding micro-1 shorter rows to the longest), each at the narrowest width of
+its row count that holds its longest row. So a run compiles the model passes for the shapes of its set, whatever
+its length distribution. Only how rows are cut into micro-batches changes: which
 rows form a mini-batch is the caller's business. Cutting trailing response padding changes no real token's result:
 attention is causal and padding keys are masked, so results at positions < T_u are those of the full-width row
 (results at positions a micro-batch does not keep come back as 0).
