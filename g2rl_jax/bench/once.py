@@ -15,7 +15,8 @@ trainer: `python -m g2rl_jax.train` with the config and overrides, each with an 
 (run.compilation_cache_dir set to a new directory, as on a fresh VM) and a fresh run directory. A listener on
 jax.monitoring's backend-compile event (installed around the trainer's own `main`, so it needs nothing from the
 checkout) counts the programs each step compiled and the seconds the process spent compiling (overlapping compiles
-counted once), by the time each step's metrics line appeared. --random-model: model.path is a random Qwen3 of the
+counted once), by the time each step's metrics line appeared (step 1's count includes the set-up and the
+validation before training). --random-model: model.path is a random Qwen3 of the
 demo's architecture (with the demo tokenizer and 1,024 positions), whose responses are long-tailed up to the
 budget. Printed: per checkout the wall time, the programs and compile seconds in all and after step 1, the per-step
 counts, and the ratios.
@@ -123,17 +124,17 @@ def _trainer_once(checkout: Path, config: str, overrides: list[str], tmp: Path, 
     if code != 0 or not out.exists():
         raise SystemExit(f"bench once error: the trainer of {checkout} failed (exit {code}); see {tmp / name}.log")
     data = json.loads(out.read_text())
-    ends = [t for t, _ in data["lines"]]
-    per_step = [0] * len(ends)
+    lines = [(t, step) for t, step in data["lines"] if step >= 1]  # step 0: the validation before training
+    per_step = [0] * len(lines)
     after = []
     for t, seconds in data["events"]:
-        step = next((i for i, end in enumerate(ends) if t <= end), len(ends) - 1)
-        per_step[step] += 1
-        if step >= 1:
+        i = next((i for i, (end, _) in enumerate(lines) if t <= end), len(lines) - 1)
+        per_step[i] += 1
+        if i >= 1:
             after.append((t - seconds, t))
     return {"wall": data["wall"], "programs": len(data["events"]), "per_step": per_step,
             "compile_s": _union([(t - s, t) for t, s in data["events"]]), "after_programs": sum(per_step[1:]),
-            "after_s": _union(after), "steps": len(ends)}
+            "after_s": _union(after), "steps": len(lines)}
 
 
 def trainer(a) -> int:
