@@ -184,3 +184,24 @@ def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_b
             other = generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **{**KW, "seed": 5})
         assert list(other.completion_lengths) != list(r.completion_lengths)
         assert sum(again.by.values()) == 0, again.by
+
+
+def test_prewarm_without_a_mesh_matches_uncommitted_arrays(model, first_capacity_16):
+    """A model built without a mesh holds uncommitted arrays, which jit lowers without a sharding: the warm-up's
+    programs are lowered so too, and a rollout with other lengths compiles nothing."""
+    from test_warmup import Compiles
+
+    graphdef, state = nnx.split(model)
+    loose = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state))  # uncommitted arrays
+    assert not any(x.committed for x in jax.tree.leaves(nnx.split(loose)[1]))
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prewarm, "WARMED", set())
+        mp.setattr(prewarm, "_ROWS", {})
+        with Compiles() as first:
+            r = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **KW)
+        with Compiles() as again:
+            other = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **{**KW, "seed": 7})
+    loop = ("_segment", "_regroup", "_live_rows", "_gather_rows")
+    assert len(set(r.segments)) >= 3 and all(first.by[fn, False] == 0 for fn in loop), (r.segments, first.by)
+    assert len(set(other.segments)) >= 3 and sum(again.by.values()) == 0, (other.segments, again.by)

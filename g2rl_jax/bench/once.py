@@ -88,6 +88,8 @@ Path(out).write_text(json.dumps({"wall": time.perf_counter() - t0, "events": eve
 
 
 def _env(checkout: Path) -> dict:
+    """The environment of a process that runs `checkout`'s code (it also starts in that directory: `python -c` and
+    `-m` put the working directory ahead of PYTHONPATH)."""
     return dict(os.environ, PYTHONPATH=str(checkout), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
 
 
@@ -120,7 +122,7 @@ def _trainer_once(checkout: Path, config: str, overrides: list[str], tmp: Path, 
     cmd = [sys.executable, "-c", HARNESS, str(out), "--config", config, *overrides, f"run.output_dir={run_dir}",
            f"run.compilation_cache_dir={cache}", "run.loggers=jsonl"]
     with (tmp / f"{name}.log").open("w") as log:
-        code = subprocess.call(cmd, cwd=ROOT, env=_env(checkout), stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call(cmd, cwd=checkout, env=_env(checkout), stdout=log, stderr=subprocess.STDOUT)
     if code != 0 or not out.exists():
         raise SystemExit(f"bench once error: the trainer of {checkout} failed (exit {code}); see {tmp / name}.log")
     data = json.loads(out.read_text())
@@ -184,7 +186,7 @@ def study(a) -> int:
                    "run.loggers=jsonl", f"run.compilation_cache_dir={tmp / (name + '_cache')}"]
             cpu, start = _cpu_children(), time.perf_counter()
             with (tmp / f"{name}.log").open("w") as log:
-                code = subprocess.call(cmd, cwd=ROOT, env=_env(checkout), stdout=log, stderr=subprocess.STDOUT)
+                code = subprocess.call(cmd, cwd=checkout, env=_env(checkout), stdout=log, stderr=subprocess.STDOUT)
             if code != 0:
                 raise SystemExit(f"bench once error: the study of {checkout} failed (exit {code}); see "
                                  f"{tmp / name}.log")
@@ -239,7 +241,7 @@ def rollout(a) -> int:
           "| code | new seeds: useful tokens/s | same seeds again: useful tokens/s | new / again |\n|---|---|---|---|",
           flush=True)
     for name, checkout in (("before", Path(a.before)), ("after", ROOT)):
-        out = subprocess.run([sys.executable, "-c", ROLLOUT, payload], cwd=ROOT, env=_env(checkout),
+        out = subprocess.run([sys.executable, "-c", ROLLOUT, payload], cwd=checkout, env=_env(checkout),
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"bench once error: the rollout of {checkout} failed:\n{out.stderr[-2000:]}")
@@ -298,7 +300,7 @@ def bill(a) -> int:
     seconds = {r.program.kind: (r.seconds, r.lower_seconds) for r in results if r.error is None}
     payload = json.dumps({"config": a.config, "overrides": a.overrides, "preset": a.preset, "target": a.target,
                           "seconds": seconds, "threads": after.threads, "steps": after.steps})
-    out = subprocess.run([sys.executable, "-c", BEFORE_BILL, payload], cwd=ROOT, env=_env(Path(a.before)),
+    out = subprocess.run([sys.executable, "-c", BEFORE_BILL, payload], cwd=Path(a.before), env=_env(Path(a.before)),
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"bench once error: the older checkout's estimate failed:\n{out.stderr[-2000:]}")

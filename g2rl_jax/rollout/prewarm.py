@@ -31,12 +31,15 @@ COMPILED: list[tuple[int, float]] = []  # per call that compiled anything: (prog
 
 
 def _like(x, shape) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+    """An argument of `shape` placed as x: with x's sharding when x is committed to it; an uncommitted array (a
+    model built without a mesh) lowers without one, as jit then treats it."""
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding if getattr(x, "committed", True) else None)
 
 
-def _template(x) -> jax.ShapeDtypeStruct:
-    """A compiled output as an argument: shape, dtype and sharding (no layout)."""
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+def _template(x, committed: bool) -> jax.ShapeDtypeStruct:
+    """A compiled output as an argument: shape, dtype and, when the program's inputs were committed (so are its
+    outputs), sharding (no layout)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
 
 
 def segment_args(prefix: PrefixCache, suffix: SuffixCache, ds, rows: int, capacity: int):
@@ -88,8 +91,9 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
         if key not in _ROWS:
             moves[key] = functools.partial(live_rows.lower, *args, **static)
     timings = compile_all(list(moves.values()), threads) if moves else []
-    _ROWS.update({key: tuple(_template(x) for x in t.compiled.out_info[3:]) for key, t in zip(moves, timings)
-                  if t.error is None})
+    committed = getattr(ds.last_X, "committed", True)
+    _ROWS.update({key: tuple(_template(x, committed) for x in t.compiled.out_info[3:])
+                  for key, t in zip(moves, timings) if t.error is None})
     picked = {}
     for rows, half in halvings:
         args = (_like(ds.last_X, (rows,)), _like(ds.sample_X, (rows,)), _like(ds.stopped_X, (rows,)))
