@@ -56,10 +56,11 @@ class RunConfig:
                                     "JAX's persistent compilation cache: a relaunch (a resume after a preemption) "
                                     "reads the compiled programs back instead of compiling them again; several hosts "
                                     "need a directory they share, e.g. gs://BUCKET/DIR; \"\" = off")
-    compile_threads: int = _f(0, "compile this many programs at a time before a step runs them: every reachable "
-                              "decode segment after the first prefill (rollout/prewarm.py, when they fit in 4 rounds), "
-                              "each step's new score, reference and update programs (train/warmup.py); results "
-                              "unchanged; 0 = one per CPU core up to 32, 1 = each when first called")
+    compile_threads: int = _f(0, "compile this many programs at a time: the run compiles every program its steps can "
+                              "meet at its first step (rollout/prewarm.py: the decode segments and cache moves; "
+                              "train/warmup.py: the score, reference and update programs of its micro-batch shapes "
+                              "and prompt buckets) and none after; results unchanged; 0 = one per CPU core up to 32, "
+                              "1 = one at a time")
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
                                   "where step metrics go: jsonl (always; summaries, plots and resume read it), "
                                   "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")
@@ -71,7 +72,7 @@ class RunConfig:
             _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
         _check(self.compile_threads >= 0, "run.compile_threads",
-               f"must be >= 0 (0 = one per CPU core, 1 = no warm-up), got {self.compile_threads}")
+               f"must be >= 0 (0 = one per CPU core, 1 = one at a time), got {self.compile_threads}")
         _check_seed(self.seed, "run.seed")
         unknown = [name for name in self.loggers if name not in LOGGERS]
         _check(not unknown, "run.loggers", f"unknown logger(s) {unknown}; choose from {', '.join(LOGGERS)}")

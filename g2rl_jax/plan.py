@@ -1,7 +1,9 @@
 """Memory planner: `python -m g2rl_jax.plan --config FILE [--devices N | --target SLICE [--compile]] [key=value ...]`.
 
 With `--target v5p-8` (a gcloud accelerator type) the plan is for that slice's chips; adding `--compile` also
-compiles every program of a step for it without the hardware and ends in one verdict (g2rl_jax/aot). The exit
+compiles every program of a step for it without the hardware, reports the whole run's compile bill (the programs of
+the bounded set a run compiles at its first step, their seconds and their share of the estimated run time,
+g2rl_jax/aot/bill.py) and ends in one verdict (g2rl_jax/aot). The exit
 status is 0 when it fits, 1 when it does not, 2 on bad input.
 
 Analytic per-device bytes of a training run, from the config alone (nothing is allocated):

@@ -43,6 +43,17 @@ def test_storage_benchmark_runs_on_the_emulator(gcs, capsys):
         assert needle in out, out[-2000:]
 
 
+def test_once_rollout_runs_both_checkouts(capsys):
+    """`bench once` at its cheapest: the rollout mode, this checkout against itself, one new seed."""
+    from g2rl_jax.bench.once import ROOT
+
+    argv = ["once", "rollout", "--before", str(ROOT), "--new-seeds", "1", "--budget", "16", "--hidden", "64",
+            "--vocab", "512"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| before |" in out and "| after |" in out and "new / again" in out, out
+
+
 def test_unknown_benchmark_lists_the_known_ones(capsys):
     assert main(["nope"]) == 2
     assert "choose one of" in capsys.readouterr().err

@@ -157,10 +157,12 @@ def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
     assert calls, "budget 24 should compact"
 
 
-def test_prewarm_compiles_every_reachable_segment_in_the_pool(model_dir, long_budget, first_capacity_16):
+def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_budget, first_capacity_16):
     """compile_threads=2 on the sharded mesh (4 row shards, budget 24: capacities 16 and 32 x buckets 32, 16, 8, 4):
-    every reachable segment compiles on the pool's threads, the decode loop compiles none, the samples are the
-    same; a second rollout compiles no segment at all."""
+    every decode segment and every move between them (4 growths, 3 halvings at each of the 2 capacities, 3 prefix
+    gathers with their masks and lengths, 3 live-row cuts) compiles on the pool's threads, the decode loop compiles
+    none, the samples are the same; a second rollout, whose lengths differ, compiles nothing at all. Two of the
+    prefix gathers are the very programs of a halving at 16 slots (prompts of 16 tokens): 11 moves, not 13."""
     from test_warmup import Compiles
 
     big, _ = long_budget
@@ -169,13 +171,37 @@ def test_prewarm_compiles_every_reachable_segment_in_the_pool(model_dir, long_bu
     jax.clear_caches()
     with pytest.MonkeyPatch.context() as mp, jax.set_mesh(mesh):
         mp.setattr(prewarm, "WARMED", set())
+        mp.setattr(prewarm, "_ROWS", {})
         with Compiles() as compiles:
             r = generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **KW)
-        reachable = len(engine.capacity_ladder(32)) * len(engine.batch_buckets(32, 4, 24))
-        assert reachable == 8 and len(prewarm.WARMED) == reachable
-        assert compiles.by[("_segment", True)] == reachable and compiles.by[("_segment", False)] == 0, compiles.by
+        assert len(engine.capacity_ladder(32)) * len(engine.batch_buckets(32, 4, 24)) == 8
+        in_pool = {fn: compiles.by[fn, True] for fn in ("_segment", "_regroup", "_live_rows", "_gather_rows")}
+        assert in_pool == {"_segment": 8, "_regroup": 4 + 3 * 2 + 3 - 2, "_live_rows": 3, "_gather_rows": 6}, in_pool
+        assert all(compiles.by[fn, False] == 0 for fn in in_pool), compiles.by  # the decode loop compiled none
         assert len(set(r.segments)) >= 3, r.segments  # the loop met several of them
         assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
         with Compiles() as again:
-            generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **{**KW, "seed": 5})
-        assert again.by[("_segment", True)] == again.by[("_segment", False)] == 0, again.by
+            other = generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **{**KW, "seed": 5})
+        assert list(other.completion_lengths) != list(r.completion_lengths)
+        assert sum(again.by.values()) == 0, again.by
+
+
+def test_prewarm_without_a_mesh_matches_uncommitted_arrays(model, first_capacity_16):
+    """A model built without a mesh holds uncommitted arrays, which jit lowers without a sharding: the warm-up's
+    programs are lowered so too, and a rollout with other lengths compiles nothing."""
+    from test_warmup import Compiles
+
+    graphdef, state = nnx.split(model)
+    loose = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state))  # uncommitted arrays
+    assert not any(x.committed for x in jax.tree.leaves(nnx.split(loose)[1]))
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prewarm, "WARMED", set())
+        mp.setattr(prewarm, "_ROWS", {})
+        with Compiles() as first:
+            r = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **KW)
+        with Compiles() as again:
+            other = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **{**KW, "seed": 7})
+    loop = ("_segment", "_regroup", "_live_rows", "_gather_rows")
+    assert len(set(r.segments)) >= 3 and all(first.by[fn, False] == 0 for fn in loop), (r.segments, first.by)
+    assert len(set(other.segments)) >= 3 and sum(again.by.values()) == 0, (other.segments, again.by)

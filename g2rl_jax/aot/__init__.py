@@ -7,6 +7,8 @@
     programs.py  the programs of one step (rollout, score, reference, gradient, optimizer, advantages, embedder),
                  lowered from the project's own jitted functions over abstract sharded inputs
     report.py    compile each one, per-chip bytes from the compiler, the table, planner vs compiler
+    bill.py      the whole run's compile bill: the bounded set a run compiles at its first step, its seconds, and
+                 their share of the estimated run time
     check.py     the whole check and its one-line verdict (fits, or what to change)
 
 Extending to another platform: write a module that builds `Target`s for its names and registers a parser with

@@ -14,7 +14,7 @@ import sys
 import time
 
 from g2rl_jax import parallel
-from g2rl_jax.aot import first_step
+from g2rl_jax.aot import bill as bill_lib
 from g2rl_jax.aot import programs as programs_lib
 from g2rl_jax.aot import report as report_lib
 from g2rl_jax.aot.targets import GiB, Target, tpu_name, tpu_target
@@ -140,7 +140,7 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
              *report_lib.planner_rows(plan(cfg, model, target.chips, target.platform), results), "",
              f"total compile time: {total:.1f} s for {len(progs)} programs on {threads} thread(s), {cpu:.1f} s of CPU "
              f"(rollout {sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s)",
-             *first_step.report_lines(cfg, shapes, results, scope),
+             *bill_lib.bill(cfg, model, shapes, results, target, bill_lib.prompt_lengths(cfg)).lines(),
              f"step time, an ESTIMATE from the FLOP model (every response at the budget): score, reference and "
              f"update {passes_s:.1f} s at {report_lib.ESTIMATE_MFU:.0%} MFU of {target.peak_tflops:.0f} TFLOP/s per "
              f"chip; decode at least {decode_s:.1f} s at {target.hbm_gbps:.0f} GB/s HBM bandwidth",

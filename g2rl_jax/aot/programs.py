@@ -12,7 +12,9 @@ largest prompt bucket, every response reaching the budget. What a step compiles:
     rollout               prefill; the first token; the decode weights; a decode segment for each KV capacity of the
                           ladder (engine.capacity_ladder) at the full batch and at each smaller batch bucket that a
                           compaction can reach; growing the cache one layer at a time
-    score / reference     one program per (micro-batch rows, response width) the length grouping can reach
+    score / reference     one program per (micro-batch rows, response width) of the finest candidate set of
+                          train/shapes.py (every row count x the 4-per-octave width ladder), which holds every
+                          shape any run of the config can take
     update                the gradient of a micro-batch at the same shapes; the optimizer step
     advantages            novelty, shaping and group advantages (one program); the EVOL embedder when configured
 
@@ -60,17 +62,6 @@ class Program:
     phase: str  # one of PHASES
     lower: Callable[[], Any] = dataclasses.field(repr=False)  # () -> jax.stages.Lowered
     resident: int = 0  # per-chip bytes of run state alive beside it, not among its arguments
-
-
-def response_widths(new_tokens: int) -> tuple[int, ...]:
-    """Every response width a micro-batch can have: the ladder of micro.width_bucket, capped at `new_tokens`."""
-    widths, n = [], 1
-    while True:
-        w = min(micro_lib.width_bucket(n), new_tokens)
-        widths.append(w)
-        if w >= new_tokens:
-            return tuple(widths)
-        n = w + 1
 
 
 def per_chip_bytes(tree) -> int:
@@ -174,7 +165,7 @@ def step_shapes(cfg: Config, mesh) -> StepShapes:
                       new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
                       capacities=engine.capacity_ladder(t), buckets=engine.batch_buckets(prompts * m, shards, t),
                       micro_rows=micro_lib.row_counts(cfg.algorithm.micro_batch_size, shards),
-                      widths=response_widths(t))
+                      widths=micro_lib.width_ladder(t))
 
 
 def step_programs(cfg: Config, model: Qwen3Config, mesh, scope: str = "all",

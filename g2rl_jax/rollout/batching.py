@@ -84,11 +84,13 @@ def validate(prompts, *, max_new_tokens, temperature, top_p, top_k, num_samples,
     return out
 
 
-def buckets_for(prompts: list[list[int]], max_new_tokens: int, prompt_multiple: int) -> Buckets:
-    """Bucketed sizes; the prompt count is also a multiple of `prompt_multiple` (the batch shard count)."""
-    num = bucket(len(prompts), 1)
+def buckets_for(prompts: list[list[int]], max_new_tokens: int, prompt_multiple: int,
+                pad_to: tuple[int, int] = (0, 0)) -> Buckets:
+    """Bucketed sizes, at least those of pad_to = (prompts, prompt length); the prompt count is also a multiple of
+    `prompt_multiple` (the batch shard count)."""
+    num = bucket(max(len(prompts), pad_to[0]), 1)
     num = -(-num // prompt_multiple) * prompt_multiple
-    return Buckets(num_prompts=num, prompt_len=bucket(max(map(len, prompts)), MIN_PROMPT_BUCKET),
+    return Buckets(num_prompts=num, prompt_len=bucket(max(*map(len, prompts), pad_to[1]), MIN_PROMPT_BUCKET),
                    new_tokens=new_tokens_bucket(max_new_tokens))
 
 

@@ -7,9 +7,11 @@ compact the batch between them, so a step costs the slots filled and the samples
            rows = live_rows(state, new_batch); per layer: regroup(...) # compact and/or grow the cache
 
 A segment ends when the cache is full (t_end), when every sample has stopped, or as soon as at most `min_live`
-samples still run (then a smaller batch bucket holds them; only while more than COMPACT_MIN_STEPS steps remain).
-Between segments the host (`generate.py`) picks the next capacity (a doubling ladder, `capacity_ladder`) and
-batch bucket (`batch_bucket`), and each layer's K/V buffers move to their new shape one layer at a time (the old
+samples still run (half the rows: then the batch bucket of half the rows holds them; only while more than
+COMPACT_MIN_STEPS steps remain). Between segments the host (`generate.py`) picks the next capacity (a doubling
+ladder, `capacity_ladder`) and batch bucket (half the rows when it compacts; a segment that starts with at most a
+quarter still running ends at once, and the batch halves again), and each layer's K/V buffers move to their new
+shape one layer at a time (the old
 buffers are donated), so a regroup never holds a second copy of the whole cache. Compaction gathers the live rows
 first (stable order); the first compaction also gives each row its own copy of its prompt's prefix (P = rows,
 m = 1), so rows of different prompts can share a batch.
@@ -19,9 +21,10 @@ fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the dra
 bucket, the compaction, the cache capacity, the budget or the sharding. Stopped rows keep being fed (static batch)
 but record nothing; dummy rows (bucket padding) start stopped.
 
-Compiles: one executable per shape (prompt bucket, batch bucket, capacity) and static sampler spec; the ladders
-are short (capacities double; batch buckets halve), so a training run compiles a bounded set. `TRACE_COUNTS`
-counts traces per function (tests read it).
+Compiles: one executable per shape (prompt bucket, batch bucket, capacity) and static sampler spec, and one per
+move between shapes (the batch halves, the cache doubles, or both); the ladders are short (capacities double;
+batch buckets halve), so a rollout has a bounded set, which rollout/prewarm.py compiles before the decode loop
+needs any of it. `TRACE_COUNTS` counts traces per function (tests read it).
 """
 from __future__ import annotations
 
@@ -109,10 +112,11 @@ def segment_bounds(rows: int, t: int, level: int, ladder: tuple[int, ...], max_n
 def next_shape(rows: int, t: int, live: int, min_live: int, level: int, ladder: tuple[int, ...],
                max_new_tokens: int, shards: int) -> tuple[int, int] | None:
     """After a segment stopped at step t with `live` samples running: None when the decode is done, else the
-    (rows, level) of the next segment (fewer rows when it compacts, the next capacity when the cache is full)."""
+    (rows, level) of the next segment (the next smaller batch bucket when it compacts, whatever number still
+    runs: it holds half the rows; the next capacity when the cache is full)."""
     if live == 0 or t >= max_new_tokens:
         return None
-    return (batch_bucket(live, shards) if live <= min_live else rows), level + (t > ladder[level])
+    return (batch_bucket(rows // 2, shards) if live <= min_live else rows), level + (t > ladder[level])
 
 
 def decode_schedule(lengths_B, rows: int, max_new_tokens: int, shards: int) -> list[tuple[int, int]]:
@@ -210,17 +214,19 @@ def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, 
     return ds, suffix, t, jnp.sum(~ds.stopped_X)
 
 
-def _live_rows(last_X, sample_X, stopped_X, *, rows: int):
-    """The per-row state cut to `rows` rows, live rows first (in their current order), and the old row of each."""
+def _live_rows(last_X, sample_X, stopped_X, *, rows: int, per_prefix: int):
+    """The per-row state cut to `rows` rows, live rows first (in their current order), the old row of each, and
+    the prefix row each reads (old row // per_prefix: the rows that share one prompt's prefix)."""
     TRACE_COUNTS["live_rows"] += 1
     keep_X = jnp.argsort(stopped_X, stable=True)[:rows].astype(jnp.int32)
-    return last_X[keep_X], sample_X[keep_X], stopped_X[keep_X], keep_X
+    return last_X[keep_X], sample_X[keep_X], stopped_X[keep_X], keep_X, keep_X // per_prefix
 
 
-def compact(mesh, ds: DecodeState, rows: int) -> tuple[DecodeState, jax.Array]:
-    """`ds` with its live rows first in a batch of `rows`, and the old row of each new one."""
-    last_X, sample_X, stopped_X, keep_X = live_rows_fn(mesh)(ds.last_X, ds.sample_X, ds.stopped_X, rows=rows)
-    return dataclasses.replace(ds, last_X=last_X, sample_X=sample_X, stopped_X=stopped_X), keep_X
+def compact(mesh, ds: DecodeState, rows: int, per_prefix: int) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """`ds` with its live rows first in a batch of `rows`, the old row of each new one, and its prefix row."""
+    last_X, sample_X, stopped_X, keep_X, prefix_X = live_rows_fn(mesh)(ds.last_X, ds.sample_X, ds.stopped_X,
+                                                                       rows=rows, per_prefix=per_prefix)
+    return dataclasses.replace(ds, last_X=last_X, sample_X=sample_X, stopped_X=stopped_X), keep_X, prefix_X
 
 
 def _regroup(k_XxGxWxK, v_XxGxWxK, rows_X, *, capacity: int):
@@ -299,11 +305,11 @@ def segment_fn(mesh, num_kv_heads: int, num_layers: int):
 
 @functools.lru_cache(maxsize=None)
 def live_rows_fn(mesh):
+    static = ("rows", "per_prefix")
     if mesh is None:
-        return jax.jit(_live_rows, static_argnames=("rows",))
-    b1 = batch_sharding(mesh, 1)
-    return jax.jit(_live_rows, static_argnames=("rows",),
-                   out_shardings=(b1, b1, b1, NamedSharding(mesh, PartitionSpec())))
+        return jax.jit(_live_rows, static_argnames=static)
+    b1, replicated = batch_sharding(mesh, 1), NamedSharding(mesh, PartitionSpec())
+    return jax.jit(_live_rows, static_argnames=static, out_shardings=(b1, b1, b1, replicated, replicated))
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,8 +44,8 @@ class Rollout:
     finish_reasons[b]: "stop" (ended on a stop token) or "length" (reached max_new_tokens).
     Padded host arrays for the scoring pass, B = len(prompts) * num_samples; S is the bucketed prompt length (a
     power of two) and T the bucket of the LONGEST completion (`batching.new_tokens_bucket(decode_steps)`, at most
-    that of max_new_tokens), so downstream jitted passes see few distinct shapes and never run over response
-    slots that no sample reached (early in RL training, responses are often far shorter than the budget):
+    that of max_new_tokens; with `generate(..., pad_to=...)` that of max_new_tokens, so that every call of a run
+    has the same shapes):
       prompt_ids_BxS / prompt_mask_BxS: each sample's prompt, LEFT-padded with 0.
       completion_ids_BxT / completion_mask_BxT / logprobs_BxT: RIGHT-padded with 0.
       completion_lengths: int32 [B].
@@ -82,13 +82,16 @@ def _active_mesh(mesh):
 
 
 def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_samples=1,
-             stop_token_ids=(), seed=0, mesh=None, compile_threads: int = 1) -> Rollout:
+             stop_token_ids=(), seed=0, mesh=None, compile_threads: int = 0,
+             pad_to: tuple[int, int] | None = None) -> Rollout:
     """Sample `num_samples` completions of each prompt (a list of token-id lists); see `Rollout`.
 
     temperature 0 is greedy; top_k 0 and top_p 1 are off. Raises ValueError on bad input (empty prompt,
     prompt + max_new_tokens beyond max_position_embeddings, max_new_tokens <= 0, top_p outside (0, 1],
-    negative temperature, ...). compile_threads > 1 compiles every decode segment the rollout can reach first,
-    that many at a time, when they fit in a few rounds (rollout/prewarm.py; the samples are the same).
+    negative temperature, ...). compile_threads >= 1: before decoding, compile every program the decode loop can
+    reach (rollout/prewarm.py), that many at a time (0: each when the loop first meets it); the samples are the same.
+    pad_to=(P, S): at least P prompts (over all processes) of S tokens, and responses at the budget's full width
+    (`batching.new_tokens_bucket(max_new_tokens)`), so that every call of a run has the same shapes.
     """
     cfg = model.config
     prompts = batching.validate(
@@ -97,7 +100,7 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
         max_positions=cfg.max_position_embeddings)
     mesh = _active_mesh(mesh)
     prompts = _global_prompts(prompts, mesh)
-    sizes = batching.buckets_for(prompts, max_new_tokens, engine.batch_shards(mesh))
+    sizes = batching.buckets_for(prompts, max_new_tokens, engine.batch_shards(mesh), pad_to or (0, 0))
     ids_PxS, mask_PxS = batching.left_pad(prompts, sizes.num_prompts, sizes.prompt_len)
     spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
     # Inside the (Auto-axes) mesh's context: an Explicit mesh set by the caller would clash with it.
@@ -109,7 +112,7 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     outs, decode_steps, segments = outs  # decode_steps: the longest completion over the global batch (every process)
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
-    width = min(batching.new_tokens_bucket(decode_steps), sizes.new_tokens)  # decode_steps >= 1: token 0 is drawn
+    width = sizes.new_tokens if pad_to else min(batching.new_tokens_bucket(decode_steps), sizes.new_tokens)
     tokens_BxT, logprobs_BxT = (parallel.gather(x)[rows, :width] for x in outs[:2])
     lengths_B = parallel.gather(outs[2])[rows]
     last_B = tokens_BxT[np.arange(len(lengths_B)), lengths_B - 1]
@@ -118,6 +121,22 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     rollout = _assemble(num_samples, ids_PxS[sample_prompt_B], mask_PxS[sample_prompt_B], tokens_BxT, logprobs_BxT,
                         lengths_B, stopped_B, decode_steps)
     return dataclasses.replace(rollout, segments=tuple(segments))
+
+
+def warm(model, *, num_prompts: int, prompt_len: int, max_new_tokens: int, temperature=1.0, top_p=1.0, top_k=0,
+         num_samples=1, stop_token_ids=(), mesh=None, compile_threads: int = 1) -> None:
+    """Compile what `generate(..., pad_to=(num_prompts, prompt_len))` with these settings runs (its prefill, first
+    token and decode weights, run once on dummy prompts, and every program its decode loop can reach), without
+    decoding anything: a run warms up a rollout it will only make later (validation, after a resume)."""
+    cfg = model.config
+    mesh = _active_mesh(mesh)
+    sizes = batching.buckets_for([[0]], max_new_tokens, engine.batch_shards(mesh), (num_prompts, prompt_len))
+    ids_PxS, mask_PxS = batching.left_pad([[0]] * sizes.num_prompts, sizes.num_prompts, sizes.prompt_len)
+    spec = spec_for(temperature, top_p, top_k, cfg.vocab_size)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=sizes.num_prompts,
+                   num_samples=num_samples, temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids,
+                   seed=0, max_new_tokens=max_new_tokens, compile_threads=compile_threads, warm_only=True)
 
 
 def _spans_processes(mesh) -> bool:
@@ -140,10 +159,11 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
 
 
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
-               temperature, top_p, stop_token_ids, seed, max_new_tokens, compile_threads):
-    """Place parameters and prompts on `mesh`, prefill once, decode segment by segment (see engine.py):
-    (tokens [B, T], log-probs [B, T], lengths [B]) as device arrays, the decode steps taken and the segments'
-    (rows, capacity)."""
+               temperature, top_p, stop_token_ids, seed, max_new_tokens, compile_threads, warm_only=False):
+    """Place parameters and prompts on `mesh`, prefill once, compile what the decode loop can reach
+    (rollout/prewarm.py), decode segment by segment (see engine.py): (tokens [B, T], log-probs [B, T], lengths [B])
+    as device arrays, the decode steps taken and the segments' (rows, capacity). warm_only: stop before the
+    decode loop (None)."""
     cfg = model.config
     G, L, shards = cfg.num_key_value_heads, cfg.num_hidden_layers, engine.batch_shards(mesh)
     graphdef, state = nnx.split(model)
@@ -159,9 +179,13 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
                                num_samples=num_samples, new_tokens=sizes.new_tokens, spec=spec)
     layers = engine.decode_layers_fn(mesh)(graphdef, state)
     segment = engine.segment_fn(mesh, G, L)
-    prewarm.segments(segment, (graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(1), jnp.int32(1),
-                               key, temp, top_p, stops), spec, ladder,
-                     engine.batch_buckets(ds.last_X.shape[0], shards, max_new_tokens), compile_threads)
+    if compile_threads >= 1:
+        prewarm.rollout(mesh, graphdef, state, layers, prefix, suffix, ds,
+                        (jnp.int32(1), jnp.int32(1), jnp.int32(1), key, temp, top_p, stops), spec, ladder,
+                        engine.batch_buckets(ds.last_X.shape[0], shards, max_new_tokens), num_samples,
+                        compile_threads)
+    if warm_only:
+        return None
     t, level, per_prefix, segments = 1, 0, num_samples, []
     while True:  # engine.decode_schedule predicts the (rows, capacity) of each segment from the lengths
         rows = ds.last_X.shape[0]
@@ -175,9 +199,9 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
         if step is None:
             return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t, segments
         keep_X = None
-        if step[0] < rows:  # compact: live rows into a smaller bucket, each with its own prompt prefix
-            ds, keep_X = engine.compact(mesh, ds, step[0])
-            prefix = _take_prefix_rows(mesh, G, prefix, keep_X // per_prefix)
+        if step[0] < rows:  # compact: live rows into half the rows, each with its own prompt prefix
+            ds, keep_X, prefix_X = engine.compact(mesh, ds, step[0], per_prefix)
+            prefix = _take_prefix_rows(mesh, G, prefix, prefix_X)
             per_prefix = 1
         level = step[1]  # the next capacity when the cache is full
         suffix = _regroup(engine.regroup_fn(mesh, G), suffix, keep_X, ladder[level])
@@ -191,10 +215,13 @@ def _take_prefix_rows(mesh, num_kv_heads, prefix: PrefixCache, rows_X) -> Prefix
 
 
 def _regroup(fn, suffix: SuffixCache, rows_X, capacity: int) -> SuffixCache:
-    if rows_X is None and capacity == suffix.capacity:
-        return suffix
-    k, v = _per_layer(fn, suffix.k, suffix.v, rows_X, capacity)
-    return SuffixCache(k=k, v=v)
+    """The suffix cache cut to rows `rows_X` (None: all) and grown to `capacity` slots: the cut first, then the
+    growth, each its own move, so that a rollout compiles one program per move, not per pair of them."""
+    if rows_X is not None:
+        suffix = SuffixCache(*_per_layer(fn, suffix.k, suffix.v, rows_X, suffix.capacity))
+    if capacity != suffix.capacity:
+        suffix = SuffixCache(*_per_layer(fn, suffix.k, suffix.v, None, capacity))
+    return suffix
 
 
 def _per_layer(fn, ks, vs, rows_X, capacity):

@@ -1,16 +1,19 @@
-"""Compile the decode segments a rollout can reach before its decode loop meets them, several at a time.
+"""Compile every program a rollout's decode loop can reach before the loop meets any of them, several at a time.
 
-    prewarm.segments(fn, (graphdef, state, layers, prefix, suffix, ds, *scalars), spec, ladder, buckets, threads)
+    prewarm.rollout(mesh, graphdef, state, layers, prefix, suffix, ds, scalars, spec, ladder, buckets,
+                    num_samples, threads)
 
-The decode loop compiles one segment program per (batch rows, cache capacity) the first time it meets it, one at a
-time: at 1.7B on v5p-8 about 15-25 s each, 12 of them in the first step of a long-tailed run (docs/tpu.md, "Time to
-first step"). Which ones a step meets depends on its response lengths, unknown until it has run, so this compiles
-every reachable one (each capacity of the ladder x each batch bucket) on `threads` threads right after the prefill,
-each lowered over abstract arguments with the shardings of the real ones: the sampler's later call with the same
-shapes, dtypes and shardings finds it compiled (tests/test_rollout_segments.py counts the compiles per thread).
-Lowering takes ~0.5 s a segment and holds the GIL; compiling releases it. Compiling all of them pays only with
-enough threads: it runs when they fit in about four rounds (len(shapes) <= 4 * threads), and each shape once per
-process. It changes when programs compile, nothing they compute.
+Which decode segments and cache moves a rollout runs depends on its response lengths, unknown until it has run; a
+loop that compiled each when it first met it would compile, one at a time, whatever a step's new lengths reach
+(at 1.7B on v5p-8 a segment takes 15-25 s to compile, and a long-tailed run kept meeting new ones for many steps).
+The set is bounded: a segment at each batch bucket x each capacity of the ladder, and the moves between them (the
+batch halves to the next bucket, the cache doubles to the next capacity; with each halving the live rows and their
+prompts' prefix rows are gathered). So this compiles all of it right after the first prefill, on
+`threads` threads, each program lowered over abstract arguments with the shardings of the real ones (taken from
+the prefill's arrays, or from the compiled program whose output feeds it): the decode loop's later call with the
+same shapes, dtypes and shardings finds it compiled (tests/test_rollout_segments.py counts the compiles). Each
+program once per process (`WARMED`). Lowering takes ~0.5 s a segment at 1.7B and holds the GIL; compiling releases
+it. It changes when programs compile, nothing they compute.
 """
 from __future__ import annotations
 
@@ -20,13 +23,23 @@ import functools
 import jax
 
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
+from g2rl_jax.rollout import engine
 
-ROUNDS = 4  # compile every reachable segment only when they take at most this many rounds of `threads`
-WARMED: set = set()  # signatures of the segment programs compiled here (in this process)
+WARMED: set = set()  # keys of the programs compiled here (in this process)
+_ROWS: dict[tuple, tuple] = {}  # live rows program key -> its compiled outputs' (old row, prefix row) templates
+COMPILED: list[tuple[int, float]] = []  # per call that compiled anything: (programs, their lower + compile seconds)
 
 
 def _like(x, shape) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+    """An argument of `shape` placed as x: with x's sharding when x is committed to it; an uncommitted array (a
+    model built without a mesh) lowers without one, as jit then treats it."""
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding if getattr(x, "committed", True) else None)
+
+
+def _template(x, committed: bool) -> jax.ShapeDtypeStruct:
+    """A compiled output as an argument: shape, dtype and, when the program's inputs were committed (so are its
+    outputs), sharding (no layout)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
 
 
 def segment_args(prefix: PrefixCache, suffix: SuffixCache, ds, rows: int, capacity: int):
@@ -44,26 +57,74 @@ def segment_args(prefix: PrefixCache, suffix: SuffixCache, ds, rows: int, capaci
     return prefix, SuffixCache(k=cache(suffix.k), v=cache(suffix.v)), ds
 
 
-def segments(fn, args: tuple, spec, ladder: tuple[int, ...], buckets: tuple[int, ...], threads: int) -> list:
-    """Compile `fn` (engine.segment_fn) at every (rows, capacity) of buckets x ladder not compiled yet, when there
-    are at most ROUNDS * threads of them; `args` are the first segment's (graphdef, state, layers, prefix, suffix,
-    ds, t, t_end, min_live, key, temperature, top_p, stops). Returns the train.warmup Timings."""
+def _key(name: str, *trees, static=()) -> tuple:
+    leaves = jax.tree.leaves(trees)
+    return (name, static, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
+
+
+def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, ds, scalars: tuple, spec,
+            ladder: tuple[int, ...], buckets: tuple[int, ...], num_samples: int, threads: int) -> list:
+    """Compile, on `threads` threads, every decode segment (buckets x ladder) and every move between them that the
+    decode loop of generate.py can reach and this process has not compiled yet; the arguments are the first
+    segment's (graphdef, state, layers, prefix, suffix, ds) and its scalars (t, t_end, min_live, key,
+    temperature, top_p, stops). Returns the train.warmup Timings."""
     from g2rl_jax.train.warmup import compile_all  # the trainer's compile pool
 
-    if threads <= 1:
-        return []
-    graphdef, state, layers, prefix, suffix, ds, *scalars = args
-    lowers = []
+    G, L = suffix.k[0].shape[1], len(suffix.k)
+    segment, regroup = engine.segment_fn(mesh, G, L), engine.regroup_fn(mesh, G)
+    live_rows = engine.live_rows_fn(mesh)
+    full, prompts = ds.tokens_BxT.shape[0], prefix.k[0].shape[0]
+    kv = lambda rows, slots: _like(suffix.k[0], (rows, G, slots, suffix.k[0].shape[3]))  # noqa: E731
+    halvings = list(zip(buckets, buckets[1:]))
+    jobs: dict[tuple, object] = {}
+
+    def add(key: tuple, lower) -> None:
+        if key not in WARMED and key not in jobs:
+            jobs[key] = lower
+
+    # the live rows of each compaction (their outputs are the gathers' row indices)
+    moves = {}
+    for rows, half in halvings:
+        args = (_like(ds.last_X, (rows,)), _like(ds.sample_X, (rows,)), _like(ds.stopped_X, (rows,)))
+        static = dict(rows=half, per_prefix=num_samples if rows == full else 1)
+        key = _key("live_rows", *args, static=tuple(static.items()))
+        if key not in _ROWS:
+            moves[key] = functools.partial(live_rows.lower, *args, **static)
+    timings = compile_all(list(moves.values()), threads) if moves else []
+    committed = getattr(ds.last_X, "committed", True)
+    _ROWS.update({key: tuple(_template(x, committed) for x in t.compiled.out_info[3:])
+                  for key, t in zip(moves, timings) if t.error is None})
+    picked = {}
+    for rows, half in halvings:
+        args = (_like(ds.last_X, (rows,)), _like(ds.sample_X, (rows,)), _like(ds.stopped_X, (rows,)))
+        key = _key("live_rows", *args, static=(("rows", half), ("per_prefix", num_samples if rows == full else 1)))
+        if key in _ROWS:
+            picked[rows] = _ROWS[key]
     for rows in buckets:
         for capacity in ladder:
             pre, suf, d = segment_args(prefix, suffix, ds, rows, capacity)
-            leaves = jax.tree.leaves((state, layers, pre, suf, d, *scalars))
-            key = (graphdef, spec, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
-            if key not in WARMED:
-                lowers.append((key, functools.partial(fn.lower, graphdef, state, layers, pre, suf, d, *scalars,
-                                                      spec=spec)))
-    if not lowers or len(lowers) > ROUNDS * threads:
-        return []
-    timings = compile_all([lower for _, lower in lowers], threads)
-    WARMED.update(key for (key, _), t in zip(lowers, timings) if t.error is None)
-    return timings
+            add(_key("segment", state, layers, pre, suf, d, *scalars, static=(graphdef, spec)),
+                functools.partial(segment.lower, graphdef, state, layers, pre, suf, d, *scalars, spec=spec))
+        for old, new in zip(ladder, ladder[1:]):  # the cache grows
+            add(_key("grow", kv(rows, old), static=new),
+                functools.partial(regroup.lower, kv(rows, old), kv(rows, old), None, capacity=new))
+    for rows in buckets[:-1]:
+        if rows not in picked:
+            continue
+        keep_X, prefix_X = picked[rows]
+        source = prompts if rows == full else rows  # the prompts' prefix, or one row per batch row
+        pk = _like(prefix.k[0], (source, *prefix.k[0].shape[1:]))
+        add(_key("prefix", pk, prefix_X), functools.partial(regroup.lower, pk, pk, prefix_X,
+                                                              capacity=prefix.k[0].shape[2]))
+        for x, ndim in ((prefix.mask, 2), (prefix.lengths, 1)):
+            src = _like(x, (source, *x.shape[1:]))
+            gather = engine.gather_rows_fn(mesh, ndim)
+            add(_key("gather", src, prefix_X), functools.partial(gather.lower, src, prefix_X))
+        for slots in ladder:  # the batch halves (a growth at the same time is a move of its own)
+            add(_key("compact", kv(rows, slots), keep_X, static=slots),
+                functools.partial(regroup.lower, kv(rows, slots), kv(rows, slots), keep_X, capacity=slots))
+    done = compile_all(list(jobs.values()), threads) if jobs else []
+    WARMED.update(key for key, t in zip(jobs, done) if t.error is None)
+    if timings or done:
+        COMPILED.append((len(timings) + len(done), sum(t.lower_s + t.compile_s for t in timings + done)))
+    return timings + done

@@ -21,7 +21,9 @@ metrics; checkpoints are Orbax multi-host (every process saves its shards and it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import sys
 import time
 from typing import Any
 
@@ -37,7 +39,8 @@ from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift
-from g2rl_jax.train import identity, report, warmup
+from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
+from g2rl_jax.train import compiles, identity, report, warmup
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
@@ -59,6 +62,7 @@ from g2rl_jax.train.setup import (
     load_model,
     on_mesh,
     preflight,
+    prompt_lengths,
     resolve_model_paths,
     runtime_config,
     shard_rows,
@@ -87,6 +91,7 @@ class Trainer(SamplingRounds):
 
     def __init__(self, cfg: Config):
         self.started = time.perf_counter()
+        self.clock = compiles.CompileClock()  # what the run compiles, step by step (train/compiles.py)
         preflight(cfg, model_dirs=False)
         self.run_dir = storage.path(cfg.run.output_dir, "run.output_dir")  # a local path or a URL
         self.lock = RunLock(self.run_dir) if jax.process_index() == 0 else None  # one holder per run directory
@@ -130,6 +135,10 @@ class Trainer(SamplingRounds):
                 raise ConfigError(f"reward.function: {err}") from None
         examples, dropped = usable_examples(cfg, self.tokenizer)
         self.eval_sets, eval_dropped = eval_examples(cfg, self.tokenizer)
+        # a few prompt shapes per run, whatever prompts a step draws (train/warmup.py: a run compiles once)
+        train_lengths = prompt_lengths([examples], self.tokenizer, cfg.data)
+        self.eval_prompt_len = bucket(int(max(prompt_lengths(self.eval_sets.values(), self.tokenizer, cfg.data),
+                                              default=1)), MIN_PROMPT_BUCKET)
         block, blocks = parallel.batch_block(self.mesh)
         if cfg.data.prompts_per_step % blocks:
             raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be a multiple of the {blocks} "
@@ -165,9 +174,14 @@ class Trainer(SamplingRounds):
         # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
         self.opt_state = train_step.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
-        self.warmup = warmup.StepWarmup(warmup.resolve_threads(cfg.run.compile_threads))
+        self.warmup = warmup.RunWarmup(warmup.resolve_threads(cfg.run.compile_threads),
+                                       choice_file=self.run_dir / warmup.CHOICE_FILE,
+                                       budget=cfg.rollout.max_new_tokens, mini_rows=cfg.algorithm.mini_batch_size,
+                                       epochs=cfg.algorithm.ppo_epochs, remat=cfg.model.remat != "none",
+                                       prompt_lengths=train_lengths, prompts_per_step=cfg.data.prompts_per_step)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
+        self._warmed_prompts: set[int] = set()  # prompt buckets whose rollout is compiled
         self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints,
                                  model=self.model_record)
         if jax.process_index() == 0:  # one writer when the hosts share run.output_dir; demo: paths kept as given
@@ -177,6 +191,7 @@ class Trainer(SamplingRounds):
 
     def close(self) -> None:
         """Release run.output_dir (run() does this when it ends); other trainers may then start on it."""
+        self.clock.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -225,12 +240,15 @@ class Trainer(SamplingRounds):
             batch = shard_rows(batch, self.mesh)
             in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
-            self.warmup.score(self.graphdef, self.params, self.ref_params, batch, temperature=temp, micro=micro)
-            scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro)
+            shapes = self.warmup.score(self.graphdef, self.params, self._reference() if algo.kl_coef > 0 else None,
+                                       batch, temperature=temp, micro=micro, steps_left=cfg.run.total_steps - step,
+                                       batch_like=functools.partial(self._batch_like, batch))
+            self.warm_prompt_buckets()
+            scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro, shapes=shapes)
         ref = None
         if algo.kl_coef > 0:
             with stage("reference", input_ids=batch.input_ids):
-                ref = train_step.ref_logprobs(*self._reference(), batch, temperature=temp, micro=micro)
+                ref = train_step.ref_logprobs(*self._reference(), batch, temperature=temp, micro=micro, shapes=shapes)
         embeddings = valid = None
         if "embeddings" in self.method.needs:
             with stage("embed", texts=texts):
@@ -246,7 +264,7 @@ class Trainer(SamplingRounds):
             info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B, sampler_logp,
                                 scores.entropy_BxT, step)
         t4 = time.perf_counter()
-        plan = micro_lib.plan_for(batch, micro)  # the plan score (and the reference pass) ran over
+        plan = micro_lib.plan_for(batch, micro, shapes=shapes)  # the plan score (and the reference pass) ran over
         passes = 1 + (ref is not None)
         info["positions"] += passes * plan.positions
         info["padding"] += passes * plan.padding
@@ -268,25 +286,30 @@ class Trainer(SamplingRounds):
             keep_B = keep_B & np.asarray(self.method.keep_rows(parallel.gather(batch.correct)))
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
         keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
-        batch = dataclasses.replace(batch, response_mask=batch.response_mask * keep_Bx1)
+        masked = lambda b: dataclasses.replace(b, response_mask=b.response_mask * keep_Bx1)  # noqa: E731
+        batch = masked(batch)
         terms = methods.TokenTerms()
         if self.method.tokens is not None:  # Clip-Cov, KL-Cov, forking tokens: decided once, before the update
             key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), step)
             terms = methods.token_terms(adv_B, old_logp, entropy, batch.response_mask, key, algo=algo,
                                         mini_batch_size=algo.mini_batch_size)
-        step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
-                                         sampler_logp, terms.weight, terms.abs_log_ratio)
-        infos, plans = [], []
         n, mb = adv_B.shape[0], algo.mini_batch_size
-        minis = [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
-        self.warmup.update(self.graphdef, self.params, minis, settings=self.settings, micro=algo.micro_batch_size,
-                           opt_state=self.opt_state, optimizer=self.optimizer)
+
+        def minis_of(batch: train_step.Batch) -> list[train_step.MiniBatch]:
+            step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
+                                             sampler_logp, terms.weight, terms.abs_log_ratio)
+            return [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
+
+        minis, infos, plans = minis_of(batch), [], []
+        self.warmup.update(self.graphdef, self.params, minis[0], settings=self.settings, opt_state=self.opt_state,
+                           optimizer=self.optimizer,
+                           mini_like=lambda s: minis_of(masked(self._batch_like(batch, s)))[0])
         for _ in range(algo.ppo_epochs):
             for rows in minis:
-                plans.append(micro_lib.plan_for(rows.batch, algo.micro_batch_size))
+                plans.append(micro_lib.plan_for(rows.batch, algo.micro_batch_size, shapes=self.warmup.shapes))
                 self.params, self.opt_state, info = train_step.update(
-                    self.graphdef, self.params, self.opt_state, rows,
-                    optimizer=self.optimizer, settings=self.settings, micro=algo.micro_batch_size)
+                    self.graphdef, self.params, self.opt_state, rows, optimizer=self.optimizer,
+                    settings=self.settings, micro=algo.micro_batch_size, shapes=self.warmup.shapes)
                 infos.append(info)
         infos = jax.device_get(infos)
         out = {k: float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "skipped"}
@@ -296,6 +319,16 @@ class Trainer(SamplingRounds):
         out["positions"] = sum(p.positions for p in plans)
         out["padding"] = sum(p.padding for p in plans)
         return out
+
+    def _batch_like(self, batch: train_step.Batch, prompt_len: int) -> train_step.Batch:
+        """A batch of zeros placed as `batch`, with prompts of `prompt_len` tokens (the warm-up's template for the
+        programs of another prompt bucket)."""
+        _, blocks = parallel.batch_block(self.mesh)
+        rows, t = batch.response_mask.shape[0] // blocks, batch.response_mask.shape[1]
+        zeros = lambda width: np.zeros((rows, width), np.int32)  # noqa: E731
+        like = train_step.build_batch(zeros(prompt_len), zeros(prompt_len) + 1, zeros(t), zeros(t),
+                                      np.zeros(rows, np.float32), np.zeros(rows, bool), batch.group_size)
+        return shard_rows(like, self.mesh)
 
     def _metrics(self, step, batch, scores, signal, info, times) -> dict[str, float]:
         """Reductions over the global arrays (every process gets the same numbers)."""
@@ -336,13 +369,17 @@ class Trainer(SamplingRounds):
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         if self.lock is not None:
             self.lock.acquire()
+        self.clock.open()
         writer = MetricsWriter(self.run_dir, start_step=self.step, loggers=cfg.loggers, config=to_dict(self.cfg))
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
         history, validation, mid_step = [], None, False
+        warm_step = self.step + 1  # the step that compiles the run's programs; later ones compile none
         try:
             with self.stop:
                 if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
                     writer.write(0, self.validate())
+                elif cfg.eval_every:  # a resumed run validates only later: compile its rollout now
+                    self.warm_validation()
                 while self.step < last and not self._stop_requested():
                     mid_step = True  # a second SIGTERM in here leaves a half-updated state: nothing is saved
                     result = self.step_stages(self.step)
@@ -354,6 +391,7 @@ class Trainer(SamplingRounds):
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
                         validation = self._validate_step(writer, metrics)
                         metrics.update(validation)
+                    metrics |= self._compiled(self.step > warm_step)
                     writer.write(self.step, metrics)
                     bar.update(self.step, metrics)
                     history.append(metrics)
@@ -370,12 +408,23 @@ class Trainer(SamplingRounds):
             self.close()
         if self.step == cfg.total_steps and history and not self.preempted:
             summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
-                                    steps=self.step, seconds=time.perf_counter() - self.started)
+                                    steps=self.step, seconds=time.perf_counter() - self.started,
+                                    compiled=(sum(h["programs_compiled"] for h in history),
+                                              sum(h["compile_seconds"] for h in history)))
             if summary is not None:
-                keys = ("accuracy_before", "accuracy_after", *report.SHARES, "steps", "seconds")
+                keys = ("accuracy_before", "accuracy_after", *report.SHARES, "steps", "seconds", *report.COMPILE)
                 print(json.dumps({k: summary[k] for k in keys}))
                 print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
         return history
+
+    def _compiled(self, after_warmup: bool) -> dict[str, float]:
+        """The step's compile_seconds and programs_compiled (train/compiles.py); a step after the warm-up that
+        compiled anything says so in one line."""
+        window = self.clock.take()
+        if after_warmup and window.programs and jax.process_index() == 0:
+            print(f"step {self.step} compiled {window.programs} program(s) after the warm-up step "
+                  f"({window.seconds:.1f} s): {'; '.join(window.names)}", file=sys.stderr, flush=True)
+        return {"compile_seconds": window.seconds, "programs_compiled": window.programs}
 
     def _validate_step(self, writer: MetricsWriter, metrics: dict[str, float]) -> dict[str, float]:
         """The validation of a finished step; if it is interrupted (SIGTERM, Ctrl-C), the step's own metrics are
@@ -389,8 +438,6 @@ class Trainer(SamplingRounds):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     from g2rl_jax.config import format_help, parse_cli
 
     argv = sys.argv[1:] if argv is None else argv

@@ -52,7 +52,8 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_id.txt"
 # metric name -> short label shown on the progress bar, in display order
-HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent", "tokens_per_second": "tok/s"}
+HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent", "tokens_per_second": "tok/s",
+            "programs_compiled": "compiled", "compile_seconds": "compile s"}
 
 
 def _masked_mean(x_B, mask_B) -> float:

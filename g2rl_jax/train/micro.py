@@ -8,11 +8,13 @@ width would spend most of the work on padding when lengths are long-tailed. Inst
     ...  run the model on mb ([X_u, S + T_u]) ...
     out  = put_micro(out, rows, part_XxT_u)        # scatter its per-token results back into [B, T]
 
-T_u = width_bucket(longest response of micro-batch u), capped at T. Widths come from one fixed ladder (powers of
-two up to MIN_WIDTH, then four steps per octave); a micro-batch holds X_u = micro, micro/2, micro/4, ... rows,
-cut where it costs least (`micro_cost`: a long-tailed batch's few long rows go in small micro-batches instead of
-padding micro-1 shorter rows to the longest). So a run compiles the model passes for at most a few dozen widths
-times a few row counts, whatever its length distribution. Only how rows are cut into micro-batches changes: which
+Each micro-batch takes one shape (X_u rows, T_u response positions) of a ShapeSet: by default every row count
+micro, micro/2, micro/4, ... at every width of one ladder (powers of two up to MIN_WIDTH, then four steps per
+octave, capped at T); a run uses a smaller set chosen by its whole run's time (train/shapes.py). The rows, sorted
+by length, are cut into runs at the shapes of least total cost (`micro_cost`: a long-tailed batch's few long rows
+go in small micro-batches instead of padding micro-1 shorter rows to the longest), each at the narrowest width of
+its row count that holds its longest row. So a run compiles the model passes for the shapes of its set, whatever
+its length distribution. Only how rows are cut into micro-batches changes: which
 rows form a mini-batch is the caller's business. Cutting trailing response padding changes no real token's result:
 attention is causal and padding keys are masked, so results at positions < T_u are those of the full-width row
 (results at positions a micro-batch does not keep come back as 0).
@@ -22,6 +24,7 @@ the minimum width. Shape letters: U micro-batches, X rows in one micro-batch (se
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 
@@ -37,17 +40,60 @@ OVERHEAD_ROWS = 1  # a micro-batch costs as if it held one row more (2-core CPU,
 STEPS_PER_OCTAVE = 4  # widths between 2^j and 2^(j+1): at most 25% of a micro-batch's width is bucket rounding
 
 
-def width_bucket(n: int) -> int:
-    """The smallest ladder width >= n: MIN_WIDTH, 32, 64, ... up to 64, then 4 steps per octave (80, 96, 112, 128,
-    160, ..., 1024, 1280, ...)."""
+def width_bucket(n: int, steps: int = STEPS_PER_OCTAVE) -> int:
+    """The smallest ladder width >= n: MIN_WIDTH, 32, 64, ... up to 64, then `steps` per octave (with 4: 80, 96,
+    112, 128, 160, ..., 1024, 1280, ...)."""
     n = int(n)
     if n <= MIN_WIDTH:
         return MIN_WIDTH
     octave = 1 << (n - 1).bit_length()  # 2^j >= n > 2^(j-1)
-    if octave <= 4 * MIN_WIDTH:
+    if octave <= 4 * MIN_WIDTH or steps == 1:
         return octave
-    step = octave // (2 * STEPS_PER_OCTAVE)
+    step = octave // (2 * steps)
     return -(-n // step) * step
+
+
+@functools.lru_cache(maxsize=None)
+def width_ladder(resp_len: int, steps: int = STEPS_PER_OCTAVE) -> tuple[int, ...]:
+    """Every response width a micro-batch can have: width_bucket's ladder (`steps` per octave), capped at
+    resp_len (the batch's response width T), ascending."""
+    widths, n = [], 1
+    while True:
+        widths.append(min(width_bucket(n, steps), resp_len))
+        if widths[-1] >= resp_len:
+            return tuple(widths)
+        n = widths[-1] + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeSet:
+    """The (rows, response width) shapes a micro-batch may take: for each row count (descending), its widths
+    (ascending, the last the batch's response width T). `name` says how it was built (train/shapes.py)."""
+
+    widths: tuple[tuple[int, tuple[int, ...]], ...]
+    name: str = "full"
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((rows, w) for rows, ws in self.widths for w in ws)
+
+    @property
+    def resp_len(self) -> int:
+        return max(ws[-1] for _, ws in self.widths)
+
+    @classmethod
+    def of(cls, shapes, name: str) -> "ShapeSet":
+        """From (rows, width) pairs."""
+        by_rows: dict[int, set] = {}
+        for rows, w in shapes:
+            by_rows.setdefault(int(rows), set()).add(int(w))
+        return cls(tuple((r, tuple(sorted(by_rows[r]))) for r in sorted(by_rows, reverse=True)), name)
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def full(cls, micro: int, resp_len: int, min_rows: int = 1) -> "ShapeSet":
+        """Every row count (row_counts) at every width of the ladder: the default of plan_micro."""
+        return cls(tuple((r, width_ladder(resp_len)) for r in row_counts(micro, min_rows)), "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,38 +131,46 @@ def micro_cost(rows: int, positions: int) -> int:
     return (rows + OVERHEAD_ROWS) * positions
 
 
-def _group(lengths_B: np.ndarray, micro: int, prompt_len: int, resp_len: int, min_rows: int):
-    """(rows_by_micro, widths): B rows in ascending length cut into consecutive runs of row_counts sizes, the cut of
-    least total micro_cost (dynamic programming over the sorted rows; each run at the width of its longest row)."""
+def group(lengths_B: np.ndarray, prompt_len: int, shapes: ShapeSet):
+    """(rows_by_micro, widths, cost): B rows in ascending length cut into consecutive runs, each run at a shape of
+    `shapes` (its rows, and the smallest of that row count's widths that holds its longest row), the cut of least
+    total micro_cost (dynamic programming over the sorted rows)."""
     order = np.argsort(lengths_B, kind="stable")
-    sizes = row_counts(micro, min_rows)
+    sorted_B = np.asarray(lengths_B)[order]
     b = len(order)
-    best = [(0, 0)] + [None] * b  # best[i]: least cost of the first i sorted rows, and the size of its last run
+    best = [(0, 0, 0)] + [None] * b  # best[i]: least cost of the first i sorted rows, its last run's rows and width
     for i in range(1, b + 1):
-        for r in sizes:
-            if r <= i and best[i - r] is not None:
-                width = min(width_bucket(int(lengths_B[order[i - 1]])), resp_len)
-                cost = best[i - r][0] + micro_cost(r, prompt_len + width)
-                if best[i] is None or cost < best[i][0]:
-                    best[i] = (cost, r)
-    runs, i = [], b
+        for r, ws in shapes.widths:
+            if r > i or best[i - r] is None:
+                continue
+            j = bisect.bisect_left(ws, int(sorted_B[i - 1]))
+            if j == len(ws):
+                continue
+            cost = best[i - r][0] + micro_cost(r, prompt_len + ws[j])
+            if best[i] is None or cost < best[i][0]:
+                best[i] = (cost, r, ws[j])
+    if best[b] is None:
+        raise ValueError(f"no cut of {b} rows into the micro-batch shapes {shapes.shapes}")
+    runs, widths, i = [], [], b
     while i:
-        r = best[i][1]
+        _, r, w = best[i]
         runs.append(order[i - r:i])
+        widths.append(w)
         i -= r
-    runs.reverse()
-    return runs, tuple(min(width_bucket(int(lengths_B[rows].max())), resp_len) for rows in runs)
+    return runs[::-1], tuple(widths[::-1]), best[b][0]
 
 
 def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded: bool = False,
-               min_rows: int = 1) -> MicroPlan:
+               min_rows: int = 1, shapes: ShapeSet | None = None) -> MicroPlan:
     """Cut B rows into micro-batches of at most `micro` rows with similar response lengths (host numpy in, plan out).
 
     Rows sorted by response length are cut into consecutive runs of micro, micro/2, ... rows (row_counts) so that
     the total micro_cost is least: a long-tailed batch puts its few long rows in small micro-batches instead of
     padding micro-1 shorter rows to the longest. padded=True keeps `micro` rows per micro-batch at the full width T
     with the rows taken by stride (the layout before length grouping; benchmarks use it as the baseline).
-    attention_mask_BxL (host) gives the prompt width S (else 0) and counts the padding positions."""
+    attention_mask_BxL (host) gives the prompt width S (else 0) and counts the padding positions. `shapes`: the
+    shapes micro-batches may take (default ShapeSet.full: every row count at every ladder width); its largest
+    width must be the batch's T."""
     mask = np.asarray(response_mask_BxT)
     b, t = mask.shape
     if micro < 1 or b % micro:
@@ -128,7 +182,11 @@ def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded
         rows_by_micro = list(np.arange(b).reshape(micro, b // micro).T)
         widths = (t,) * (b // micro)
     else:
-        rows_by_micro, widths = _group(lengths_B, micro, s, t, min_rows)
+        shapes = shapes or ShapeSet.full(micro, t, min_rows)
+        if shapes.resp_len != t:
+            raise ValueError(f"the micro-batch shapes go up to {shapes.resp_len} response positions but the batch "
+                             f"has {t}")
+        rows_by_micro, widths, _ = group(lengths_B, s, shapes)
     positions = padding = 0
     if attention_mask_BxL is not None:
         attn = np.asarray(attention_mask_BxL) != 0
@@ -138,11 +196,11 @@ def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded
     return MicroPlan(tuple(np.asarray(r, np.int32) for r in rows_by_micro), widths, positions, padding)
 
 
-def plan_for(batch, micro: int, *, padded: bool = False) -> MicroPlan:
+def plan_for(batch, micro: int, *, padded: bool = False, shapes: ShapeSet | None = None) -> MicroPlan:
     """plan_micro for a (global, possibly multi-host) Batch; every process computes the same plan. Micro-batches
     keep at least as many rows as the batch has row shards."""
     return plan_micro(parallel.gather(batch.response_mask), micro, parallel.gather(batch.attention_mask),
-                      padded=padded, min_rows=row_shards(batch.rewards))
+                      padded=padded, min_rows=row_shards(batch.rewards), shapes=shapes)
 
 
 def row_shards(x) -> int:

@@ -5,7 +5,8 @@
                   responses, format_fraction (one `\\boxed{}` answer with nothing after it), junk_fraction (text
                   after the answer) and truncated_fraction (ended by max_new_tokens, not the end token); the
                   validation metrics themselves, steps, and seconds (wall time of the invocation that finished the
-                  run, set-up and compilation included)
+                  run, set-up and compilation included); programs_compiled, compile_seconds and compile_share
+                  (of those seconds): what that invocation compiled (train/compiles.py)
     curves.png    accuracy, validation mean@k, response length, entropy and novelty against step (g2rl_jax.figures)
 
 The "before" validation is metrics.jsonl's step-0 record (written as soon as it is measured, so a resumed run
@@ -25,6 +26,7 @@ CURVES_FILE = "curves.png"
 
 
 SHARES = ("format_fraction", "junk_fraction", "truncated_fraction")  # per dataset: val/<dataset>/<share>
+COMPILE = ("programs_compiled", "compile_seconds", "compile_share")  # summary.json: what the invocation compiled
 
 
 def accuracy(validation: dict[str, float], measure: str = "mean@") -> float | None:
@@ -51,8 +53,10 @@ def before(records: list[dict]) -> dict[str, float] | None:
     return {k: v for k, v in first[0].items() if k != "step"} if first else None
 
 
-def finish(run_dir, *, before: dict | None, after: dict | None, steps: int, seconds: float) -> dict | None:
-    """Write summary.json and curves.png; returns the summary (None on processes other than 0)."""
+def finish(run_dir, *, before: dict | None, after: dict | None, steps: int, seconds: float,
+           compiled: tuple[int, float] = (0, 0.0)) -> dict | None:
+    """Write summary.json and curves.png; returns the summary (None on processes other than 0). compiled: the
+    programs the invocation compiled and the seconds it spent compiling (train/compiles.py)."""
     if jax.process_index() != 0:
         return None
     from g2rl_jax.figures import load_runs, training_figure
@@ -60,7 +64,8 @@ def finish(run_dir, *, before: dict | None, after: dict | None, steps: int, seco
     summary = {"accuracy_before": accuracy(before or {}), "accuracy_after": accuracy(after or {}),
                **{share: accuracy(after or {}, share) for share in SHARES},
                "validation_before": before or {}, "validation_after": after or {},
-               "steps": steps, "seconds": round(seconds, 1)}
+               "steps": steps, "seconds": round(seconds, 1), "programs_compiled": compiled[0],
+               "compile_seconds": round(compiled[1], 1), "compile_share": round(compiled[1] / max(seconds, 1e-9), 4)}
     storage.write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     training_figure(load_runs([run_dir]), run_dir / CURVES_FILE)
     return summary

@@ -17,6 +17,7 @@ from g2rl_jax import parallel
 from g2rl_jax.data import encode_prompts
 from g2rl_jax.rewards.scoring import compute_rewards
 from g2rl_jax.rollout import generate
+from g2rl_jax.rollout.generate import warm
 from g2rl_jax.train import dynamic, report
 from g2rl_jax.train.lifecycle import Preempted
 from g2rl_jax.train.stages import stage
@@ -35,13 +36,17 @@ class SamplingRounds:
         cfg, m = self.cfg, self.cfg.rollout.num_samples
         examples = next(self.loader)
         prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
+        longest = max(map(len, prompts))
+        if jax.process_count() > 1:  # the bucket of the global batch's longest prompt, the same on every process
+            longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
         t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
             rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
                                seed=self._step_seed(step, round_), mesh=self.mesh,
-                               compile_threads=self.warmup.threads)
+                               compile_threads=self.warmup.threads,
+                               pad_to=(cfg.data.prompts_per_step, self.warmup.prompt_len(longest)))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rows = [ex.as_row() for ex in examples for _ in range(m)]
@@ -104,7 +109,9 @@ class SamplingRounds:
                 with stage("validate", dataset=name, prompts=prompts):
                     rollout = generate(self.model, prompts, max_new_tokens=cfg.eval_max_new_tokens,
                                        temperature=cfg.eval_temperature, num_samples=cfg.eval_samples,
-                                       stop_token_ids=self.stop_ids, seed=self.cfg.run.seed + start, mesh=self.mesh)
+                                       stop_token_ids=self.stop_ids, seed=self.cfg.run.seed + start, mesh=self.mesh,
+                                       compile_threads=self.warmup.threads,
+                                       pad_to=(cfg.prompts_per_step, self.eval_prompt_len))
                     texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
                     rows = [ex.as_row() for ex in local for _ in range(cfg.eval_samples)]
                     scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg,
@@ -117,6 +124,29 @@ class SamplingRounds:
             shares = np.mean(np.concatenate(all_flags), axis=0)
             out |= {f"val/{name}/{k}": float(v) for k, v in zip(report.SHARES, shares)}
         return out
+
+    def warm_prompt_buckets(self) -> None:
+        """Compile the rollout at every prompt bucket of the run (train/warmup.py chose them on the first step,
+        whose rollout compiled the largest), without running it."""
+        cfg = self.cfg
+        for prompt_len in self.warmup.prompts:
+            if prompt_len not in self._warmed_prompts:
+                self._warmed_prompts.add(prompt_len)
+                if prompt_len != max(self.warmup.shares):
+                    warm(self.model, num_prompts=cfg.data.prompts_per_step, prompt_len=prompt_len,
+                         max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k or 0, num_samples=cfg.rollout.num_samples,
+                         stop_token_ids=self.stop_ids, mesh=self.mesh, compile_threads=self.warmup.threads)
+
+    def warm_validation(self) -> None:
+        """Compile the validation's rollout (generate.warm) without running it: a resumed run validates first after
+        its warm-up step, which must leave nothing to compile."""
+        cfg = self.cfg.data
+        if self.eval_sets:
+            warm(self.model, num_prompts=cfg.prompts_per_step, prompt_len=self.eval_prompt_len,
+                 max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature,
+                 num_samples=cfg.eval_samples, stop_token_ids=self.stop_ids, mesh=self.mesh,
+                 compile_threads=self.warmup.threads)
 
     def _stop_requested(self) -> bool:
         """Whether a SIGTERM asked to stop; every process agrees (any process's request stops them all)."""

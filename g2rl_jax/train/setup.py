@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel, storage
 from g2rl_jax.config import Config, ConfigError
@@ -154,6 +153,13 @@ def length_filter(examples: list, tokenizer, data_cfg) -> tuple[list, int]:
     return kept, len(examples) - len(kept)
 
 
+def prompt_lengths(example_sets, tokenizer, data_cfg) -> np.ndarray:
+    """The token counts of the prompts of these examples (lists of them: the training set, or every evaluation
+    set), as the rollout encodes them: a run pads each step's prompts to one of a few buckets of these lengths."""
+    return np.array([len(p) for examples in example_sets
+                     for p in encode_prompts(examples, tokenizer, data_cfg.prompt_template)], dtype=np.int64)
+
+
 def _report_dropped(key: str, name: str, total: int, dropped: int, limit: int) -> None:
     if dropped and jax.process_index() == 0:
         print(f"{key}: {dropped} of {total} prompts of {name!r} are longer than data.max_prompt_tokens={limit} "
@@ -211,8 +217,7 @@ def embed_texts(embedder, tokenizer, texts: list[str], mesh, max_tokens: int) ->
     """Last-token pooling of a Qwen3-Embedding-architecture encoder: L2-normalised hidden state of the final token
     of `embedding_token_ids`. `texts` are this process's rows; the result is the global [B, E] array."""
     ids = [embedding_token_ids(tokenizer, t, max_tokens) for t in texts]
-    width = int(np.max(multihost_utils.process_allgather(np.int32(max(len(x) for x in ids)))))  # same on all hosts
-    width = 1 << (width - 1).bit_length()
+    width = 1 << (max_tokens - 1).bit_length()  # one width for every step: the embedder compiles once
     ids_BxL = np.zeros((len(ids), width), np.int32)
     mask_BxL = np.zeros((len(ids), width), np.int32)
     for row, x in enumerate(ids):  # left padding: the last position is every row's final token

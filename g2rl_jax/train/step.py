@@ -163,12 +163,13 @@ def _score_micro(graphdef, params, mb: Batch, *, temperature: float, chunk: int)
     return (logp, ent), (phi,)
 
 
-def score(graphdef, params, batch: Batch, *, temperature: float, micro: int,
-          chunk: int = g2rl.DEFAULT_CHUNK) -> Scores:
+def score(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
+          shapes: micro_lib.ShapeSet | None = None) -> Scores:
     """Behaviour-policy pass: log-probs, entropy and Φ via g2rl.token_stats (eq. seq-feature), over length-grouped
-    micro-batches of `micro` rows (train.micro); positions past a micro-batch's width come back as 0."""
+    micro-batches of `micro` rows (train.micro; `shapes`: the micro-batch shapes allowed, default all); positions
+    past a micro-batch's width come back as 0."""
     run = functools.partial(_score_micro, graphdef, params, temperature=temperature, chunk=chunk)
-    (logp, ent), (phi,) = _per_micro(batch, _plan(batch, micro, "scoring"), run)
+    (logp, ent), (phi,) = _per_micro(batch, _plan(batch, micro, "scoring", shapes=shapes), run)
     return Scores(logp, ent, phi)
 
 
@@ -179,16 +180,18 @@ def _ref_micro(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
     return (g2rl.token_logprobs(h, _head(model, h), targets, temperature=temperature, chunk_size=chunk),), ()
 
 
-def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK):
+def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
+                 shapes: micro_lib.ShapeSet | None = None):
     """Reference-model log-probs [B, T] of the response tokens (for the KL term), micro-batched as `score`."""
     run = functools.partial(_ref_micro, graphdef, params, temperature=temperature, chunk=chunk)
-    (logp,), () = _per_micro(batch, _plan(batch, micro, "reference"), run)
+    (logp,), () = _per_micro(batch, _plan(batch, micro, "reference", shapes=shapes), run)
     return logp
 
 
-def _plan(batch: Batch, micro: int, stage: str, padded: bool = False) -> micro_lib.MicroPlan:
+def _plan(batch: Batch, micro: int, stage: str, padded: bool = False,
+          shapes: micro_lib.ShapeSet | None = None) -> micro_lib.MicroPlan:
     try:
-        return micro_lib.plan_for(batch, micro, padded=padded)
+        return micro_lib.plan_for(batch, micro, padded=padded, shapes=shapes)
     except ValueError as err:
         raise StageError(f"{stage}: {err}") from None
 
@@ -389,7 +392,7 @@ def _diag_shapes(loss_fn, graphdef, params, data: tuple, settings: LossSettings)
     leaves, tree = jax.tree.flatten((params, data))
     key = (loss_fn, graphdef, settings, tree, tuple((x.shape, x.dtype) for x in leaves))
     if key not in _DIAG_SHAPES:
-        _DIAG_SHAPES[key] = jax.eval_shape(lambda: loss_fn(params, graphdef, *data, settings)[1])
+        _DIAG_SHAPES[key] = jax.eval_shape(lambda p, d: loss_fn(p, graphdef, *d, settings)[1], params, data)
     return _DIAG_SHAPES[key]
 
 
@@ -412,13 +415,20 @@ def zero_accumulator(loss_fn, graphdef, params, data: tuple, settings: LossSetti
                         accumulator_spec(loss_fn, graphdef, params, data, settings, rows_B))
 
 
-def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False):
+def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False,
+              shapes: micro_lib.ShapeSet | None = None):
     """(grads f32, loss, diagnostics) of a mini-batch, accumulated over its length-grouped `micro`-row micro-batches
-    (train.micro): equal to one pass over the whole padded mini-batch, at the cost of the response tokens.
-    padded=True runs every micro-batch at the full width instead (the layout before grouping, for benchmarks)."""
+    (train.micro; `shapes` as for `score`): equal to one pass over the whole padded mini-batch, at the cost of the
+    response tokens. padded=True runs every micro-batch at the full width instead (the layout before grouping, for
+    benchmarks)."""
+    return accumulate_plan(graphdef, params, mini, _plan(mini.batch, micro, "update", padded, shapes),
+                           settings=settings)
+
+
+def accumulate_plan(graphdef, params, mini: MiniBatch, plan: micro_lib.MicroPlan, *, settings: LossSettings):
+    """`gradients` over the micro-batches of a given plan of the mini-batch's rows."""
     batch = mini.batch
     rows, t = batch.response_mask.shape
-    plan = _plan(batch, micro, "update", padded)
     acc = None
     total_tokens = jnp.sum(batch.response_mask)
     for rows_X, width in zip(plan.rows, plan.widths):
@@ -448,8 +458,9 @@ def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.Gr
 
 
 def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
-           settings: LossSettings, micro: int, padded: bool = False):
+           settings: LossSettings, micro: int, padded: bool = False, shapes: micro_lib.ShapeSet | None = None):
     """One optimizer update on a mini-batch: `gradients` over length-grouped micro-batches, then `apply_gradients`
     (params and opt_state are donated; a non-finite loss or gradient skips the update, info["skipped"] = 1)."""
-    grads, loss, diag = gradients(graphdef, params, mini, settings=settings, micro=micro, padded=padded)
+    grads, loss, diag = gradients(graphdef, params, mini, settings=settings, micro=micro, padded=padded,
+                                  shapes=shapes)
     return apply_gradients(params, opt_state, grads, loss, diag, optimizer=optimizer)

@@ -1,0 +1,192 @@
+"""The whole run's compile bill: the programs of the run's bounded set, their compile seconds, and their share of the
+estimated run time (the last lines of `python -m g2rl_jax.plan --target SLICE --compile`).
+
+    b = bill(cfg, model, shapes, results, target)   # Bill: the set, its seconds, the run estimate
+    print("\n".join(b.lines()))
+
+A run compiles its whole set at its first step, on run.compile_threads threads (train/warmup.py,
+rollout/prewarm.py), and nothing after. The set, per prompt bucket: the rollout's prefill, first token and decode
+weights, a decode segment at each batch bucket x capacity, and the moves between them (a growth at each bucket and
+capacity, a halving at each, the prefix rows, masks and lengths it gathers, the live rows it picks); the score,
+reference and gradient programs at each micro-batch shape, with the small ones that move a micro-batch's rows in
+(twice: the step's batch, a mini-batch) and its results out (3, and 1 more with the reference pass); once per run:
+the optimizer's init and step, the advantages (and the EVOL embedder); with run.eval_every the validation's rollout
+at its own sizes. The micro-batch shapes and the prompt buckets are chosen as the trainer chooses them
+(train/shapes.py): the compile seconds the compiler took here for the largest score, reference and gradient
+programs, and the compute each would take by the FLOP model at report.ESTIMATE_MFU; the prompt buckets from the
+training prompts' lengths when the tokenizer at model.path can encode them, else the worst case (every prompt in
+the bucket of data.max_prompt_tokens). Every program is priced at the seconds its kind's compiled program took
+here (the largest of each kind: an ESTIMATE for the smaller ones, which compile faster); the small moves at the
+cache growth's. The run: run.total_steps steps of long-tailed responses (shapes.long_tailed_lengths), each the
+score, reference and update passes over the chosen set's plans at ESTIMATE_MFU, and the decode loop's segments
+(engine.decode_segments) at the HBM bandwidth, every decode step reading the decode weights and the K/V of each
+row's prompt and capacity.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from g2rl_jax.aot.programs import StepShapes
+from g2rl_jax.aot.report import ESTIMATE_MFU
+from g2rl_jax.config import Config
+from g2rl_jax.rollout import batching, engine
+from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import shapes as shapes_lib
+from g2rl_jax.train import warmup
+
+HOST_THREADS = warmup.MAX_AUTO_THREADS  # run.compile_threads=0 on a TPU VM: one per core, at most this many
+
+
+def rollout_counts(buckets: tuple[int, ...], capacities: tuple[int, ...]) -> dict[str, int]:
+    """Programs of one rollout (one prompt bucket) by kind: its segments, and the moves between them priced as
+    cache growths ("regroup"); prefill, first token and decode weights once."""
+    halvings = len(buckets) - 1
+    moves = (len(buckets) * (len(capacities) - 1) + halvings * len(capacities)  # growths, halvings
+             + halvings * 4)  # per halving: the prefix rows, their mask and lengths, the live rows
+    return {"prefill": 1, "start": 1, "decode_layers": 1, "segment": len(buckets) * len(capacities), "regroup": moves}
+
+
+def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
+    """Programs of one prompt bucket's micro-batch shapes by kind; the small moves priced as cache growths."""
+    n = len(shapes.shapes)
+    return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 3 + kl)}
+
+
+def prompt_lengths(cfg: Config) -> np.ndarray | None:
+    """The training prompts' token counts (under data.max_prompt_tokens), or None when model.path has no tokenizer
+    (a preset's architecture alone)."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except (OSError, ValueError):
+        return None
+    from g2rl_jax.train.setup import length_filter, load_examples
+    from g2rl_jax.train.setup import prompt_lengths as lengths_of
+
+    kept, _ = length_filter(load_examples(cfg.data.train_dataset, cfg.data), tokenizer, cfg.data)
+    return lengths_of([kept], tokenizer, cfg.data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bill:
+    choice: shapes_lib.Choice
+    counts: dict[str, int]  # programs of the whole set by kind
+    seconds: dict[str, float]  # compile seconds of one program of each kind (measured for the largest)
+    lower_s: float  # of all of them, the lowering (one at a time: it holds the GIL)
+    compile_s: float  # of all of them, one at a time
+    wall_s: float  # the first step's compile with `threads` threads
+    threads: int
+    steps: int
+    step_s: float  # estimated seconds of one long-tailed step: passes + decode
+    passes_s: float
+    decode_s: float
+    prompts_from: str
+
+    @property
+    def programs(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def share(self) -> float:
+        return self.wall_s / (self.wall_s + self.steps * self.step_s)
+
+    def lines(self) -> list[str]:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items(), key=lambda kv: -kv[1]) if n)
+        return [
+            f"whole-run compile bill ({self.steps} steps, the first compiles the set on {self.threads} threads; "
+            f"prompt buckets from {self.prompts_from}):",
+            f"  the bounded set: {self.programs} programs ({kinds}; 'regroup': the cache moves and micro-batch row "
+            "moves, priced as a cache growth)",
+            f"  compile seconds: {self.lower_s + self.compile_s:,.0f} s one at a time (each priced at its kind's "
+            f"largest program compiled above: an ESTIMATE for the rest), ~{self.wall_s:,.0f} s at the first step",
+            f"  the run: {self.steps} x {self.step_s:,.1f} s (an ESTIMATE: score, reference and update "
+            f"{self.passes_s:,.1f} s at {ESTIMATE_MFU:.0%} MFU, decode {self.decode_s:,.1f} s at the HBM bandwidth, "
+            f"long-tailed responses) = {self.steps * self.step_s:,.0f} s; compile share {self.share:.1%}",
+            "  micro-batch shapes and prompt buckets (train/shapes.py; compile s on the threads, step s of the "
+            "passes):",
+            *("    " + line for line in self.choice.lines(self.steps)),
+        ]
+
+
+def _by_kind(results) -> dict:
+    """The compiled program of most seconds of each kind."""
+    out = {}
+    for r in results:
+        if r.error is None and (r.program.kind not in out or r.seconds > out[r.program.kind].seconds):
+            out[r.program.kind] = r
+    return out
+
+
+def decode_seconds(cfg: Config, model, s: StepShapes, target, lengths_B, prompt_len: int) -> float:
+    """Seconds of one rollout's decode loop at the HBM bandwidth: per decode step the decode weights (gathered over
+    fsdp) and each row's prompt and capacity of K/V, per chip."""
+    from g2rl_jax.memory import decode_weight_bytes, gathered_decode_weight_bytes, kv_token_bytes, resolve_mesh
+    from g2rl_jax.memory import shards as mesh_shards
+
+    mesh = resolve_mesh(cfg, target.chips)
+    weights = max(decode_weight_bytes(cfg, model, mesh), gathered_decode_weight_bytes(cfg, model, mesh))
+    slot = model.num_hidden_layers * kv_token_bytes(cfg, model) / mesh_shards("kv_heads", mesh)
+    total = 0.0
+    for rows, capacity, steps in engine.decode_segments(lengths_B, s.rows, cfg.rollout.max_new_tokens, s.shards):
+        total += steps * (weights + rows / s.shards * (prompt_len + capacity) * slot)
+    return total / (target.hbm_gbps * 1e9)
+
+
+def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bill:
+    """The bill of a run of `cfg` on `target` (module docstring), from the compiled programs' `results`
+    (report.Result; `--programs largest` suffices) and the training prompts' `lengths` (None: the worst case)."""
+    from g2rl_jax.bench.update import train_flops
+
+    by_kind = _by_kind(results)
+    algo, kl = cfg.algorithm, cfg.algorithm.kl_coef > 0
+    threads = cfg.run.compile_threads or HOST_THREADS
+    prompts_from = "the training prompts' lengths" if lengths is not None else (
+        f"the worst case, every prompt at data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    if lengths is None:
+        lengths = np.array([cfg.data.max_prompt_tokens])
+    shares = shapes_lib.prompt_shares(lengths, cfg.data.prompts_per_step)
+    sets = shapes_lib.candidates(algo.micro_batch_size, s.shards, s.prompt_len, s.new_tokens)
+    loads = {p: shapes_lib.step_load(sets, step_rows=s.step_rows, mini_rows=algo.mini_batch_size,
+                                     epochs=algo.ppo_epochs, prompt_len=p, budget=cfg.rollout.max_new_tokens)
+             for p in shares}
+    seconds = {k: r.seconds for k, r in by_kind.items()}
+    lower = {k: r.lower_seconds for k, r in by_kind.items()}
+    micro = algo.micro_batch_size
+    largest = micro_lib.micro_cost(micro, s.prompt_len + s.new_tokens)
+    forward_s = train_flops(model, micro, s.prompt_len + s.new_tokens) / 3 / (
+        target.chips * target.peak_tflops * 1e12 * ESTIMATE_MFU)
+    remat = cfg.model.remat != "none"
+    kinds = ("score", "reference", "gradient") if kl else ("score", "gradient")
+    prices = shapes_lib.Prices({k: seconds.get(k, 0.0) for k in kinds},
+                               {"score": forward_s / largest, "reference": forward_s / largest,
+                                "gradient": (3 + remat) * forward_s / largest})
+    per_rollout = rollout_counts(s.buckets, s.capacities)
+    rollout = (sum(per_rollout.values()), sum(n * seconds.get(k, 0.0) for k, n in per_rollout.items()))
+    choice = shapes_lib.choose(sets, loads, shares, prices, rollout=rollout, steps=cfg.run.total_steps,
+                               threads=threads)
+    counts: dict[str, int] = {}
+    for part in [per_rollout, micro_counts(choice.shapes, kl)] * len(choice.prompts):
+        for k, n in part.items():
+            counts[k] = counts.get(k, 0) + n
+    for k in ("init", "advantages", "apply") + (("embed",) if algo.exploration == "evol" else ()):
+        counts[k] = counts.get(k, 0) + 1
+    if cfg.run.eval_every:
+        rows = s.prompts * cfg.data.eval_samples
+        budget = batching.new_tokens_bucket(cfg.data.eval_max_new_tokens)
+        evals = rollout_counts(engine.batch_buckets(rows, s.shards, cfg.data.eval_max_new_tokens),
+                               engine.capacity_ladder(budget))
+        for k, n in evals.items():
+            counts[k] = counts.get(k, 0) + n
+    compile_s = sum(n * (seconds.get(k, 0.0) - lower.get(k, 0.0)) for k, n in counts.items())
+    lower_s = sum(n * lower.get(k, 0.0) for k, n in counts.items())
+    longest = max((seconds.get(k, 0.0) - lower.get(k, 0.0) for k, n in counts.items() if n), default=0.0)
+    wall = lower_s + max(longest, compile_s / threads)
+    chosen = choice.chosen
+    lengths_B = shapes_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, 0)
+    decode = sum(share * decode_seconds(cfg, model, s, target, lengths_B, shapes_lib.pad_prompt(b, choice.prompts))
+                 for b, share in shares.items())
+    return Bill(choice, counts, seconds, lower_s, compile_s, wall, threads, cfg.run.total_steps,
+                chosen.step_s + decode, chosen.step_s, decode, prompts_from)

@@ -1,0 +1,194 @@
+"""The shapes a run's steps may meet: a small set, chosen by the whole run's time (compile + compute).
+
+    sets = candidates(micro=16, min_rows=4, prompt_len=1024, resp_len=8192)   # {name: micro.ShapeSet}
+    shares = prompt_shares(train_prompt_lengths, prompts_per_step=16)         # {prompt bucket: share of steps}
+    loads = {s: step_load(sets, step_rows=256, mini_rows=32, epochs=1, prompt_len=s, budget=8192) for s in shares}
+    pick = choose(sets, loads, shares, Prices(...), rollout=(programs, seconds), steps=1000, threads=32)
+
+The score and reference passes and the update run each micro-batch at one (rows, response width) shape, and each
+shape is a program of each of the three kinds to compile. More shapes fit the response lengths more tightly (less
+padding computed, train/micro.py), fewer compile faster. The candidates cross
+    widths: micro.width_ladder with 4, 2 or 1 steps per octave
+    rows:   "all" every halving of micro (micro.row_counts); "sparse" every other one (micro, micro/4, ...);
+            "tokens" per width w one row count r(w), the most rows with r(w) x (S + w) <= micro x (S + T/8), and
+            r(w)/4 (long rows come few at a time, so they get fewer rows per micro-batch); "single" r(w) alone
+with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest,
+and each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket
+the training prompts reach alone, then with each smaller one in turn. `choose` takes the pair of least estimated
+run time: the compile seconds of its programs spread over the warm-up's threads, plus the steps left times the
+seconds a step computes, averaged over the buckets steps' longest prompts fall in (`prompt_shares`, from the
+training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost summed over the plans
+train/micro.py cuts) over response lengths drawn long-tailed (exponential with mean budget / 4, capped at the
+budget, the longest at it: `bench update --long-tail`'s), priced at the measured seconds of one run of the kind's
+largest program per unit. The trainer measures those prices on its first step (train/warmup.py); `plan --compile`
+takes them from the TPU compiler and the FLOP model. A gradient program is priced from the score program's:
+GRADIENT_COMPILE times its compile seconds (measured: 4.68 / 1.33 s at the demo size on the 2-core CPU, 65.8 /
+19.5 s for Qwen3-1.7B compiled for v5p-8) and 3 times its run (forward and backward; 4 with model.remat, which
+runs the forward again).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from g2rl_jax.train import micro as micro_lib
+
+STEPS_PER_OCTAVE = (4, 2, 1)
+ROWS = ("all", "sparse", "tokens", "single")
+TOKENS_SHARE = 8  # "tokens": a micro-batch holds at most micro x (S + T / TOKENS_SHARE) positions at its r(w)
+GRADIENT_COMPILE = 3.5  # a gradient program's compile seconds / its score program's (see the module docstring)
+DRAWS = 4  # long-tailed steps the compute estimate averages over
+
+
+def candidate(micro: int, min_rows: int, prompt_len: int, resp_len: int, steps: int, rows: str) -> micro_lib.ShapeSet:
+    """One candidate set: widths at `steps` per octave, row counts by the `rows` rule (module docstring)."""
+    counts = micro_lib.row_counts(micro, min_rows)
+    widths = micro_lib.width_ladder(resp_len, steps)
+    name = f"{steps}/octave x {rows}"
+    if rows == "all":
+        return micro_lib.ShapeSet.of([(r, w) for r in counts for w in widths], name)
+    if rows == "sparse":
+        return micro_lib.ShapeSet.of([(r, w) for r in counts[::2] for w in widths], name)
+    budget = micro * (prompt_len + resp_len / TOKENS_SHARE)
+    shapes = []
+    for w in widths:
+        i = next((i for i, r in enumerate(counts) if r * (prompt_len + w) <= budget), len(counts) - 1)
+        shapes.append((counts[i], w))
+        if rows == "tokens":
+            shapes.append((counts[min(i + 2, len(counts) - 1)], w))
+    return micro_lib.ShapeSet.of(shapes, name)
+
+
+def candidates(micro: int, min_rows: int, prompt_len: int, resp_len: int) -> dict[str, micro_lib.ShapeSet]:
+    """Every candidate (STEPS_PER_OCTAVE x ROWS), by name; sets that come out equal are listed once, under the
+    first name (the finest)."""
+    out: dict[str, micro_lib.ShapeSet] = {}
+    for steps in STEPS_PER_OCTAVE:
+        for rows in ROWS:
+            s = candidate(micro, min_rows, prompt_len, resp_len, steps, rows)
+            if all(s.widths != t.widths for t in out.values()):
+                out[s.name] = s
+    return out
+
+
+def long_tailed_lengths(rows: int, budget: int, seed: int) -> np.ndarray:
+    """Response lengths [rows]: exponential with mean budget / 4, in [1, budget], the longest at the budget."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.exponential(budget / 4, rows)), 1, budget).astype(int)
+    lengths[np.argmax(lengths)] = budget
+    return lengths
+
+
+def step_load(sets: dict[str, micro_lib.ShapeSet], *, step_rows: int, mini_rows: int, epochs: int, prompt_len: int,
+              budget: int) -> dict[str, dict[str, float]]:
+    """{set name: {"score": units, "gradient": units}}: micro_cost units of one step's score pass (the reference
+    pass is the same) and of its update (every mini-batch, every epoch), averaged over DRAWS long-tailed steps."""
+    out = {}
+    for name, shapes in sets.items():
+        score = grads = 0.0
+        for seed in range(DRAWS):
+            lengths = long_tailed_lengths(step_rows, budget, seed)
+            score += micro_lib.group(lengths, prompt_len, shapes)[2]
+            for start in range(0, step_rows, mini_rows):
+                grads += epochs * micro_lib.group(lengths[start:start + mini_rows], prompt_len, shapes)[2]
+        out[name] = {"score": score / DRAWS, "gradient": grads / DRAWS}
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """Seconds to compile one program of each kind (score, reference, gradient; reference absent without the KL
+    term) and seconds of compute per micro_cost unit of each kind."""
+
+    compile_s: dict[str, float]
+    unit_s: dict[str, float]
+
+    @classmethod
+    def from_score(cls, compile_s: dict[str, float], run_s: dict[str, float], units: float,
+                   remat: bool) -> "Prices":
+        """From the compile and run seconds of the largest score (and reference) program, `units` its micro_cost;
+        the gradient priced from the score program (module docstring)."""
+        unit_s = {k: s / units for k, s in run_s.items()}
+        unit_s["gradient"] = (3 + remat) * unit_s["score"]
+        return cls({**compile_s, "gradient": GRADIENT_COMPILE * compile_s["score"]}, unit_s)
+
+
+def prompt_shares(lengths, prompts_per_step: int) -> dict[int, float]:
+    """{prompt bucket: share of steps whose longest prompt falls in it}, for steps of `prompts_per_step` prompts
+    drawn from prompts of these lengths: P(longest <= x) = F(x)^n."""
+    from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
+
+    lengths = np.sort(np.asarray(lengths))
+    buckets = sorted({bucket(int(n), MIN_PROMPT_BUCKET) for n in lengths})
+    below = [(np.searchsorted(lengths, b, side="right") / len(lengths)) ** prompts_per_step for b in buckets]
+    return {b: float(p - q) for b, p, q in zip(buckets, below, [0.0, *below[:-1]]) if p > q}
+
+
+def prompt_sets(shares: dict[int, float]) -> list[tuple[int, ...]]:
+    """Candidate prompt buckets of a run: the largest alone, then with each next smaller bucket steps fall in."""
+    buckets = sorted(shares, reverse=True)
+    return [tuple(sorted(buckets[:i])) for i in range(1, len(buckets) + 1)]
+
+
+def pad_prompt(bucket_: int, prompts: tuple[int, ...]) -> int:
+    """The prompt length of a step whose longest prompt is in `bucket_`: the smallest of the run's at least it."""
+    return min(p for p in prompts if p >= bucket_)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    name: str  # the micro-batch shape set
+    prompts: tuple[int, ...]  # the prompt buckets
+    shapes: int  # (rows, width) shapes in the set
+    programs: int  # programs to compile: prompt buckets x (shapes x kinds + a rollout's)
+    compile_s: float  # their compile seconds spread over the threads
+    step_s: float  # compute seconds of one long-tailed step's score, reference and update passes
+    run_s: float  # compile_s + steps x step_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    shapes: micro_lib.ShapeSet
+    prompts: tuple[int, ...]
+    table: tuple[Estimate, ...]  # every candidate pair, prompt sets outer, micro sets inner (candidates() order)
+
+    @property
+    def chosen(self) -> Estimate:
+        return next(e for e in self.table if e.name == self.shapes.name and e.prompts == self.prompts)
+
+    def lines(self, steps: int) -> list[str]:
+        """The candidates as the trainer and `plan --compile` print them: every micro-batch shape set at the chosen
+        prompt buckets, then every prompt-bucket set at the chosen shapes, each with its programs, compile seconds,
+        the padding it computes (step compute against the finest candidate's) and the estimated run time."""
+        finest = min(e.step_s for e in self.table)
+        head = (f"{'micro-batch shapes':22s} {'prompt buckets':20s} {'shapes':>6s} {'programs':>8s} {'compile s':>9s} "
+                f"{'step s':>8s} {'compute':>8s} {f'{steps} steps s':>12s}")
+        rows = [e for e in self.table if e.prompts == self.prompts]
+        rows += [e for e in self.table if e.name == self.shapes.name and e.prompts != self.prompts]
+        out = [head]
+        for e in rows:
+            mark = "  <- chosen" if e is self.chosen else ""
+            out.append(f"{e.name:22s} {','.join(map(str, e.prompts)):20s} {e.shapes:6d} {e.programs:8d} "
+                       f"{e.compile_s:9.1f} {e.step_s:8.3f} {e.step_s / finest:7.3f}x {e.run_s:12.1f}{mark}")
+        return out
+
+
+def choose(sets: dict[str, micro_lib.ShapeSet], loads: dict[int, dict[str, dict[str, float]]],
+           shares: dict[int, float], prices: Prices, *, rollout: tuple[int, float], steps: int,
+           threads: int) -> Choice:
+    """The (micro-batch shape set, prompt buckets) of least estimated run time (module docstring); ties go to the
+    fewer programs. loads: step_load at each prompt bucket; shares: prompt_shares; rollout: the programs and the
+    compile seconds of one prompt bucket's rollout (train/warmup.py measures them on the first rollout)."""
+    kinds = prices.compile_s.keys()
+    table = []
+    for prompts in prompt_sets(shares):
+        for name, shapes in sets.items():
+            n = len(shapes.shapes)
+            compile_s = len(prompts) * (n * sum(prices.compile_s.values()) + rollout[1]) / max(threads, 1)
+            step_s = sum(share * sum(loads[pad_prompt(b, prompts)][name]["gradient" if k == "gradient" else "score"]
+                                     * prices.unit_s[k] for k in kinds) for b, share in shares.items())
+            programs = len(prompts) * (n * len(kinds) + rollout[0])
+            table.append(Estimate(name, prompts, n, programs, compile_s, step_s, compile_s + steps * step_s))
+    best = min(table, key=lambda e: (e.run_s, e.programs))
+    return Choice(sets[best.name], best.prompts, tuple(table))

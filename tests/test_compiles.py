@@ -1,0 +1,44 @@
+"""train/compiles.py: the compile clock counts backend compiles and the seconds spent compiling (overlaps once),
+names each program by its function and shapes, and sees nothing once a shape is compiled."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from g2rl_jax.train.compiles import CompileClock, describe, union_seconds
+
+
+def test_union_seconds_against_a_fine_grid():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        starts = rng.uniform(0, 10, 6)
+        intervals = [(a, a + rng.uniform(0, 3)) for a in starts]
+        grid = np.linspace(0, 14, 140001)
+        covered = np.zeros_like(grid, bool)
+        for a, b in intervals:
+            covered |= (grid >= a) & (grid < b)
+        assert abs(union_seconds(intervals) - covered.mean() * 14) < 1e-3
+    assert union_seconds([]) == 0.0
+
+
+def test_the_clock_counts_names_and_forgets_nothing():
+    @jax.jit
+    def affine(x_BxD, w_DxE):
+        return x_BxD @ w_DxE + 1.0
+
+    x, x2, w, wider = jnp.ones((3, 5)), jnp.zeros((3, 5)), jnp.ones((5, 7)), jnp.ones((4, 5))
+    clock = CompileClock()
+    try:
+        clock.take()
+        jax.block_until_ready(affine(x, w))
+        first = clock.take()
+        jax.block_until_ready(affine(x2, w))  # the same shapes: nothing to compile
+        again = clock.take()
+        jax.block_until_ready(affine(wider, w))
+        third = clock.take()
+    finally:
+        clock.close()
+    assert first.programs >= 1 and any(n == "affine float32[3,5] float32[5,7]" for n in first.names), first
+    assert 0 < first.seconds
+    assert again.programs == 0 and again.seconds < first.seconds
+    assert third.programs >= 1 and any(n.startswith("affine float32[4,5]") for n in third.names), third
+    assert describe("jit(f)", [f"s{i}" for i in range(9)]) == "f s4 s5 s6 s7 s8"

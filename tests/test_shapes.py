@@ -1,0 +1,157 @@
+"""The run's shape set (train/shapes.py) and its whole-run compile bill (aot/bill.py), against brute force and
+hand-written NumPy: the plan over a shape set is the least-cost cut, the prompt buckets' shares are those of
+enumerating every step, the choice is the argmin of the estimate written out again, and the bill counts and
+prices each program of the set. No program is compiled here."""
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from g2rl_jax import parallel
+from g2rl_jax.aot import bill as bill_lib
+from g2rl_jax.aot import parse_target
+from g2rl_jax.aot import programs as programs_lib
+from g2rl_jax.aot.report import ESTIMATE_MFU, Result
+from g2rl_jax.config import MeshConfig, load_config
+from g2rl_jax.plan import model_config
+from g2rl_jax.rollout import engine
+from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import shapes as shapes_lib
+
+
+# ------------------------------------------------------------------------------------------------ the candidates
+@pytest.mark.parametrize("micro,min_rows,prompt_len,resp_len", [(64, 1, 16, 512), (16, 4, 1024, 8192), (8, 4, 16, 64)])
+def test_candidates_stay_within_the_micro_batch_and_reach_the_width(micro, min_rows, prompt_len, resp_len):
+    sets = shapes_lib.candidates(micro, min_rows, prompt_len, resp_len)
+    assert next(iter(sets.values())).shapes == micro_lib.ShapeSet.full(micro, resp_len, min_rows).shapes
+    counts = micro_lib.row_counts(micro, min_rows)
+    ladder = set(micro_lib.width_ladder(resp_len))
+    for name, s in sets.items():
+        assert s.resp_len == resp_len and {r for r, _ in s.shapes} <= set(counts), name
+        assert {w for _, w in s.shapes} <= ladder, name  # coarser ladders are subsets of the finest
+        assert any(w == resp_len and micro % r == 0 for r, w in s.shapes), name  # every batch has a cut
+    assert len({s.shapes for s in sets.values()}) == len(sets)  # no set twice
+
+
+def _brute_force(lengths, prompt_len, shapes) -> float:
+    """Least micro_cost over every cut of the sorted rows into consecutive runs of the set's shapes."""
+    order = np.sort(lengths)
+    best = np.inf
+
+    def cuts(start, cost):
+        nonlocal best
+        if start == len(order):
+            best = min(best, cost)
+        for r, ws in shapes.widths:
+            fits = [w for w in ws if w >= order[min(start + r, len(order)) - 1]]
+            if start + r <= len(order) and fits:
+                cuts(start + r, cost + (r + micro_lib.OVERHEAD_ROWS) * (prompt_len + min(fits)))
+
+    cuts(0, 0.0)
+    return best
+
+
+def test_the_plan_over_each_candidate_is_the_least_cost_cut():
+    rng = np.random.default_rng(0)
+    sets = shapes_lib.candidates(8, 1, 32, 256)
+    for _ in range(6):
+        lengths = np.minimum(rng.geometric(1 / rng.uniform(8, 96), 16), 256)
+        for name, s in sets.items():
+            rows, widths, cost = micro_lib.group(lengths, 32, s)
+            assert sorted(np.concatenate(rows).tolist()) == list(range(16)), name
+            assert set(zip(map(len, rows), widths)) <= set(s.shapes), name
+            assert cost == _brute_force(lengths, 32, s), name
+
+
+# ------------------------------------------------------------------------------------------------ prompt buckets
+def test_prompt_shares_are_those_of_every_step():
+    """Steps of 2 prompts drawn (with replacement) from 4 prompts: every one of the 16 steps enumerated."""
+    lengths = [10, 20, 40, 70]
+    counts: dict[int, int] = {}
+    for pair in itertools.product(lengths, repeat=2):
+        b = max(16, 1 << (max(pair) - 1).bit_length())
+        counts[b] = counts.get(b, 0) + 1
+    shares = shapes_lib.prompt_shares(lengths, 2)
+    assert shares.keys() == counts.keys() and sum(shares.values()) == pytest.approx(1.0)
+    for b, n in counts.items():
+        assert shares[b] == pytest.approx(n / 16), b
+    assert shapes_lib.prompt_sets(shares) == [(128,), (64, 128), (32, 64, 128), (16, 32, 64, 128)]
+    assert [shapes_lib.pad_prompt(b, (32, 128)) for b in (16, 32, 64, 128)] == [32, 32, 128, 128]
+
+
+# ------------------------------------------------------------------------------------------------ the choice
+def test_choose_takes_the_least_estimated_run_time():
+    """The estimate written out again in NumPy for every (prompt buckets, shapes) pair; `choose` takes its argmin."""
+    sets = shapes_lib.candidates(16, 4, 256, 1024)
+    shares = shapes_lib.prompt_shares(np.r_[np.full(90, 100), np.full(10, 200)], 4)
+    loads = {p: shapes_lib.step_load(sets, step_rows=64, mini_rows=32, epochs=2, prompt_len=p, budget=1024)
+             for p in shares}
+    prices = shapes_lib.Prices.from_score({"score": 2.0, "reference": 1.5}, {"score": 0.4, "reference": 0.3},
+                                          units=17 * 1280, remat=True)
+    assert prices.compile_s["gradient"] == shapes_lib.GRADIENT_COMPILE * 2.0
+    assert prices.unit_s["gradient"] == pytest.approx(4 * 0.4 / (17 * 1280))
+    for steps, threads in ((5, 2), (1000, 32)):
+        choice = shapes_lib.choose(sets, loads, shares, prices, rollout=(40, 30.0), steps=steps, threads=threads)
+        want = {}
+        for prompts in shapes_lib.prompt_sets(shares):
+            for name, s in sets.items():
+                n = len(s.shapes)
+                compile_s = len(prompts) * (n * (2.0 + 1.5 + 7.0) + 30.0) / threads
+                step = 0.0
+                for b, share in shares.items():
+                    pad = min(p for p in prompts if p >= b)
+                    step += share * (loads[pad][name]["score"] * (prices.unit_s["score"] + prices.unit_s["reference"])
+                                     + loads[pad][name]["gradient"] * prices.unit_s["gradient"])
+                want[name, prompts] = compile_s + steps * step
+        best = min(want, key=want.get)
+        assert (choice.shapes.name, choice.prompts) == best, (steps, best)
+        assert {(e.name, e.prompts): e.run_s for e in choice.table} == pytest.approx(want)
+    assert len(choice.shapes.shapes) > 1 and choice.prompts == (128, 256)  # 1,000 steps: finer, both buckets
+
+
+# ------------------------------------------------------------------------------------------------ the bill
+@pytest.fixture(scope="module")
+def paper_run():
+    """The 1.7B config for v5p-8 (fsdp 4) on 4 CPU devices: config, model, shapes, the largest programs."""
+    cfg = load_config("configs/qwen3_1p7b_g2rl.yaml", ["model.path=unused", "run.total_steps=1000"])
+    model, _ = model_config(cfg, "qwen3-1.7b")
+    mesh = parallel.make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4])
+    largest = programs_lib.step_programs(cfg, model, mesh, scope="largest")
+    return cfg, model, programs_lib.step_shapes(cfg, mesh), largest
+
+
+def test_the_bill_counts_and_prices_the_bounded_set(paper_run):
+    cfg, model, s, largest = paper_run
+    seconds = {p.kind: 3.0 + i for i, p in enumerate(largest)}
+    results = [Result(p, seconds[p.kind], 0.0, lower_seconds=0.5) for p in largest]
+    target = parse_target("v5p-8")
+    b = bill_lib.bill(cfg, model, s, results, target, lengths=None)
+    n, prompts = len(b.choice.shapes.shapes), len(b.choice.prompts)
+    buckets, caps = len(s.buckets), len(s.capacities)
+    assert (buckets, caps) == (7, 7) and prompts == 1  # the worst case: every prompt at 1,024 tokens
+    eval_buckets = len(engine.batch_buckets(s.prompts * cfg.data.eval_samples, s.shards,
+                                            cfg.data.eval_max_new_tokens))
+    want = {"segment": buckets * caps + eval_buckets * caps, "score": n, "reference": n, "gradient": n,
+            "prefill": 2, "start": 2, "decode_layers": 2, "init": 1, "advantages": 1, "apply": 1,
+            "regroup": (buckets * (caps - 1) + (buckets - 1) * caps + 4 * (buckets - 1)) + 6 * n
+            + (eval_buckets * (caps - 1) + (eval_buckets - 1) * caps + 4 * (eval_buckets - 1))}
+    assert b.counts == want
+    compile_s = sum(k * (seconds[kind] - 0.5) for kind, k in want.items())
+    lower_s = 0.5 * sum(want.values())
+    assert (b.compile_s, b.lower_s) == (pytest.approx(compile_s), pytest.approx(lower_s))
+    assert b.wall_s == pytest.approx(lower_s + max(max(seconds.values()) - 0.5, compile_s / 32))
+    assert b.share == pytest.approx(b.wall_s / (b.wall_s + 1000 * b.step_s)) and 0 < b.share < 1
+    # the passes priced by the FLOP model at ESTIMATE_MFU, as the trainer prices them by measurement
+    assert b.passes_s == pytest.approx(b.choice.chosen.step_s) and b.decode_s > 0
+    assert ESTIMATE_MFU > 0 and any("compile share" in line for line in b.lines())
+
+
+def test_the_decode_the_bill_prices_is_the_decode_loop(paper_run):
+    cfg, _, s, _ = paper_run
+    lengths = shapes_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, 0)
+    segments = engine.decode_segments(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards)
+    assert lengths.max() == cfg.rollout.max_new_tokens and sum(n for *_, n in segments) == lengths.max() - 1
+    assert {(r, c) for r, c, _ in segments} <= {(r, c) for r in s.buckets for c in s.capacities}
+    # every halving goes to the next bucket: the moves the set holds
+    assert all(b in (a, engine.batch_bucket(a // 2, s.shards)) for (a, _, _), (b, _, _) in zip(segments, segments[1:]))
