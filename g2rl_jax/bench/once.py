@@ -134,7 +134,8 @@ def _trainer_once(checkout: Path, config: str, overrides: list[str], tmp: Path, 
         per_step[i] += 1
         if i >= 1:
             after.append((t - seconds, t))
-    return {"wall": data["wall"], "programs": len(data["events"]), "per_step": per_step,
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return {"wall": data["wall"], "programs": len(data["events"]), "per_step": per_step, "summary": summary,
             "compile_s": _union([(t - s, t) for t, s in data["events"]]), "after_programs": sum(per_step[1:]),
             "after_s": _union(after), "steps": len(lines)}
 
@@ -160,6 +161,9 @@ def trainer(a) -> int:
               f"| {r['after_programs']} | {r['after_s']:.1f} |")
     for name, r in results.items():
         print(f"{name}: programs per step {r['per_step']}")
+        accuracy = {k: v for k, v in r["summary"].items() if k.startswith("accuracy")}
+        if accuracy:  # the numbers the run reached: the shape set moves padding, not results (tests/test_warmup.py)
+            print(f"{name}: summary.json {accuracy}")
     b, n = results["before"], results["after"]
     print(f"after / before: run time {n['wall'] / b['wall']:.2f}x, programs {n['programs'] / b['programs']:.2f}x, "
           f"compile seconds {n['compile_s'] / max(b['compile_s'], 1e-9):.2f}x", flush=True)
