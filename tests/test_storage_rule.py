@@ -23,6 +23,7 @@ ALLOWED = {
     "bench/compile.py": "benchmark scratch: a temporary directory and the relaunched process's log",
     "bench/step.py": "benchmark scratch: a temporary random model directory",
     "bench/verify.py": "the package's source trees for the before/after verifier processes",
+    "bench/once.py": "benchmark scratch: temporary run directories and caches of the before/after checkouts' runs",
 }
 
 

@@ -56,17 +56,18 @@ def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
 
 def prompt_lengths(cfg: Config) -> np.ndarray | None:
     """The training prompts' token counts (under data.max_prompt_tokens), or None when model.path has no tokenizer
-    (a preset's architecture alone)."""
-    try:
-        from transformers import AutoTokenizer
+    that renders them (a preset's architecture alone, a directory with config.json only) or the data cannot be read
+    here; the bill then says it assumed prompts at data.max_prompt_tokens."""
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    except (OSError, ValueError):
-        return None
     from g2rl_jax.train.setup import length_filter, load_examples
     from g2rl_jax.train.setup import prompt_lengths as lengths_of
 
-    kept, _ = length_filter(load_examples(cfg.data.train_dataset, cfg.data), tokenizer, cfg.data)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        kept, _ = length_filter(load_examples(cfg.data.train_dataset, cfg.data), tokenizer, cfg.data)
+    except (OSError, ValueError):  # ValueError: no chat template to render with, or a DataError
+        return None
     return lengths_of([kept], tokenizer, cfg.data)
 
 

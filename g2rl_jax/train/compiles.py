@@ -82,6 +82,35 @@ class _Lowerings(logging.Filter):
         return describe(module, last[1]) if last and last[0] == module else describe(module, ())
 
 
+class _SharedLowerings:
+    """One filter on jax's lowering logger for every open clock: a logger stops at its first filter that rejects a
+    record, so a second filter of its own would never see the records the first one hides."""
+
+    def __init__(self):
+        self.lock, self.users, self.filter, self.old_level = threading.Lock(), 0, None, logging.NOTSET
+
+    def attach(self) -> _Lowerings:
+        with self.lock:
+            logger = logging.getLogger(LOWERING_LOGGER)
+            if self.users == 0:
+                self.filter, self.old_level = _Lowerings(logger.getEffectiveLevel()), logger.level
+                logger.addFilter(self.filter)
+                logger.setLevel(min(logging.DEBUG, logger.getEffectiveLevel()))
+            self.users += 1
+            return self.filter
+
+    def detach(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                logger = logging.getLogger(LOWERING_LOGGER)
+                logger.removeFilter(self.filter)
+                logger.setLevel(self.old_level)
+
+
+_SHARED = _SharedLowerings()
+
+
 class CompileClock:
     """Counts the programs compiled and the seconds spent compiling, from its creation to `close` (see the module
     docstring); `take()` returns and resets what happened since the previous take."""
@@ -91,9 +120,7 @@ class CompileClock:
         self._intervals: list[tuple[float, float]] = []
         self._names: list[str] = []
         self.started = self._since = time.perf_counter()
-        logger = logging.getLogger(LOWERING_LOGGER)
-        self._lowerings = _Lowerings(logger.getEffectiveLevel())
-        self._old_level = logger.level
+        self._lowerings: _Lowerings | None = None
         self._open = False
         self.open()
 
@@ -102,13 +129,11 @@ class CompileClock:
         if self._open:
             return
         self._open = True
-        logger = logging.getLogger(LOWERING_LOGGER)
-        logger.addFilter(self._lowerings)
-        logger.setLevel(min(logging.DEBUG, logger.getEffectiveLevel()))
+        self._lowerings = _SHARED.attach()
         jax.monitoring.register_event_duration_secs_listener(self._listen)
 
     def _listen(self, event: str, duration: float, **kw) -> None:
-        if event not in EVENTS:
+        if event not in EVENTS or self._lowerings is None:
             return
         end = time.perf_counter()
         name = self._lowerings.program(str(kw.get("fun_name", "?"))) if event == COMPILE_EVENT else None
@@ -132,6 +157,4 @@ class CompileClock:
             return
         self._open = False
         jax.monitoring.unregister_event_duration_listener(self._listen)
-        logger = logging.getLogger(LOWERING_LOGGER)
-        logger.removeFilter(self._lowerings)
-        logger.setLevel(self._old_level)
+        _SHARED.detach()
