@@ -44,3 +44,18 @@ def test_the_clock_counts_names_and_forgets_nothing():
     assert again.programs == 0 and again.seconds < first.seconds
     assert third.programs >= 1 and any(n.startswith("affine float32[4,5]") for n in third.names), third
     assert describe("jit(f)", [f"s{i}" for i in range(9)]) == "f s4 s5 s6 s7 s8"
+
+
+def test_masked_metric_compiles_at_its_first_call_whatever_the_mask():
+    """A step metric over masked rows (single-class groups) compiled nothing new the first step one was present."""
+    from g2rl_jax.train.metrics import _masked_mean
+
+    x_B = jnp.arange(6, dtype=jnp.float32)
+    assert np.isnan(_masked_mean(x_B, jnp.zeros(6, bool)))  # the first steps: no such group
+    clock = CompileClock()
+    try:
+        assert _masked_mean(x_B, jnp.array([1, 0, 1, 0, 0, 0], bool)) == 1.0
+        window = clock.take()
+    finally:
+        clock.close()
+    assert window.programs == 0, window.names

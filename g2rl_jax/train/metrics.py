@@ -57,9 +57,10 @@ HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent",
 
 
 def _masked_mean(x_B, mask_B) -> float:
-    """Mean of x over the rows where mask is set; NaN (written as null) when none is."""
-    count = float(jnp.sum(mask_B))
-    return float(jnp.sum(jnp.where(mask_B, x_B, 0.0))) / count if count else math.nan
+    """Mean of x over the rows where mask is set; NaN (written as null) when none is. Both sums run every step, so
+    their programs compile at the first step, not at the first step that has a masked row."""
+    count, total = float(jnp.sum(mask_B)), float(jnp.sum(jnp.where(mask_B, x_B, 0.0)))
+    return total / count if count else math.nan
 
 
 def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[str, float]:
