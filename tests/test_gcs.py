@@ -220,6 +220,39 @@ def test_eval_and_export_from_the_bucket_checkpoint(killed_run, gcs, tmp_path, m
     assert "is not empty" in capsys.readouterr().err
 
 
+def test_lora_init_from_analyze_and_plot_on_the_bucket(killed_run, gcs, bucket, assets, tmp_path, monkeypatch,  # noqa: F811
+                                                      capsys):
+    """model.lora.init_from in the bucket (copied to the local cache, then loaded: the same adapter factors),
+    analyze's --checkpoint and --out and plot's run directory and --out, each a gs:// path."""
+    from g2rl_jax import analyze, plot
+    from g2rl_jax.config import load_config
+    from g2rl_jax.model import load_pretrained, lora, peft_io
+    from g2rl_jax.train.setup import resolve_model_paths
+
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    spec = lora.LoraSpec(4, 8.0, ("q_proj", "v_proj"))
+    trained = lora.attach(load_pretrained(assets["policy"]), spec, dtype="float32", seed=3)
+    storage.upload_tree(peft_io.save_adapter(trained, tmp_path / "adapter", base_model=bucket["policy"]),
+                        gcs.url("adapters/a"))
+    cfg = resolve_model_paths(load_config(str(ROOT / "configs" / "demo.yaml"), [
+        f"model.path={bucket['policy']}", "model.lora.rank=4", "model.lora.alpha=8.0", "model.lora.targets=q,v",
+        f"model.lora.init_from={gcs.url('adapters/a')}"]))
+    assert not storage.is_url(cfg.model.lora.init_from) and not storage.is_url(cfg.model.path)
+    fresh = lora.attach(load_pretrained(cfg.model.path), spec, dtype="float32", seed=0)
+    peft_io.load_adapter(fresh, cfg.model.lora.init_from)
+    for name in spec.targets:
+        for x, y in zip(fresh.adapters.factors(name), trained.adapters.factors(name)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    run, out = killed_run["out"], gcs.url("analysis/killed")
+    assert analyze.main(["--checkpoint", run, "--dataset", bucket["eval"], "--problems", "2", "--samples", "4",
+                         "--max-new-tokens", "8", "--batch-size", "2", "--out", out]) == 0, capsys.readouterr().err
+    models = json.loads(storage.read_text(f"{out}/analysis.json"))["models"]
+    assert len(models) == 1 and {"geometry.png", "analysis.json"} <= set(storage.names(out))
+    assert plot.main([run, "--out", gcs.url("plots/killed.png")]) == 0, capsys.readouterr().err
+    assert storage.read_bytes(gcs.url("plots/killed.png"))[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_compilation_cache_in_the_bucket(gcs):
     """run.compilation_cache_dir=gs://...: JAX writes its compiled programs to the bucket (through etils epath and
     gcsfs, as the rest of the run's files)."""
