@@ -107,7 +107,7 @@ def tiny(tmp_path_factory):
     from g2rl_jax.demo.task import examples
     from g2rl_jax.demo.tokenizer import make_tokenizer
     from g2rl_jax.model import load_pretrained
-    from g2rl_jax.train import step as train_step
+    from g2rl_jax.train import optim as train_optim
     from g2rl_jax.train.checkpoint import Checkpointer
 
     root = tmp_path_factory.mktemp("analyze")
@@ -128,7 +128,7 @@ def tiny(tmp_path_factory):
     save_resolved(cfg, run_dir)
     graphdef, params = nnx.split(load_pretrained(policy_dir, "float32"))
     trained = jax.tree.map(lambda p: p + 0.01 * jnp.cos(jnp.arange(p.size, dtype=p.dtype).reshape(p.shape)), params)
-    optimizer = train_step.make_optimizer(OptimConfig(), total_updates=10)
+    optimizer = train_optim.make_optimizer(OptimConfig(), total_updates=10)
     ckpt = Checkpointer(run_dir, every=1, keep=2)
     for step, p in ((1, params), (3, trained)):
         state = {"params": p, "opt_state": optimizer.init(p), "step": jnp.int32(step),

@@ -15,6 +15,7 @@ from g2rl_jax.config import load_config
 from g2rl_jax.model import lora
 from g2rl_jax.model.config import PRESETS, Qwen3Config
 from g2rl_jax.model.qwen3 import Qwen3
+from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.setup import runtime_config
 
@@ -152,8 +153,8 @@ def _sharded_model(cfg, model: Qwen3Config, devices: int):
 def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     """Per-device bytes XLA assigns to the compiled update: arguments + outputs − donated aliases + temporaries."""
     sizes, mesh, graphdef, params = _sharded_model(cfg, model, devices)
-    optimizer = train_step.make_optimizer(cfg.optim, 10)
-    opt_state = train_step.init_optimizer(optimizer, lora.trainable(params))
+    optimizer = train_optim.make_optimizer(cfg.optim, 10)
+    opt_state = train_optim.init_optimizer(optimizer, lora.trainable(params))
     _, _, s, t = M.kv_cache_bytes(cfg, model, sizes)
     rows = cfg.algorithm.mini_batch_size
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 from g2rl_jax.config import ConfigError, load_config
 from g2rl_jax.demo.tokenizer import make_tokenizer
+from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
@@ -414,7 +415,7 @@ def test_learning_rate_schedule_warmup_then_cosine():
     from g2rl_jax.config import OptimConfig
 
     lr, w, total, a = 1e-3, 4, 20, 0.1
-    sched = train_step.learning_rate_schedule(OptimConfig(learning_rate=lr, warmup_steps=w, min_lr_ratio=a), total)
+    sched = train_optim.learning_rate_schedule(OptimConfig(learning_rate=lr, warmup_steps=w, min_lr_ratio=a), total)
     for t in range(0, 25):
         d = min(t - w, total - w) / (total - w)
         want = lr * t / w if t < w else lr * ((1 - a) * 0.5 * (1 + np.cos(np.pi * d)) + a)
@@ -426,7 +427,7 @@ def test_gradients_are_clipped_to_max_grad_norm():
     from g2rl_jax.config import OptimConfig
 
     lr = 0.1
-    opt = train_step.make_optimizer(OptimConfig(learning_rate=lr, b1=0.0, b2=0.0, eps=1.0, weight_decay=0.0,
+    opt = train_optim.make_optimizer(OptimConfig(learning_rate=lr, b1=0.0, b2=0.0, eps=1.0, weight_decay=0.0,
                                                 max_grad_norm=1.0), 10)
     params = {"w": jnp.zeros(2)}
     updates, _ = opt.update({"w": jnp.array([30.0, 40.0])}, opt.init(params), params)  # norm 50 -> [0.6, 0.8]

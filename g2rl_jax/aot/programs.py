@@ -48,6 +48,7 @@ from g2rl_jax.model.qwen3 import LAYER_AXES, PrefixCache, Qwen3, SuffixCache
 from g2rl_jax.rollout import batching, engine
 from g2rl_jax.rollout.sampling import spec_for
 from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import setup
 from g2rl_jax.train import step as train_step
 
@@ -181,8 +182,8 @@ def step_programs(cfg: Config, model: Qwen3Config, mesh, scope: str = "all",
     graphdef, params = abstract_policy(model, runtime, mesh, build)
     trainable = lora.trainable(params)  # the adapters with LoRA: the only gradients and moments
     steps = cfg.run.total_steps * cfg.algorithm.ppo_epochs * shapes.step_rows // cfg.algorithm.mini_batch_size
-    optimizer = train_step.make_optimizer(cfg.optim, steps)
-    init = train_step.optimizer_init_fn(optimizer, trainable)
+    optimizer = train_optim.make_optimizer(cfg.optim, steps)
+    init = train_optim.optimizer_init_fn(optimizer, trainable)
     opt_state = jax.eval_shape(init, trainable)
     # the KL reference: a frozen copy, or with LoRA the same params with the adapters off
     ref = params if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.rank else None

@@ -28,6 +28,7 @@ from flax import nnx
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, lora
 from g2rl_jax.rollout import generate
+from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 
 
@@ -89,7 +90,7 @@ class _Update:
 
     def __init__(self, model, mini, a):
         self.graphdef, self.params = nnx.split(model)
-        self.optimizer = train_step.make_optimizer(OptimConfig(learning_rate=1e-4), 1000)
+        self.optimizer = train_optim.make_optimizer(OptimConfig(learning_rate=1e-4), 1000)
         self.opt_state = jax.jit(self.optimizer.init)(lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(AlgorithmConfig(kl_coef=0.001), 1.0)
         self.mini, self.micro = mini, a.micro

@@ -40,6 +40,7 @@ from g2rl_jax import cli
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 
 _KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float}
@@ -141,8 +142,8 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
     rt = RuntimeConfig(param_dtype=v["param_dtype"], compute_dtype="bfloat16", remat=v["remat"],
                        attention=v["attention"])
     graphdef, params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
-    optimizer = train_step.make_optimizer(OptimConfig(), total_updates=1000)
-    opt_state = train_step.init_optimizer(optimizer, params)
+    optimizer = train_optim.make_optimizer(OptimConfig(), total_updates=1000)
+    opt_state = train_optim.init_optimizer(optimizer, params)
     settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
     times = [[] for _ in minis]
     for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns

@@ -9,6 +9,10 @@
   dynamic.py     DAPO dynamic sampling: which groups a step keeps over rollout rounds, merging the rounds
   loop.py        the Trainer and `python -m g2rl_jax.train`; its rollout rounds and validation: sampling_rounds.py;
                  stages.py: the `stage` context that names a failing stage and its input shapes
+  step.py        one RL step's stages as pure functions (batch, score, reference, advantages, update); optim.py:
+                 the optimizer and its sharded state; micro.py: length-grouped micro-batches
+  shapes.py      the bounded set of micro-batch shapes and prompt buckets a run compiles, chosen by estimated run
+                 time; warmup.py compiles it at the first step; compiles.py: the per-step compile clock
 """
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar

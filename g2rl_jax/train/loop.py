@@ -42,6 +42,7 @@ from g2rl_jax.rollout import Rollout, logprob_drift
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
 from g2rl_jax.train import compiles, identity, report, warmup
 from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
 from g2rl_jax.train.lifecycle import (
@@ -169,10 +170,10 @@ class Trainer(SamplingRounds):
             raise ConfigError(f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide the "
                               f"{responses} responses of a step (data.prompts_per_step × rollout.num_samples)")
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
-        self.optimizer = train_step.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.schedule = train_step.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
+        self.optimizer = train_optim.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
+        self.schedule = train_optim.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
         # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
-        self.opt_state = train_step.init_optimizer(self.optimizer, lora.trainable(self.params))
+        self.opt_state = train_optim.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
         self.warmup = warmup.RunWarmup(warmup.resolve_threads(cfg.run.compile_threads),
                                        choice_file=self.run_dir / warmup.CHOICE_FILE,
