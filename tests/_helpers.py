@@ -3,11 +3,19 @@
     from _helpers import create_sharded, tiny_qwen3_fixtures
     model = create_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), mesh=mesh), mesh)   # random init, in place
     model_dir, model = tiny_qwen3_fixtures()   # module-scoped fixtures of one tiny random Qwen3 per test module
+    kill_when(proc, ready, log)                # SIGKILL a trainer subprocess the moment a condition holds
+    with lock_held_elsewhere(out, env) as holder: ...   # another process holds the run lock of `out`
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
 import re
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 
 import jax
@@ -25,6 +33,48 @@ def xla_flags(devices: int) -> str:
     device count. (g2rl_jax, imported first there, sizes XLA:CPU's pool for that count.)"""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+ ?", "", os.environ.get("XLA_FLAGS", ""))
     return f"--xla_force_host_platform_device_count={devices} {flags}".strip()
+
+
+HANG_S = 3600  # only a run that neither ends nor reaches the awaited state in an hour is reported as hung
+
+
+def tail(log) -> str:
+    """The end of a subprocess's stderr file (`log`, open for writing)."""
+    log.flush()
+    return pathlib.Path(log.name).read_text(errors="replace")[-3000:]
+
+
+def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], log) -> bool:
+    """SIGKILL proc the moment ready() holds; False if the run ended first. It waits on the condition (or the run's
+    end), not on a fixed time, so a slow, loaded machine only makes it wait longer; HANG_S only guards a hang."""
+    t0 = time.monotonic()
+    while proc.poll() is None:
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        if time.monotonic() - t0 > HANG_S:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"the run neither ended nor got there in {HANG_S}s: {tail(log)}")
+        time.sleep(0.005)
+    return False
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(out: str, env: dict):
+    """Another process holds the run lock of `out` (a directory or a gs:// URL) inside the block; it is killed
+    without releasing the lock at the end, so the lock it leaves is stale. Yields the Popen (its pid is the lock's)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from g2rl_jax.train.lifecycle import RunLock\n"
+                               f"RunLock({out!r}).acquire(); print('held', flush=True); time.sleep(120)"],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
 
 
 def create_sharded(make_module: Callable[[], nnx.Module], mesh, rules=DEFAULT_RULES):

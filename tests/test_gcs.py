@@ -7,11 +7,9 @@ bucket; eval and export reading the gs:// checkpoint and writing to the bucket; 
 test_train.py."""
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -19,7 +17,6 @@ import pytest
 from test_checkpoint import _abstract, _assert_equal, _BytesIterator, _state
 from test_train import (  # noqa: F401 - assets and reference are fixtures
     DATASET,
-    HANG_S,
     ROOT,
     _assert_same_metrics,
     _env,
@@ -34,7 +31,7 @@ from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.lifecycle import LOCK_FILE, RunLock
 from g2rl_jax.train.metrics import read_metrics
 
-from _helpers import xla_flags
+from _helpers import HANG_S, kill_when, lock_held_elsewhere, xla_flags
 
 STEPS = 3
 
@@ -68,18 +65,6 @@ def _saving(out) -> bool:
     return any(n.isdigit() and not storage.exists(f"{ckpts}/{n}/commit_success.txt") for n in storage.names(ckpts))
 
 
-def _kill_when(proc, ready) -> bool:
-    t0 = time.monotonic()
-    while proc.poll() is None:
-        if ready():
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return True
-        assert time.monotonic() - t0 < HANG_S, "the run neither ended nor got there"
-        time.sleep(0.01)
-    return False
-
-
 @pytest.fixture(scope="module")
 def killed_run(gcs, assets, bucket, tmp_path_factory):  # noqa: F811
     """The trainer on the bucket killed with -9 mid-save, rerun and killed once step 2 is committed, rerun to the
@@ -90,9 +75,9 @@ def killed_run(gcs, assets, bucket, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("logs") / "trainer.err"
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        mid_save = _kill_when(proc, lambda: _saving(out))
+        mid_save = kill_when(proc, lambda: _saving(out), err)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        _kill_when(proc, lambda: any(s >= 2 for s in _committed(out)))
+        kill_when(proc, lambda: any(s >= 2 for s in _committed(out)), err)
     committed = _committed(out)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
     return {"out": out, "mid_save": mid_save, "committed": committed, "done": done, "log": log.read_text()}
@@ -150,20 +135,12 @@ def test_second_trainer_is_refused_and_a_stale_lock_taken_over(gcs, assets, buck
     from g2rl_jax.train.loop import main
 
     out = gcs.url("runs/locked")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from g2rl_jax.train.lifecycle import RunLock\n"
-                               f"RunLock({out!r}).acquire(); print('held', flush=True); time.sleep(120)"],
-                              env=_env(), stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(out, _env()) as holder:
         cmd = _gs_cmd(assets, bucket, out, steps=1)
         assert main(cmd[cmd.index("--config"):]) == 2
         err = capsys.readouterr().err
         assert f"is in use by another trainer (pid {holder.pid} on host '{socket.gethostname()}'" in err, err
         assert f"delete {out}/{LOCK_FILE}" in err
-    finally:
-        holder.kill()
-        holder.wait()
     lock = RunLock(out)  # the holder died without releasing: same host, pid gone, so the lock is stale
     lock.acquire()
     assert f"removing the stale lock {out}/{LOCK_FILE} of pid {holder.pid}" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from g2rl_jax.train.lifecycle import HISTORY_FILE, LOCK_FILE, PREEMPTED_EXIT, Ru
 from g2rl_jax.train.loop import main
 from g2rl_jax.train.metrics import read_metrics
 
-from _helpers import xla_flags
+from _helpers import lock_held_elsewhere, xla_flags
 
 
 def _wait_for(condition, proc, timeout=300):
@@ -36,18 +36,10 @@ def _wait_for(condition, proc, timeout=300):
 
 # ------------------------------------------------------------------------------------------ the lock
 def test_lock_between_real_processes_and_stale_locks(tmp_path, capsys):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from g2rl_jax.train.lifecycle import RunLock\n"
-                               f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(120)"],
-                              env=_env(), stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(str(tmp_path), _env()) as holder:
         with pytest.raises(ConfigError, match=rf"in use by another trainer \(pid {holder.pid} on host "
                                               rf"'{socket.gethostname()}'.*delete {tmp_path / LOCK_FILE}"):
             RunLock(tmp_path).acquire()
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
     lock = RunLock(tmp_path)  # the holder died without releasing: its lock is stale
     lock.acquire()
     assert f"removing the stale lock {tmp_path / LOCK_FILE} of pid {holder.pid}" in capsys.readouterr().err

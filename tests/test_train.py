@@ -7,7 +7,6 @@ micro-batch accumulation equals one full batch; sharded equals unsharded; bad in
 import dataclasses
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from g2rl_jax.train import step as train_step
 from g2rl_jax.train.loop import Trainer, main
 from g2rl_jax.train.metrics import read_metrics
 
-from _helpers import placed_on_mesh_and_one_device, xla_flags
+from _helpers import HANG_S, kill_when, placed_on_mesh_and_one_device, tail, xla_flags
 from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -162,31 +161,6 @@ def _env():
     return env
 
 
-HANG_S = 3600  # only a run that neither ends nor reaches the awaited state in an hour is reported as hung
-
-
-def _kill_when(proc, ready, log) -> bool:
-    """SIGKILL proc the moment ready() holds; False if the run ended first. It waits on the condition (or the run's
-    end), not on a fixed time, so a slow, loaded machine only makes it wait longer; HANG_S only guards a hang."""
-    t0 = time.monotonic()
-    while proc.poll() is None:
-        if ready():
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return True
-        if time.monotonic() - t0 > HANG_S:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"the run neither ended nor got there in {HANG_S}s: {_tail(log)}")
-        time.sleep(0.005)
-    return False
-
-
-def _tail(log) -> str:
-    log.flush()
-    return pathlib.Path(log.name).read_text(errors="replace")[-3000:]
-
-
 def test_kill_9_mid_run_and_mid_save_then_resume(assets, tmp_path, reference):
     out = tmp_path / "killed"
     ckpts = out / "checkpoints"
@@ -198,12 +172,12 @@ def test_kill_9_mid_run_and_mid_save_then_resume(assets, tmp_path, reference):
         # 1) mid-save: kill the moment a temporary (uncommitted) checkpoint directory appears
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
         mid_save = lambda: ckpts.is_dir() and any("tmp" in p.name for p in ckpts.iterdir())  # noqa: E731
-        assert _kill_when(proc, mid_save, log), f"no checkpoint save was observed before the run ended: {_tail(log)}"
+        assert kill_when(proc, mid_save, log), f"no checkpoint save was observed before the run ended: {tail(log)}"
         # 2) mid-run: rerun, kill once a later step's checkpoint is committed
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
         def committed():
             return ckpts.is_dir() and any(p.name.isdigit() and int(p.name) >= 2 for p in ckpts.iterdir())
-        _kill_when(proc, committed, log)
+        kill_when(proc, committed, log)
     # 3) rerun to the end: it resumes from a committed checkpoint, and the metrics equal an uninterrupted run
     committed_steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()]
     assert committed_steps, "the mid-run kill left no committed checkpoint to resume from"
