@@ -3,6 +3,7 @@
     clock = CompileClock()          # from now on, every thread of the process
     ...                             # a step
     window = clock.take()           # since the previous take: programs, seconds, what each program was
+    clock.step_figures(step, after_warmup=True)   # the same as a step's metrics, and one line if any
     clock.close()
 
 `programs` counts backend compiles (jax.monitoring's `/jax/core/compile/backend_compile_duration`, one per XLA
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 
@@ -151,6 +153,15 @@ class CompileClock:
             since, self._since = self._since, now
         clipped = [(max(start, since), min(end, now)) for start, end in intervals]
         return Window(len(names), union_seconds([(a, b) for a, b in clipped if b > a]), tuple(names))
+
+    def step_figures(self, step: int, *, after_warmup: bool) -> dict[str, float]:
+        """`take()` as the step's compile_seconds and programs_compiled; a step after the warm-up that compiled
+        anything says so in one line on stderr (process 0)."""
+        window = self.take()
+        if after_warmup and window.programs and jax.process_index() == 0:
+            print(f"step {step} compiled {window.programs} program(s) after the warm-up step "
+                  f"({window.seconds:.1f} s): {'; '.join(window.names)}", file=sys.stderr, flush=True)
+        return {"compile_seconds": window.seconds, "programs_compiled": window.programs}
 
     def close(self) -> None:
         if not self._open:

@@ -53,7 +53,7 @@ from g2rl_jax.train.lifecycle import (
     append_history,
     check_resume_config,
 )
-from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, single_class_metrics
+from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, step_metrics
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_platforms,
@@ -269,7 +269,9 @@ class Trainer(SamplingRounds):
         passes = 1 + (ref is not None)
         info["positions"] += passes * plan.positions
         info["padding"] += passes * plan.padding
-        metrics = self._metrics(step, batch, scores, signal, info, (t0, t1, t2, t3, t4))
+        metrics = step_metrics(batch, scores, signal, info, (t0, t1, t2, t3, t4), step=step,
+                               learning_rate=float(self.schedule((step + 1) * self.updates_per_step - 1)),
+                               novelty=self.method.novelty)
         metrics |= self._sampling_metrics(sampled_correct)
         metrics["truncated_fraction"] = float(jnp.mean(truncated_B))  # share of responses that hit the budget
         metrics |= logprob_drift(shard_rows(rollout.logprobs_BxT, self.mesh), scores.logp_BxT, batch.response_mask)
@@ -331,32 +333,6 @@ class Trainer(SamplingRounds):
                                       np.zeros(rows, np.float32), np.zeros(rows, bool), batch.group_size)
         return shard_rows(like, self.mesh)
 
-    def _metrics(self, step, batch, scores, signal, info, times) -> dict[str, float]:
-        """Reductions over the global arrays (every process gets the same numbers)."""
-        t0, t1, t2, t3, t4 = times
-        mask_BxT = batch.response_mask
-        tokens = float(jnp.sum(mask_BxT))
-        updates_done = (step + 1) * self.updates_per_step
-        novelty = {"novelty": float(jnp.mean(signal["nu"]))} if self.method.novelty else {}
-        return novelty | {
-            "step": step + 1,
-            "accuracy": float(jnp.mean(batch.correct)),
-            "reward": float(jnp.mean(signal["shaped_rewards"])),
-            "loss": info["loss"], "kl": info.get("kl", 0.0),
-            "entropy": float(jnp.sum(scores.entropy_BxT * mask_BxT)) / max(tokens, 1.0),
-            "response_length": tokens / mask_BxT.shape[0],
-            "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
-            "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],
-            "learning_rate": float(self.schedule(updates_done - 1)),
-            "skipped_updates": info["skipped_updates"], "groups_kept": info["groups_kept"],
-            "rollout_seconds": t1 - t0, "reward_seconds": t2 - t1, "score_seconds": t3 - t2,
-            "update_seconds": t4 - t3,
-            "tokens_per_second": tokens / max(t4 - t0, 1e-9),
-            "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
-            "padding_fraction": info["padding"] / max(info["positions"], 1),
-        } | single_class_metrics(signal, novelty=bool(novelty)) | {
-            k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
-
     # ------------------------------------------------------------------------------------------- the loop
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
         """Train until run.total_steps (or, for tests and notebooks, until step `stop_after`). With
@@ -392,7 +368,7 @@ class Trainer(SamplingRounds):
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
                         validation = self._validate_step(writer, metrics)
                         metrics.update(validation)
-                    metrics |= self._compiled(self.step > warm_step)
+                    metrics |= self.clock.step_figures(self.step, after_warmup=self.step > warm_step)
                     writer.write(self.step, metrics)
                     bar.update(self.step, metrics)
                     history.append(metrics)
@@ -417,15 +393,6 @@ class Trainer(SamplingRounds):
                 print(json.dumps({k: summary[k] for k in keys}))
                 print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
         return history
-
-    def _compiled(self, after_warmup: bool) -> dict[str, float]:
-        """The step's compile_seconds and programs_compiled (train/compiles.py); a step after the warm-up that
-        compiled anything says so in one line."""
-        window = self.clock.take()
-        if after_warmup and window.programs and jax.process_index() == 0:
-            print(f"step {self.step} compiled {window.programs} program(s) after the warm-up step "
-                  f"({window.seconds:.1f} s): {'; '.join(window.names)}", file=sys.stderr, flush=True)
-        return {"compile_seconds": window.seconds, "programs_compiled": window.programs}
 
     def _validate_step(self, writer: MetricsWriter, metrics: dict[str, float]) -> dict[str, float]:
         """The validation of a finished step; if it is interrupted (SIGTERM, Ctrl-C), the step's own metrics are

@@ -21,8 +21,9 @@ Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ..
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
 equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`. A start from step 0 moves
 an existing metrics.jsonl aside (metrics.jsonl.1, .2, ...) instead.
-`single_class_metrics(signal, novelty=)` reduces the step's single-class diagnostics (shares of single-class and
-all-wrong groups, the advantages they give their most and least novel response) for the trainer's record.
+`step_metrics(...)` is the trainer's record of one step (reductions over the global arrays, the update's figures,
+the stage times); part of it, `single_class_metrics(signal, novelty=)` reduces the step's single-class diagnostics
+(shares of single-class and all-wrong groups, the advantages they give their most and least novel response).
 Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard and W&B.
 W&B: the run's id is kept in `<run_dir>/wandb_id.txt`, so a resumed run continues the same W&B run (resume
 "allow"); W&B cannot take back steps it already has, so after a resume it ignores (and warns about) the steps
@@ -76,6 +77,35 @@ def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[st
             out[f"single_class_adv_{which}_novel"] = _masked_mean(adv_B, single_B)
             out[f"all_wrong_adv_{which}_novel"] = _masked_mean(adv_B, wrong_B)
     return out
+
+
+def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate: float,
+                 novelty: bool) -> dict[str, float]:
+    """The trainer's record of one step: reductions over the global arrays (every process gets the same numbers),
+    the update's `info`, and the stage times `times` = (start, rollout done, rewards done, advantages done, update
+    done) in perf_counter seconds."""
+    t0, t1, t2, t3, t4 = times
+    mask_BxT = batch.response_mask
+    tokens = float(jnp.sum(mask_BxT))
+    nu = {"novelty": float(jnp.mean(signal["nu"]))} if novelty else {}
+    return nu | {
+        "step": step + 1,
+        "accuracy": float(jnp.mean(batch.correct)),
+        "reward": float(jnp.mean(signal["shaped_rewards"])),
+        "loss": info["loss"], "kl": info.get("kl", 0.0),
+        "entropy": float(jnp.sum(scores.entropy_BxT * mask_BxT)) / max(tokens, 1.0),
+        "response_length": tokens / mask_BxT.shape[0],
+        "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
+        "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],
+        "learning_rate": learning_rate,
+        "skipped_updates": info["skipped_updates"], "groups_kept": info["groups_kept"],
+        "rollout_seconds": t1 - t0, "reward_seconds": t2 - t1, "score_seconds": t3 - t2,
+        "update_seconds": t4 - t3,
+        "tokens_per_second": tokens / max(t4 - t0, 1e-9),
+        "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
+        "padding_fraction": info["padding"] / max(info["positions"], 1),
+    } | single_class_metrics(signal, novelty=novelty) | {
+        k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
 
 
 def _summary_writer(*args, **kwargs):
