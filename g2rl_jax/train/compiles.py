@@ -3,7 +3,7 @@
     clock = CompileClock()          # from now on, every thread of the process
     ...                             # a step
     window = clock.take()           # since the previous take: programs, seconds, what each program was
-    clock.step_figures(step, after_warmup=True)   # the same as a step's metrics, and one line if any
+    clock.step_figures(step, after_warmup=True)   # or: a take as a step's metrics, one stderr line if any
     clock.close()
 
 `programs` counts backend compiles (jax.monitoring's `/jax/core/compile/backend_compile_duration`, one per XLA
