@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -294,6 +295,21 @@ def test_tiny_study_draws_the_tradeoff_and_the_totals(tiny_study):
     assert (out / "tradeoff.png").stat().st_size > 0
     text = (out / "study.md").read_text()
     assert "| total |" in text and "| training, 2 runs |" in text
+
+
+def test_a_lambda_point_without_its_base_is_paired_with_grpo_only(tiny_study, tmp_path):
+    """--best-from may pick a λ point ("g2rl_zero_lam0.25") whose base variant that study never ran: the report
+    pairs it with GRPO and not with the missing base (it raised KeyError before)."""
+    out, _ = tiny_study
+    for name in ("warmstart", "grpo_s0", "g2rl_shaped_s0"):
+        shutil.copytree(out / "runs" / name, tmp_path / "runs" / name.replace("g2rl_shaped", "g2rl_zero_lam0.25"))
+    evaluation = tmp_path / "runs" / "g2rl_zero_lam0.25_s0" / study.EVAL_FILE
+    evaluation.write_text(json.dumps(json.loads(evaluation.read_text()) | {
+        "run": {"variant": "g2rl_zero_lam0.25", "seed": 0, "overrides": []}}))
+    assert study.main(["--out", str(tmp_path), "--report-only"]) == 0
+    summary = json.loads((tmp_path / "study.json").read_text())
+    assert list(summary["table"]) == ["warmstart", "grpo", "g2rl_zero_lam0.25"]
+    assert set(summary["differences"]) == {"g2rl_zero_lam0.25 − grpo"}
 
 
 # ------------------------------------------------------------------------------------------------ the second task

@@ -151,7 +151,8 @@ def summarise(variants: dict[str, list[dict]]) -> dict:
     pairs = [(v, "grpo") for v in variants if v not in ("grpo", "warmstart") and "grpo" in variants]
     if {"g2rl_shaped", "g2rl_zero"} <= set(variants):
         pairs.append(("g2rl_shaped", "g2rl_zero"))
-    pairs += [(v, re.sub(r"_lam[0-9.e+-]+$", "", v)) for v in variants if "_lam" in v]
+    lam_points = [(v, re.sub(r"_lam[0-9.e+-]+$", "", v)) for v in variants if "_lam" in v]
+    pairs += [(v, base) for v, base in lam_points if base in variants]  # --best-from may run a λ point alone
     diffs = {}
     for a, b in pairs:
         row = {name: bootstrap(per_problem(variants[a], key, k), per_problem(variants[b], key, k))
