@@ -86,7 +86,8 @@ def killed_run(gcs, assets, bucket, tmp_path_factory):  # noqa: F811
 def test_kill_9_on_a_bucket_then_resume_exactly(killed_run, reference):  # noqa: F811
     done, out = killed_run["done"], killed_run["out"]
     assert killed_run["mid_save"], f"no save in progress was seen before the run ended: {killed_run['log'][-3000:]}"
-    assert killed_run["committed"], "the mid-run kill left no committed checkpoint to resume from"
+    assert killed_run["committed"], ("the mid-run kill left no committed checkpoint to resume from: "
+                                     f"{killed_run['log'][-3000:]}\n{killed_run['done'].stdout[-1500:]}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from the checkpoint of step {max(killed_run['committed'])}" in done.stdout, done.stdout[-2000:]
     _assert_same_metrics(read_metrics(out), reference["records"])  # model and data read from the bucket
