@@ -118,8 +118,13 @@ def load_runs(out: Path) -> dict[str, list[dict]]:
     return dict(sorted(variants.items(), key=lambda kv: _order(kv[0])))
 
 
+def _base(variant: str) -> str:
+    """The variant a λ point ("g2rl_zero_lam0.25") varies; any other variant itself."""
+    return re.sub(r"_lam[0-9.e+-]+$", "", variant)
+
+
 def _order(variant: str) -> tuple:
-    base = re.sub(r"_lam[0-9.e+-]+$", "", variant)
+    base = _base(variant)
     return (ORDER.index(base) if base in ORDER else len(ORDER), variant)
 
 
@@ -151,8 +156,7 @@ def summarise(variants: dict[str, list[dict]]) -> dict:
     pairs = [(v, "grpo") for v in variants if v not in ("grpo", "warmstart") and "grpo" in variants]
     if {"g2rl_shaped", "g2rl_zero"} <= set(variants):
         pairs.append(("g2rl_shaped", "g2rl_zero"))
-    lam_points = [(v, re.sub(r"_lam[0-9.e+-]+$", "", v)) for v in variants if "_lam" in v]
-    pairs += [(v, base) for v, base in lam_points if base in variants]  # --best-from may run a λ point alone
+    pairs += [(v, _base(v)) for v in variants if _base(v) != v and _base(v) in variants]  # a λ point may run alone
     diffs = {}
     for a, b in pairs:
         row = {name: bootstrap(per_problem(variants[a], key, k), per_problem(variants[b], key, k))
