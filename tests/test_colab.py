@@ -10,8 +10,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from _helpers import xla_flags
 from g2rl_jax import colab
+
+from _helpers import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
