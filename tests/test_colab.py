@@ -163,3 +163,13 @@ def test_one_account_of_the_t4(path):
     """Everywhere the T4 is named, it comes with the attention it needs (model.attention=xla)."""
     text = (ROOT / path).read_text(encoding="utf-8")
     assert "T4" in text and "model.attention=xla" in text, path
+
+
+def test_colab_gpus_are_compile_targets():
+    """`plan --target t4 / l4` (the fits docs/lora.md quotes): one card each, the memory CUDA reports for it."""
+    from g2rl_jax.aot import parse_target
+
+    t4, l4 = parse_target("t4"), parse_target("l4")
+    assert (t4.platform, t4.chips, t4.hbm_bytes) == ("gpu", 1, 15_843_721_216)
+    assert (l4.platform, l4.chips, round(l4.hbm_bytes / 2**30, 1)) == ("gpu", 1, 22.0)
+    assert colab.LORA_PEAK_GIB <= colab.USABLE_FRACTION * t4.hbm_bytes / 2**30  # the choice's rule, on the target
