@@ -1,5 +1,6 @@
 """The README and docs/ stay true to the repository: every relative link resolves to a file (and heading), nothing
-points outside the repository, and docs/config.md is exactly what `python -m g2rl_jax.train --help` prints now.
+points outside the repository, no page carries a commit hash, an issue number or a working note, the README stays
+short enough to read to the end, and docs/config.md is exactly what `python -m g2rl_jax.train --help` prints now.
 
 `python tests/test_docs.py` rewrites docs/config.md from the current help."""
 
@@ -76,6 +77,41 @@ def test_relative_links_resolve(page):
 def test_nothing_points_outside_the_repository(page):
     text = page.read_text(encoding="utf-8")
     assert not re.search(r"[/]work[/]|\.\.[/]shared", text), page.name  # this machine's checkout, the shared folder
+
+
+# a 7-40 digit hex word with a letter and a digit (a commit hash), "issue 29" / "issues #4", and notes about how a
+# measurement was made rather than what it measured
+HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+ISSUE = re.compile(r"\bissues? #?\d+", re.I)
+NOTES = re.compile(r"trimming is owed|the session had|in a later session|ended with the session", re.I)
+README_MAX_LINES = 170
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_commit_hashes_issue_numbers_or_working_notes(page):
+    text = page.read_text(encoding="utf-8")
+    found = HASH.findall(text) + ISSUE.findall(text) + NOTES.findall(text)
+    assert not found, f"{page.name}: {found}"
+
+
+def test_the_checks_above_catch_what_they_are_for():
+    assert HASH.findall("measured at abc1234, before") == ["abc1234"]
+    assert not HASH.findall("a 2026-11-26 run, 1234567 s, deadbeef")
+    assert ISSUE.findall("(issue 29)") and ISSUE.findall("Issues #4") and not ISSUE.findall("an issue of 29 GB")
+    assert NOTES.findall("over the goal, trimming is owed")
+
+
+def test_readme_stays_short():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/ (at most {README_MAX_LINES})"
+
+
+def test_readme_quick_start_matches_python_requirement():
+    """The README's Python floor is pyproject's requires-python (jax, flax, orbax and grain need 3.11)."""
+    import tomllib
+
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert floor == ">=3.11" and "Python ≥ 3.11" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_config_doc_matches_the_help():

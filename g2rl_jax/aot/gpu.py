@@ -5,7 +5,8 @@
     target.devices()                      # compile-only CUDA devices, no GPU needed
 
 Names: CARD-N is one host of N GPUs (1 <= N <= 8), CARD-HxN is H hosts of N GPUs; CARD is h100 (SXM, 80 GB HBM3),
-h200 (SXM, 141 GB HBM3e) or a100 (SXM4, 80 GB). A bare card name is one GPU (h100 = h100-1).
+h200 (SXM, 141 GB HBM3e), a100 (SXM4, 80 GB), or the
+PCIe cards of Colab's GPU runtimes, l4 (24 GB) and t4 (16 GB). A bare card name is one GPU (h100 = h100-1).
 
 How: JAX's CUDA plugin (`jax-cuda12-plugin` of the pinned jax, with `nvidia-cudnn-cu12` for cuDNN's fused
 attention; the `gpu-compile` extra) builds compile-only devices from an XLA `GpuTargetConfigProto` describing the
@@ -43,6 +44,8 @@ CARDS = {
     "h100": Card("h100", "h100_sxm_80gb.txtpb", 989, 3352),
     "h200": Card("h200", "h200_sxm_141gb.txtpb", 989, 4800),
     "a100": Card("a100", "a100_sxm_80gb.txtpb", 312, 2039),
+    "l4": Card("l4", "l4_pcie.txtpb", 121, 300),  # Colab's L4 runtime (24 GB, sm_89)
+    "t4": Card("t4", "t4_pcie.txtpb", 65, 320),  # Colab's T4 runtime (16 GB, sm_75: no cuDNN fused attention)
 }
 
 
@@ -108,7 +111,7 @@ def gpu_name(card_key: str, hosts: int, per_host: int) -> str:
 
 
 def _parse_gpu(name: str) -> Target | None:
-    match = re.fullmatch(r"(h100|h200|a100)(?:-(?:(\d+)x)?(\d+))?", name.lower())
+    match = re.fullmatch(r"(h100|h200|a100|l4|t4)(?:-(?:(\d+)x)?(\d+))?", name.lower())
     if match is None:
         return None
     card, hosts, per_host = match[1], int(match[2] or 1), int(match[3] or 1)
@@ -119,4 +122,4 @@ def _parse_gpu(name: str) -> Target | None:
 
 
 register("gpu", _parse_gpu, "h100-N, h200-N, a100-N (one host of N <= 8 GPUs; a100 is the 80 GB SXM4), "
-         "h100-HxN (H hosts of N), e.g. h100-8, h200-2x8")
+         "h100-HxN (H hosts of N), e.g. h100-8, h200-2x8; t4, l4 (one Colab GPU)")
