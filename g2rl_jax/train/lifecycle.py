@@ -78,23 +78,25 @@ def _age(holder: dict[str, Any]) -> float | None:
     return time.time() - renewed if isinstance(renewed, (int, float)) else None
 
 
-def verdict(holder: dict[str, Any], watched_s: float, lease_s: float, held_here: bool) -> str:
-    """'live', 'stale' or 'watch' for a lock holding record `holder`, watched unchanged for `watched_s` seconds.
-    A lock not renewed for its lease (the holder's own, else `lease_s`) is stale from any host: seen unchanged that
-    long on this host's monotonic clock, or renewed more than two leases ago by the wall clock (clocks that disagree
-    by less than a lease cannot take a live lock). On the holder's own host its pid says more: gone (or this very
-    process's pid while it holds no such lock: a restarted container's leftover) is stale at once, running and
+def verdict(holder: dict[str, Any], watched_s: float, lease_s: float, held_here: bool) -> tuple[str, str]:
+    """('live' | 'stale' | 'watch', why) for a lock holding record `holder`, watched unchanged for `watched_s`
+    seconds. A lock not renewed for its lease (the holder's own, else `lease_s`) is stale from any host: seen unchanged
+    that long on this host's monotonic clock, or renewed more than two leases ago by the wall clock (clocks that
+    disagree by less than a lease cannot take a live lock). On the holder's own host its pid says more: gone (or this
+    very process's pid while it holds no such lock: a restarted container's leftover) is stale at once, running and
     renewed within the lease is live at once."""
     lease = holder.get("lease_seconds") if isinstance(holder.get("lease_seconds"), (int, float)) else lease_s
     age, pid = _age(holder), holder.get("pid")
     if holder.get("host") == socket.gethostname() and isinstance(pid, int):
         if pid == os.getpid() and not held_here or pid != os.getpid() and not _pid_alive(pid):
-            return "stale"
+            return "stale", f"its process (pid {pid} on this host) is gone"
         if age is not None and age < lease:
-            return "live"
-    if watched_s >= lease or age is not None and age >= 2 * lease:
-        return "stale"
-    return "watch"
+            return "live", "its process runs on this host"
+    if watched_s >= lease:
+        return "stale", f"its lease of {lease:g} s was not renewed while this start watched it for {watched_s:.0f} s"
+    if age is not None and age >= 2 * lease:
+        return "stale", f"its lease of {lease:g} s was last renewed {age:.0f} s ago"
+    return "watch", ""
 
 
 def _who(holder: dict[str, Any]) -> str:
@@ -196,7 +198,7 @@ class RunLock:
         if seen is not None and current != seen[0]:  # renewed (or taken) while this start watched
             raise ConfigError(self._refusal(holder))
         seen = watch["seen"] = seen or (current, time.monotonic())
-        state = verdict(holder, time.monotonic() - seen[1], self.lease_s, _key(self.path) in _LEASES)
+        state, why = verdict(holder, time.monotonic() - seen[1], self.lease_s, _key(self.path) in _LEASES)
         if state == "live":
             raise ConfigError(self._refusal(holder))
         if state == "stale":
@@ -204,9 +206,7 @@ class RunLock:
             # renewed meanwhile is left alone (the next look sees its new generation, and refuses)
             taken = storage.replace_if_generation(self.path, self._record(), current)
             if taken is not None:
-                age = _age(holder)
-                _warn(f"took over the run lock {self.path} of {_who(holder)}: "
-                      + (f"not renewed for {age:.0f} s" if age is not None else "no longer renewed"))
+                _warn(f"removing the stale lock {self.path} of {_who(holder)} and taking the run over: {why}")
             return taken
         if not watch["said"]:
             lease = holder.get("lease_seconds") or self.lease_s
