@@ -46,8 +46,14 @@ def _model_dir(root: Path) -> str:
     return build(str(root / "model"), 32, 1)
 
 
+# the trainer, printing the traceback of an error it reports in one line (a loop that finds one should say where)
+TRAIN = ("import sys, traceback\nimport g2rl_jax.cli as cli\none_line = cli.fail\n"
+         "def fail(command, err):\n    traceback.print_exception(err)\n    return one_line(command, err)\n"
+         "cli.fail = fail\nfrom g2rl_jax.train.loop import main\nsys.exit(main(sys.argv[1:]))\n")
+
+
 def _cmd(model: str, out: str, steps: int, lease: float) -> list[str]:
-    return [sys.executable, "-m", "g2rl_jax.train", "--config", os.path.join(ROOT, "configs", "demo.yaml"),
+    return [sys.executable, "-c", TRAIN, "--config", os.path.join(ROOT, "configs", "demo.yaml"),
             f"run.output_dir={out}", f"model.path={model}", f"run.total_steps={steps}", "run.checkpoint_every=1",
             "run.keep_checkpoints=2", "run.eval_every=0", "data.prompts_per_step=4", "rollout.num_samples=4",
             "algorithm.mini_batch_size=8", "algorithm.micro_batch_size=8", f"run.lock_lease_seconds={lease:g}"]
