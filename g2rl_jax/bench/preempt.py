@@ -8,8 +8,9 @@ next launch takes the run over once the lease lapses, with no manual step. A run
 checked against an uninterrupted run of the same config, and a fresh run directory starts, until --kills kills.
 Reported: kills, launches, how many kills landed mid-save (a step directory without commit_success), lost steps (a
 reference step missing from the finished run's metrics.jsonl), duplicated steps, and steps whose deterministic
-metrics differ from the reference; and each relaunch's seconds from launch to its first new metrics record (what a
-preemption costs in time, with this lease). A launch that fails is printed with its log's tail.
+metrics differ from the reference; and each relaunch's seconds from launch to its "resumed from the checkpoint" line
+(the lock taken over and the state read: what a preemption costs in time, with this lease, before the steps since
+the last checkpoint are computed again). A launch that fails is printed with its log's tail.
 """
 from __future__ import annotations
 
@@ -128,18 +129,18 @@ def main(argv=None) -> int:
             while True:
                 launches += 1
                 before = len(_metrics(out))
-                log = root / f"launch{launches}.err"
-                with open(log, "w") as err:
+                log, said = root / f"launch{launches}.err", root / f"launch{launches}.out"
+                with open(log, "w") as err, open(said, "w") as stdout:
                     started = time.monotonic()
                     proc = subprocess.Popen(_as_host(prefix, f"vm-{launches}", _cmd(model, out, args.steps,
                                                                                       args.lease)),
-                                            env=env, stdout=subprocess.DEVNULL, stderr=err)
+                                            env=env, stdout=stdout, stderr=err)
                     delay = rng.uniform(0, span) if kills < args.kills else None
                     polled, measured = 0.0, not before
                     while proc.poll() is None and (delay is None or time.monotonic() - started < delay):
-                        if not measured and time.monotonic() - polled > 0.5:
-                            polled = time.monotonic()  # a relaunch's time to its first new step
-                            if len(_metrics(out)) > before:
+                        if not measured and time.monotonic() - polled > 0.2:
+                            polled = time.monotonic()  # a relaunch's time to its resume (lock taken, state read)
+                            if "resumed from the checkpoint" in said.read_text():
                                 resume_s.append(polled - started)
                                 measured = True
                         time.sleep(0.01)
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
         print(json.dumps({"kills": kills, "launches": launches, "runs": runs, "mid_save_kills": mid_save,
                           "lost_steps": totals["lost"], "duplicated_steps": totals["duplicated"],
                           "steps_differing": totals["differ"], "failed_launches": len(failures),
-                          "uninterrupted_s": round(span, 1), "relaunch_to_first_new_step_s_median":
+                          "uninterrupted_s": round(span, 1), "relaunch_to_resume_s_median":
                           round(statistics.median(resume_s), 1) if resume_s else None}),
               flush=True)
         return 1 if failures or any(totals.values()) else 0
