@@ -130,8 +130,10 @@ class _Lease:
                       f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); retrying")
                 continue
             failing = 0.0
-            if renewed is None and not self._stop.is_set():
-                self._lost()
+            if renewed is None:
+                if not self._stop.is_set():
+                    self._lost()
+                return
             self.generation = renewed
 
     def _lost(self) -> None:
