@@ -2,10 +2,11 @@
 another host, on a gs:// run (fake-gcs-server on loopback) or a local one, and count what the kills cost.
 
 Each launch runs `python -m g2rl_jax.train` as host vm-<n> (`unshare -u`, where it works) with a short lease
-(--lease) and is killed with SIGKILL after a delay drawn uniformly from [0, the uninterrupted run's launch-to-end
-time] (so kills land in the start, the lock's wait, the compile, mid-step and mid-save), unless it ended first. The
-next launch takes the run over once the lease lapses, with no manual step. A run that reaches run.total_steps is
-checked against an uninterrupted run of the same config, and a fresh run directory starts, until --kills kills.
+(--lease) and is killed with SIGKILL after a delay drawn uniformly from [0, the launch-to-end time of the
+uninterrupted run, then of the last launch that ran a run from start to end] (so kills land in the start, the lock's
+wait, the compile, mid-step and mid-save), unless it ended first. The next launch takes the run over once the lease
+lapses, with no manual step. A run that reaches run.total_steps is checked against an uninterrupted run of the same
+config, and a fresh run directory starts, until --kills kills.
 Reported: kills, launches, how many kills landed mid-save (a step directory without commit_success), lost steps (a
 reference step missing from the finished run's metrics.jsonl), duplicated steps, and steps whose deterministic
 metrics differ from the reference; and each relaunch's seconds from launch to its "resumed from the checkpoint" line
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
                     print(f"run {runs} launch {launches}: FAILED with exit {proc.returncode}:\n"
                           f"{log.read_text()[-2000:]}", flush=True)
                     break
+                if not before:  # a whole warm launch (compiled programs cached): the span kills are drawn from
+                    span = time.monotonic() - started
                 got = _metrics(out)
                 result = _compare(got, want)
                 print(f"run {runs} launch {launches}: finished; {result}", flush=True)
