@@ -64,12 +64,18 @@ class RunConfig:
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
                                   "where step metrics go: jsonl (always; summaries, plots and resume read it), "
                                   "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")
+    lock_lease_seconds: float = _f(60.0, "the trainer holding run.output_dir renews its run.lock every this / 3 "
+                                   "seconds; a lock not renewed this long is stale from any host, so a preempted "
+                                   "run's relaunch (another VM) takes the run over after at most this wait; >= 3 "
+                                   "(GCS takes about one update per second per object)")
 
     def __post_init__(self):
         _check(self.output_dir.strip() != "", "run.output_dir",
                "is empty; name the run directory, e.g. run.output_dir=runs/my_run")
         for name in ("total_steps", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
+        _check(self.lock_lease_seconds >= 3, "run.lock_lease_seconds",
+               f"must be >= 3 (renewed every third of it), got {self.lock_lease_seconds}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
         _check(self.compile_threads >= 0, "run.compile_threads",
                f"must be >= 0 (0 = one per CPU core, 1 = one at a time), got {self.compile_threads}")
@@ -121,6 +127,10 @@ class ModelConfig:
     path: str = _f(_REQUIRED, "Hugging Face model of the policy (config.json, *.safetensors, tokenizer): a "
                          "local directory, gs://BUCKET/DIR (copied once to the local cache), or a Hugging Face id "
                          "such as Qwen/Qwen3-1.7B-Base (read from its cache, downloaded there if missing)")
+    revision: str = _f("", "the Hugging Face commit (or branch or tag) to load model.path at, when it is a Hugging "
+                       "Face id; \"\" = what the hub (or, offline, the cache) serves as main at the run's first "
+                       "start, whose commit is then written here in the run's config.yaml so that every resume "
+                       "loads the same weights and tokenizer")
     param_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of the trained parameters (with LoRA: the "
                                                      "adapters; the frozen base is in model.lora.base_dtype)")
     compute_dtype: Literal["float32", "bfloat16"] = _f("bfloat16", "dtype of activations and matmuls")

@@ -26,6 +26,7 @@ read slice by slice, which a local file does at disk speed and an object store o
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -34,8 +35,10 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Union
+from urllib.parse import quote
 
 from etils import epath
 
@@ -226,37 +229,123 @@ class Mirror:
                 self._sent[file.name] = size
 
 
-def create_exclusive(p: PathLike, text: str) -> bool:
-    """Create `p` holding `text` if no `p` exists; False (and nothing written) if one does. Atomic: of two
-    creators, exactly one gets True, and a reader sees the whole text or no file."""
-    data = text.encode("utf-8")
+# ------------------------------------------------------------------------------------------------ small versioned files
+# What the run lock needs of a store: a read that returns the bytes with their generation, and a create, an overwrite
+# and a delete each conditional on the generation read (GCS: the precondition ifGenerationMatch, 412 when it fails).
+# Locally the generation is a digest of the bytes (callers that must tell every write apart write distinct bytes: the
+# lock's records carry a fresh nonce), and an overwrite or delete compares and acts under an flock on a sidecar
+# `.<name>.mutex` file (released by the kernel when its holder dies; the sidecar is never deleted).
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:24]
+
+
+def _header(headers, name: str) -> str | None:
+    return next((v for k, v in headers.items() if k.lower() == name.lower()), None)
+
+
+def _gcs_upload(p: PathLike, data: bytes, if_generation: str) -> str | None:
+    """One upload of `data` to URL `p` with ifGenerationMatch=`if_generation` ('0': only if absent): the new
+    generation, or None when the precondition failed. An upload whose reply was lost and that the client retried
+    meets its own bytes and counts as done."""
+    fs, key = _fs(p)
+    bucket, name = key.split("/", 1)
+    body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{json.dumps({'name': name})}\n--==0==\n"
+            "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
+    try:
+        reply = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="multipart",
+                        headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body, json_out=True,
+                        ifGenerationMatch=if_generation)
+    except FileExistsError:  # 412 Precondition Failed
+        try:
+            now, generation_now = read_versioned(p)
+        except FileNotFoundError:
+            return None
+        return generation_now if now == data else None
+    return str(reply["generation"])
+
+
+@contextlib.contextmanager
+def _local_mutex(target: Path):
+    import fcntl
+
+    with open(target.with_name(f".{target.name}.mutex"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def read_versioned(p: PathLike) -> tuple[bytes, str]:
+    """(bytes, generation) of small file `p`, read in one request (the generation is that of those bytes);
+    FileNotFoundError when there is none."""
     if is_url(p):
         fs, key = _fs(p)
-        try:
-            fs.pipe_file(key, data, mode="create")  # the upload carries ifGenerationMatch=0
-        except FileExistsError:  # 412 Precondition Failed
-            return False
-        return True
+        bucket, name = key.split("/", 1)
+        headers, data = fs.call("GET", "b/{}/o/{}", bucket, name, alt="media")
+        return data, str(_header(headers, "x-goog-generation"))
+    data = path(p).read_bytes()
+    return data, _digest(data)
+
+
+def generation(p: PathLike) -> str:
+    """A token that changes whenever `p` is rewritten (with other bytes, locally)."""
+    return read_versioned(p)[1]
+
+
+def create_exclusive(p: PathLike, text: str) -> str | None:
+    """Create `p` holding `text` if no `p` exists: its generation, or None (and nothing written) if one does.
+    Atomic: of two creators exactly one succeeds, and a reader sees the whole text or no file."""
+    data = text.encode("utf-8")
+    if is_url(p):
+        return _gcs_upload(p, data, "0")
     target = path(p)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
     try:
         os.link(tmp, target)  # fails if `target` exists; a complete file appears at once
     except FileExistsError:
-        return False
+        return None
     finally:
         tmp.unlink()
-    return True
+    return _digest(data)
 
 
-def generation(p: PathLike) -> str:
-    """A token that changes whenever `p` is rewritten: the object generation on GCS, inode and mtime locally."""
+def replace_if_generation(p: PathLike, text: str, expected: str) -> str | None:
+    """Overwrite `p` with `text` only if its generation is still `expected`: the new generation, or None (nothing
+    written) when `p` changed or is gone meanwhile."""
+    data = text.encode("utf-8")
+    if is_url(p):
+        return _gcs_upload(p, data, expected)
+    target = path(p)
+    with _local_mutex(target):
+        try:
+            if _digest(target.read_bytes()) != expected:
+                return None
+        except FileNotFoundError:
+            return None
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    return _digest(data)
+
+
+def remove_if_generation(p: PathLike, expected: str) -> bool:
+    """Delete `p` only if its generation is still `expected`; False when it changed or is gone."""
     if is_url(p):
         fs, key = _fs(p)
-        info = fs.info(key)
-        return str(info.get("generation") or info.get("etag") or info.get("mtime"))
-    stat = os.stat(path(p))
-    return f"{stat.st_ino}.{stat.st_mtime_ns}"
+        bucket, name = key.split("/", 1)
+        try:
+            fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=expected)
+        except (FileExistsError, FileNotFoundError):
+            return False
+        return True
+    target = path(p)
+    with _local_mutex(target):
+        try:
+            if _digest(target.read_bytes()) != expected:
+                return False
+        except FileNotFoundError:
+            return False
+        target.unlink()
+    return True
 
 
 def remove(p: PathLike, *, missing_ok: bool = True) -> None:
@@ -349,20 +438,30 @@ def scratch_dir(url: PathLike, purpose: str) -> Path:
 
 
 def _manifest(url: str) -> dict[str, list]:
-    """{relative name: [size, generation]} of every object under `url`."""
+    """{relative name: [size, generation, crc32c]} of every object under `url`."""
     fs, key = _fs(url)
     found = fs.find(key, detail=True)
-    return {name[len(key):].lstrip("/"): [info.get("size"), str(info.get("generation") or info.get("etag"))]
+    return {name[len(key):].lstrip("/"): [info.get("size"), str(info.get("generation") or info.get("etag")),
+                                         info.get("crc32c")]
             for name, info in sorted(found.items()) if info.get("type") != "directory"}
 
 
 MANIFEST = ".g2rl_jax_manifest.json"
 
 
+def copy_key(url: str, manifest: dict) -> str:
+    """The name of the cache directory of `url`'s objects as `manifest` lists them: a digest of both, so another
+    version of any object is another directory."""
+    return hashlib.sha256(json.dumps([url, manifest], sort_keys=True).encode()).hexdigest()[:24]
+
+
 def local_copy(url: PathLike, key: str) -> str:
-    """A local directory holding the files under `url` (a model directory or a PEFT adapter in a bucket), copied
-    once into the cache and copied again only when an object changed (by name, size and generation). A local path
-    is returned as it is. FileNotFoundError naming `key` when nothing is there."""
+    """A local directory holding the files under `url` (a model directory or a PEFT adapter in a bucket): the cache
+    directory `copies/<copy_key>` named by the URL and its objects' names, sizes and generations. A copy is made
+    in a temporary directory beside it and renamed into place whole, so processes copying the same objects at once
+    share the one that lands first and never delete a copy another may be reading (a changed object lands in
+    another directory; old ones stay until the cache is cleared). A local path is returned as it is.
+    FileNotFoundError naming `key` when nothing is there."""
     if not is_url(url):
         return os.fspath(url)
     require_client(url, key)
@@ -371,32 +470,24 @@ def local_copy(url: PathLike, key: str) -> str:
     if not manifest:
         raise FileNotFoundError(f"{key}: nothing found at {url}; copy the directory there first (gcloud storage cp "
                                 "-r DIR URL) or fix the path")
-    target = cache_dir() / "copies" / scheme(url) / url.split("://", 1)[1]
-    if _same_manifest(target, manifest):
+    target = cache_dir() / "copies" / copy_key(url, manifest)
+    if (target / MANIFEST).is_file():
         return str(target)
-    size = sum(s or 0 for s, _ in manifest.values())
+    size = sum(s or 0 for s, *_ in manifest.values())
     print(f"{key}: copying {url} ({len(manifest)} files, {size / 1e6:.1f} MB) to {target}", file=sys.stderr,
           flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    fs, root = _fs(url)
-    for name in manifest:
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(f"{root}/{name}", str(tmp / name))
-    (tmp / MANIFEST).write_text(json.dumps(manifest))
-    if target.exists():
-        shutil.rmtree(target, ignore_errors=True)
     try:
-        os.replace(tmp, target)
-    except OSError:  # another process on this host finished the same copy first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _same_manifest(target, manifest):
+        fs, root = _fs(url)
+        for name in manifest:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f"{root}/{name}", str(tmp / name))
+        (tmp / MANIFEST).write_text(json.dumps({"url": url, "objects": manifest}))  # last: marks the copy whole
+        os.rename(tmp, target)  # atomic; refused when another process's copy landed first
+    except OSError:
+        if not (target / MANIFEST).is_file():
             raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
-
-
-def _same_manifest(target: Path, manifest: dict) -> bool:
-    try:
-        return json.loads((target / MANIFEST).read_text()) == json.loads(json.dumps(manifest))
-    except (OSError, ValueError):
-        return False

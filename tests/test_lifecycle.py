@@ -51,11 +51,20 @@ def test_lock_between_real_processes_and_stale_locks(tmp_path, capsys):
     assert (tmp_path / LOCK_FILE).exists()
     other.release()
     assert not (tmp_path / LOCK_FILE).exists()
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then"}))
-    with pytest.raises(ConfigError, match="pid 1 on host 'another-host'.*If no trainer runs there any more, delete"):
-        RunLock(tmp_path).acquire()  # another host's pid cannot be checked from here
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then",
+                                                  "renewed": time.time() - 3600, "lease_seconds": 60}))
+    lock = RunLock(tmp_path)
+    lock.acquire()  # another host's, renewed an hour ago (two leases and more): stale at once
+    assert "of pid 1 on host 'another-host' since then" in capsys.readouterr().err
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    RunLock(tmp_path).release()  # a lock object that never held it releases nothing
+    assert (tmp_path / LOCK_FILE).exists()
+    lock.release()
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-    RunLock(tmp_path).acquire()  # our own pid, but not held by us: a restarted container's leftover
+    lock.acquire()  # our own pid, but not held by us: a restarted container's leftover
+    assert "its process (pid" in capsys.readouterr().err
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
 
 
 # ------------------------------------------------------------------------------------------ SIGTERM, real process

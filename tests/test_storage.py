@@ -67,8 +67,10 @@ def test_local_copy_of_a_bucket_directory(gcs, tmp_path, monkeypatch, capsys):
     assert open(f"{first}/model.safetensors", "rb").read() == b"\0" * 1000
     assert storage.local_copy(url, "model.path") == first and capsys.readouterr().err == ""  # copied once
     storage.write_text(f"{url}/config.json", '{"changed": true}')
-    assert storage.local_copy(url, "model.path") == first and "copying" in capsys.readouterr().err
-    assert open(f"{first}/config.json").read() == '{"changed": true}'
+    second = storage.local_copy(url, "model.path")  # another version: another directory
+    assert second != first and "copying" in capsys.readouterr().err
+    assert open(f"{second}/config.json").read() == '{"changed": true}'
+    assert open(f"{first}/config.json").read() == "{}"  # left whole for a process still reading it
     with pytest.raises(FileNotFoundError, match="model.path: nothing found at gs://"):
         storage.local_copy(gcs.url("models/absent"), "model.path")
 

@@ -7,10 +7,15 @@ model.lora.init_from, --model-path) into a local directory, before any model loa
   and read slice by slice (model/hf_io.py: each device's slice of each tensor), which costs a request per slice on
   an object store and nothing extra on a local disk; the tokenizer loads from a local directory too;
 - a Hugging Face id (`org/name`, not a local directory): huggingface_hub's snapshot in its cache (HF_HOME), downloaded
-  there on first use; with HF_HUB_OFFLINE=1 only the cache is read. Neither there nor downloadable: one line.
+  there on first use; with HF_HUB_OFFLINE=1 only the cache is read. Neither there nor downloadable: one line. The
+  cache is content-addressed already (`snapshots/<commit>`, files written under its own file locks), so processes
+  that fetch the same commit at once share it. `hub_commit` names the commit a revision (a branch, a tag, "" for
+  main) resolves to; the trainer records it as model.revision (train/lifecycle.pin_revision) so every resume loads
+  the same weights and tokenizer.
 """
 from __future__ import annotations
 
+import os
 import re
 
 from g2rl_jax import storage
@@ -26,26 +31,35 @@ def is_hub_id(value: str) -> bool:
     return bool(HF_ID.match(value)) and not storage.is_dir(value)
 
 
-def local_model_dir(value: str, key: str) -> str:
-    """A local directory holding the model `value` names (see the module docstring); ConfigError naming `key`."""
+def local_model_dir(value: str, key: str, revision: str = "") -> str:
+    """A local directory holding the model `value` names (see the module docstring; `revision`: a Hugging Face
+    id's commit, branch or tag, "" for main); ConfigError naming `key`."""
     if storage.is_url(value):
         try:
             return storage.local_copy(value, key)
         except FileNotFoundError as err:
             raise ConfigError(str(err)) from None
-    return hub_snapshot(value, key) if is_hub_id(value) else value
+    return hub_snapshot(value, key, revision) if is_hub_id(value) else value
 
 
-def hub_snapshot(repo_id: str, key: str) -> str:
-    """The local snapshot of Hugging Face repository `repo_id` (its cache, downloading what is missing)."""
+def hub_commit(repo_id: str, key: str, revision: str = "") -> str:
+    """The commit hash that `revision` ("" for main) of Hugging Face repository `repo_id` resolves to (fetched to
+    the cache if missing: the name of its snapshot directory)."""
+    return os.path.basename(os.path.normpath(hub_snapshot(repo_id, key, revision)))
+
+
+def hub_snapshot(repo_id: str, key: str, revision: str = "") -> str:
+    """The local snapshot of Hugging Face repository `repo_id` at `revision` ("" for main; its cache, downloading
+    what is missing)."""
     from huggingface_hub import constants, snapshot_download
 
+    at = f" at revision {revision!r}" if revision else ""
     try:
-        return snapshot_download(repo_id, allow_patterns=HUB_FILES)
+        return snapshot_download(repo_id, revision=revision or None, allow_patterns=HUB_FILES)
     except (OSError, ValueError) as err:  # not cached and offline, no such repository, gated, no network
         offline = " (HF_HUB_OFFLINE=1: the cache only)" if constants.HF_HUB_OFFLINE else ""
         reason = " ".join(str(err).split())[:200]
-        raise ConfigError(f"{key}: {repo_id!r} is not a local directory, and as a Hugging Face id it is neither in the "
-                          f"cache {constants.HF_HUB_CACHE}{offline} nor downloadable ({reason}); "
-                          f"fetch it with `huggingface-cli download {repo_id}` where there is network, or point {key} "
-                          "at a model directory") from None
+        fetch = f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
+        raise ConfigError(f"{key}: {repo_id!r} is not a local directory, and as a Hugging Face id{at} it is neither in "
+                          f"the cache {constants.HF_HUB_CACHE}{offline} nor downloadable ({reason}); fetch it with "
+                          f"`{fetch}` where there is network, or point {key} at a model directory") from None

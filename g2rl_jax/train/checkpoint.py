@@ -302,8 +302,9 @@ def base_model_dir(run_or_checkpoint_dir: str | os.PathLike) -> epath.Path:
     from g2rl_jax.model.sources import local_model_dir
 
     run_dir = resolve_checkpoint(run_or_checkpoint_dir)[0]
-    path = run_config(run_dir).model.path
-    base_dir = storage.path(local_model_dir(resolve_demo_paths(path, None)[0], "model.path"))  # "demo:DIR": built
+    model = run_config(run_dir).model  # a Hugging Face id at the commit the run recorded (model.revision)
+    path = model.path
+    base_dir = storage.path(local_model_dir(resolve_demo_paths(path, None)[0], "model.path", model.revision))
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {path!r} is not a Hugging Face "
                                 "model directory here; the checkpoint holds only the trained params, so the base "

@@ -39,10 +39,11 @@ def base_sha256(path: str | os.PathLike) -> str:
 def record(model_cfg, sha256: str | None) -> dict[str, Any]:
     """The model.json of a run with config group `model` (sha256 of model.path's weights: LoRA only)."""
     spec = lora.LoraSpec.from_config(model_cfg.lora)
+    pinned = {"revision": model_cfg.revision} if model_cfg.revision else {}  # a Hugging Face id's commit
     if spec is None:
-        return {"lora": None}
+        return {"lora": None, **pinned}
     return {"lora": {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)},
-            "base": {"path": model_cfg.path, "sha256": sha256}}
+            "base": {"path": model_cfg.path, "sha256": sha256}, **pinned}
 
 
 def saved(step_dir: str | os.PathLike) -> dict[str, Any]:

@@ -1,11 +1,15 @@
 """What keeps a run directory whole across starts, stops and relaunches.
 
-- `RunLock`: `<run>/run.lock` names the host and pid of the trainer that holds the run; a trainer in another
-  process on the same run.output_dir is refused while that process lives. Created create-if-absent: a hard link
-  locally, an upload with the precondition ifGenerationMatch=0 on GCS (g2rl_jax.storage). A lock left by a process
-  that is gone (same host, pid not running, or the pid of this very process after a container restart) is stale and
-  replaced with a warning; a lock from another host (a pod's hosts, a deleted VM) cannot be checked from here, so the
-  error says what to delete (`gcloud storage rm gs://.../run.lock` for a bucket).
+- `RunLock`: `<run>/run.lock` is a lease on the run directory, held by one trainer (host, pid, when it last renewed,
+  its lease). The holder renews it from a daemon thread every run.lock_lease_seconds / 3, so a long compile or save
+  does not let it lapse. A lock not renewed for its lease is stale from any host: a start that finds a lock watches it
+  for up to a lease (a live holder renews it meanwhile: refused in one line), then takes it over; a lock renewed more
+  than two leases ago by this host's clock is taken over at once, and so is one whose holder's pid is gone on this
+  host. Every change is conditional on the generation read (GCS: ifGenerationMatch on the create, the overwrite and
+  the delete; locally the same under an flock, g2rl_jax.storage), so of any number of starters exactly one wins and a
+  lock renewed meanwhile is never replaced. A holder whose renewal finds the lock changed has been taken over: it
+  prints one line and ends at once (exit LEASE_LOST_EXIT), writing nothing more.
+- `pin_revision`: a Hugging Face id's resolved commit in model.revision, kept by every resume.
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
   optim, seeds), listed old -> new; the trainer refuses them unless run.allow_config_change=true.
 - `append_history`: every start appends its resolved config to `<run>/config_history.jsonl`.
@@ -14,12 +18,15 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import signal
 import socket
 import sys
+import threading
 import time
+import uuid
 from typing import Any
 
 from g2rl_jax import storage
@@ -30,11 +37,11 @@ HISTORY_FILE = "config_history.jsonl"
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
 # keys that change how or how long the run is carried out or what it reports, never what a step computes
 FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
-             "run.allow_config_change", "run.compilation_cache_dir", "data.eval_datasets", "data.eval_samples",
-             "data.eval_temperature", "data.eval_max_new_tokens", "model.attention", "model.remat")
+             "run.allow_config_change", "run.compilation_cache_dir", "run.lock_lease_seconds", "data.eval_datasets",
+             "data.eval_samples", "data.eval_temperature", "data.eval_max_new_tokens", "model.attention", "model.remat")
 FREE_GROUPS = ("mesh.", "distributed.")
 
-_HELD: dict[str, int] = {}  # lock files this process holds -> how many RunLocks hold each
+LEASE_LOST_EXIT = 3  # a trainer whose run lock another trainer took over
 
 
 def _warn(message: str) -> None:
@@ -52,12 +59,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _read_holder(path) -> dict[str, Any] | None:
+def _parse(data: bytes) -> dict[str, Any]:
     try:
-        holder = json.loads(storage.read_text(path))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
+        holder = json.loads(data)
+    except ValueError:
         return {}
     return holder if isinstance(holder, dict) else {}
 
@@ -67,76 +72,171 @@ def _key(path) -> str:
     return str(path) if storage.is_url(path) else str(storage.path(path).resolve())
 
 
-def _stale(holder: dict[str, Any], path) -> bool:
-    """True when the holder is certainly gone: same host and its pid not running, or our own pid (a restarted
-    container reuses pids) while this process holds no such lock."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
-    if holder["pid"] == os.getpid():
-        return _key(path) not in _HELD
-    return not _pid_alive(holder["pid"])
+def _age(holder: dict[str, Any]) -> float | None:
+    """Seconds since the holder last renewed, by this host's clock (None: no renewal time recorded)."""
+    renewed = holder.get("renewed")
+    return time.time() - renewed if isinstance(renewed, (int, float)) else None
+
+
+def verdict(holder: dict[str, Any], watched_s: float, lease_s: float, held_here: bool) -> tuple[str, str]:
+    """('live' | 'stale' | 'watch', why) for a lock holding record `holder`, watched unchanged for `watched_s`
+    seconds. A lock not renewed for its lease (the holder's own, else `lease_s`) is stale from any host: seen unchanged
+    that long on this host's monotonic clock, or renewed more than two leases ago by the wall clock (clocks that
+    disagree by less than a lease cannot take a live lock). On the holder's own host its pid says more: gone (or this
+    very process's pid while it holds no such lock: a restarted container's leftover) is stale at once, running and
+    renewed within the lease is live at once."""
+    lease = holder.get("lease_seconds") if isinstance(holder.get("lease_seconds"), (int, float)) else lease_s
+    age, pid = _age(holder), holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int):
+        if pid == os.getpid() and not held_here or pid != os.getpid() and not _pid_alive(pid):
+            return "stale", f"its process (pid {pid} on this host) is gone"
+        if age is not None and age < lease:
+            return "live", "its process runs on this host"
+    if watched_s >= lease:
+        return "stale", f"its lease of {lease:g} s was not renewed while this start watched it for {watched_s:.0f} s"
+    if age is not None and age >= 2 * lease:
+        return "stale", f"its lease of {lease:g} s was last renewed {age:.0f} s ago"
+    return "watch", ""
+
+
+def _who(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "an unreadable lock"
+    age = _age(holder)
+    renewed = f", lease renewed {age:.0f} s ago" if age is not None else ""
+    return f"pid {holder.get('pid')} on host {holder.get('host')!r} since {holder.get('since')}{renewed}"
+
+
+class _Lease:
+    """This process's hold on one lock file: the generation it last wrote, renewed from a daemon thread every
+    lease/3 by an overwrite conditional on that generation. A renewal refused because the lock changed means another
+    trainer took it over: one line, and the process ends at once (LEASE_LOST_EXIT), writing nothing more."""
+
+    def __init__(self, path, lease_s: float, generation: str, record):
+        self.path, self.lease_s, self.generation, self.record = path, lease_s, generation, record
+        self.count = 1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_forever, name="run.lock lease", daemon=True)
+        self._thread.start()
+
+    def _renew_forever(self) -> None:
+        failing = 0.0  # when renewals started failing (monotonic), 0 while they succeed
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                renewed = storage.replace_if_generation(self.path, self.record(), self.generation)
+            except Exception as err:  # noqa: BLE001 - a store that does not answer: retried at the next renewal
+                failing = failing or time.monotonic()
+                _warn(f"could not renew the lease on {self.path} for {time.monotonic() - failing:.0f} s "
+                      f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); retrying")
+                continue
+            failing = 0.0
+            if renewed is None:
+                if not self._stop.is_set():
+                    self._lost()
+                return
+            self.generation = renewed
+
+    def _lost(self) -> None:
+        try:
+            holder = _parse(storage.read_versioned(self.path)[0])
+        except Exception:  # noqa: BLE001 - only names the new holder in the line below
+            holder = {}
+        print(f"run lock lost: {self.path} was taken over ({_who(holder) if holder else 'or deleted'}) because this "
+              f"trainer had not renewed its lease of {self.lease_s:g} s in time; stopping now, writing nothing more",
+              file=sys.stderr, flush=True)
+        os._exit(LEASE_LOST_EXIT)
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        storage.remove_if_generation(self.path, self.generation)
+
+
+_LEASES: dict[str, _Lease] = {}  # lock files this process holds
 
 
 class RunLock:
-    """`<run_dir>/run.lock`, created atomically (storage.create_exclusive: a complete file linked into place, or on
-    GCS an upload with ifGenerationMatch=0), removed by `release` (or at exit). Trainers within one process (a
+    """`<run_dir>/run.lock`: a lease on the run directory (see the module docstring). Trainers within one process (a
     notebook cell run twice) share it: the file goes when the last releases."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, lease_seconds: float = 60.0):
         self.path = storage.path(run_dir) / LOCK_FILE
+        self.lease_s = float(lease_seconds)
         self._held = False
+        self._since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    def _record(self) -> str:
+        """A fresh record (every write distinct: the nonce), so a renewal changes the generation."""
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": self._since,
+                           "renewed": time.time(), "lease_seconds": self.lease_s, "nonce": uuid.uuid4().hex}) + "\n"
 
     def acquire(self) -> None:
+        """Take the lock: create it, or take over one not renewed for its lease (watching it up to a lease to see
+        whether its holder renews it); ConfigError (one line) when another trainer holds it."""
         key = _key(self.path)
         if self._held:
             return
-        if key in _HELD:
-            _HELD[key] += 1
+        if key in _LEASES:
+            _LEASES[key].count += 1
             self._held = True
             return
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         storage.makedirs(self.path.parent)
-        for _ in range(3):
-            if storage.create_exclusive(self.path, json.dumps(record) + "\n"):  # readers never see half a lock
-                _HELD[key], self._held = 1, True
-                atexit.register(self.release)
-                return
-            self._replace_if_stale()
-        raise ConfigError(f"run.output_dir: could not take {self.path} after removing stale locks three times; "
-                          "another trainer keeps starting on this directory")
+        watch = {"t0": time.monotonic(), "seen": None, "said": False}
+        generation = None
+        while generation is None:
+            generation = storage.create_exclusive(self.path, self._record()) or self._take_over(watch)
+        _LEASES[key], self._held = _Lease(self.path, self.lease_s, generation, self._record), True
+        atexit.register(self.release)
 
-    def _replace_if_stale(self) -> None:
-        holder = _read_holder(self.path)
-        if holder is None:
-            return  # released meanwhile: try again
-        if not _stale(holder, self.path):
-            who = f"pid {holder.get('pid')} on host {holder.get('host')!r} since {holder.get('since')}" if holder \
-                else "an unreadable lock"
-            raise ConfigError(f"run.output_dir: {str(self.path.parent)!r} is in use by another trainer ({who}); "
-                              f"wait for it to finish or stop it, or choose another run.output_dir. If no trainer "
-                              f"runs there any more, delete {self.path}")
-        _warn(f"removing the stale lock {self.path} of pid {holder['pid']} on this host, which is no longer running")
+    def _take_over(self, watch: dict[str, Any]) -> str | None:
+        """One look at the lock that exists: its replacement's generation when it is stale and this start replaced
+        it; None to look again (watched, released, or replaced by another meanwhile); ConfigError when it is live.
+        `watch` carries the generation first seen and when, across looks."""
         try:
-            # of two starters replacing this very lock (this generation of it), only the one that creates the
-            # takeover marker deletes it; markers stay, so a late starter can never delete a newer lock
-            marker = self.path.with_name(f".{LOCK_FILE}.takeover.{storage.generation(self.path)}")
-        except FileNotFoundError:
-            return
-        if storage.create_exclusive(marker, json.dumps({"pid": os.getpid()}) + "\n"):
-            storage.remove(self.path)
+            data, current = storage.read_versioned(self.path)
+        except FileNotFoundError:  # released meanwhile: create it again
+            return None
+        holder, seen = _parse(data), watch["seen"]
+        if seen is not None and current != seen[0]:  # renewed (or taken) while this start watched
+            raise ConfigError(self._refusal(holder))
+        seen = watch["seen"] = seen or (current, time.monotonic())
+        state, why = verdict(holder, time.monotonic() - seen[1], self.lease_s, _key(self.path) in _LEASES)
+        if state == "live":
+            raise ConfigError(self._refusal(holder))
+        if state == "stale":
+            # conditional on the generation read: of any number of starters exactly one replaces it, and a lock
+            # renewed meanwhile is left alone (the next look sees its new generation, and refuses)
+            taken = storage.replace_if_generation(self.path, self._record(), current)
+            if taken is not None:
+                _warn(f"removing the stale lock {self.path} of {_who(holder)} and taking the run over: {why}")
+            return taken
+        if not watch["said"]:
+            lease = holder.get("lease_seconds") or self.lease_s
+            print(f"run.output_dir: {self.path} is held by {_who(holder)}; waiting up to {lease:g} s (its lease) "
+                  "for it to be renewed, else taking the run over", file=sys.stderr, flush=True)
+            watch["said"] = True
+        if time.monotonic() - watch["t0"] > 3 * self.lease_s + 60:
+            raise ConfigError(f"run.output_dir: could not take {self.path} in {time.monotonic() - watch['t0']:.0f} s;"
+                              " another trainer keeps starting there")
+        time.sleep(min(max(self.lease_s / 12, 0.05), 5.0))
+        return None
+
+    def _refusal(self, holder: dict[str, Any]) -> str:
+        return (f"run.output_dir: {str(self.path.parent)!r} is in use by another trainer ({_who(holder)}); wait for "
+                "it to finish or stop it, or choose another run.output_dir. If no trainer runs there any more, "
+                f"delete {self.path} (a trainer that is gone loses it once its lease lapses)")
 
     def release(self) -> None:
         if not self._held:
             return
         self._held = False
         key = _key(self.path)
-        _HELD[key] -= 1
-        if _HELD[key]:
+        lease = _LEASES[key]
+        lease.count -= 1
+        if lease.count:
             return
-        del _HELD[key]
-        holder = _read_holder(self.path)
-        if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            storage.remove(self.path)
+        del _LEASES[key]
+        lease.release()
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -151,6 +251,8 @@ def _flat(cfg: Config) -> dict[str, Any]:
 def _free(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
     if key == "run.total_steps":  # the cosine schedule's length depends on it; a constant schedule does not
         return old["optim.min_lr_ratio"] == new["optim.min_lr_ratio"] == 1.0
+    if key == "model.revision":  # a run from before revisions were recorded: the commit is unknown
+        return old[key] == ""
     return key in FREE_KEYS or key.startswith(FREE_GROUPS)
 
 
@@ -176,6 +278,29 @@ def check_resume_config(cfg: Config, run_dir) -> None:
                           f"(--config {run_dir / RESOLVED_NAME}), choose a new run.output_dir, or pass "
                           "run.allow_config_change=true to continue with the change (it is logged in "
                           f"{HISTORY_FILE})")
+
+
+def pin_revision(cfg: Config, run_dir, resuming: bool) -> Config:
+    """`cfg` with model.revision set to a commit hash when model.path is a Hugging Face id: on a resume that names
+    none, the commit the run's config.yaml recorded (a resume loads the same weights and tokenizer); else the commit
+    that model.revision ("" = main) resolves to now. A different commit is then refused by check_resume_config."""
+    from g2rl_jax.model.sources import hub_commit, is_hub_id
+
+    if not is_hub_id(cfg.model.path):
+        if cfg.model.revision:
+            raise ConfigError(f"model.revision: {cfg.model.revision!r} is set, but model.path {cfg.model.path!r} is "
+                              "not a Hugging Face id; set model.revision=\"\" or name the model by its hub id")
+        return cfg
+    revision = cfg.model.revision
+    if not revision and resuming and storage.is_file(run_dir / RESOLVED_NAME):
+        try:
+            old = load_config(run_dir / RESOLVED_NAME)
+        except ConfigError:
+            old = None  # check_resume_config says so
+        if old is not None and old.model.path == cfg.model.path:
+            revision = old.model.revision
+    commit = hub_commit(cfg.model.path, "model.path", revision)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=commit))
 
 
 def append_history(cfg: Config, run_dir, **facts: Any):

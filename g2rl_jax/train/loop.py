@@ -52,6 +52,7 @@ from g2rl_jax.train.lifecycle import (
     StopSignal,
     append_history,
     check_resume_config,
+    pin_revision,
 )
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, step_metrics
 from g2rl_jax.train.sampling_rounds import SamplingRounds
@@ -95,7 +96,7 @@ class Trainer(SamplingRounds):
         self.clock = compiles.CompileClock()  # what the run compiles, step by step (train/compiles.py)
         preflight(cfg, model_dirs=False)
         self.run_dir = storage.path(cfg.run.output_dir, "run.output_dir")  # a local path or a URL
-        self.lock = RunLock(self.run_dir) if jax.process_index() == 0 else None  # one holder per run directory
+        self.lock = RunLock(self.run_dir, cfg.run.lock_lease_seconds) if jax.process_index() == 0 else None
         self.stop = StopSignal()
         self.preempted = False
         if self.lock is not None:
@@ -113,6 +114,7 @@ class Trainer(SamplingRounds):
 
         check_loggers(given.run.loggers)
         found = latest_step(self.run_dir)
+        given = pin_revision(given, self.run_dir, resuming=found is not None)  # a hub id's commit, kept by resumes
         if found is not None:
             check_resume_config(given, self.run_dir)
         compilation_cache(given.run.compilation_cache_dir)  # before the first compile (the demo model's build)

@@ -67,7 +67,7 @@ def resolve_model_paths(cfg: Config) -> Config:
     directory copied to the local cache and a Hugging Face id taken from its cache (model/sources.py), for
     model.path, algorithm.embedding_model and model.lora.init_from."""
     try:
-        path, embedder = resolve_demo_paths(local_model_dir(cfg.model.path, "model.path"),
+        path, embedder = resolve_demo_paths(local_model_dir(cfg.model.path, "model.path", cfg.model.revision),
                                             cfg.algorithm.embedding_model)
     except ValueError as err:
         raise ConfigError(str(err)) from err

@@ -1,0 +1,174 @@
+"""A preempted run comes back by itself: the run lock is a lease (train/lifecycle.py) between real processes, each
+as its own host (`unshare -u` gives a process its own hostname), on local disk and on a real GCS server on loopback
+(fake-gcs-server). A live holder on another host is refused in one line; racing starters on a stale lock: exactly one
+wins; a holder frozen past its lease (SIGSTOP) is taken over, and once thawed stops at once, writing nothing more.
+End to end: a trainer as host vm-a on a gs:// run killed with -9 mid-save, its relaunch as vm-b takes the run over
+once the lease has lapsed, with no manual step, and ends with the uninterrupted run's metrics; vm-c meanwhile is
+refused in one line. (The 20-kill loop: `python -m g2rl_jax.bench preempt`.)"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_gcs import _gs_cmd, _saving, bucket  # noqa: F401 - bucket is a fixture
+from test_train import STEPS, _assert_same_metrics, _env, assets, reference  # noqa: F401 - fixtures
+
+from g2rl_jax import storage
+from g2rl_jax.config import ConfigError
+from g2rl_jax.train.lifecycle import HISTORY_FILE, LEASE_LOST_EXIT, LOCK_FILE, RunLock
+from g2rl_jax.train.metrics import read_metrics
+
+from _helpers import HANG_S, kill_when, xla_flags
+
+LEASE = 3.0  # the smallest run.lock_lease_seconds: renewed every second
+HOLD = ("import sys, time\n"
+        "from g2rl_jax.train.lifecycle import RunLock\n"
+        "if len(sys.argv) > 3:\n"  # a racer: ready, then go at once when the go file appears
+        "    print('ready', flush=True)\n"
+        "    import os\n"
+        "    while not os.path.exists(sys.argv[3]): time.sleep(0.001)\n"
+        "try:\n"
+        "    RunLock(sys.argv[1], float(sys.argv[2])).acquire()\n"
+        "except Exception as err:\n"
+        "    print('refused', err, flush=True); sys.exit(2)\n"
+        "print('held', flush=True); time.sleep(600)\n")
+
+
+def _unshare_prefix() -> list[str] | None:
+    for prefix in (["unshare", "-u"], ["unshare", "-r", "-u"]):  # as root; else in a user namespace
+        try:
+            if subprocess.run([*prefix, "sh", "-c", "hostname vm-test"], capture_output=True).returncode == 0:
+                return prefix
+        except FileNotFoundError:
+            return None
+    return None
+
+
+UNSHARE = _unshare_prefix()
+needs_hosts = pytest.mark.skipif(UNSHARE is None, reason="`unshare -u` cannot give a process its own hostname here")
+
+
+def as_host(host: str, cmd: list[str]) -> list[str]:
+    """`cmd` run as host `host` (its own UTS namespace)."""
+    return [*UNSHARE, "sh", "-c", f'hostname {host} && exec "$@"', "sh", *cmd]
+
+
+def _holder(out, host=None, extra=()):
+    cmd = [sys.executable, "-c", HOLD, str(out), str(LEASE), *extra]
+    return subprocess.Popen(as_host(host, cmd) if host else cmd, env=_env(), stdout=subprocess.PIPE, text=True)
+
+
+def _lock(out) -> dict:
+    return json.loads(storage.read_text(f"{out}/{LOCK_FILE}"))
+
+
+@pytest.fixture(params=["local", "gcs"])
+def run_dir(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    gcs = request.getfixturevalue("gcs")
+    return gcs.url(f"lease/{request.node.name.replace('[', '_').rstrip(']')}")
+
+
+# ------------------------------------------------------------------------------------------ the lease
+@needs_hosts
+def test_live_holder_on_another_host_is_refused_and_a_frozen_one_taken_over(run_dir, capsys):
+    holder = _holder(run_dir, host="vm-a")
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"is in use by another trainer \(pid {holder.pid} on host 'vm-a'"):
+            RunLock(run_dir, LEASE).acquire()  # it renews within a third of its lease: live
+        assert "waiting up to 3 s" in capsys.readouterr().err
+        holder.send_signal(signal.SIGSTOP)  # frozen: no renewals, as a VM that stopped answering
+        t0 = time.monotonic()
+        lock = RunLock(run_dir, LEASE)
+        lock.acquire()
+        assert time.monotonic() - t0 >= LEASE  # watched a whole lease first
+        err = capsys.readouterr().err
+        assert f"removing the stale lock {run_dir}/{LOCK_FILE} of pid {holder.pid} on host 'vm-a'" in err, err
+        assert _lock(run_dir)["pid"] == os.getpid()
+        holder.send_signal(signal.SIGCONT)  # thawed: its next renewal finds the lock taken
+        assert holder.wait(timeout=60) == LEASE_LOST_EXIT
+        assert _lock(run_dir)["pid"] == os.getpid()  # the loser wrote nothing more, deleted nothing
+        time.sleep(LEASE / 3 + 0.5)
+        assert _lock(run_dir)["pid"] == os.getpid()  # and our renewals go on
+        lock.release()
+        assert not storage.exists(f"{run_dir}/{LOCK_FILE}")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_taken_over_stops_at_once_in_one_line(run_dir):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, run_dir, str(LEASE)], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        other = json.dumps({"host": "vm-z", "pid": 7, "since": "now", "renewed": time.time(), "nonce": "x"})
+        storage.write_text(f"{run_dir}/{LOCK_FILE}", other)  # as another trainer's takeover would
+        assert proc.wait(timeout=60) == LEASE_LOST_EXIT
+        lines = proc.stderr.read().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("run lock lost: ") and "pid 7 on host 'vm-z'" in lines[0]
+        assert storage.read_text(f"{run_dir}/{LOCK_FILE}") == other  # not removed at exit
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_of_racing_starters_on_a_stale_lock_exactly_one_wins(run_dir, tmp_path):
+    storage.makedirs(run_dir)
+    stale = {"host": "vm-gone", "pid": 1, "since": "then", "renewed": time.time() - 3600, "lease_seconds": LEASE}
+    storage.write_text(f"{run_dir}/{LOCK_FILE}", json.dumps(stale))
+    go = tmp_path / "go"
+    racers = [_holder(run_dir, extra=[str(go)]) for _ in range(3)]
+    try:
+        assert all(r.stdout.readline().strip() == "ready" for r in racers)
+        go.touch()
+        said = [r.stdout.readline().strip() for r in racers]
+        assert said.count("held") == 1, said
+        winner = racers[said.index("held")]
+        assert all(s.startswith("refused run.output_dir:") and "is in use by another trainer" in s
+                   for s in said if s != "held"), said
+        assert [r.wait(timeout=60) for r in racers if r is not winner] == [2] * 2
+        assert _lock(run_dir)["pid"] == winner.pid
+    finally:
+        for r in racers:
+            r.kill()
+            r.wait()
+
+
+# ------------------------------------------------------------------------------------------ a preemption, end to end
+@needs_hosts
+def test_preempted_vm_is_replaced_without_a_manual_step(gcs, assets, bucket, reference, tmp_path, capsys):  # noqa: F811
+    from g2rl_jax.train.loop import main
+
+    out = gcs.url("runs/preempted")
+    env = dict(_env(), XLA_FLAGS=xla_flags(8), **{storage.CACHE_ENV: str(tmp_path / "cache")})
+    cmd = [*_gs_cmd(assets, bucket, out), f"run.lock_lease_seconds={LEASE:g}"]
+    log = tmp_path / "trainers.err"
+    with open(log, "w") as err:
+        vm_a = subprocess.Popen(as_host("vm-a", cmd), env=env, stdout=subprocess.DEVNULL, stderr=err)
+        assert kill_when(vm_a, lambda: _saving(out), err), f"vm-a ended before a save: {log.read_text()[-3000:]}"
+        assert _lock(out)["host"] == "vm-a"  # left behind by the kill
+        vm_b = subprocess.Popen(as_host("vm-b", cmd), env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        deadline = time.monotonic() + HANG_S
+        while not (storage.exists(f"{out}/{LOCK_FILE}") and _lock(out)["host"] == "vm-b"):
+            assert vm_b.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        assert main(cmd[cmd.index("--config"):]) == 2  # vm-c, while vm-b runs (this host is neither)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[-1].startswith("config error: run.output_dir: ") and \
+            f"is in use by another trainer (pid {vm_b.pid} on host 'vm-b'" in lines[-1], lines
+        assert vm_b.poll() is None, "vm-b ended before vm-c was refused: the check proves nothing"
+        stdout, _ = vm_b.communicate(timeout=HANG_S)
+    text = log.read_text()
+    assert vm_b.returncode == 0, text[-3000:]
+    assert "waiting up to 3 s (its lease)" in text and "removing the stale lock" in text, text[-3000:]
+    _assert_same_metrics(read_metrics(out), reference["records"])
+    history = [json.loads(line) for line in storage.read_text(f"{out}/{HISTORY_FILE}").splitlines()]
+    assert [h["host"] for h in history] == ["vm-a", "vm-b"]  # vm-c wrote nothing
+    assert not storage.exists(f"{out}/{LOCK_FILE}")
+    assert STEPS == len(read_metrics(out))
