@@ -17,8 +17,8 @@ import argparse
 import sys
 from typing import NoReturn
 
-from g2rl_jax.config_groups import ConfigError
 from g2rl_jax.data.datasets import DataError
+from g2rl_jax.errors import ConfigError
 
 BAD_INPUT_EXIT = 2
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)

@@ -11,14 +11,12 @@ import dataclasses
 import math
 from typing import Any, Literal, Optional
 
+from g2rl_jax import methods
+from g2rl_jax.errors import ConfigError
 from g2rl_jax.methods import NAMES as EXPLORATION_METHODS
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 _REQUIRED = dataclasses.MISSING
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; the message names the key, the source and what to do."""
 
 
 def _f(default: Any, help: str) -> Any:
@@ -320,10 +318,7 @@ class AlgorithmConfig:
             _check(getattr(self, name) > 0, f"algorithm.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.mini_batch_size % self.micro_batch_size == 0, "algorithm.micro_batch_size",
                f"must divide algorithm.mini_batch_size={self.mini_batch_size}, got {self.micro_batch_size}")
-        bonus = self.exploration == "entropy_bonus"
-        _check(self.entropy_coef > 0 if bonus else self.entropy_coef == 0, "algorithm.entropy_coef",
-               f"must be > 0 with exploration=entropy_bonus and 0 otherwise (exploration={self.exploration}, "
-               f"entropy_coef={self.entropy_coef}); set algorithm.exploration=entropy_bonus for an entropy bonus")
+        self._check_method_keys()
         for name in ("clip_cov_ratio", "kl_cov_ratio", "forking_ratio"):
             value = getattr(self, name)
             _check(0 < value <= 1, f"algorithm.{name}", f"must be a share of tokens in (0, 1], got {value}")
@@ -334,10 +329,18 @@ class AlgorithmConfig:
         _check(0 <= self.unlikeliness_penalty <= 1, "algorithm.unlikeliness_penalty",
                f"must be in [0, 1] (a reward factor 1 - β·rank/G stays >= 0), got {self.unlikeliness_penalty}")
         _check(self.positive_weight >= 0, "algorithm.positive_weight", f"must be >= 0, got {self.positive_weight}")
-        evol = self.exploration == "evol"
-        _check((self.embedding_model is not None) == evol, "algorithm.embedding_model",
-               "is required with exploration=evol and must be null otherwise "
-               f"(exploration={self.exploration}, embedding_model={self.embedding_model!r})")
+
+    def _check_method_keys(self) -> None:
+        """A key only the methods with some need read (methods.NEED_KEYS) keeps its off value under any other
+        method; the methods that read it say in their own `check` what they need of it."""
+        method = methods.get(self.exploration)
+        for need, (name, off) in methods.NEED_KEYS.items():
+            value = dataclasses.asdict(self)[name]
+            readers = [n for n in EXPLORATION_METHODS if need in methods.get(n).needs]
+            _check(need in method.needs or value == off, f"algorithm.{name}",
+                   f"is read only by exploration={' or '.join(readers)}, so it must be "
+                   f"{'null' if off is None else off} with exploration={self.exploration} (got {value!r}); set "
+                   f"algorithm.exploration={readers[0]} to use it")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,7 @@ from urllib.parse import quote
 
 from etils import epath
 
-from g2rl_jax.config_groups import ConfigError
+from g2rl_jax.errors import ConfigError
 
 PathLike = Union[str, os.PathLike]
 EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}  # scheme -> (the client module, the extra that has it)

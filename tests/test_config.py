@@ -106,6 +106,7 @@ def test_bad_type_in_yaml_names_file(tmp_path):
     ("algorithm.exploration=evol", "algorithm.embedding_model"),      # evol needs an encoder
     ("algorithm.embedding_model=enc", "algorithm.embedding_model"),   # ...and only evol reads one
     ("algorithm.exploration=entropy_bonus", "algorithm.entropy_coef"),
+    ("algorithm.entropy_coef=0.01", "algorithm.entropy_coef"),          # ...and only entropy_bonus reads it
     ("algorithm.entropy_coef=0.01", "algorithm.entropy_coef"),
     ("mesh.data=-1", "mesh.fsdp"),                                    # two fill axes
     ("distributed.process_id=0", None),
@@ -230,3 +231,31 @@ def test_non_utf8_yaml_names_the_file(tmp_path):
     path.write_bytes(MINIMAL.replace("model_dir", "mod\xe8le").encode("latin-1"))
     with pytest.raises(C.ConfigError, match=rf"{path}: not UTF-8 text.*save the file as UTF-8"):
         C.load_config(path)
+
+
+def test_errors_live_below_storage_and_the_config():
+    """storage (the lowest layer) raises ConfigError without importing the config, the methods or JAX: a fresh
+    interpreter imports g2rl_jax (whose start may import jax itself, on a machine with JAX's CUDA plugin and no
+    driver), then storage, and lists what storage added."""
+    import subprocess
+    import sys
+
+    code = ("import sys, g2rl_jax; before = set(sys.modules); import g2rl_jax.storage; "
+            "new = set(sys.modules) - before; "
+            "print(sorted(m for m in new if m.split('.')[0] in ('jax', 'jaxlib', 'flax') "
+            "or m.startswith(('g2rl_jax.methods', 'g2rl_jax.config'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    from g2rl_jax import errors, storage
+    assert storage.ConfigError is errors.ConfigError is C.ConfigError
+    assert issubclass(storage.StorageError, C.ConfigError)
+
+
+def test_no_method_is_special_cased_by_name():
+    """What a method needs (the entropy term, an embedding model) comes from its registry entry (Method.needs and
+    check), not from `exploration == NAME` tests in the config or the ahead-of-time compile."""
+    import re
+
+    root = Path(C.__file__).parent
+    for path in [root / "config_groups.py", root / "config.py", *sorted((root / "aot").glob("*.py"))]:
+        assert not re.search(r"exploration\s*(==|!=|in)\s*[\"'(]", path.read_text()), path

@@ -174,9 +174,10 @@ def mini():
 
 
 def tokens_of(d, key=0) -> methods.Tokens:
+    """The token rule's inputs; the behaviour log-probs are the current ones unless d has "old" (ρ = 1)."""
     return methods.Tokens(jnp.asarray(d["adv"], jnp.float32), jnp.asarray(d["logp"], jnp.float32),
-                          jnp.asarray(d["entropy"], jnp.float32), jnp.asarray(d["mask"], jnp.float32),
-                          jax.random.key(key))
+                          jnp.asarray(d["entropy"], jnp.float32), jnp.asarray(d.get("old", d["logp"]), jnp.float32),
+                          jnp.asarray(d["mask"], jnp.float32), jax.random.key(key))
 
 
 def np_cov(d):
@@ -218,6 +219,22 @@ def test_clip_cov_draws_its_share_of_the_band(mini, ratio):
     assert abs(freq.mean() - count / eligible.sum()) < 1e-9 and freq.max() - freq.min() < 0.25
 
 
+def test_clip_cov_leaves_ppo_clipped_tokens_out_of_the_draw(mini):
+    """π_θ ≠ π_old: the tokens whose PPO loss takes the clipped term are not drawn (the authors' clip_by_origin)."""
+    algo = AlgorithmConfig(exploration="clip_cov", clip_cov_ratio=0.5, clip_cov_low=0.0, clip_cov_high=10.0,
+                           clip_low=0.1, clip_high=0.1)
+    d = dict(mini, old=mini["logp"] + np.random.default_rng(4).normal(scale=0.2, size=mini["logp"].shape))
+    cov, on = np_cov(d), d["mask"] > 0
+    rho, a = np.exp(d["logp"] - d["old"]), d["adv"][:, None]
+    clipped = -a * np.clip(rho, 0.9, 1.1) > -a * rho
+    eligible = on & ~clipped & (cov > 0.0) & (cov < 10.0)
+    assert (on & clipped & (cov > 0)).sum() > 0 and eligible.sum() > 0
+    count = min(max(math.floor(0.5 * on.sum()), 1), eligible.sum())
+    weight = np.asarray(covariance.clip_cov_tokens(tokens_of(d, 5), algo).weight)
+    u = np.float64(jax.random.uniform(jax.random.key(5), cov.shape))
+    np.testing.assert_array_equal(weight == 0.0, np_top(np.where(eligible, u, -1.0), eligible, count))
+
+
 def test_kl_cov_penalises_the_largest_covariances(mini):
     algo = AlgorithmConfig(exploration="kl_cov", kl_cov_ratio=0.05, kl_cov_coef=1.5)
     on = mini["mask"] > 0
@@ -243,13 +260,14 @@ def test_token_terms_decides_per_mini_batch(mini):
     """Two mini-batches stacked: each gets the rule applied to its own rows, with its own key."""
     algo = AlgorithmConfig(exploration="forking")
     both = {k: np.concatenate([v, v[::-1]]) for k, v in mini.items()}
-    terms = methods.token_terms(*(jnp.asarray(both[k], jnp.float32) for k in ("adv", "logp", "entropy", "mask")),
+    terms = methods.token_terms(*(jnp.asarray(both[k], jnp.float32) for k in ("adv", "logp", "entropy", "logp",
+                                                                               "mask")),
                                 jax.random.key(0), algo=algo, mini_batch_size=X)
     first = forking.forking_tokens(tokens_of(mini), algo).weight
     second = forking.forking_tokens(tokens_of({k: v[::-1] for k, v in mini.items()}), algo).weight
     np.testing.assert_allclose(np.asarray(terms.weight), np.concatenate([first, second]), rtol=1e-6)
     assert terms.abs_log_ratio is None
-    assert methods.token_terms(*(jnp.zeros((X, T)),) * 4, jax.random.key(0), algo=AlgorithmConfig(),
+    assert methods.token_terms(*(jnp.zeros((X, T)),) * 5, jax.random.key(0), algo=AlgorithmConfig(),
                                mini_batch_size=X).weight is None  # g2rl has no token rule
 
 

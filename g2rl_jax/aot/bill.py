@@ -10,7 +10,8 @@ weights, a decode segment at each batch bucket x capacity, and the moves between
 capacity, a halving at each, the prefix rows, masks and lengths it gathers, the live rows it picks); the score,
 reference and gradient programs at each micro-batch shape, with the small ones that move a micro-batch's rows in
 (twice: the step's batch, a mini-batch) and its results out (3, and 1 more with the reference pass); once per run:
-the optimizer's init and step, the advantages (and the EVOL embedder); with run.eval_every the validation's rollout
+the optimizer's init and step, the advantages, and the method's own (`method_counts`: the EVOL embedder, a token
+rule and its moves); with run.eval_every the validation's rollout
 at its own sizes. The micro-batch shapes and the prompt buckets are chosen as the trainer chooses them
 (train/shapes.py): the compile seconds the compiler took here for the largest score, reference and gradient
 programs, and the compute each would take by the FLOP model at report.ESTIMATE_MFU; the prompt buckets from the
@@ -28,6 +29,7 @@ import dataclasses
 
 import numpy as np
 
+from g2rl_jax import methods
 from g2rl_jax.aot.programs import StepShapes
 from g2rl_jax.aot.report import ESTIMATE_MFU
 from g2rl_jax.config import Config
@@ -52,6 +54,19 @@ def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
     """Programs of one prompt bucket's micro-batch shapes by kind; the small moves priced as cache growths."""
     n = len(shapes.shapes)
     return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 3 + kl)}
+
+
+def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> dict[str, int]:
+    """Programs of the method's own (once per run): the EVOL embedder (Method.needs "embeddings"); for a token rule
+    (Clip-Cov, KL-Cov, forking: methods.token_terms), the rule over a mini-batch and, when a step has more than one
+    update, the moves of the current policy's log-probs and entropies into the mini-batch's [X, T] arrays, one per
+    micro-batch shape (none when a mini-batch is the whole step: the score pass's moves are the same programs)."""
+    algo = cfg.algorithm
+    method = methods.get(algo.exploration)
+    counts = {"embed": int("embeddings" in method.needs), "token_terms": int(method.tokens is not None)}
+    if method.tokens is not None and algo.mini_batch_size != step_rows:
+        counts["regroup"] = len(shapes.shapes)
+    return counts
 
 
 def prompt_lengths(cfg: Config) -> np.ndarray | None:
@@ -172,8 +187,9 @@ def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bi
     for part in [per_rollout, micro_counts(choice.shapes, kl)] * len(choice.prompts):
         for k, n in part.items():
             counts[k] = counts.get(k, 0) + n
-    for k in ("init", "advantages", "apply") + (("embed",) if algo.exploration == "evol" else ()):
-        counts[k] = counts.get(k, 0) + 1
+    for k, n in [(k, 1) for k in ("init", "advantages", "apply")] + list(method_counts(cfg, choice.shapes,
+                                                                                       s.step_rows).items()):
+        counts[k] = counts.get(k, 0) + n
     if cfg.run.eval_every:
         rows = s.prompts * cfg.data.eval_samples
         budget = batching.new_tokens_bucket(cfg.data.eval_max_new_tokens)

@@ -317,14 +317,21 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
                                            chunk=train_step.g2rl.DEFAULT_CHUNK), params, step_batch)[1][0]
     phi = a.rows(phi.shape, phi.dtype)
     embeddings = valid = None
-    if algo.exploration == "evol":
+    method = methods.get(algo.exploration)
+    if "embeddings" in method.needs:  # the embedding model's pass (evol)
         progs.append(_embedder(cfg, a, s, state_bytes + step_arrays))
         embeddings, valid = a.rows((s.step_rows, _embed_width(cfg)), jnp.float32), a.rows((s.step_rows,), jnp.bool_)
-    method = methods.get(algo.exploration)
     logp = a.rows((s.step_rows, T), jnp.float32) if "seq_logp" in method.needs else None
     progs.append(Program("advantages (novelty, shaping, groups)", "advantages", "score",
                          functools.partial(train_step.advantages.lower, step_batch, phi, algo, embeddings, valid,
                                            logp), state_bytes))
+    if method.tokens is not None:  # the token rule over one mini-batch (Clip-Cov, KL-Cov, forking)
+        x = a.rows((algo.mini_batch_size, T), jnp.float32)
+        lower = functools.partial(methods.token_terms.lower, a.rows((algo.mini_batch_size,), jnp.float32), x, x, x, x,
+                                  a.scalar(jax.eval_shape(lambda: jax.random.key(0)).dtype), algo=algo,
+                                  mini_batch_size=algo.mini_batch_size)
+        progs.append(Program(f"token rule {algo.mini_batch_size} rows x {T} tokens", "token_terms", "update", lower,
+                             state_bytes + step_arrays))
     for rows, width in shapes:
         mb = a.mini(rows, S, width, m, algo.rollout_is_cap is not None, terms)
         diag = jax.eval_shape(lambda p, b: train_step.policy_loss(p, graphdef, b, settings)[1], params, mb)

@@ -60,7 +60,7 @@ def time_method(trainer, result, algo, step: int) -> dict[str, float]:
     t1 = time.perf_counter()
     if method.tokens is not None:  # timed apart here; _update computes them again inside the update
         jax.block_until_ready(methods.token_terms(signal["advantages"], scores.logp_BxT, scores.entropy_BxT,
-                                                  batch.response_mask, jax.random.key(step), algo=algo,
+                                                  scores.logp_BxT, batch.response_mask, jax.random.key(step), algo=algo,
                                                   mini_batch_size=algo.mini_batch_size))
     t2 = time.perf_counter()
     saved = (trainer.cfg, trainer.method, trainer.settings, trainer.params, trainer.opt_state)

@@ -12,6 +12,8 @@ is and how the trainer calls it. One file per method (or per paper), imported be
 """
 from g2rl_jax.methods import covariance, evol, forking, gradient_novelty, grpo, negative, passk, unlikeliness  # noqa: F401
 from g2rl_jax.methods.registry import (
+           NEED_KEYS,
+           NEEDS,
            REGISTRY,
            Group,
            Method,
@@ -30,5 +32,5 @@ NAMES: tuple[str, ...] = ("grpo", "entropy_bonus", "evol", "g2rl", "g2rl_mixed_c
 if set(NAMES) != set(REGISTRY) or len(NAMES) != len(REGISTRY):
     raise ImportError(f"methods.NAMES {NAMES} and the registered methods {tuple(REGISTRY)} differ: list each once")
 
-__all__ = ["NAMES", "REGISTRY", "Group", "Method", "Signal", "TokenTerms", "Tokens", "get", "register", "token_fields",
-           "token_terms"]
+__all__ = ["NAMES", "NEED_KEYS", "NEEDS", "REGISTRY", "Group", "Method", "Signal", "TokenTerms", "Tokens", "get",
+           "register", "token_fields", "token_terms"]

@@ -12,5 +12,12 @@ def rewards(group: Group, algo) -> Signal:
     return Signal(shaped_Pxm, standardise(shaped_Pxm, group, algo), no_novelty(group))
 
 
+def check(cfg) -> tuple[str, str] | None:
+    if cfg.algorithm.embedding_model is None:
+        return "algorithm.embedding_model", ("is required with exploration=evol: a Qwen3-architecture embedding "
+                                             "model (a local HF directory, gs://..., or a Hugging Face id)")
+    return None
+
+
 register(Method("evol", "EVOL-RL: novelty of response embeddings from an external model (the G2RL paper's "
-                "baseline, arXiv 2512.15687)", rewards, needs=frozenset({"embeddings"})))
+                "baseline, arXiv 2512.15687)", rewards, check=check, needs=frozenset({"embeddings"})))

@@ -5,8 +5,9 @@ only its top ρ = 20% response tokens by entropy, ⌈ρN⌉ of its N tokens (the
 The authors aggregate the policy-gradient loss over the chosen tokens (token-mean: Σ_chosen ℓ / #chosen) and the
 KL term over all response tokens; here that is a per-token weight N/#chosen on the chosen tokens and 0 on the
 others under the usual mean over the N response tokens, which is the same number and stays exact when a
-mini-batch is cut into micro-batches. Entropies are the behaviour policy's (the scoring pass), the choice is made
-once per step and per mini-batch; the authors take the current policy's, per micro-batch (docs/paper.md).
+mini-batch is cut into micro-batches. Entropies are the current policy's, as the authors': those of the params
+the mini-batch's update starts from, detached (train/step.py decides the tokens inside each update); the authors
+choose per micro-batch, here per mini-batch, so the choice does not depend on memory settings (docs/peers.md).
 """
 from __future__ import annotations
 

@@ -24,5 +24,12 @@ def rewards(group: Group, algo) -> Signal:
 
 
 register(Method("grpo", "GRPO: the group-standardised base reward (DeepSeekMath, arXiv 2402.03300)", rewards))
+def entropy_bonus_check(cfg) -> tuple[str, str] | None:
+    if cfg.algorithm.entropy_coef <= 0:
+        return "algorithm.entropy_coef", (f"must be > 0 with exploration=entropy_bonus (the bonus's coefficient), "
+                                          f"got {cfg.algorithm.entropy_coef}; e.g. algorithm.entropy_coef=0.01")
+    return None
+
+
 register(Method("entropy_bonus", "GRPO plus an entropy bonus −entropy_coef · H in the loss (the G2RL paper's "
-                "baseline, arXiv 2512.15687)", rewards))
+                "baseline, arXiv 2512.15687)", rewards, check=entropy_bonus_check, needs=frozenset({"entropy"})))

@@ -2,9 +2,10 @@
 
 A method is at most four small pure functions, each optional but the first:
   rewards   (Group, algo) -> Signal: shaped rewards r̃, advantages A and novelty ν of every group [P, m]
-  tokens    (Tokens, algo) -> TokenTerms: per-token weights / penalties of one mini-batch's policy loss, computed
-            once per step from the behaviour pass, before the update (Clip-Cov, KL-Cov, forking tokens)
-  keep_rows (correct_B) -> keep_B: responses that stay in the loss (NSR trains on its negative samples only)
+  tokens    (Tokens, algo) -> TokenTerms: per-token weights / penalties of one mini-batch's policy loss, decided
+            inside each update on the current policy's log-probs and entropies (Clip-Cov, KL-Cov, forking tokens)
+  keep_rows (correct_B) -> keep_B: responses that stay in the loss (NSR trains on its negative samples only); the
+            others are dropped: out of every mean, and a mini-batch with none left takes no optimizer step
   check     (cfg) -> (key, message) or None: what the method needs of the rest of the configuration
 and a few flags (`needs`: extra inputs of `rewards`; `ppo_clip`: whether the loss clips the ratio; `novelty`:
 ν is defined, so the trainer logs it and what single-class groups give their most and least novel response).
@@ -12,7 +13,8 @@ and a few flags (`needs`: extra inputs of `rewards`; `ppo_clip`: whether the los
     register(Method("my_method", "one line: the paper and what it changes", rewards=my_rewards))
     get("my_method").rewards(group, algo)
 
-`train/step.py` (advantages, LossSettings), `token_terms` below and `train/loop.py` (keep_rows) dispatch through `get`;
+`train/step.py` (advantages, LossSettings, update), `token_terms` below and `train/loop.py` (keep_rows) dispatch
+through `get`;
 `algorithm.exploration` accepts exactly the registered names (`NAMES`). A new method is one file in this package,
 imported by `g2rl_jax/methods/__init__.py`, plus its knobs (if any) in `AlgorithmConfig`.
 """
@@ -54,12 +56,14 @@ class Signal:
 
 @dataclasses.dataclass(frozen=True)
 class Tokens:
-    """One mini-batch's rows [X] / [X, T] for a token rule: advantages, behaviour log-probs and entropies, the
-    response mask (0 on rows out of the loss), and a PRNG key for rules that draw at random."""
+    """One mini-batch's rows [X] / [X, T] for a token rule: advantages, the current policy's log-probs and
+    entropies (π_θ, the params this update starts from; constants), the behaviour log-probs (π_old, of the ratio
+    ρ = π_θ/π_old), the response mask (0 on rows out of the loss), and a PRNG key for rules that draw at random."""
 
     advantages: jax.Array
     logp: jax.Array
     entropy: jax.Array
+    old_logp: jax.Array
     mask: jax.Array
     key: jax.Array
 
@@ -82,10 +86,18 @@ class Method:
     tokens: Optional[Callable[[Tokens, "AlgorithmConfig"], TokenTerms]] = None
     keep_rows: Optional[Callable[[jax.Array], jax.Array]] = None
     check: Optional[Callable[["Config"], Optional[tuple[str, str]]]] = None
-    needs: frozenset = frozenset()  # of "embeddings", "seq_logp"
+    needs: frozenset = frozenset()  # of NEEDS
     ppo_clip: bool = True
     novelty: bool = False
 
+
+# What a method may need besides Φ and the rewards: "embeddings" (an external embedding model's, of every response:
+# Group.embeddings, and the EVOL embedder program), "seq_logp" (each response's mean behaviour log-prob:
+# Group.seq_logp), "entropy" (the entropy term of the loss, -algorithm.entropy_coef · H).
+NEEDS = ("embeddings", "seq_logp", "entropy")
+# The algorithm key that only the methods with a need read, and its value when off: any other method must leave it
+# there (config_groups.AlgorithmConfig); a method with the need says in its `check` what it needs of the key.
+NEED_KEYS = {"embeddings": ("embedding_model", None), "entropy": ("entropy_coef", 0.0)}
 
 REGISTRY: dict[str, Method] = {}
 
@@ -93,6 +105,8 @@ REGISTRY: dict[str, Method] = {}
 def register(method: Method) -> Method:
     if method.name in REGISTRY:
         raise ValueError(f"exploration method {method.name!r} is registered twice")
+    if not method.needs <= set(NEEDS):
+        raise ValueError(f"exploration method {method.name!r} needs {sorted(method.needs)}; known needs: {NEEDS}")
     REGISTRY[method.name] = method
     return method
 
@@ -105,11 +119,12 @@ def get(name: str) -> Method:
 
 
 @functools.partial(jax.jit, static_argnames=("algo", "mini_batch_size"))
-def token_terms(advantages_B, old_logp_BxT, entropy_BxT, mask_BxT, key, *, algo: "AlgorithmConfig",
+def token_terms(advantages_B, logp_BxT, entropy_BxT, old_logp_BxT, mask_BxT, key, *, algo: "AlgorithmConfig",
                 mini_batch_size: int) -> TokenTerms:
     """The configured method's per-token loss terms [B, T] (Method.tokens; empty TokenTerms for the methods without
-    a token rule), decided on each mini-batch of `mini_batch_size` consecutive rows from the behaviour pass
-    (advantages, log-probs, entropies) and the response mask of the rows in the loss; `key` for rules that draw."""
+    a token rule), decided on each mini-batch of `mini_batch_size` consecutive rows from the current policy's
+    log-probs and entropies, the behaviour log-probs, the advantages and the response mask of the rows in the loss;
+    `key` for rules that draw. train/step.py's `update` calls it once per update, on that update's mini-batch."""
     rule = get(algo.exploration).tokens
     if rule is None:
         return TokenTerms()
@@ -119,11 +134,12 @@ def token_terms(advantages_B, old_logp_BxT, entropy_BxT, mask_BxT, key, *, algo:
     def per_mini(x):
         return x.reshape(n, mini_batch_size, *x.shape[1:])
 
-    def one(adv_X, logp_XxT, ent_XxT, mask_XxT, key):
-        return rule(Tokens(adv_X, logp_XxT, ent_XxT, mask_XxT, key), algo)
+    def one(adv_X, logp_XxT, ent_XxT, old_XxT, mask_XxT, key):
+        return rule(Tokens(adv_X, logp_XxT, ent_XxT, old_XxT, mask_XxT, key), algo)
 
-    terms = jax.vmap(one)(per_mini(advantages_B), per_mini(old_logp_BxT), per_mini(entropy_BxT), per_mini(mask_BxT),
-                          jax.random.split(key, n))
+    logp_BxT, entropy_BxT = jax.lax.stop_gradient((logp_BxT, entropy_BxT))
+    terms = jax.vmap(one)(per_mini(advantages_B), per_mini(logp_BxT), per_mini(entropy_BxT), per_mini(old_logp_BxT),
+                          per_mini(mask_BxT), jax.random.split(key, n))
     return jax.tree.map(lambda x: x.reshape(b, t), terms)
 
 
@@ -133,6 +149,6 @@ def token_fields(algo: "AlgorithmConfig") -> tuple[bool, bool]:
     if rule is None:
         return False, False
     x = jax.ShapeDtypeStruct((2, 2), jax.numpy.float32)
-    terms = jax.eval_shape(lambda *a: rule(Tokens(*a), algo), x.update(shape=(2,)), x, x, x,
+    terms = jax.eval_shape(lambda *a: rule(Tokens(*a), algo), x.update(shape=(2,)), x, x, x, x,
                            jax.eval_shape(lambda: jax.random.key(0)))
     return terms.weight is not None, terms.abs_log_ratio is not None

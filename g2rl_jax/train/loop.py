@@ -293,31 +293,38 @@ class Trainer(SamplingRounds):
         keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
         masked = lambda b: dataclasses.replace(b, response_mask=b.response_mask * keep_Bx1)  # noqa: E731
         batch = masked(batch)
-        terms = methods.TokenTerms()
-        if self.method.tokens is not None:  # Clip-Cov, KL-Cov, forking tokens: decided once, before the update
-            key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), step)
-            terms = methods.token_terms(adv_B, old_logp, entropy, batch.response_mask, key, algo=algo,
-                                        mini_batch_size=algo.mini_batch_size)
         n, mb = adv_B.shape[0], algo.mini_batch_size
+        rules = self.method.tokens is not None  # Clip-Cov, KL-Cov, forking tokens: decided in each update
+        key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), step)
 
         def minis_of(batch: train_step.Batch) -> list[train_step.MiniBatch]:
             step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
-                                             sampler_logp, terms.weight, terms.abs_log_ratio)
+                                             sampler_logp)
+            if rules:
+                step_rows = train_step.with_token_fields(step_rows, algo)
             return [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
 
         minis, infos, plans = minis_of(batch), [], []
         self.warmup.update(self.graphdef, self.params, minis[0], settings=self.settings, opt_state=self.opt_state,
                            optimizer=self.optimizer,
                            mini_like=lambda s: minis_of(masked(self._batch_like(batch, s)))[0])
-        for _ in range(algo.ppo_epochs):
-            for rows in minis:
+        for epoch in range(algo.ppo_epochs):
+            for i, rows in enumerate(minis):
                 plans.append(micro_lib.plan_for(rows.batch, algo.micro_batch_size, shapes=self.warmup.shapes))
+                rule = None
+                if rules:  # the step's first update starts from the behaviour policy: its scores are π_θ's
+                    first = epoch == 0 and i == 0
+                    current = (rows.old_logp_BxT, entropy[i * mb:(i + 1) * mb]) if first else None
+                    rule = train_step.TokenRule(algo, jax.random.fold_in(key, epoch * len(minis) + i), current)
+                    if not first:
+                        plans.append(plans[-1])  # the current policy's forward pass over the same micro-batches
                 self.params, self.opt_state, info = train_step.update(
                     self.graphdef, self.params, self.opt_state, rows, optimizer=self.optimizer,
-                    settings=self.settings, micro=algo.micro_batch_size, shapes=self.warmup.shapes)
+                    settings=self.settings, micro=algo.micro_batch_size, shapes=self.warmup.shapes, rule=rule)
                 infos.append(info)
         infos = jax.device_get(infos)
-        out = {k: float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "skipped"}
+        stepped = [i for i in infos if not int(i["empty"])] or infos  # empty mini-batches took no step
+        out = {k: float(np.mean([i[k] for i in stepped])) for k in infos[0] if k not in ("skipped", "empty")}
         out["skipped_updates"] = int(sum(int(i["skipped"]) for i in infos))
         out["groups_kept"] = groups_kept
         out["update_tokens"] = algo.ppo_epochs * float(jnp.sum(batch.response_mask))  # response tokens trained

@@ -4,9 +4,12 @@
     scores  = score(graphdef, params, batch, temperature=T)      # Scores: logp_BxT, entropy_BxT, phi_BxD
     ref     = ref_logprobs(graphdef, ref_params, batch, ...)     # reference-model log-probs (KL term)
     signal  = advantages(batch, scores.phi_BxD, algorithm, ...)  # ν, shaped rewards r̃, group advantages A
-    terms   = methods.token_terms(signal["advantages"], scores.logp_BxT, scores.entropy_BxT, mask, key, ...)
     mini    = MiniBatch(batch, scores.logp_BxT, ref, signal["advantages"])   # rows of one optimizer update
-    params, opt_state, info = update(graphdef, params, opt_state, mini, ...)
+    params, opt_state, info = update(graphdef, params, opt_state, mini, ..., rule=TokenRule(algo, key))
+
+A method's token rule (Clip-Cov, KL-Cov, forking tokens: `methods.token_terms`) is decided inside `update`, on the
+mini-batch's current policy (the params it updates), as the papers do; a mini-batch with no row in the loss (NSR's
+all-correct one, or all filtered) takes no optimizer step.
 
 Arrays follow the layout of `Batch` and the shape letters of `g2rl_jax` (its docstring): B = P·m responses,
 group-major (the m samples of prompt p are rows p·m … p·m+m−1); S prompt positions (left-padded), T response
@@ -138,14 +141,16 @@ def _serialize_across_processes(tree) -> None:
         jax.block_until_ready(tree)
 
 
-def _per_micro(batch: Batch, plan: micro_lib.MicroPlan, run):
+def _per_micro(batch: Batch, plan: micro_lib.MicroPlan, run, tree=None):
     """Run `run(mb) -> (per_token, per_row)` on each micro-batch of the plan (responses cut to its width T_u) and
     scatter the tuples of [X, T_u] and [X, ...] outputs back into [B, T] and [B, ...] arrays; positions that no
-    micro-batch kept are 0."""
+    micro-batch kept are 0. The micro-batches are taken from `tree` (a Batch or MiniBatch over batch's rows;
+    default batch itself)."""
     b, t = batch.response_mask.shape
     full = None
     for rows_X, width in zip(plan.rows, plan.widths):
-        part = run(micro_lib.take_micro(batch, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t))
+        part = run(micro_lib.take_micro(batch if tree is None else tree, rows_X, width=width,
+                                        seq_len=batch.input_ids.shape[1], resp_len=t))
         if full is None:
             full = ([_zeros_rows(batch.rewards, (b, t)) for _ in part[0]],
                     [_zeros_rows(batch.rewards, (b, *x.shape[1:])) for x in part[1]])
@@ -280,9 +285,13 @@ def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
                                         chunk_size=s.chunk)
     else:
         logp, ent = g2rl.token_logprobs(h, head, targets, temperature=s.temperature, chunk_size=s.chunk), None
-    return loss_from_logprobs(logp, ent, mb.old_logp_BxT, mb.ref_logp_BxT, mb.sampler_logp_BxT, mb.advantages_B,
-                              batch.response_mask, s, token_weight_BxT=mb.token_weight_BxT,
-                              abs_log_ratio_coef_BxT=mb.abs_log_ratio_coef_BxT)
+    loss, diag = loss_from_logprobs(logp, ent, mb.old_logp_BxT, mb.ref_logp_BxT, mb.sampler_logp_BxT,
+                                    mb.advantages_B, batch.response_mask, s, token_weight_BxT=mb.token_weight_BxT,
+                                    abs_log_ratio_coef_BxT=mb.abs_log_ratio_coef_BxT)
+    return loss, dict(diag, **{TOKENS: jnp.sum(batch.response_mask)})
+
+
+TOKENS = "response_tokens"  # the diagnostic that counts the tokens in the loss (summed, not averaged, over micros)
 
 
 def loss_from_logprobs(logp_BxT, entropy_BxT, old_logp_BxT, ref_logp_BxT, sampler_logp_BxT, advantages_B, mask_BxT,
@@ -338,8 +347,9 @@ def add_micro(acc, grads, loss, diag, mask_XxT, agg: str, total_tokens, total_ro
     w = _micro_weight(mask_XxT, agg, total_tokens, total_rows)
     grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), grads_acc, grads)
     w_tokens = _micro_weight(mask_XxT, "token-mean", total_tokens, total_rows)
-    # pg_loss is aggregated like the loss; every other diagnostic is a token mean whatever the mode
-    diag_acc = {k: diag_acc[k] + (w if k == "pg_loss" else w_tokens) * d for k, d in diag.items()}
+    # pg_loss is aggregated like the loss; the token count is a sum; every other diagnostic is a token mean
+    scale = {"pg_loss": w, TOKENS: 1.0}
+    diag_acc = {k: diag_acc[k] + scale.get(k, w_tokens) * d for k, d in diag.items()}
     return grads_acc, loss_acc + w * loss, diag_acc
 
 
@@ -404,23 +414,80 @@ def accumulate_plan(graphdef, params, mini: MiniBatch, plan: micro_lib.MicroPlan
 def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.GradientTransformation):
     """One optimizer step on the trainable params (grads and opt_state are theirs; the frozen part, if any, comes
     back untouched). A non-finite loss, gradient or updated parameter skips it: params and optimizer state come
-    back unchanged and info["skipped"] is 1."""
+    back unchanged and info["skipped"] is 1. So does a mini-batch with no token in the loss (diag[TOKENS] = 0: its
+    rows were all dropped, e.g. NSR's correct responses): no step at all, not an AdamW step on a zero gradient
+    (which would still move the params by momentum and weight decay); info["empty"] is 1."""
     trainable, frozen = lora.split_trainable(params)
+    diag = dict(diag)
+    empty = diag.pop(TOKENS) == 0
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
     new_trainable = optax.apply_updates(trainable, updates)
     finite &= all_finite(new_trainable)  # finite gradients can still give non-finite params (e.g. lr=inf)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    info = dict(diag, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
+    step = finite & ~empty
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(step, n, o), new, old)  # noqa: E731
+    info = dict(diag, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32),
+                empty=empty.astype(jnp.int32))
     return nnx.merge_state(keep(new_trainable, trainable), frozen), keep(new_opt_state, opt_state), info
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenRule:
+    """What `update` needs to decide the configured method's token rule (methods.token_terms) on a mini-batch:
+    the algorithm config, this update's PRNG key (for rules that draw), and the current policy's log-probs and
+    entropies [X, T] of the mini-batch's rows when they are known already (the scoring pass's, before a step's first
+    update: its params are the behaviour policy's); None: computed here from the params."""
+
+    algo: AlgorithmConfig
+    key: jax.Array
+    current: tuple[jax.Array, jax.Array] | None = None
+
+
+def current_scores(graphdef, params, mini: MiniBatch, *, temperature: float, micro: int,
+                   shapes: micro_lib.ShapeSet | None = None, chunk: int = g2rl.DEFAULT_CHUNK):
+    """Log-probs and entropies [X, T] of a mini-batch's response tokens under `params` (the current policy π_θ),
+    by the scoring program over its micro-batches (taken from the mini-batch, as the gradient's are); no gradient
+    flows through them (the papers detach what decides their tokens)."""
+    def run(mb: MiniBatch):
+        (logp, ent), _ = _score_micro(graphdef, params, mb.batch, temperature=temperature, chunk=chunk)
+        return (logp, ent), ()
+
+    (logp, ent), () = _per_micro(mini.batch, _plan(mini.batch, micro, "update", shapes=shapes), run, tree=mini)
+    return logp, ent
+
+
+def decide_tokens(graphdef, params, mini: MiniBatch, rule: TokenRule, *, settings: LossSettings, micro: int,
+                  shapes: micro_lib.ShapeSet | None = None) -> MiniBatch:
+    """The mini-batch with the method's per-token terms (token weight, |log ρ| coefficient) decided over its rows on
+    the current policy: its log-probs and entropies (rule.current, or `current_scores`), the behaviour log-probs
+    (for the ratio, which Clip-Cov reads), advantages and response mask."""
+    logp, ent = rule.current if rule.current is not None else current_scores(
+        graphdef, params, mini, temperature=settings.temperature, micro=micro, shapes=shapes, chunk=settings.chunk)
+    terms = methods.token_terms(mini.advantages_B, logp, ent, mini.old_logp_BxT, mini.batch.response_mask, rule.key,
+                                algo=rule.algo, mini_batch_size=mini.advantages_B.shape[0])
+    return dataclasses.replace(mini, token_weight_BxT=terms.weight, abs_log_ratio_coef_BxT=terms.abs_log_ratio)
+
+
+def with_token_fields(mini: MiniBatch, algo: AlgorithmConfig) -> MiniBatch:
+    """The mini-batch with zeros [B, T] in the token-term fields the configured method sets (methods.token_fields),
+    None in the others: the layout `decide_tokens` gives, for compiling the gradient program ahead of time."""
+    weight, abs_log_ratio = methods.token_fields(algo)
+    zeros = jnp.zeros_like(mini.old_logp_BxT)
+    return dataclasses.replace(mini, token_weight_BxT=zeros if weight else None,
+                               abs_log_ratio_coef_BxT=zeros if abs_log_ratio else None)
+
+
 def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
-           settings: LossSettings, micro: int, padded: bool = False, shapes: micro_lib.ShapeSet | None = None):
-    """One optimizer update on a mini-batch: `gradients` over length-grouped micro-batches, then `apply_gradients`
-    (params and opt_state are donated; a non-finite loss or gradient skips the update, info["skipped"] = 1)."""
+           settings: LossSettings, micro: int, padded: bool = False, shapes: micro_lib.ShapeSet | None = None,
+           rule: TokenRule | None = None):
+    """One optimizer update on a mini-batch: with a token rule, its tokens decided on the current params
+    (`decide_tokens`), then `gradients` over length-grouped micro-batches and `apply_gradients` (params and
+    opt_state are donated; a non-finite loss or gradient skips the update, info["skipped"] = 1; a mini-batch with no
+    token in the loss takes no step, info["empty"] = 1)."""
+    if rule is not None and methods.get(rule.algo.exploration).tokens is not None:
+        mini = decide_tokens(graphdef, params, mini, rule, settings=settings, micro=micro, shapes=shapes)
     grads, loss, diag = gradients(graphdef, params, mini, settings=settings, micro=micro, padded=padded,
                                   shapes=shapes)
     return apply_gradients(params, opt_state, grads, loss, diag, optimizer=optimizer)
