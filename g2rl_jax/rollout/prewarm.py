@@ -68,7 +68,7 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
     decode loop of generate.py can reach and this process has not compiled yet; the arguments are the first
     segment's (graphdef, state, layers, prefix, suffix, ds) and its scalars (t, t_end, min_live, key,
     temperature, top_p, stops). Returns the train.warmup Timings."""
-    from g2rl_jax.train.warmup import compile_all  # the trainer's compile pool
+    from g2rl_jax.compile_pool import compile_all  # the pool the trainer compiles on too
 
     G, L = suffix.k[0].shape[1], len(suffix.k)
     segment, regroup = engine.segment_fn(mesh, G, L), engine.regroup_fn(mesh, G)
