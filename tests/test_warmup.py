@@ -4,6 +4,7 @@ the warm-up compiles every program of the run's shape set on its own threads, la
 they meet shapes the first step did not, a run resumed from a checkpoint compiles nothing after its own first step,
 and the step's numbers are those of a step compiled one program at a time."""
 import collections
+import dataclasses
 import json
 import logging
 import time
@@ -18,11 +19,12 @@ from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train.compiles import COMPILE_EVENT
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.warmup import CHOICE_FILE
 
 HEAVY = ("_score_micro", "_ref_micro", "accumulate")
 # 16 responses of up to 64 tokens in micro-batches of 8 or 4 rows; decode buckets 16, 8, 4
 SHAPES = {"data.prompts_per_step": 4, "rollout.max_new_tokens": 64, "algorithm.mini_batch_size": 8,
-          "algorithm.micro_batch_size": 8, "run.checkpoint_every": 1}
+          "algorithm.micro_batch_size": 8, "run.checkpoint_every": 1, "run.strict_compiles": True}
 EOS_BIAS = 0.3  # with the test policy: lengths from 1 to 64, about 22 on average
 
 
@@ -212,3 +214,43 @@ def test_warmup_changes_no_number(steps, assets, policy, tmp_path):  # noqa: F81
     for key in DETERMINISTIC:
         if key in results[0].metrics:
             assert results[0].metrics[key] == plain.metrics[key], key
+
+
+def _untimed(path) -> list[str]:
+    """metrics.jsonl's lines without their timing fields (seconds, throughput), each re-written as sorted JSON."""
+    out = []
+    for line in path.read_text().splitlines():
+        record = {k: v for k, v in json.loads(line).items() if "second" not in k}
+        out.append(json.dumps(record, sort_keys=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def twice(assets, policy, tmp_path_factory):  # noqa: F811
+    """Two fresh 2-step runs of one config, the second beside two busy Python loops: their run directories."""
+    import subprocess
+    import sys
+
+    dirs = []
+    for busy in (0, 2):
+        out = tmp_path_factory.mktemp(f"fresh_busy{busy}") / "run"
+        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                fresh_process(mp)
+                cfg = _config(assets, policy, out, threads=2, steps=2)
+                Trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, eval_every=0))).run()
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+        dirs.append(out)
+    return dirs
+
+
+def test_two_fresh_runs_give_the_same_numbers_under_any_load(twice):
+    quiet, busy = twice
+    assert (quiet / CHOICE_FILE).read_bytes() == (busy / CHOICE_FILE).read_bytes()
+    assert json.loads((quiet / CHOICE_FILE).read_text())["source"] == "model"
+    assert _untimed(quiet / "metrics.jsonl") == _untimed(busy / "metrics.jsonl")
+    assert len(_untimed(quiet / "metrics.jsonl")) == 2
