@@ -38,7 +38,8 @@ from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import step as train_step
 
-__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "RunWarmup", "Timing", "compile_all", "resolve_threads"]
+__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "RunWarmup", "Timing", "choice_key", "choice_record", "compile_all",
+           "resolve_threads"]
 CHOICE_FILE = "micro_shapes.json"  # in the run directory: the set the run uses, for its resumes
 
 
@@ -47,6 +48,11 @@ def _template(x) -> jax.ShapeDtypeStruct:
     sharding, no layout (a call with a real array of the default layout must find what this lowered)."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None),
                                 weak_type=bool(getattr(getattr(x, "aval", x), "weak_type", False)))
+
+
+def choice_key(micro: int, min_rows: int, resp_len: int, shares: dict[int, float]) -> dict:
+    """The sizes a shape file holds for: micro-batch rows, row shards, response width, the data's prompt buckets."""
+    return {"micro": micro, "min_rows": min_rows, "resp_len": resp_len, "prompts": sorted(shares)}
 
 
 def choice_record(key: dict, shapes: micro_lib.ShapeSet, prompts: tuple[int, ...], source: str) -> str:
@@ -135,7 +141,7 @@ class RunWarmup:
         recorded in choice_file; process 0 reads the files and every process takes its pick."""
         seq_len, resp_len = batch.input_ids.shape[1], batch.response_mask.shape[1]
         prompt_len, min_rows = seq_len - resp_len, micro_lib.row_shards(batch.rewards)
-        key = {"micro": micro, "min_rows": min_rows, "resp_len": resp_len, "prompts": sorted(self.shares)}
+        key = choice_key(micro, min_rows, resp_len, self.shares)
         sets = shapes_lib.candidates(micro, min_rows, prompt_len, resp_len)
         names, buckets = list(sets), sorted(self.shares)
         picked, source = None, None
