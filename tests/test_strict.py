@@ -54,12 +54,16 @@ def test_lora_compiles_nothing_after_its_first_step(assets, evalset, tmp_path): 
     _check(_run(assets, tmp_path / "run", evalset, **{"model.lora.rank": 4, "algorithm.kl_coef": 0.001}))
 
 
-def test_validation_after_a_resume_compiles_nothing_after_the_first_step(assets, evalset, tmp_path):  # noqa: F811
+def test_validation_after_a_resume_compiles_nothing_after_the_first_step(assets, evalset, tmp_path,  # noqa: F811
+                                                                          monkeypatch):
+    from test_warmup import fresh_process
+
     out = tmp_path / "run"
     trainer = Trainer(config(assets, out, steps=3, **{**STRICT, "data.eval_datasets": str(evalset),
                                                       "run.eval_every": 2}))
     trainer.resume()
     trainer.run(stop_after=1)
+    fresh_process(monkeypatch)  # as a relaunch: nothing compiled in memory, the persistent cache kept
     records = _run(assets, out, evalset, steps=3, **{"run.eval_every": 2})  # validates at 2 and 3, after resuming
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert records[2]["programs_compiled"] > 0 and records[3]["programs_compiled"] == 0
