@@ -17,8 +17,7 @@ here), from the training prompts' lengths when the tokenizer at model.path can e
 (every prompt in the bucket of data.max_prompt_tokens). Every program is priced at the seconds its kind's compiled
 program took here (the largest of each kind: an ESTIMATE for the smaller ones, which compile faster); the small
 moves at the cache growth's. The run: run.total_steps steps of long-tailed responses (shapes.long_tailed_lengths),
-each the
-score, reference and update passes over the chosen set's plans at ESTIMATE_MFU, and the decode loop's segments
+each the score, reference and update passes over the chosen set's plans at ESTIMATE_MFU, and the decode loop's segments
 (engine.decode_segments) at the HBM bandwidth, every decode step reading the decode weights and the K/V of each
 row's prompt and capacity.
 """
