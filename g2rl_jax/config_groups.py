@@ -59,6 +59,13 @@ class RunConfig:
                               "train/warmup.py: the score, reference and update programs of its micro-batch shapes "
                               "and prompt buckets) and none after; results unchanged; 0 = one per CPU core up to 32, "
                               "1 = one at a time")
+    shapes_file: str = _f("", "a shape file (python -m g2rl_jax.bench tune-shapes --out FILE writes one, measured on "
+                          "this machine) whose micro-batch shapes and prompt buckets the run uses; \"\" = the set "
+                          "train/shapes.py derives from the config, the device kind and the prompts' lengths (the same "
+                          "on every machine, whatever its load); a resume keeps the set the run recorded in its "
+                          "micro_shapes.json")
+    strict_compiles: bool = _f(False, "raise when a step after the warm-up step compiles a program, naming each by "
+                               "its function and argument shapes (the test suite's mode); false = one line on stderr")
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
                                   "where step metrics go: jsonl (always; summaries, plots and resume read it), "
                                   "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")

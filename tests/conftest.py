@@ -49,7 +49,8 @@ GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the p
 SLOW_FIRST = ("test_demo_run.py", "test_micro.py", "test_rollout_segments.py", "test_bench.py", "test_train.py",
               "test_lora_train.py", "test_multihost.py", "test_aot.py", "test_micro_multihost.py",
               "test_gpu_compile.py", "test_lifecycle.py", "test_plan.py", "test_study.py", "test_model.py",
-              "test_warmup.py", "test_verify_bounds.py", "test_lora.py", "test_g2rl.py", "test_rollout.py",
+              "test_warmup.py", "test_strict.py", "test_verify_bounds.py", "test_lora.py", "test_g2rl.py",
+              "test_rollout.py",
               "test_demo_assets.py", "test_launch.py", "test_algorithm_options.py", "test_gcs.py")
 
 

@@ -2,6 +2,7 @@
 hand-written NumPy: the plan over a shape set is the least-cost cut, the prompt buckets' shares are those of
 enumerating every step, the choice is the argmin of the estimate written out again, and the bill counts and
 prices each program of the set. No program is compiled here."""
+import dataclasses
 import itertools
 
 import jax
@@ -108,6 +109,55 @@ def test_choose_takes_the_least_estimated_run_time():
         assert (choice.shapes.name, choice.prompts) == best, (steps, best)
         assert {(e.name, e.prompts): e.run_s for e in choice.table} == pytest.approx(want)
     assert len(choice.shapes.shapes) > 1 and choice.prompts == (128, 256)  # 1,000 steps: finer, both buckets
+
+
+# ------------------------------------------------------------------------------------------------ the price model
+def test_model_prices_are_the_flop_model_written_out():
+    """model_prices against the FLOP count written out in NumPy (float64): a forward's 2 x matmul params x tokens +
+    4 x tokens x length x heads x head_dim x layers at the device's effective FLOP/s, per micro_cost unit."""
+    cfg = load_config("configs/qwen3_1p7b_g2rl.yaml", ["model.path=unused"])
+    model, _ = model_config(cfg, "qwen3-1.7b")
+    tpu = shapes_lib.Device("tpu", 459.0, 4)
+    prices = shapes_lib.model_prices(model, tpu, micro=16, seq_len=2048, kinds=("score", "reference", "gradient"),
+                                     remat=True)
+    tokens = np.float64(16 * 2048)
+    matmul = np.float64(model.num_params()) - (0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size)
+    attention = 4 * tokens * 2048 * model.num_attention_heads * model.head_dim * model.num_hidden_layers
+    flops = 2 * matmul * tokens + attention
+    unit = flops / (4 * 459e12 * ESTIMATE_MFU) / micro_lib.micro_cost(16, 2048)
+    assert prices.unit_s == pytest.approx({"score": unit, "reference": unit, "gradient": 4 * unit}, rel=1e-12)
+    c = shapes_lib.SCORE_COMPILE_S["tpu"]
+    assert prices.compile_s == {"score": c, "reference": c, "gradient": shapes_lib.GRADIENT_COMPILE * c}
+    cpu = shapes_lib.Device("cpu", 0.0, 8)  # a CPU host's 8 fake devices share its cores: priced as one host
+    assert cpu.flops == shapes_lib.CPU_FLOPS == shapes_lib.Device("cpu", 0.0, 1).flops
+    assert shapes_lib.Device.local().platform == "cpu"
+    assert shapes_lib.rollout_price({"segment": 4, "prefill": 1, "regroup": 10}, prices) == (
+        15, pytest.approx(5 * c + 10 * shapes_lib.MOVE_COMPILE * c))
+
+
+def test_the_choice_is_a_function_of_the_config_device_and_prompts(monkeypatch):
+    """choose_for reads no clock: the same inputs give the same choice with every timer broken; the device kind
+    and the run's length move it, as the estimate says they should."""
+    import time
+
+    cfg = load_config("configs/qwen3_1p7b_g2rl.yaml", ["model.path=unused", "run.total_steps=10"])
+    model, _ = model_config(cfg, "qwen3-1.7b")
+    lengths = np.r_[np.full(90, 100), np.full(10, 700)]
+    kw = dict(micro=16, min_rows=4, prompt_len=1024, resp_len=8192, step_rows=256,
+              rollout={"segment": 49, "prefill": 1, "start": 1, "decode_layers": 1, "regroup": 102})
+    tpu = shapes_lib.Device("tpu", 459.0, 4)
+    first = shapes_lib.choose_for(cfg, model, tpu, lengths, **kw)
+    for clock in ("perf_counter", "time", "monotonic", "process_time"):
+        monkeypatch.setattr(time, clock, lambda: (_ for _ in ()).throw(AssertionError("a clock was read")))
+    again = shapes_lib.choose_for(cfg, model, tpu, lengths, **kw)
+    monkeypatch.undo()
+    assert (again.shapes, again.prompts, again.table) == (first.shapes, first.prompts, first.table)
+    longer = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, total_steps=100_000))
+    long_run = shapes_lib.choose_for(longer, model, tpu, lengths, **kw)
+    assert len(long_run.shapes.shapes) * len(long_run.prompts) > len(first.shapes.shapes) * len(first.prompts)
+    # the same config pinned to one compile thread: compiling costs more, so the set is no finer
+    serial = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile_threads=1))
+    assert len(shapes_lib.choose_for(serial, model, tpu, lengths, **kw).shapes.shapes) <= len(first.shapes.shapes)
 
 
 # ------------------------------------------------------------------------------------------------ the bill

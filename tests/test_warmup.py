@@ -4,6 +4,7 @@ the warm-up compiles every program of the run's shape set on its own threads, la
 they meet shapes the first step did not, a run resumed from a checkpoint compiles nothing after its own first step,
 and the step's numbers are those of a step compiled one program at a time."""
 import collections
+import dataclasses
 import json
 import logging
 import time
@@ -11,18 +12,21 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_train import DETERMINISTIC, assets, config  # noqa: F401 - assets is a fixture
+from test_train import DETERMINISTIC, ROOT, assets, config, overrides  # noqa: F401 - assets is a fixture
 
+from g2rl_jax.config import ConfigError
 from g2rl_jax.rollout import prewarm
 from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train.compiles import COMPILE_EVENT
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.warmup import CHOICE_FILE
 
 HEAVY = ("_score_micro", "_ref_micro", "accumulate")
 # 16 responses of up to 64 tokens in micro-batches of 8 or 4 rows; decode buckets 16, 8, 4
 SHAPES = {"data.prompts_per_step": 4, "rollout.max_new_tokens": 64, "algorithm.mini_batch_size": 8,
-          "algorithm.micro_batch_size": 8, "run.checkpoint_every": 1}
+          "algorithm.micro_batch_size": 8, "run.checkpoint_every": 1, "run.strict_compiles": True}
 EOS_BIAS = 0.3  # with the test policy: lengths from 1 to 64, about 22 on average
 
 
@@ -204,11 +208,77 @@ def test_warmup_changes_no_number(steps, assets, policy, tmp_path):  # noqa: F81
     trainer, results, _, _ = steps
     with pytest.MonkeyPatch.context() as mp:
         fresh_process(mp)
-        serial = Trainer(_config(assets, policy, tmp_path / "run", threads=1, steps=3))
-        serial.warmup.choice_file.write_text(trainer.warmup.choice_file.read_text())  # the set the pool run chose
+        cfg = _config(assets, policy, tmp_path / "run", threads=1, steps=3)
+        pinned = dataclasses.replace(cfg.run, shapes_file=str(trainer.warmup.choice_file))  # the pool run's set
+        serial = Trainer(dataclasses.replace(cfg, run=pinned))
         plain = serial.step_stages(0)
         serial.close()
-    assert serial.warmup.shapes == trainer.warmup.shapes
+    assert serial.warmup.shapes == trainer.warmup.shapes and serial.warmup.source == "pinned"
+    recorded = json.loads(serial.warmup.choice_file.read_text())
+    assert (recorded["name"], recorded["source"]) == (trainer.warmup.shapes.name, "pinned")  # the run records it
+    key = json.loads(trainer.warmup.choice_file.read_text())["key"]
+    sets = {trainer.warmup.shapes.name: trainer.warmup.shapes}
+    with pytest.raises(ConfigError, match=r"run.shapes_file=.* holds for .* tune it again"):
+        serial.warmup._read(trainer.warmup.choice_file, {**key, "micro": 4}, sets, pinned=True)
+    with pytest.raises(ConfigError, match="no such file"):
+        serial.warmup._read(tmp_path / "absent.json", key, sets, pinned=True)
     for key in DETERMINISTIC:
         if key in results[0].metrics:
             assert results[0].metrics[key] == plain.metrics[key], key
+
+
+def _untimed(path) -> list[str]:
+    """metrics.jsonl's lines without their timing fields (seconds, throughput), each re-written as sorted JSON."""
+    out = []
+    for line in path.read_text().splitlines():
+        record = {k: v for k, v in json.loads(line).items() if "second" not in k}
+        out.append(json.dumps(record, sort_keys=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def twice(assets, policy, tmp_path_factory):  # noqa: F811
+    """Two fresh 2-step runs of one config, the second beside two busy Python loops: their run directories."""
+    import subprocess
+    import sys
+
+    dirs = []
+    for busy in (0, 2):
+        out = tmp_path_factory.mktemp(f"fresh_busy{busy}") / "run"
+        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                fresh_process(mp)
+                cfg = _config(assets, policy, out, threads=2, steps=2)
+                Trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, eval_every=0))).run()
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+        dirs.append(out)
+    return dirs
+
+
+def test_two_fresh_runs_give_the_same_numbers_under_any_load(twice):
+    quiet, busy = twice
+    assert (quiet / CHOICE_FILE).read_bytes() == (busy / CHOICE_FILE).read_bytes()
+    assert json.loads((quiet / CHOICE_FILE).read_text())["source"] == "model"
+    assert _untimed(quiet / "metrics.jsonl") == _untimed(busy / "metrics.jsonl")
+    assert len(_untimed(quiet / "metrics.jsonl")) == 2
+
+
+def test_tune_shapes_writes_a_file_a_run_can_pin(steps, assets, policy, tmp_path):  # noqa: F811
+    """`bench tune-shapes` measures on this machine and writes a shape file for the run's sizes (the only place a
+    clock enters the choice)."""
+    from g2rl_jax.bench import tune_shapes
+
+    trainer = steps[0]
+    out = tmp_path / "shapes.json"
+    args = overrides(assets, tmp_path / "unused", steps=3, **{"model.path": str(policy), **SHAPES})
+    assert tune_shapes.main(["--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"), "--out", str(out),
+                             "--repeats", "1", *args]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["source"] == "tuned" and saved["key"] == json.loads(trainer.warmup.choice_file.read_text())["key"]
+    sets = shapes_lib.candidates(8, 4, max(trainer.warmup.shares), 64)
+    assert trainer.warmup._read(out, saved["key"], sets, pinned=True) == (saved["name"], tuple(saved["prompts"]))
+    assert [tuple(x) for x in saved["shapes"]] == list(sets[saved["name"]].shapes)

@@ -11,15 +11,14 @@ capacity, a halving at each, the prefix rows, masks and lengths it gathers, the 
 reference and gradient programs at each micro-batch shape, with the small ones that move a micro-batch's rows in
 (twice: the step's batch, a mini-batch) and its results out (3, and 1 more with the reference pass); once per run:
 the optimizer's init and step, the advantages, and the method's own (`method_counts`: the EVOL embedder, a token
-rule and its moves); with run.eval_every the validation's rollout
-at its own sizes. The micro-batch shapes and the prompt buckets are chosen as the trainer chooses them
-(train/shapes.py): the compile seconds the compiler took here for the largest score, reference and gradient
-programs, and the compute each would take by the FLOP model at report.ESTIMATE_MFU; the prompt buckets from the
-training prompts' lengths when the tokenizer at model.path can encode them, else the worst case (every prompt in
-the bucket of data.max_prompt_tokens). Every program is priced at the seconds its kind's compiled program took
-here (the largest of each kind: an ESTIMATE for the smaller ones, which compile faster); the small moves at the
-cache growth's. The run: run.total_steps steps of long-tailed responses (shapes.long_tailed_lengths), each the
-score, reference and update passes over the chosen set's plans at ESTIMATE_MFU, and the decode loop's segments
+rule and its moves); with run.eval_every the validation's rollout at its own sizes. The micro-batch shapes and the
+prompt buckets are those the trainer chooses on the target's device kind (train/shapes.choose_for: its price model,
+not the compile seconds measured here), from the training prompts' lengths when the tokenizer at model.path can
+encode them, else the worst case (every prompt in the bucket of data.max_prompt_tokens). Every program is priced at
+the seconds its kind's compiled program took here (the largest of each kind: an ESTIMATE for the smaller ones, which
+compile faster); the small moves at the cache growth's. The run: run.total_steps steps of long-tailed responses
+(shapes.long_tailed_lengths), each the score, reference and update passes over the chosen set's plans at
+ESTIMATE_MFU, and the decode loop's segments
 (engine.decode_segments) at the HBM bandwidth, every decode step reading the decode weights and the K/V of each
 row's prompt and capacity.
 """
@@ -154,8 +153,6 @@ def decode_seconds(cfg: Config, model, s: StepShapes, target, lengths_B, prompt_
 def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bill:
     """The bill of a run of `cfg` on `target` (module docstring), from the compiled programs' `results`
     (report.Result; `--programs largest` suffices) and the training prompts' `lengths` (None: the worst case)."""
-    from g2rl_jax.bench.update import train_flops
-
     by_kind = _by_kind(results)
     algo, kl = cfg.algorithm, cfg.algorithm.kl_coef > 0
     threads = cfg.run.compile_threads or HOST_THREADS
@@ -164,25 +161,13 @@ def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bi
     if lengths is None:
         lengths = np.array([cfg.data.max_prompt_tokens])
     shares = shapes_lib.prompt_shares(lengths, cfg.data.prompts_per_step)
-    sets = shapes_lib.candidates(algo.micro_batch_size, s.shards, s.prompt_len, s.new_tokens)
-    loads = {p: shapes_lib.step_load(sets, step_rows=s.step_rows, mini_rows=algo.mini_batch_size,
-                                     epochs=algo.ppo_epochs, prompt_len=p, budget=cfg.rollout.max_new_tokens)
-             for p in shares}
     seconds = {k: r.seconds for k, r in by_kind.items()}
     lower = {k: r.lower_seconds for k, r in by_kind.items()}
-    micro = algo.micro_batch_size
-    largest = micro_lib.micro_cost(micro, s.prompt_len + s.new_tokens)
-    forward_s = train_flops(model, micro, s.prompt_len + s.new_tokens) / 3 / (
-        target.chips * target.peak_tflops * 1e12 * ESTIMATE_MFU)
-    remat = cfg.model.remat != "none"
-    kinds = ("score", "reference", "gradient") if kl else ("score", "gradient")
-    prices = shapes_lib.Prices({k: seconds.get(k, 0.0) for k in kinds},
-                               {"score": forward_s / largest, "reference": forward_s / largest,
-                                "gradient": (3 + remat) * forward_s / largest})
     per_rollout = rollout_counts(s.buckets, s.capacities)
-    rollout = (sum(per_rollout.values()), sum(n * seconds.get(k, 0.0) for k, n in per_rollout.items()))
-    choice = shapes_lib.choose(sets, loads, shares, prices, rollout=rollout, steps=cfg.run.total_steps,
-                               threads=threads)
+    device = shapes_lib.Device(target.platform, target.peak_tflops, target.chips)
+    choice = shapes_lib.choose_for(cfg, model, device, lengths, micro=algo.micro_batch_size, min_rows=s.shards,
+                                   prompt_len=max(shares), resp_len=s.new_tokens, step_rows=s.step_rows,
+                                   rollout=per_rollout)  # as the trainer chooses (train/warmup.py)
     counts: dict[str, int] = {}
     for part in [per_rollout, micro_counts(choice.shapes, kl)] * len(choice.prompts):
         for k, n in part.items():

@@ -18,5 +18,6 @@ BENCHMARKS = {
     "ladder": "g2rl_jax.bench.ladder",     # the KV capacity ladder's first capacity: segments vs decode roofline
     "storage": "g2rl_jax.bench.storage",   # a run in a bucket vs local disk: checkpoints, metrics, first step
     "preempt": "g2rl_jax.bench.preempt",   # kill -9 at random moments (>= 20), relaunch as another host: lost steps
+    "tune-shapes": "g2rl_jax.bench.tune_shapes",  # measured shape tuning: a shape file run.shapes_file pins
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
 }

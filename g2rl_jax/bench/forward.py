@@ -21,9 +21,7 @@ from flax import nnx
 
 from g2rl_jax import cli
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
-
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "TPU v5 lite": 197.0, "TPU v5": 459.0,
-                    "TPU v6 lite": 918.0, "TPU v4": 275.0}
+from g2rl_jax.train.shapes import PEAK_BF16_TFLOPS  # one table of the chips' peaks
 
 
 def _config(args) -> Qwen3Config:

@@ -27,7 +27,6 @@ from g2rl_jax.rollout import engine
 
 WARMED: set = set()  # keys of the programs compiled here (in this process)
 _ROWS: dict[tuple, tuple] = {}  # live rows program key -> its compiled outputs' (old row, prefix row) templates
-COMPILED: list[tuple[int, float]] = []  # per call that compiled anything: (programs, their lower + compile seconds)
 
 
 def _like(x, shape) -> jax.ShapeDtypeStruct:
@@ -67,8 +66,8 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
     """Compile, on `threads` threads, every decode segment (buckets x ladder) and every move between them that the
     decode loop of generate.py can reach and this process has not compiled yet; the arguments are the first
     segment's (graphdef, state, layers, prefix, suffix, ds) and its scalars (t, t_end, min_live, key,
-    temperature, top_p, stops). Returns the train.warmup Timings."""
-    from g2rl_jax.train.warmup import compile_all  # the trainer's compile pool
+    temperature, top_p, stops). Returns the compile_pool Timings."""
+    from g2rl_jax.compile_pool import compile_all  # the pool the trainer compiles on too
 
     G, L = suffix.k[0].shape[1], len(suffix.k)
     segment, regroup = engine.segment_fn(mesh, G, L), engine.regroup_fn(mesh, G)
@@ -125,6 +124,4 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
                 functools.partial(regroup.lower, kv(rows, slots), kv(rows, slots), keep_X, capacity=slots))
     done = compile_all(list(jobs.values()), threads) if jobs else []
     WARMED.update(key for key, t in zip(jobs, done) if t.error is None)
-    if timings or done:
-        COMPILED.append((len(timings) + len(done), sum(t.lower_s + t.compile_s for t in timings + done)))
     return timings + done

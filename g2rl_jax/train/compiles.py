@@ -4,6 +4,7 @@
     ...                             # a step
     window = clock.take()           # since the previous take: programs, seconds, what each program was
     clock.step_figures(step, after_warmup=True)   # or: a take as a step's metrics, one stderr line if any
+    clock.step_figures(step, after_warmup=True, strict=True)   # ... or LateCompile naming them
     clock.close()
 
 `programs` counts backend compiles (jax.monitoring's `/jax/core/compile/backend_compile_duration`, one per XLA
@@ -113,6 +114,10 @@ class _SharedLowerings:
 _SHARED = _SharedLowerings()
 
 
+class LateCompile(RuntimeError):
+    """A step after the warm-up compiled a program under run.strict_compiles; the message names each one."""
+
+
 class CompileClock:
     """Counts the programs compiled and the seconds spent compiling, from its creation to `close` (see the module
     docstring); `take()` returns and resets what happened since the previous take."""
@@ -154,13 +159,17 @@ class CompileClock:
         clipped = [(max(start, since), min(end, now)) for start, end in intervals]
         return Window(len(names), union_seconds([(a, b) for a, b in clipped if b > a]), tuple(names))
 
-    def step_figures(self, step: int, *, after_warmup: bool) -> dict[str, float]:
+    def step_figures(self, step: int, *, after_warmup: bool, strict: bool = False) -> dict[str, float]:
         """`take()` as the step's compile_seconds and programs_compiled; a step after the warm-up that compiled
-        anything says so in one line on stderr (process 0)."""
+        anything says so in one line on stderr (process 0), or, `strict` (run.strict_compiles), raises LateCompile."""
         window = self.take()
-        if after_warmup and window.programs and jax.process_index() == 0:
-            print(f"step {step} compiled {window.programs} program(s) after the warm-up step "
-                  f"({window.seconds:.1f} s): {'; '.join(window.names)}", file=sys.stderr, flush=True)
+        if after_warmup and window.programs:
+            line = (f"step {step} compiled {window.programs} program(s) after the warm-up step "
+                    f"({window.seconds:.1f} s): {'; '.join(window.names)}")
+            if strict:
+                raise LateCompile(line)
+            if jax.process_index() == 0:
+                print(line, file=sys.stderr, flush=True)
         return {"compile_seconds": window.seconds, "programs_compiled": window.programs}
 
     def close(self) -> None:

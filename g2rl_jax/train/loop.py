@@ -177,11 +177,7 @@ class Trainer(SamplingRounds):
         # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
         self.opt_state = train_optim.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
-        self.warmup = warmup.RunWarmup(warmup.resolve_threads(cfg.run.compile_threads),
-                                       choice_file=self.run_dir / warmup.CHOICE_FILE,
-                                       budget=cfg.rollout.max_new_tokens, mini_rows=cfg.algorithm.mini_batch_size,
-                                       epochs=cfg.algorithm.ppo_epochs, remat=cfg.model.remat != "none",
-                                       prompt_lengths=train_lengths, prompts_per_step=cfg.data.prompts_per_step)
+        self.warmup = warmup.RunWarmup.for_run(cfg, model.config, self.mesh, self.run_dir, train_lengths)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0
         self._warmed_prompts: set[int] = set()  # prompt buckets whose rollout is compiled
@@ -244,7 +240,7 @@ class Trainer(SamplingRounds):
             in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
             shapes = self.warmup.score(self.graphdef, self.params, self._reference() if algo.kl_coef > 0 else None,
-                                       batch, temperature=temp, micro=micro, steps_left=cfg.run.total_steps - step,
+                                       batch, temperature=temp, micro=micro,
                                        batch_like=functools.partial(self._batch_like, batch))
             self.warm_prompt_buckets()
             scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro, shapes=shapes)
@@ -377,7 +373,8 @@ class Trainer(SamplingRounds):
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
                         validation = self._validate_step(writer, metrics)
                         metrics.update(validation)
-                    metrics |= self.clock.step_figures(self.step, after_warmup=self.step > warm_step)
+                    metrics |= self.clock.step_figures(self.step, after_warmup=self.step > warm_step,
+                                                          strict=cfg.strict_compiles)
                     writer.write(self.step, metrics)
                     bar.update(self.step, metrics)
                     history.append(metrics)

@@ -1,9 +1,10 @@
-"""The shapes a run's steps may meet: a small set, chosen by the whole run's time (compile + compute).
+"""The shapes a run's steps may meet: a small set, a function of the config, the device kind and the training
+prompts' lengths, chosen by the whole run's estimated time (compile + compute).
 
-    sets = candidates(micro=16, min_rows=4, prompt_len=1024, resp_len=8192)   # {name: micro.ShapeSet}
-    shares = prompt_shares(train_prompt_lengths, prompts_per_step=16)         # {prompt bucket: share of steps}
-    loads = {s: step_load(sets, step_rows=256, mini_rows=32, epochs=1, prompt_len=s, budget=8192) for s in shares}
-    pick = choose(sets, loads, shares, Prices(...), rollout=(programs, seconds), steps=1000, threads=32)
+    choice = choose_for(cfg, model, Device.local(), lengths, micro=16, min_rows=4, prompt_len=1024,
+                        resp_len=8192, step_rows=256, rollout={"segment": 20, "regroup": 60, ...})
+    choice.shapes, choice.prompts                                             # the set and the prompt buckets
+    choose_for(..., prices=Prices.from_score(measured...))                    # `bench tune-shapes` only
 
 The score and reference passes and the update run each micro-batch at one (rows, response width) shape, and each
 shape is a program of each of the three kinds to compile. More shapes fit the response lengths more tightly (less
@@ -15,16 +16,22 @@ padding computed, train/micro.py), fewer compile faster. The candidates cross
 with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest,
 and each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket
 the training prompts reach alone, then with each smaller one in turn. `choose` takes the pair of least estimated
-run time: the compile seconds of its programs spread over the warm-up's threads, plus the steps left times the
+run time: the compile seconds of its programs spread over the compile threads, plus run.total_steps times the
 seconds a step computes, averaged over the buckets steps' longest prompts fall in (`prompt_shares`, from the
 training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost summed over the plans
 train/micro.py cuts) over response lengths drawn long-tailed (exponential with mean budget / 4, capped at the
-budget, the longest at it: `bench update --long-tail`'s), priced at the measured seconds of one run of the kind's
-largest program per unit. The trainer measures those prices on its first step (train/warmup.py); `plan --compile`
-takes them from the TPU compiler and the FLOP model. A gradient program is priced from the score program's:
-GRADIENT_COMPILE times its compile seconds (measured: 4.68 / 1.33 s at the demo size on the 2-core CPU, 65.8 /
-19.5 s for Qwen3-1.7B compiled for v5p-8) and 3 times its run (forward and backward; 4 with model.remat, which
-runs the forward again).
+budget, the longest at it: `bench update --long-tail`'s), priced per unit.
+
+The prices come from a model, never from a clock, so two runs of one config on one kind of device choose the same
+set whatever else the machine is doing (`model_prices`): a pass's compute is its FLOPs (bench/update.train_flops)
+at the device's effective FLOP/s (`Device.flops`: the chips' bf16 peak at aot/report.ESTIMATE_MFU on TPU and GPU,
+CPU_FLOPS for a CPU host); the largest score program compiles in SCORE_COMPILE_S[platform] seconds (the layers are
+scanned, so that barely moves with depth), a reference program alike, a gradient program GRADIENT_COMPILE times
+it (measured: 4.68 / 1.33 s at the demo size on the 2-core CPU, 65.8 / 19.5 s for Qwen3-1.7B compiled for v5p-8),
+a rollout's segments, prefill and first token alike and its moves MOVE_COMPILE of it; the compile threads are
+run.compile_threads, or MODEL_THREADS[platform] when that is 0 (the host's core count is not the config's). The
+gradient runs 3 times a forward (4 with model.remat). `python -m g2rl_jax.bench tune-shapes` measures the prices
+on this machine instead (`Prices.from_score`) and writes a file that run.shapes_file pins.
 """
 from __future__ import annotations
 
@@ -39,6 +46,19 @@ ROWS = ("all", "sparse", "tokens", "single")
 TOKENS_SHARE = 8  # "tokens": a micro-batch holds at most micro x (S + T / TOKENS_SHARE) positions at its r(w)
 GRADIENT_COMPILE = 3.5  # a gradient program's compile seconds / its score program's (see the module docstring)
 DRAWS = 4  # long-tailed steps the compute estimate averages over
+# seconds to compile the largest score program, by platform: the demo-size model's 64 x 528 on the 2-core CPU (3.0 s,
+# docs/performance.md), Qwen3-1.7B's on v5p-8 (19.5 s), on an H100 the 1.7B update's 43.9 s / GRADIENT_COMPILE
+SCORE_COMPILE_S = {"cpu": 3.0, "gpu": 12.5, "tpu": 19.5}
+MOVE_COMPILE = 0.1  # a rollout's cache or row move: this share of a score program's compile seconds
+MODEL_THREADS = {"cpu": 4, "gpu": 32, "tpu": 32}  # compile threads assumed when run.compile_threads is 0
+# effective FLOP/s of a CPU host: the demo-size score program of 64 x 528 positions (35.8 GFLOP) in 1.394 s on the
+# project's 2-core CPU (docs/performance.md)
+CPU_FLOPS = 25.6e9
+# dense bf16 peak TFLOP/s per chip by jax's device_kind (the longest match wins; Cloud TPU docs, NVIDIA data sheets);
+# a kind not listed is priced at DEFAULT_TFLOPS
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "TPU v5 lite": 197.0, "TPU v5": 459.0,
+                    "TPU v6 lite": 918.0, "TPU v4": 275.0}
+DEFAULT_TFLOPS = 275.0
 
 
 def candidate(micro: int, min_rows: int, prompt_len: int, resp_len: int, steps: int, rows: str) -> micro_lib.ShapeSet:
@@ -112,6 +132,57 @@ class Prices:
         unit_s = {k: s / units for k, s in run_s.items()}
         unit_s["gradient"] = (3 + remat) * unit_s["score"]
         return cls({**compile_s, "gradient": GRADIENT_COMPILE * compile_s["score"]}, unit_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the price model knows of the devices a run trains on: the platform, the chips' bf16 peak and how many."""
+
+    platform: str  # "cpu", "gpu" or "tpu"
+    peak_tflops: float  # per chip (0 on CPU: CPU_FLOPS prices the host)
+    chips: int
+
+    @classmethod
+    def local(cls) -> "Device":
+        """The devices of this run, by jax's platform and device_kind (every process sees the same)."""
+        import jax
+
+        first = jax.devices()[0]
+        matches = [k for k in PEAK_BF16_TFLOPS if k in first.device_kind]
+        peak = PEAK_BF16_TFLOPS[max(matches, key=len)] if matches else DEFAULT_TFLOPS
+        return cls(first.platform, 0.0 if first.platform == "cpu" else peak, jax.device_count())
+
+    @property
+    def flops(self) -> float:
+        """Effective FLOP/s of a pass over all the chips (module docstring)."""
+        from g2rl_jax.aot.report import ESTIMATE_MFU
+
+        return CPU_FLOPS if self.platform == "cpu" else self.chips * self.peak_tflops * 1e12 * ESTIMATE_MFU
+
+    def describe(self) -> str:
+        if self.platform == "cpu":
+            return f"cpu at {CPU_FLOPS / 1e9:.1f} GFLOP/s"
+        return f"{self.chips} x {self.platform} at {self.peak_tflops:.0f} TFLOP/s peak"
+
+
+def model_prices(model, device: Device, *, micro: int, seq_len: int, kinds: tuple[str, ...],
+                 remat: bool) -> Prices:
+    """The model's prices (module docstring) of a run of Qwen3 `model` on `device`, micro-batches of up to `micro`
+    rows x seq_len positions; kinds: ("score", "gradient"), with "reference" under the KL term."""
+    from g2rl_jax.bench.update import train_flops
+
+    forward_s = train_flops(model, micro, seq_len) / 3 / device.flops
+    unit_s = forward_s / micro_lib.micro_cost(micro, seq_len)
+    score = SCORE_COMPILE_S.get(device.platform, SCORE_COMPILE_S["tpu"])
+    compile_s = {k: score * (GRADIENT_COMPILE if k == "gradient" else 1.0) for k in kinds}
+    return Prices(compile_s, {k: unit_s * ((3 + remat) if k == "gradient" else 1) for k in kinds})
+
+
+def rollout_price(counts: dict[str, int], prices: Prices) -> tuple[int, float]:
+    """(programs, compile seconds) of one prompt bucket's rollout, its programs by kind (aot/bill.rollout_counts):
+    each priced as a score program, its moves ("regroup") at MOVE_COMPILE of one."""
+    score = prices.compile_s["score"]
+    return sum(counts.values()), sum(n * score * (MOVE_COMPILE if k == "regroup" else 1.0) for k, n in counts.items())
 
 
 def prompt_shares(lengths, prompts_per_step: int) -> dict[int, float]:
@@ -192,3 +263,23 @@ def choose(sets: dict[str, micro_lib.ShapeSet], loads: dict[int, dict[str, dict[
             table.append(Estimate(name, prompts, n, programs, compile_s, step_s, compile_s + steps * step_s))
     best = min(table, key=lambda e: (e.run_s, e.programs))
     return Choice(sets[best.name], best.prompts, tuple(table))
+
+
+def choose_for(cfg, model, device: Device, prompt_lengths, *, micro: int, min_rows: int, prompt_len: int,
+               resp_len: int, step_rows: int, rollout: dict[str, int], prices: Prices | None = None) -> Choice:
+    """The run's (micro-batch shape set, prompt buckets): a function of the config `cfg`, the Qwen3 `model`, the
+    `device`, the training prompts' lengths and the step's sizes (prompt_len: the largest prompt bucket; resp_len:
+    the responses' width; rollout: one prompt bucket's rollout programs by kind). prices: the model's
+    (model_prices) unless given (`bench tune-shapes` measures them)."""
+    algo = cfg.algorithm
+    kinds = ("score", "reference", "gradient") if algo.kl_coef > 0 else ("score", "gradient")
+    shares = prompt_shares(prompt_lengths, cfg.data.prompts_per_step)
+    sets = candidates(micro, min_rows, prompt_len, resp_len)
+    loads = {p: step_load(sets, step_rows=step_rows, mini_rows=algo.mini_batch_size, epochs=algo.ppo_epochs,
+                          prompt_len=p, budget=cfg.rollout.max_new_tokens) for p in shares}
+    if prices is None:
+        prices = model_prices(model, device, micro=micro, seq_len=prompt_len + resp_len, kinds=kinds,
+                              remat=cfg.model.remat != "none")
+    threads = cfg.run.compile_threads or MODEL_THREADS.get(device.platform, MODEL_THREADS["tpu"])
+    return choose(sets, loads, shares, prices, rollout=rollout_price(rollout, prices), steps=cfg.run.total_steps,
+                  threads=threads)

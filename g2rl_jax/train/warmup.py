@@ -1,103 +1,46 @@
 """Compile every program of a run's micro-batch shape set at its first step, concurrently, before the step runs any.
 
-    warm = RunWarmup(threads=8, choice_file=run_dir / CHOICE_FILE, budget=512, mini_rows=64, epochs=1, remat=False)
-    shapes = warm.score(graphdef, params, reference, batch, temperature=T, micro=16, steps_left=200)  # the set
-    warm.update(graphdef, params, minis, settings=s, micro=16, opt_state=o, optimizer=opt)
-    timings = compile_all([lambda: fn.lower(*args, **static), ...], threads=8)   # the pool both use
+    warm = RunWarmup.for_run(cfg, model_config, mesh, run_dir, prompt_lengths)
+    shapes = warm.score(graphdef, params, reference, batch, temperature=T, micro=16, batch_like=...)  # the set
+    warm.update(graphdef, params, minis, settings=s, opt_state=o, optimizer=opt, mini_like=...)
 
 The score and reference passes and the gradient run each micro-batch at one (rows, response width) shape of the
 run's set (train/shapes.py, train/micro.py). On the run's first step, once the rollout has given a real batch,
-`score` measures what the largest score (and reference) program costs to compile and to run, chooses the set by
-the whole run's time (shapes.choose; the choice is kept in `choice_file`, so a resumed run uses the same set), and
-compiles, for every shape of it, the score and reference programs and the small ones that move a micro-batch's
-rows in (take_micro) and its results out (put_micro); `update` does the same for the gradient programs and the
-optimizer step. After that first step the run meets no program it has not compiled: every shape a later step's
-plan can take is in the set, and every other array of a step keeps its shape (the trainer pads responses to the
-budget). Programs are lowered one at a time (Python, holding the GIL) and compiled on `threads` threads (XLA
-releases it), each lowered over arguments with the shapes, dtypes and shardings the step's own call passes: real
-arrays, or abstract ones copied from the compiled outputs that feed them. A jitted function keeps what
-`fn.lower(args).compile()` compiled, so the step's later call runs that executable without lowering or compiling
-again (jax's lowering cache; tests/test_warmup.py counts the compiles). Each job enters the caller's mesh context
-(`jax.set_mesh` is per thread). It changes when programs compile, nothing they compute.
+`score` takes the run's set and prompt buckets: those this run recorded in `CHOICE_FILE` on an earlier launch (a
+resume keeps its set), else those run.shapes_file pins (`python -m g2rl_jax.bench tune-shapes` writes one), else
+shapes.choose_for's, a function of the config, the device kind and the training prompts' lengths, never of a
+clock; it records them in CHOICE_FILE and compiles, for every shape of the set, the score and reference programs
+and the small ones that move a micro-batch's rows in (take_micro) and its results out (put_micro); `update` does
+the same for the gradient programs and the optimizer step. After that first step the run meets no program it has
+not compiled: every shape a later step's plan can take is in the set, and every other array of a step keeps its
+shape (the trainer pads responses to the budget). Programs are lowered one at a time (Python, holding the GIL) and
+compiled on `threads` threads (g2rl_jax/compile_pool.py), each lowered over arguments with the shapes, dtypes and
+shardings the step's own call passes: real arrays, or abstract ones copied from the compiled outputs that feed
+them. A jitted function keeps what `fn.lower(args).compile()` compiled, so the step's later call runs that
+executable without lowering or compiling again (jax's lowering cache; tests/test_warmup.py counts the compiles).
+It changes when programs compile, nothing they compute.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import json
-import os
 import sys
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from g2rl_jax import storage
+from g2rl_jax.compile_pool import MAX_AUTO_THREADS, Timing, compile_all, resolve_threads
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import step as train_step
 
-CHOICE_FILE = "micro_shapes.json"  # in the run directory: the set a run chose, for its resumes
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """One program: its compiled executable (None when it failed: `error`), and the seconds of each stage."""
-
-    compiled: Any
-    lower_s: float
-    compile_s: float
-    cpu_s: float  # the process's CPU seconds while it lowered and compiled (its own only when nothing else ran)
-    error: BaseException | None = None
-
-
-def _one(lower: Callable[[], Any]) -> Timing:
-    t0, cpu = time.perf_counter(), time.process_time()
-    try:
-        lowered = lower()
-    except Exception as err:  # noqa: BLE001 - kept in the Timing; the step's own call raises it again
-        return Timing(None, time.perf_counter() - t0, 0.0, time.process_time() - cpu, err)
-    t1 = time.perf_counter()
-    try:
-        compiled, error = lowered.compile(), None
-    except Exception as err:  # noqa: BLE001
-        compiled, error = None, err
-    return Timing(compiled, t1 - t0, time.perf_counter() - t1, time.process_time() - cpu, error)
-
-
-def compile_all(lowers: Sequence[Callable[[], Any]], threads: int, done: Callable[[int, Timing], Any] | None = None):
-    """Lower (`lowers[i]()` -> jax.stages.Lowered) and compile every program on `threads` threads: their Timings in
-    the order given, a failure kept in its Timing, not raised. With `done`, `done(i, timing)` is called as each one
-    finishes (in the thread that compiled it) and its results are returned instead (the executables then live only
-    as long as `done` keeps them)."""
-    mesh = jax.sharding.get_mesh()
-
-    def job(i: int):
-        if mesh.empty:
-            timing = _one(lowers[i])
-        else:
-            with jax.set_mesh(mesh):
-                timing = _one(lowers[i])
-        return timing if done is None else done(i, timing)
-
-    if threads <= 1:
-        return [job(i) for i in range(len(lowers))]
-    with concurrent.futures.ThreadPoolExecutor(min(threads, len(lowers)), thread_name_prefix="compile") as pool:
-        return list(pool.map(job, range(len(lowers))))
-
-
-MAX_AUTO_THREADS = 32  # run.compile_threads=0: one thread per CPU core, at most this many
-
-
-def resolve_threads(threads: int) -> int:
-    """run.compile_threads: 0 -> one per CPU core this process may use, at most MAX_AUTO_THREADS."""
-    if threads:
-        return threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, MAX_AUTO_THREADS)
+__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "RunWarmup", "Timing", "choice_key", "choice_record", "compile_all",
+           "resolve_threads"]
+CHOICE_FILE = "micro_shapes.json"  # in the run directory: the set the run uses, for its resumes
 
 
 def _template(x) -> jax.ShapeDtypeStruct:
@@ -107,23 +50,47 @@ def _template(x) -> jax.ShapeDtypeStruct:
                                 weak_type=bool(getattr(getattr(x, "aval", x), "weak_type", False)))
 
 
+def choice_key(micro: int, min_rows: int, resp_len: int, shares: dict[int, float]) -> dict:
+    """The sizes a shape file holds for: micro-batch rows, row shards, response width, the data's prompt buckets."""
+    return {"micro": micro, "min_rows": min_rows, "resp_len": resp_len, "prompts": sorted(shares)}
+
+
+def choice_record(key: dict, shapes: micro_lib.ShapeSet, prompts: tuple[int, ...], source: str) -> str:
+    """A shape file's text (CHOICE_FILE, run.shapes_file): the sizes it holds for, the set by name and shapes, the
+    prompt buckets and where they came from."""
+    return json.dumps({"key": key, "name": shapes.name, "shapes": [list(s) for s in shapes.shapes],
+                       "prompts": list(prompts), "source": source}, sort_keys=True) + "\n"
+
+
 class RunWarmup:
     """The run's micro-batch shape set and prompt buckets, and their compiled programs (module docstring).
     `timings` keeps the Timing of every program it compiled (executables dropped), `choice` the shapes.Choice when
-    it measured one. prompt_lengths: the training prompts' lengths (their buckets and how often a step's longest
-    falls in each, shapes.prompt_shares)."""
+    it chose one (None when a file gave the set). prompt_lengths: the training prompts' lengths (their buckets and
+    how often a step's longest falls in each, shapes.prompt_shares); rollout: one prompt bucket's rollout programs
+    by kind (aot/bill.rollout_counts), which the choice prices."""
 
-    def __init__(self, threads: int, *, choice_file: storage.PathLike | None, budget: int, mini_rows: int, epochs: int,
-                 remat: bool, prompt_lengths, prompts_per_step: int):
-        self.threads = threads
-        self.choice_file = choice_file
-        self.budget, self.mini_rows, self.epochs, self.remat = budget, mini_rows, epochs, remat
-        self.shares = shapes_lib.prompt_shares(prompt_lengths, prompts_per_step)
+    def __init__(self, cfg, model, *, threads: int, choice_file: storage.PathLike | None, prompt_lengths,
+                 rollout: dict[str, int], device: shapes_lib.Device | None = None):
+        self.cfg, self.model, self.threads, self.choice_file = cfg, model, threads, choice_file
+        self.device = shapes_lib.Device.local() if device is None else device
+        self.lengths, self.rollout = np.asarray(prompt_lengths), rollout
+        self.shares = shapes_lib.prompt_shares(self.lengths, cfg.data.prompts_per_step)
         self.shapes: micro_lib.ShapeSet | None = None
         self.prompts: tuple[int, ...] | None = None
         self.choice: shapes_lib.Choice | None = None
+        self.source: str | None = None  # where the set came from: "recorded", "pinned", "model"
         self.timings: list[Timing] = []
         self._done: set[tuple] = set()
+
+    @classmethod
+    def for_run(cls, cfg, model, mesh, run_dir, prompt_lengths) -> "RunWarmup":
+        """The trainer's: Qwen3 config `model`, on `mesh`, recording its set in run_dir / CHOICE_FILE."""
+        from g2rl_jax.aot.bill import rollout_counts
+        from g2rl_jax.aot.programs import step_shapes
+
+        s = step_shapes(cfg, mesh)
+        return cls(cfg, model, threads=resolve_threads(cfg.run.compile_threads), choice_file=run_dir / CHOICE_FILE,
+                   prompt_lengths=prompt_lengths, rollout=rollout_counts(s.buckets, s.capacities))
 
     def prompt_len(self, longest: int) -> int:
         """The prompt length a step whose longest prompt has `longest` tokens pads to: the largest bucket until the
@@ -143,82 +110,73 @@ class RunWarmup:
         return timings
 
     # ------------------------------------------------------------------------------------------- the choice
-    def _saved(self, key: dict, sets: dict) -> tuple[str, tuple[int, ...]] | None:
-        """(set name, prompt buckets) a previous launch of this run chose for the same sizes, if it left them."""
-        if self.choice_file is None or not storage.is_file(self.choice_file):
+    def _read(self, path, key: dict, sets: dict, pinned: bool) -> tuple[str, tuple[int, ...]] | None:
+        """(set name, prompt buckets) of a shape file made for the same sizes; None when there is none (or, for the
+        run's own record, when it holds for other sizes: the run then chooses again). A pinned file that does not
+        fit raises ConfigError."""
+        from g2rl_jax.config import ConfigError
+
+        where = f"run.shapes_file={path}"
+        if not storage.is_file(path):
+            if pinned:
+                raise ConfigError(f"{where}: no such file; write one with `python -m g2rl_jax.bench tune-shapes "
+                                  "--config FILE --out FILE` or leave run.shapes_file empty")
             return None
         try:
-            saved = json.loads(storage.read_text(self.choice_file))
-        except (OSError, ValueError):
+            saved = json.loads(storage.read_text(path))
+            name, prompts = saved["name"], tuple(saved["prompts"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            if pinned:
+                raise ConfigError(f"{where}: not a shape file ({err}); write it again with `python -m g2rl_jax.bench "
+                                  "tune-shapes`") from None
             return None
-        name, prompts = saved.get("name"), tuple(saved.get("prompts", ()))
-        if saved.get("key") != key or name not in sets or not prompts or not set(prompts) <= set(self.shares):
-            return None
-        return name, prompts
+        fits = saved.get("key") == key and name in sets and prompts and set(prompts) <= set(self.shares)
+        if pinned and not fits:
+            raise ConfigError(f"{where} holds for {saved.get('key')}, this run has {key}; tune it again for this "
+                              "config (`python -m g2rl_jax.bench tune-shapes`) or leave run.shapes_file empty")
+        return (name, prompts) if fits else None
 
-    def _choose(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, micro: int,
-                chunk: int, steps_left: int) -> None:
-        """Measure the largest score (and reference) program and choose the shapes and prompt buckets of least
-        estimated run time (or take those a previous launch chose); every process takes process 0's."""
-        from g2rl_jax.rollout import prewarm
-
+    def _choose(self, batch: train_step.Batch, *, micro: int) -> None:
+        """The run's set and prompt buckets (module docstring): the recorded ones, the pinned ones or the model's,
+        recorded in choice_file; process 0 reads the files and every process takes its pick."""
         seq_len, resp_len = batch.input_ids.shape[1], batch.response_mask.shape[1]
         prompt_len, min_rows = seq_len - resp_len, micro_lib.row_shards(batch.rewards)
-        key = {"micro": micro, "min_rows": min_rows, "resp_len": resp_len, "prompts": sorted(self.shares)}
+        key = choice_key(micro, min_rows, resp_len, self.shares)
         sets = shapes_lib.candidates(micro, min_rows, prompt_len, resp_len)
-        names = list(sets)
-        saved = self._saved(key, sets) if jax.process_index() == 0 else None
-        index = -1 if saved is None else names.index(saved[0])
-        prompts = (0,) if saved is None else saved[1]
+        names, buckets = list(sets), sorted(self.shares)
+        picked, source = None, None
+        if jax.process_index() == 0:
+            if self.choice_file is not None:
+                picked, source = self._read(self.choice_file, key, sets, pinned=False), "recorded"
+            if picked is None and self.cfg.run.shapes_file:
+                picked, source = self._read(self.cfg.run.shapes_file, key, sets, pinned=True), "pinned"
+        if picked is None:
+            choice = shapes_lib.choose_for(self.cfg, self.model, self.device, self.lengths, micro=micro,
+                                           min_rows=min_rows, prompt_len=prompt_len, resp_len=resp_len,
+                                           step_rows=batch.rewards.shape[0], rollout=self.rollout)
+            picked, source, self.choice = (choice.shapes.name, choice.prompts), "model", choice
+        index, mask = names.index(picked[0]), np.array([b in picked[1] for b in buckets])
         if jax.process_count() > 1:  # process 0 decides, so every process runs the same programs
-            from jax.experimental import multihost_utils
-
-            index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))
-            buckets = sorted(self.shares)
-            mask = multihost_utils.broadcast_one_to_all(np.array([b in prompts for b in buckets]))
-            prompts = tuple(b for b, m in zip(buckets, np.asarray(mask)) if m)
-        if index >= 0:
-            self.shapes, self.prompts = sets[names[index]], prompts
-            return
-        rows_X = np.arange(micro, dtype=np.int32)
-        mb = micro_lib.take_micro(batch, rows_X, width=resp_len, seq_len=seq_len, resp_len=resp_len)
-        kinds = {"score": (train_step._score_micro, graphdef, params)}
-        if reference is not None:
-            kinds["reference"] = (train_step._ref_micro, *reference)
-        static = dict(temperature=temperature, chunk=chunk)
-        timings = self._compile([functools.partial(fn.lower, gd, p, mb, **static) for fn, gd, p in kinds.values()])
-        compile_s, run_s = {}, {}
-        for (kind, (fn, gd, p)), t in zip(kinds.items(), timings):
-            compile_s[kind] = t.lower_s + t.compile_s
-            start = time.perf_counter()
-            jax.block_until_ready(fn(gd, p, mb, **static))
-            run_s[kind] = time.perf_counter() - start
-        prices = shapes_lib.Prices.from_score(compile_s, run_s, micro_lib.micro_cost(micro, seq_len), self.remat)
-        loads = {s: shapes_lib.step_load(sets, step_rows=batch.rewards.shape[0], mini_rows=self.mini_rows,
-                                         epochs=self.epochs, prompt_len=s, budget=self.budget) for s in self.shares}
-        rollout = prewarm.COMPILED[-1] if prewarm.COMPILED else (0, 0.0)  # this step's rollout, the largest bucket
-        choice = shapes_lib.choose(sets, loads, self.shares, prices, rollout=rollout, steps=steps_left,
-                                   threads=max(self.threads, 1))
-        index, buckets = names.index(choice.shapes.name), sorted(self.shares)
-        mask = np.array([b in choice.prompts for b in buckets])
-        if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))
             mask = np.asarray(multihost_utils.broadcast_one_to_all(mask))
         self.shapes, self.prompts = sets[names[index]], tuple(b for b, m in zip(buckets, mask) if m)
-        self.choice = dataclasses.replace(choice, shapes=self.shapes, prompts=self.prompts)
+        self.source = source
+        if self.choice is not None and (self.choice.shapes, self.choice.prompts) != (self.shapes, self.prompts):
+            self.choice = None  # process 0 read a file: this process's own choice is not the run's
         if jax.process_index() == 0:
+            said = {"recorded": f"as {CHOICE_FILE} recorded them (a resume keeps its set)",
+                    "pinned": f"as run.shapes_file={self.cfg.run.shapes_file} pins them",
+                    "model": f"chosen by the estimated time of {self.cfg.run.total_steps} steps on "
+                             f"{self.device.describe()} (train/shapes.py)"}[source]
             print(f"micro-batch shapes {self.shapes.name} ({len(self.shapes.shapes)} shapes), prompt buckets "
-                  f"{list(self.prompts)}: chosen by the estimated time of the {steps_left} steps left (measured: the "
-                  f"score program of {micro} x {seq_len} compiles in {compile_s['score']:.1f} s and runs in "
-                  f"{run_s['score']:.3f} s; a rollout compiles {rollout[0]} programs in {rollout[1]:.1f} s; "
-                  f"{max(self.threads, 1)} compile threads)", file=sys.stderr, flush=True)
-            for line in self.choice.lines(steps_left):
-                print("  " + line, file=sys.stderr, flush=True)
-            if self.choice_file is not None:
-                storage.write_text(self.choice_file, json.dumps({"key": key, "name": self.shapes.name,
-                                                                     "prompts": list(self.prompts)}) + "\n")
+                  f"{list(self.prompts)}: {said}", file=sys.stderr, flush=True)
+            if self.choice is not None:
+                for line in self.choice.lines(self.cfg.run.total_steps):
+                    print("  " + line, file=sys.stderr, flush=True)
+            if self.choice_file is not None and source != "recorded":
+                storage.write_text(self.choice_file, choice_record(key, self.shapes, self.prompts, source))
 
     # ------------------------------------------------------------------------------------------- the programs
     def _take(self, tree, batch: train_step.Batch, shapes: micro_lib.ShapeSet) -> dict:
@@ -234,14 +192,13 @@ class RunWarmup:
         return out
 
     def score(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, micro: int,
-              steps_left: int, batch_like: Callable[[int], train_step.Batch],
+              batch_like: Callable[[int], train_step.Batch],
               chunk: int = train_step.g2rl.DEFAULT_CHUNK) -> micro_lib.ShapeSet:
         """The run's set (chosen on the first call), with its score and reference programs compiled at every prompt
         bucket (reference: (graphdef, params) of the KL reference, or None without the KL term; batch_like(S): a
         batch placed like `batch` with prompts of S tokens)."""
         if self.shapes is None:
-            self._choose(graphdef, params, reference, batch, temperature=temperature, micro=micro, chunk=chunk,
-                         steps_left=steps_left)
+            self._choose(batch, micro=micro)
         static = dict(temperature=temperature, chunk=chunk)
         passes = [(train_step._score_micro, graphdef, params)]
         if reference is not None:
