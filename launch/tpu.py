@@ -150,7 +150,8 @@ def train_script(args) -> str:
     # JAX_PLATFORMS is unset so JAX picks the TPU; TPU_* variables set by the VM image are left alone.
     return (f"set -e; cd {args.dir}; mkdir -p {args.log_dir}; WORKER={WORKER_ID}; BUCKET={bucket}; "
             f"CACHE=${{BUCKET:+$BUCKET/jax_cache}}; rm -f {status}; "
-            f"( trap '' HUP; set +e; env -u JAX_PLATFORMS {env} {train}; echo $? > {status} ) > {log} 2>&1 < /dev/null & "
+            f"( trap '' HUP; trap true TERM; set +e; env -u JAX_PLATFORMS {env} {train}; echo $? > {status} ) "
+            f"> {log} 2>&1 < /dev/null & "
             f"echo \"worker $WORKER: started, log $PWD/{log}\"")
 
 

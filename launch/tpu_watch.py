@@ -130,7 +130,7 @@ def watch(args, target: list[str], steps) -> int:
     """The keep-alive loop; `steps` maps create/delete/setup/train to the command lists tpu.py builds, and
     `call(cmds)` runs them (0 or the failing status)."""
     say, directory = Log(args.log), run_dir(args)
-    recoveries, seen_step = 0, None
+    recoveries, seen_step, started = 0, None, False
     say(f"watching queued resource {args.name} (run {directory}), every {args.interval:g} s")
 
     def launch(fresh: bool) -> bool:
@@ -150,7 +150,9 @@ def watch(args, target: list[str], steps) -> int:
     while True:
         state = queued_state(args, target)
         action = None
-        if state in PREEMPTED:
+        if state == GONE and not started:
+            action = "start"
+        elif state in PREEMPTED:
             action = "recreate"
         elif state in WAITING:
             action = "wait"
@@ -173,7 +175,11 @@ def watch(args, target: list[str], steps) -> int:
         if action is not None and recoveries >= args.max_recoveries:
             say(f"giving up after {recoveries} recoveries (--max-recoveries); the run is in {directory}")
             return 1
-        if action == "recreate":
+        started = True
+        if action == "start":
+            say(f"queued resource {args.name} does not exist: create, setup, train")
+            launch(fresh=True)
+        elif action == "recreate":
             recoveries += 1
             say(f"preemption: queued resource {args.name} is {state}; recovery {recoveries}: delete, create, "
                 "setup, train")
