@@ -52,7 +52,7 @@ def queued_state(args, target: list[str]) -> str:
 
 def wait_active(args, target: list[str], say, timeout: float, interval: float) -> bool:
     """Poll until ACTIVE (True); False, after saying why, on a failed state or after `timeout` seconds."""
-    t0, last = time.monotonic(), None
+    t0, last, said = time.monotonic(), None, 0.0
     while True:
         state = queued_state(args, target)
         waited = time.monotonic() - t0
@@ -63,9 +63,9 @@ def wait_active(args, target: list[str], say, timeout: float, interval: float) -
             say(f"queued resource {args.name}: {state} while waiting for ACTIVE; see `gcloud compute tpus "
                 f"queued-resources describe {args.name}`")
             return False
-        if state != last or int(waited) % 300 < interval:  # a line per change, and one every 5 minutes
+        if state != last or waited - said >= 300:  # a line per change, and one every 5 minutes
             say(f"queued resource {args.name}: {state}, waiting for ACTIVE ({waited:.0f} s of {timeout:.0f} s)")
-            last = state
+            last, said = state, waited
         if waited + interval > timeout:
             say(f"queued resource {args.name}: not ACTIVE after {timeout:.0f} s (still {state}); raise --wait-timeout "
                 "or try another zone")

@@ -158,8 +158,9 @@ def test_setup_refuses_an_env_on_python_3_10(cloud):
 def test_create_waits_for_active(cloud, states, code, lines):
     env, calls, fake = cloud
     env["FAKE_STATES"] = json.dumps([states])
+    timeout = "1" if code else "30"
     out = tpu(["create", *BASE, "--accelerator-type", "v5p-8", "--force", "--poll-seconds", "0.1", "--wait-timeout",
-               "1"], env)
+               timeout], env)
     assert out.returncode == code, out.stdout + out.stderr
     for line in lines:
         assert line in out.stdout, out.stdout
