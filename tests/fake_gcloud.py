@@ -6,7 +6,8 @@ gs://BUCKET maps to: gs://b/x is FAKE_BUCKET/b/x), FAKE_STATES (JSON: for each c
 resource, [[state, seconds], ...]: the states it goes through after `create`, the last one held), FAKE_SHIM_PATH
 (the PATH the fake ssh gives a worker). `tpu-vm ssh --command=C` runs C with bash on this machine as worker 0 of the
 current VM: HOME is the VM's own directory (a recreated VM starts with an empty disk), in its own process group,
-which `preempt()` in the test sends SIGTERM, as a preempted VM's shutdown does.
+which `preempt()` in the test sends SIGTERM, as a preempted VM's shutdown does; gs:// in the command becomes
+FAKE_BUCKET/, as if the bucket were mounted there.
 """
 import json
 import os
@@ -84,6 +85,7 @@ def main(argv: list[str]) -> int:
             print("ERROR: the TPU VM is not running", file=sys.stderr)
             return 255
         command = next(a for a in argv if a.startswith("--command=")).removeprefix("--command=")
+        command = command.replace("gs://", f"{os.environ['FAKE_BUCKET']}/")  # the worker sees the bucket mounted
         home = FAKE / f"vm-{state['generation']}"
         home.mkdir(exist_ok=True)
         env = {"PATH": os.environ["FAKE_SHIM_PATH"], "HOME": str(home), "TPU_WORKER_ID": "0",
