@@ -5,9 +5,10 @@ brings a preempted spot run back without a human.
 last step from the bucket (`gcloud storage cat -r -8192 RUN/metrics.jsonl`), and the trainer's exit status that the
 train line leaves in <dir>/<log-dir>/worker-0.exit (over ssh): 0 with summary.json in the bucket is the end; any
 other status relaunches `train` on the same VM (a lock left by a host that is gone is taken over once its
-run.lock_lease_seconds lapse). SUSPENDED, SUSPENDING, FAILED or a queued resource that is gone (NOT_FOUND) is a
-preemption: delete it, create it again, wait for ACTIVE, `setup`, `train`; the run resumes from its checkpoint in the
-bucket and reads its compiled programs back from the bucket's cache. Every event is a timestamped line on stdout and
+run.lock_lease_seconds lapse). SUSPENDED, FAILED or a queued resource that is gone (NOT_FOUND) is a preemption
+(SUSPENDING is waited out: the VM's trainer is using its SIGTERM grace): delete it, create it again, wait for
+ACTIVE, `setup`, `train`; the run resumes from its checkpoint in the bucket and reads its compiled programs back
+from the bucket's cache. Every event is a timestamped line on stdout and
 in --log. Standard library only, like tpu.py.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 ACTIVE = "ACTIVE"
 GONE = "NOT_FOUND"  # describe failed with NOT_FOUND: deleted, or never created
-PREEMPTED = ("SUSPENDED", "SUSPENDING", "FAILED", GONE)  # the VM is gone or going: recreate it
+PREEMPTED = ("SUSPENDED", "FAILED", GONE)  # the VM is gone: recreate it (SUSPENDING: its trainer's grace runs)
 WAITING = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING")
 
 

@@ -36,8 +36,15 @@ def current(state: dict) -> str:
     """The state now: SUSPENDED once preempted, else the scripted state for the time since `create`."""
     if state["created"] is None:
         return "NOT_FOUND"
-    if state.get("preempted"):
-        return "SUSPENDED"
+    if state.get("preempted"):  # SUSPENDING while the VM's processes use their 30 s notice, then SUSPENDED
+        alive = []
+        for pgid in state["groups"]:
+            try:
+                os.killpg(pgid, 0)
+                alive.append(pgid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return "SUSPENDING" if alive and time.time() - state["preempted"] < 30 else "SUSPENDED"
     script = json.loads(os.environ["FAKE_STATES"])[state["generation"]]
     elapsed = time.time() - state["created"]
     for name, seconds in script:

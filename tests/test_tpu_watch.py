@@ -199,7 +199,7 @@ def _preempt(fake: Path) -> float:
     """What a spot preemption does: the queued resource turns SUSPENDED and the VM's processes get SIGTERM."""
     state_file = fake / "state.json"
     state = json.loads(state_file.read_text())
-    state["preempted"] = True
+    state["preempted"] = time.time()
     state_file.write_text(json.dumps(state))
     t = time.time()
     for pgid in state["groups"]:
