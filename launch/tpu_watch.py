@@ -131,7 +131,7 @@ def watch(args, target: list[str], steps) -> int:
     """The keep-alive loop; `steps` maps create/delete/setup/train to the command lists tpu.py builds, and
     `call(cmds)` runs them (0 or the failing status)."""
     say, directory = Log(args.log), run_dir(args)
-    recoveries, seen_step, started = 0, None, False
+    recoveries, seen_step, started, seen_state = 0, None, False, None
     say(f"watching queued resource {args.name} (run {directory}), every {args.interval:g} s")
 
     def launch(fresh: bool) -> bool:
@@ -171,8 +171,9 @@ def watch(args, target: list[str], steps) -> int:
             if code is not None:
                 say(f"the trainer exited with status {code} on an ACTIVE VM")
                 action = "relaunch"
-        else:
+        elif state != seen_state:
             say(f"queued resource {args.name}: {state}")
+        seen_state = state
         if action is not None and recoveries >= args.max_recoveries:
             say(f"giving up after {recoveries} recoveries (--max-recoveries); the run is in {directory}")
             return 1

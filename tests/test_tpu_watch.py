@@ -267,7 +267,7 @@ def test_watch_brings_a_preempted_spot_run_back(cloud, assets, tmp_path):  # noq
     verbs = [c["argv"].split()[4] if "queued-resources" in c["argv"] else c["argv"].split()[1]
              for c in calls("gcloud") if "describe" not in c["argv"] and "storage" not in c["argv"]]
     ssh = [c for c in calls("gcloud compute tpus tpu-vm ssh") if "worker-0.exit" not in c["argv"]]
-    assert [v for v in verbs if v in ("create", "delete")] == ["create", "delete", "create"]
+    assert [v for v in verbs if v in ("create", "delete")] == ["create", "delete", "create", "delete"]  # + cleanup
     assert len(ssh) == 4 and all("--worker=all" in c["argv"] for c in ssh)  # setup, train; setup, train
     assert [("uv venv" in c["argv"], ".venv/bin/python -m g2rl_jax.train" in c["argv"]) for c in ssh] == \
         [(True, False), (False, True)] * 2
