@@ -50,6 +50,9 @@ class RunConfig:
     seed: int = _f(0, "seed of the sampling and initialisation RNG, 0 <= seed < 2**32")
     allow_config_change: bool = _f(False, "resume even if keys that change what the run computes (model, data, "
                                    "rollout, algorithm, optim) differ")
+    preempt_grace_seconds: float = _f(25.0, "after SIGTERM (a spot VM's 30 s preemption notice) the run ends within "
+                                      "this many seconds: the step in progress is finished and checkpointed when its "
+                                      "measured time fits, else abandoned (the last checkpoint stands)")
     compilation_cache_dir: str = _f("~/.cache/g2rl_jax/jax",
                                     "JAX's persistent compilation cache: a relaunch (a resume after a preemption) "
                                     "reads the compiled programs back instead of compiling them again; several hosts "
@@ -81,6 +84,8 @@ class RunConfig:
             _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
         _check(self.lock_lease_seconds >= 3, "run.lock_lease_seconds",
                f"must be >= 3 (renewed every third of it), got {self.lock_lease_seconds}")
+        _check(self.preempt_grace_seconds > 0, "run.preempt_grace_seconds",
+               f"must be > 0 seconds, got {self.preempt_grace_seconds}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")
         _check(self.compile_threads >= 0, "run.compile_threads",
                f"must be >= 0 (0 = one per CPU core, 1 = one at a time), got {self.compile_threads}")

@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Cloud TPU VM launcher for g2rl_jax: a thin, printable layer over `gcloud compute tpus`.
 
-    launch/tpu.sh create --name g2rl --zone us-east5-a --accelerator-type v5p-32 --config FILE [--spot] [--force]
+    launch/tpu.sh create --name g2rl --zone us-east5-a --accelerator-type v5p-32 --config FILE --bucket gs://B/DIR
+                         [--spot] [--force] [--no-wait]
     launch/tpu.sh setup  --name g2rl --zone us-east5-a --repo https://github.com/ORG/g2rl_jax.git [--branch main]
     launch/tpu.sh train  --name g2rl --zone us-east5-a --config configs/qwen3_1p7b_g2rl.yaml [key=value ...]
+    launch/tpu.sh python --name g2rl --zone us-east5-a -- -m g2rl_jax.eval --checkpoint ...   (the VM's env)
+    launch/tpu.sh status --name g2rl --zone us-east5-a [--bucket gs://B/DIR]
+    launch/tpu.sh watch  --name g2rl --zone us-east5-a --accelerator-type v5p-32 --bucket gs://B/DIR --spot
+                         --repo URL --config FILE [key=value ...]         (create, setup, train; recreate on preemption)
     launch/tpu.sh logs   --name g2rl --zone us-east5-a [--follow | --collect DIR]
     launch/tpu.sh ssh    --name g2rl --zone us-east5-a [--worker 0] [--command CMD]
     launch/tpu.sh delete --name g2rl --zone us-east5-a
@@ -11,15 +16,21 @@
 `create` first checks, on this machine, that the config fits the slice: `python -m g2rl_jax.plan --config FILE
 --target TYPE --compile --programs largest` compiles the step's largest programs for that slice (needs jax and
 libtpu here: pip install -e ".[tpu]") and prints its verdict; a config that does not fit is refused unless --force
-(which also skips the check). `create --bucket gs://BUCKET/DIR` keeps the bucket in the VM's metadata; `train` then
+(which also skips the check); it then waits until the queued resource is ACTIVE (--no-wait returns at once).
+`setup` makes a Python >= 3.11 environment (<dir>/.venv, uv's managed CPython: the images' python3 is 3.10, too
+old for jax) on every worker and installs .[tpu,gcs] into it; train and python run from it.
+`create --bucket gs://BUCKET/DIR` keeps the bucket in the VM's metadata; `train` then
 writes the run to gs://BUCKET/DIR/runs/NAME and JAX's persistent compilation cache to gs://BUCKET/DIR/jax_cache,
 which every host of the slice shares and which outlive the VM (`train --bucket` names one directly). Without a bucket
 the cache is --compile-cache on each worker's disk, so a run resumed there does not compile everything again.
 
 Every subcommand takes --dry-run (print the exact gcloud command lines, run nothing) and --project. A TPU slice
 of several hosts runs the same command on every worker (`--worker=all`); JAX then finds its peers itself on TPU
-VMs. `train` starts the run under nohup on each worker with its output in <dir>/logs/worker-<ID>.log, ID being the
-worker number from the TPU VM metadata server. Standard library only: this runs on your laptop, not on the TPU.
+VMs. `train` starts the run, immune to hang-ups, on each worker with its output in <dir>/logs/worker-<ID>.log and
+its exit status in <dir>/logs/worker-<ID>.exit, ID being the worker number from the TPU VM metadata server. `watch`
+(launch/tpu_watch.py) keeps a spot run going: on a preemption it deletes and recreates the queued resource, runs
+setup and train again, and the run resumes from the bucket; `--spot` needs `--bucket`, since a preempted VM's disk
+is gone. Standard library only: this runs on your laptop, not on the TPU.
 """
 from __future__ import annotations
 
@@ -30,7 +41,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tpu_watch
+
 DEFAULT_DIR = "~/g2rl_jax"  # checkout location on every worker
+DEFAULT_PYTHON = "3.11"  # the oldest CPython that jax, flax, orbax-checkpoint and grain accept
+VENV = ".venv"  # the worker's environment, inside the checkout
 DEFAULT_CACHE = "~/.cache/g2rl_jax/jax"  # JAX's compilation cache on each worker's persistent (boot) disk
 REPO = Path(__file__).resolve().parents[1]
 # Runtime (software) version per TPU generation, from the Cloud TPU docs; --runtime-version overrides.
@@ -94,18 +109,35 @@ def create(args) -> list[list[str]]:
     return [cmd + (["--spot"] if args.spot else [])]
 
 
+def setup_script(args) -> str:
+    """Clone (or fast-forward) the repository, then a Python >= 3.11 environment in <dir>/.venv with .[tpu,gcs].
+
+    uv (one static binary from PyPI, put in ~/.local/bin by the image's pip, else by its installer) creates the
+    environment with a CPython it downloads (--python-preference only-managed: never the image's 3.10, nor any other
+    interpreter found on the VM); the environment's version is checked before anything is installed."""
+    d, branch, repo, py = args.dir, shlex.quote(args.branch), shlex.quote(args.repo), shlex.quote(args.python)
+    want = "(" + ", ".join(args.python.split(".")) + ")"
+    return (f"set -e; if [ -d {d}/.git ]; then git -C {d} fetch origin {branch} && git -C {d} checkout {branch} "
+            f"&& git -C {d} pull --ff-only origin {branch}; else git clone --branch {branch} {repo} {d}; fi; "
+            f'cd {d}; export PATH="$HOME/.local/bin:$PATH"; '
+            "command -v uv > /dev/null || python3 -m pip install --user --quiet uv "
+            "|| curl -LsSf https://astral.sh/uv/install.sh | sh; "
+            f"uv venv --allow-existing --python-preference only-managed --python {py} {VENV}; "
+            f"{VENV}/bin/python -c 'import sys; sys.exit(sys.version_info[:2] < {want})' "
+            f"|| {{ echo \"setup: {d}/{VENV} is not Python {args.python}+\" >&2; exit 1; }}; "
+            f"uv pip install --python {VENV}/bin/python -e '.[tpu,gcs]'; "
+            f"{VENV}/bin/python -c 'import sys, jax; print(\"python\", sys.version.split()[0], \"jax\", "
+            "jax.__version__)'")
+
+
 def setup(args) -> list[list[str]]:
-    """Clone (or fast-forward) the repository on every worker and install it with the TPU extra."""
-    d, branch, repo = args.dir, shlex.quote(args.branch), shlex.quote(args.repo)
-    script = (f"set -e; if [ -d {d}/.git ]; then git -C {d} fetch origin {branch} && git -C {d} checkout {branch} "
-              f"&& git -C {d} pull --ff-only origin {branch}; else git clone --branch {branch} {repo} {d}; fi; "
-              f"cd {d} && python3 -m pip install -e '.[tpu,gcs]'")
-    return [_ssh(args, script, "all")]
+    return [_ssh(args, setup_script(args), "all")]
 
 
 def train_script(args) -> str:
-    """The shell line each worker runs: nohup python -m g2rl_jax.train, one log file per worker."""
-    train = shlex.join(["python3", "-m", "g2rl_jax.train", "--config", args.config, *args.overrides])
+    """The shell line each worker runs: the environment's python -m g2rl_jax.train in the background, hang-ups
+    ignored (as nohup), one log and one exit-status file per worker."""
+    train = shlex.join([f"{VENV}/bin/python", "-m", "g2rl_jax.train", "--config", args.config, *args.overrides])
     env = shlex.join(["PYTHONUNBUFFERED=1", *args.env])
     bucket = shlex.quote(args.bucket.rstrip("/")) if args.bucket else BUCKET_SOURCE
     if not any(o.startswith("run.output_dir=") for o in args.overrides):  # in the bucket, when there is one
@@ -114,11 +146,12 @@ def train_script(args) -> str:
         train += f" {shlex.quote('run.compilation_cache_dir=' + args.compile_cache)}"
     elif not any(o.startswith("run.compilation_cache_dir=") for o in args.overrides):  # the bucket's, else the disk's
         train += f' "run.compilation_cache_dir=${{CACHE:-{DEFAULT_CACHE}}}"'
-    log = f"{args.log_dir}/worker-$WORKER.log"
+    log, status = f"{args.log_dir}/worker-$WORKER.log", f"{args.log_dir}/worker-$WORKER.exit"
     # JAX_PLATFORMS is unset so JAX picks the TPU; TPU_* variables set by the VM image are left alone.
     return (f"set -e; cd {args.dir}; mkdir -p {args.log_dir}; WORKER={WORKER_ID}; BUCKET={bucket}; "
-            "CACHE=${BUCKET:+$BUCKET/jax_cache}; "
-            f"nohup env -u JAX_PLATFORMS {env} {train} > {log} 2>&1 < /dev/null & "
+            f"CACHE=${{BUCKET:+$BUCKET/jax_cache}}; rm -f {status}; "
+            f"( trap '' HUP; trap true TERM; set +e; env -u JAX_PLATFORMS {env} {train}; echo $? > {status} ) "
+            f"> {log} 2>&1 < /dev/null & "
             f"echo \"worker $WORKER: started, log $PWD/{log}\"")
 
 
@@ -137,6 +170,11 @@ def logs(args) -> list[list[str]]:
     return [_ssh(args, f"{tail} {pattern}", args.worker)]
 
 
+def python(args) -> list[list[str]]:
+    """Any module or script, run with the environment setup made, in the checkout."""
+    return [_ssh(args, f"cd {args.dir} && {VENV}/bin/python {shlex.join(args.args)}", args.worker)]
+
+
 def ssh(args) -> list[list[str]]:
     return [_ssh(args, args.command, args.worker)]
 
@@ -150,7 +188,8 @@ def delete(args) -> list[list[str]]:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="launch/tpu.sh", description=__doc__.split("\n\n")[0],
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    subs = top.add_subparsers(dest="subcommand", metavar="{create,setup,train,logs,ssh,delete}", required=True)
+    subs = top.add_subparsers(dest="subcommand", metavar="{create,setup,train,python,status,watch,logs,ssh,delete}",
+                              required=True)
 
     def sub(name: str, fn, help: str) -> argparse.ArgumentParser:
         p = subs.add_parser(name, help=help, description=help)
@@ -161,34 +200,74 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
         return p
 
-    p = sub("create", create, "request a TPU slice as a queued resource")
-    p.add_argument("--accelerator-type", required=True, help="e.g. v5p-32, v5litepod-16, v6e-8")
-    p.add_argument("--runtime-version", help=f"TPU software version (default per family: {RUNTIME_VERSIONS})")
-    p.add_argument("--spot", action="store_true", help="spot (preemptible) capacity")
+    def create_args(p, bucket_help: str) -> None:
+        p.add_argument("--accelerator-type", required=True, help="e.g. v5p-32, v5litepod-16, v6e-8")
+        p.add_argument("--runtime-version", help=f"TPU software version (default per family: {RUNTIME_VERSIONS})")
+        p.add_argument("--spot", action="store_true", help="spot (preemptible) capacity; needs --bucket")
+        p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help=bucket_help)
+        p.add_argument("--wait-timeout", type=float, default=7200.0, metavar="S",
+                       help="wait this long for the queued resource to be ACTIVE (default: 7200)")
+        p.add_argument("--poll-seconds", type=float, default=30.0, metavar="S",
+                       help="ask for its state this often while waiting (default: 30)")
+
+    def setup_args(p) -> None:
+        p.add_argument("--repo", required=True, help="git URL of the g2rl_jax repository")
+        p.add_argument("--branch", default="main", help="branch or tag to check out (default: main)")
+        p.add_argument("--python", default=DEFAULT_PYTHON, metavar="X.Y",
+                       help=f"CPython of the workers' environment, 3.11 or newer (default: {DEFAULT_PYTHON})")
+
+    def train_args(p) -> None:
+        p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
+        p.add_argument("--compile-cache", metavar="DIR",
+                       help=f"JAX compilation cache on the workers (run.compilation_cache_dir; default: the bucket's "
+                       f"jax_cache, else {DEFAULT_CACHE} on the VM's persistent disk)")
+        p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra environment for the run, e.g. --env HF_HOME=/mnt/hf (repeatable)")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.total_steps=10")
+
+    def dir_arg(p) -> None:
+        p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
+
+    kept = ("kept in the VM's metadata: `train` then writes run.output_dir to gs://BUCKET/DIR/runs/NAME and the "
+            "compile cache to gs://BUCKET/DIR/jax_cache, storage every host of the slice shares")
+    p = sub("create", create, "request a TPU slice as a queued resource and wait until it is ACTIVE")
+    create_args(p, kept)
     p.add_argument("--config", help="training config YAML, checked here to fit the slice before the VM is created")
     p.add_argument("--force", action="store_true", help="create the VM without (or despite) the fit check")
-    p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help="kept in the VM's metadata: `train` then writes "
-                   "run.output_dir to gs://BUCKET/DIR/runs/NAME and the compile cache to gs://BUCKET/DIR/jax_cache, "
-                   "storage every host of the slice shares")
+    p.add_argument("--no-wait", action="store_true", help="return once the request is made, without waiting")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the check, as for train")
 
-    p = sub("setup", setup, "clone the repository and pip install -e '.[tpu,gcs]' on every worker")
-    p.add_argument("--repo", required=True, help="git URL of the g2rl_jax repository")
-    p.add_argument("--branch", default="main", help="branch or tag to check out (default: main)")
-    p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
+    p = sub("setup", setup, "clone the repository, make a Python >= 3.11 environment and install .[tpu,gcs] in it, "
+            "on every worker")
+    setup_args(p)
+    dir_arg(p)
 
-    p = sub("train", train, "start python -m g2rl_jax.train on every worker under nohup")
+    p = sub("train", train, "start the environment's python -m g2rl_jax.train on every worker, in the background")
     p.add_argument("--config", required=True, help="config YAML, relative to --dir on the workers")
-    p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
-    p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
+    dir_arg(p)
     p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help="run.output_dir gs://BUCKET/DIR/runs/NAME and the "
                    "compile cache gs://BUCKET/DIR/jax_cache (default: the bucket `create --bucket` kept, if any)")
-    p.add_argument("--compile-cache", metavar="DIR",
-                   help=f"JAX compilation cache on the workers (run.compilation_cache_dir; default: the bucket's "
-                   f"jax_cache, else {DEFAULT_CACHE} on the VM's persistent disk)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment for the run, e.g. --env HF_HOME=/mnt/hf (repeatable)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.total_steps=10")
+    train_args(p)
+
+    p = sub("python", python, "run the environment's python (e.g. -m g2rl_jax.eval ...) in the checkout")
+    dir_arg(p)
+    p.add_argument("--worker", default="all", help="worker index or 'all' (default: all)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="python's arguments, after --")
+
+    p = sub("status", None, "the queued resource's state and the run's last step and checkpoints (in the bucket)")
+    p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help="the bucket given to create, where the run is")
+
+    p = sub("watch", None, "keep a (spot) run going: create if needed, setup, train; on a preemption delete, "
+            "recreate, setup and train again (no fit check: run create once for it)")
+    create_args(p, kept + " (required: the run must outlive the VM)")
+    setup_args(p)
+    p.add_argument("--config", required=True, help="config YAML, relative to --dir on the workers")
+    dir_arg(p)
+    train_args(p)
+    p.add_argument("--interval", type=float, default=60.0, metavar="S", help="poll every S seconds (default: 60)")
+    p.add_argument("--max-recoveries", type=int, default=20, help="give up after this many (default: 20)")
+    p.add_argument("--log", metavar="FILE", help="append every event here too (default: tpu-watch-NAME.log)")
+    p.add_argument("--delete-when-done", action="store_true", help="delete the queued resource once the run ends")
 
     p = sub("logs", logs, "show (tail) or --collect the per-worker training logs")
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
@@ -225,28 +304,74 @@ def _check(args, top: argparse.ArgumentParser) -> None:
             top.error(f"--{flag.replace('_', '-')} {value!r}: use a path without spaces or shell characters")
     if getattr(args, "lines", 1) < 1:
         top.error(f"logs --lines must be >= 1, got {args.lines}")
+    if getattr(args, "spot", False) and not getattr(args, "bucket", None):
+        top.error(f"{args.subcommand} --spot needs --bucket gs://BUCKET/DIR: a preempted VM's disk, with the "
+                  "run's checkpoints and compile cache, is gone")
+    if args.subcommand == "watch" and not args.bucket:
+        top.error("watch needs --bucket gs://BUCKET/DIR: a recreated VM resumes the run from there")
+    version = getattr(args, "python", DEFAULT_PYTHON).split(".")
+    if len(version) != 2 or not all(v.isdigit() for v in version) or (int(version[0]), int(version[1])) < (3, 11):
+        top.error(f"--python {args.python!r}: expected 3.11 or newer as MAJOR.MINOR (jax, flax, orbax-checkpoint "
+                  "and grain require Python >= 3.11)")
+    if args.subcommand == "python":
+        args.args = args.args[1:] if args.args[:1] == ["--"] else args.args
+        if not args.args:
+            top.error("python: give python's arguments after --, e.g. -- -m g2rl_jax.eval --help")
     if args.subcommand == "create" and not args.config and not args.force:
         top.error("create: --config FILE is required, to check that it fits the slice before a VM is created "
                   "(or pass --force to skip the check)")
+
+
+class Steps:
+    """What `watch` runs: the command lists of create, delete, setup and train for its arguments, and their runner."""
+
+    BUILDERS = {"create": create, "delete": delete, "setup": setup, "train": train}
+    ssh = staticmethod(_ssh)
+
+    def __init__(self, args):
+        self.args = args
+
+    def build(self, name: str) -> list[list[str]]:
+        return self.BUILDERS[name](self.args)
+
+    def call(self, cmds: list[list[str]]) -> int:
+        return call(cmds, self.args)
+
+
+def call(cmds: list[list[str]], args) -> int:
+    """Print and run each command (only print with --dry-run); the first failing status, else 0."""
+    for cmd in cmds:
+        print(("" if args.dry_run else "+ ") + shlex.join(cmd), flush=True)
+        if not args.dry_run:
+            rc = subprocess.call(cmd)
+            if rc:
+                print(f"tpu.py {args.subcommand}: {cmd[0]} exited with status {rc}", file=sys.stderr, flush=True)
+                return rc
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     top = parser()
     args = top.parse_args(argv)
     _check(args, top)
+    if args.subcommand == "status":
+        return tpu_watch.status(args, _target(args))
+    if args.subcommand == "watch":
+        args.log = args.log or f"tpu-watch-{args.name}.log"
+        return tpu_watch.watch(args, _target(args), Steps(args))
     if args.subcommand == "create" and not args.force:
         if args.dry_run:
             print(shlex.join(check_command(args)))
         elif (status := check_fit(args)) != 0:
             return status
-    for cmd in args.fn(args):
-        print(("" if args.dry_run else "+ ") + shlex.join(cmd), flush=True)
-        if not args.dry_run:
-            rc = subprocess.call(cmd)
-            if rc:
-                print(f"tpu.py {args.subcommand}: {cmd[0]} exited with status {rc}", file=sys.stderr)
-                return rc
-    return 0
+    rc = call(args.fn(args), args)
+    if rc or args.subcommand != "create" or args.no_wait:
+        return rc
+    if args.dry_run:
+        print(shlex.join(tpu_watch.describe_command(args, _target(args))) + "   # until ACTIVE")
+        return 0
+    ok = tpu_watch.wait_active(args, _target(args), tpu_watch.Log(None), args.wait_timeout, args.poll_seconds)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -64,22 +64,23 @@ def test_tpu_sh_wrapper_runs_tpu_py():
 @pytest.mark.parametrize("spot,project", [(True, None), (False, "my-proj")])
 def test_create_queued_resource(fakes, spot, project):
     env, calls = fakes
-    args = ["create", "--name", "g2rl", "--zone", "us-east5-a", "--accelerator-type", "v5p-32", "--force"]
-    args += (["--spot"] if spot else []) + (["--project", project] if project else [])
+    args = ["create", "--name", "g2rl", "--zone", "us-east5-a", "--accelerator-type", "v5p-32", "--force", "--no-wait"]
+    args += (["--spot", "--bucket", "gs://b/d"] if spot else []) + (["--project", project] if project else [])
     out = run(TPU, args, env)
     assert out.returncode == 0, out.stderr
     expected = ("gcloud compute tpus queued-resources create g2rl --node-id g2rl --zone us-east5-a"
                 + (f" --project {project}" if project else "")
-                + " --accelerator-type v5p-32 --runtime-version v2-alpha-tpuv5" + (" --spot" if spot else ""))
+                + " --accelerator-type v5p-32 --runtime-version v2-alpha-tpuv5"
+                + (" --metadata g2rl-jax-bucket=gs://b/d --spot" if spot else ""))
     assert [c["argv"] for c in calls()] == [expected]
 
 
 def test_create_runtime_version_default_and_override(fakes):
     env, calls = fakes
-    assert run(TPU, ["create", "--name", "a", "--zone", "z", "--accelerator-type", "v6e-8", "--force"],
+    assert run(TPU, ["create", "--name", "a", "--zone", "z", "--accelerator-type", "v6e-8", "--force", "--no-wait"],
                env).returncode == 0
     assert run(TPU, ["create", "--name", "b", "--zone", "z", "--accelerator-type", "v5litepod-16", "--force",
-                     "--runtime-version", "custom-rt"], env).returncode == 0
+                     "--no-wait", "--runtime-version", "custom-rt"], env).returncode == 0
     argv = [shlex.split(c["argv"]) for c in calls()]
     assert argv[0][argv[0].index("--runtime-version") + 1] == "v2-alpha-tpuv6e"
     assert argv[1][argv[1].index("--runtime-version") + 1] == "custom-rt"
@@ -95,11 +96,19 @@ def test_dry_run_prints_exact_commands_and_runs_nothing(fakes):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "gcloud compute tpus queued-resources create g --node-id g --zone z --accelerator-type v5p-8 "
-        "--runtime-version v2-alpha-tpuv5"]
+        "--runtime-version v2-alpha-tpuv5",
+        "gcloud compute tpus queued-resources describe g --zone z '--format=value(state.state)'   # until ACTIVE"]
     out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--dry-run"], env)
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 1
     assert shlex.split(out.stdout)[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z"]
     assert calls() == []
+
+
+def _venv_python(checkout: Path, env: dict) -> None:
+    """<checkout>/.venv/bin/python: the fake python (what setup's environment would hold)."""
+    venv = checkout / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(Path(env["PATH"].split(":")[0]) / "python")
 
 
 def _ssh_command(argv: str) -> tuple[list[str], str]:
@@ -110,7 +119,7 @@ def _ssh_command(argv: str) -> tuple[list[str], str]:
     return [w for w in words if not w.startswith("--command=")], command[0][len("--command="):]
 
 
-def test_setup_clones_and_installs_on_all_workers(fakes):
+def test_setup_clones_and_makes_a_python_3_11_env_on_all_workers(fakes):
     env, calls = fakes
     out = run(TPU, ["setup", "--name", "g", "--zone", "z", "--repo", "https://example.com/g2rl_jax.git",
                     "--branch", "dev"], env)
@@ -120,12 +129,17 @@ def test_setup_clones_and_installs_on_all_workers(fakes):
     assert flags == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z", "--worker=all"]
     assert "git clone --branch dev https://example.com/g2rl_jax.git ~/g2rl_jax" in command
     assert "git -C ~/g2rl_jax pull --ff-only origin dev" in command
-    assert command.endswith("cd ~/g2rl_jax && python3 -m pip install -e '.[tpu,gcs]'")
+    assert "uv venv --allow-existing --python-preference only-managed --python 3.11 .venv;" in command
+    assert "uv pip install --python .venv/bin/python -e '.[tpu,gcs]'" in command
+    assert "python3 -m pip install -e" not in command  # the image's 3.10 gets uv at most, never the project
 
 
 def test_setup_script_really_clones_and_installs(fakes, tmp_path):
-    """Run the remote setup line with bash against a local git repository (python3 is the fake: records pip)."""
+    """Run the remote setup line with bash against a local git repository (uv is the fake of test_tpu_watch.py)."""
+    from test_tpu_watch import fake_uv
+
     env, calls = fakes
+    fake_uv(Path(env["PATH"].split(":")[0]), sys.executable)
     src = tmp_path / "src"
     src.mkdir()
     git_env = {**env, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
@@ -139,9 +153,9 @@ def test_setup_script_really_clones_and_installs(fakes, tmp_path):
         done = subprocess.run(["bash", "-c", command], env=git_env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
     assert (dest / ".git").is_dir()
-    pips = [c for c in calls() if c["argv"].startswith("python3 -m pip")]
-    assert [c["argv"] for c in pips] == ["python3 -m pip install -e '.[tpu,gcs]'"] * 2
-    assert all(c["cwd"] == str(dest) for c in pips)
+    installs = [c for c in calls() if c["argv"].startswith("uv pip")]
+    assert [c["argv"] for c in installs] == ["uv pip install --python .venv/bin/python -e '.[tpu,gcs]'"] * 2
+    assert all(c["cwd"] == str(dest) for c in installs)
 
 
 def test_train_command_on_all_workers(fakes):
@@ -155,11 +169,11 @@ def test_train_command_on_all_workers(fakes):
                      "--worker=all"]
     assert command == (
         f"set -e; cd ~/g2rl_jax; mkdir -p logs; WORKER={WORKER_SOURCE}; BUCKET={BUCKET_SOURCE}; "
-        "CACHE=${BUCKET:+$BUCKET/jax_cache}; "
-        "nohup env -u JAX_PLATFORMS PYTHONUNBUFFERED=1 HF_HOME=/mnt/hf python3 -m g2rl_jax.train "
-        "--config configs/qwen3_4b_g2rl.yaml run.total_steps=3 mesh.tensor=2 "
+        "CACHE=${BUCKET:+$BUCKET/jax_cache}; rm -f logs/worker-$WORKER.exit; "
+        "( trap '' HUP; trap true TERM; set +e; env -u JAX_PLATFORMS PYTHONUNBUFFERED=1 HF_HOME=/mnt/hf "
+        ".venv/bin/python -m g2rl_jax.train --config configs/qwen3_4b_g2rl.yaml run.total_steps=3 mesh.tensor=2 "
         '${BUCKET:+"run.output_dir=$BUCKET/runs/g"} '
-        '"run.compilation_cache_dir=${CACHE:-~/.cache/g2rl_jax/jax}" '
+        '"run.compilation_cache_dir=${CACHE:-~/.cache/g2rl_jax/jax}"; echo $? > logs/worker-$WORKER.exit ) '
         "> logs/worker-$WORKER.log 2>&1 "
         "< /dev/null & echo \"worker $WORKER: started, log $PWD/logs/worker-$WORKER.log\"")
 
@@ -169,7 +183,7 @@ def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
     TPU_* untouched, PYTHONUNBUFFERED=1 (python3 is the fake and writes to the log)."""
     env, calls = fakes
     workdir = tmp_path / "work"
-    workdir.mkdir()
+    _venv_python(workdir, env)
     out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--dir", str(workdir),
                     "--compile-cache", "/cache", "--dry-run", "run.seed=1"], env)
     _, command = _ssh_command(out.stdout.strip())
@@ -185,14 +199,15 @@ def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
     runs = calls()
     assert len(runs) == 2
     for c in runs:
-        assert c["argv"] == "python3 -m g2rl_jax.train --config c.yaml run.seed=1 run.compilation_cache_dir=/cache"
+        assert c["argv"] == "python -m g2rl_jax.train --config c.yaml run.seed=1 run.compilation_cache_dir=/cache"
         assert c["env"]["JAX_PLATFORMS"] is None and c["env"]["PYTHONUNBUFFERED"] == "1"
         assert c["env"]["TPU_ACCELERATOR_TYPE"] == "v5p-32" and c["cwd"] == str(workdir)
     for worker in ("0", "3"):
         log = workdir / "logs" / f"worker-{worker}.log"
-        while "ran" not in log.read_text() and time.time() < deadline:
+        status = workdir / "logs" / f"worker-{worker}.exit"
+        while not (status.exists() and status.read_text()) and time.time() < deadline:
             time.sleep(0.1)
-        assert log.read_text() == "fake python3 ran\n"
+        assert log.read_text() == "fake python ran\n" and status.read_text() == "0\n"
 
 
 def test_create_bucket_points_the_run_and_the_compile_cache_there(fakes, tmp_path):
@@ -200,8 +215,9 @@ def test_create_bucket_points_the_run_and_the_compile_cache_there(fakes, tmp_pat
     G2RL_JAX_BUCKET, as the metadata server would give it) and writes run.output_dir and the compile cache there;
     without one, the cache stays on the worker's disk; train --bucket names one directly."""
     env, calls = fakes
+    _venv_python(tmp_path, env)
     out = run(TPU, ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8", "--force", "--bucket",
-                    "gs://my-bucket/g2rl/"], env)
+                    "gs://my-bucket/g2rl/", "--no-wait"], env)
     assert out.returncode == 0, out.stderr
     assert calls()[-1]["argv"].endswith("--runtime-version v2-alpha-tpuv5 --metadata g2rl-jax-bucket=gs://my-bucket/g2rl")
     out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--dir", str(tmp_path), "--dry-run",
@@ -214,9 +230,9 @@ def test_create_bucket_points_the_run_and_the_compile_cache_there(fakes, tmp_pat
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         deadline = time.time() + 30
-        while not (tmp_path / "logs" / "worker-0.log").read_text() and time.time() < deadline:
+        while not (tmp_path / "logs" / "worker-0.exit").exists() and time.time() < deadline:
             time.sleep(0.1)
-        assert calls()[-1]["argv"] == "python3 -m g2rl_jax.train --config c.yaml run.seed=1" + want
+        assert calls()[-1]["argv"] == "python -m g2rl_jax.train --config c.yaml run.seed=1" + want
         (tmp_path / "logs" / "worker-0.log").write_text("")
     out = run(TPU, ["train", "--name", "g", "--zone", "z", "--config", "c.yaml", "--bucket", "gs://b/x", "--dry-run"],
               env)
@@ -259,7 +275,11 @@ def test_ssh_and_delete(fakes):
 
 @pytest.mark.parametrize("args,message", [
     (["frobnicate", "--name", "g", "--zone", "z"], "invalid choice: 'frobnicate'"),
-    ([], "required: {create,setup,train,logs,ssh,delete}"),
+    ([], "required: {create,setup,train,python,status,watch,logs,ssh,delete}"),
+    (["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5p-8", "--force", "--spot"],
+     "create --spot needs --bucket gs://BUCKET/DIR: a preempted VM's disk"),
+    (["setup", "--name", "g", "--zone", "z", "--repo", "r", "--python", "3.10"], "expected 3.11 or newer"),
+    (["python", "--name", "g", "--zone", "z"], "give python's arguments after --"),
     (["create", "--zone", "z", "--accelerator-type", "v5p-8"], "the following arguments are required: --name"),
     (["delete", "--name", "g"], "the following arguments are required: --zone"),
     (["train", "--name", "g", "--zone", "z"], "required: --config"),
@@ -388,10 +408,10 @@ def test_create_runs_the_fit_check_first_and_refuses_what_does_not_fit(fakes, tm
     assert "VERDICT: DOES NOT FIT on v5litepod-4" in out.stdout and "Change:" in out.stdout
     assert "no VM was created" in out.stderr and "--force" in out.stderr
     assert calls() == []
-    assert run(TPU, [*base, "--config", str(big), "--force"], env).returncode == 0
+    assert run(TPU, [*base, "--config", str(big), "--force", "--no-wait"], env).returncode == 0
     assert len(calls()) == 1 and "queued-resources create g" in calls()[0]["argv"]
     small = _tiny_config(tmp_path)
-    out = run(TPU, [*base, "--config", str(small), "data.shuffle_seed=1"], env, timeout=600)
+    out = run(TPU, [*base, "--config", str(small), "--no-wait", "data.shuffle_seed=1"], env, timeout=600)
     assert out.returncode == 0, (out.stdout, out.stderr[-3000:])
     assert "VERDICT: FITS on v5litepod-4" in out.stdout
     assert len(calls()) == 2
@@ -404,7 +424,8 @@ def test_create_needs_a_config_or_force_and_dry_run_prints_the_check(fakes, tmp_
     assert out.returncode == 2 and "--config FILE is required" in out.stderr and "--force" in out.stderr
     out = run(TPU, [*base, "--config", "c.yaml", "--dry-run", "run.seed=2"], env)
     assert out.returncode == 0, out.stderr
-    check, create = out.stdout.splitlines()
+    check, create, wait = out.stdout.splitlines()
+    assert wait.startswith("gcloud compute tpus queued-resources describe g")
     assert shlex.split(check)[1:] == ["-m", "g2rl_jax.plan", "--config", "c.yaml", "--target", "v5p-8", "--compile",
                                       "--programs", "largest", "run.seed=2"]
     assert create.startswith("gcloud compute tpus queued-resources create g")

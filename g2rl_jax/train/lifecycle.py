@@ -13,7 +13,8 @@
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
   optim, seeds), listed old -> new; the trainer refuses them unless run.allow_config_change=true.
 - `append_history`: every start appends its resolved config to `<run>/config_history.jsonl`.
-- `StopSignal`: SIGTERM (preemption) asks the loop to stop after the current step; a second SIGTERM abandons it.
+- `StopSignal`: SIGTERM (preemption) ends the run within run.preempt_grace_seconds: the step in progress is finished
+  and checkpointed when its measured time fits the grace, else abandoned at once (the last checkpoint stands).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import atexit
 import dataclasses
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -313,33 +315,119 @@ def append_history(cfg: Config, run_dir, **facts: Any):
 
 
 # ------------------------------------------------------------------------------------------------ signals
+SAVE_SHARE = 0.2  # the share of the grace kept for the checkpoint of a step finished after SIGTERM
+
+
 class Preempted(BaseException):
-    """Raised where a stop request abandons work in progress (a validation, or the step on a second SIGTERM).
+    """Raised where a stop request abandons work in progress (a validation).
     A BaseException, like KeyboardInterrupt, so that no `except Exception` turns it into an ordinary error."""
 
 
-class StopSignal:
-    """While active, the first SIGTERM sets `requested` (the loop stops after the current step, saving a
-    checkpoint); a second one raises Preempted at once."""
+def step_fits(step_started: float | None, step_seconds: float | None, deadline: float, grace: float) -> bool:
+    """Whether the step in progress, started at `step_started` (None: between steps) and expected to take
+    `step_seconds` (the measured time of the last one, compiles excluded; None: none measured yet), ends before
+    `deadline` with SAVE_SHARE of the grace left for its checkpoint."""
+    if step_started is None:
+        return True
+    return step_seconds is not None and step_started + step_seconds <= deadline - SAVE_SHARE * grace
 
-    def __init__(self):
+
+class StopSignal:
+    """While active (the training loop), SIGTERM, e.g. a spot VM's preemption notice, ends the run within `grace`
+    seconds. A watchdog thread wakes the moment the signal arrives (signal.set_wakeup_fd: even while the main thread
+    waits on the accelerator) and decides with `step_fits`:
+    - the step in progress fits the grace: `requested` is set, the loop stops after it and saves its checkpoint;
+    - it does not (or no step has been timed yet): the step is abandoned at once: `on_abandon` (wait for a save in
+      flight, release the run lock) and the process exits with PREEMPTED_EXIT, the last checkpoint intact.
+    Either way the process exits at the deadline if it still runs then, and a second SIGTERM abandons at once.
+    The loop reports its steps with `begin_step` and `end_step`."""
+
+    def __init__(self, grace: float = 25.0, on_abandon=None):
+        self.grace = grace
         self.requested = False
+        self.step_started: float | None = None  # time.monotonic() at the start of the step in progress
+        self.step_seconds: float | None = None  # the last step's wall time less its compiles
+        self._on_abandon = on_abandon or (lambda: None)
         self._previous = None
+        self._wakeup = self._pipe = None
+        self._thread = None
+
+    def begin_step(self) -> None:
+        self.step_started = time.monotonic()
+
+    def end_step(self) -> None:
+        """The step begun last has ended; its wall time is the next step's estimate (see less_compiles)."""
+        if self.step_started is not None:
+            self.step_seconds = time.monotonic() - self.step_started
+        self.step_started = None
+
+    def less_compiles(self, compile_seconds: float) -> None:
+        """Take what the last step spent compiling out of the estimate: a run compiles at its first step only."""
+        if self.step_seconds is not None:
+            self.step_seconds = max(self.step_seconds - compile_seconds, 0.0)
 
     def _handle(self, signum, frame):
-        if self.requested:
-            raise Preempted("a second SIGTERM: the step in progress is abandoned")
-        self.requested = True
-        print("SIGTERM received: finishing the current step, then saving a checkpoint and stopping "
-              "(send SIGTERM again to stop at once)", file=sys.stderr, flush=True)
+        self.requested = True  # the watchdog decides the rest; without one (no wakeup fd) the step is finished
+
+    def _exit(self, why: str, timeout: float) -> None:
+        """Say why, run on_abandon for at most `timeout` seconds, and end the process."""
+        print(why, file=sys.stderr, flush=True)
+        helper = threading.Thread(target=self._on_abandon, daemon=True)
+        helper.start()
+        helper.join(max(timeout, 0.0))
+        sys.stdout.flush()
+        os._exit(PREEMPTED_EXIT)
+
+    def _watch(self) -> None:
+        deadline = None
+        while True:
+            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, _, _ = select.select([self._pipe[0]], [], [], wait)
+            if not ready:  # the grace is over
+                self._exit(f"SIGTERM: the {self.grace:g} s grace (run.preempt_grace_seconds) is over; exiting now, "
+                           "the last complete checkpoint stands", timeout=2.0)
+            data = os.read(self._pipe[0], 64)
+            if not data or 0 in data:  # the loop ended: disarm
+                return
+            if signal.SIGTERM not in data:
+                continue
+            now = time.monotonic()
+            if deadline is not None:
+                self._exit("a second SIGTERM: the step in progress is abandoned, the last checkpoint stands",
+                           timeout=deadline - now)
+            deadline = now + self.grace
+            self.requested = True
+            started, seconds = self.step_started, self.step_seconds
+            if step_fits(started, seconds, deadline, self.grace):
+                left = "" if started is None else f", expected to end in {started + seconds - now:.1f} s"
+                print(f"SIGTERM received: finishing the current step{left}, then saving a checkpoint and stopping "
+                      f"(within the {self.grace:g} s grace; send SIGTERM again to stop at once)",
+                      file=sys.stderr, flush=True)
+                continue
+            measured = "no step has been timed yet" if seconds is None else f"a step takes {seconds:.1f} s"
+            self._exit(f"SIGTERM received: the step in progress would not end within the {self.grace:g} s grace "
+                       f"({measured}); abandoning it, the last checkpoint stands", timeout=deadline - now)
 
     def __enter__(self) -> StopSignal:
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread (e.g. a notebook worker): no handler, nothing changes
             self._previous = None
+            return self
+        self._pipe = os.pipe()
+        os.set_blocking(self._pipe[1], False)
+        self._wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="sigterm-watchdog", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._previous is None:
+            return
+        signal.signal(signal.SIGTERM, self._previous)
+        signal.set_wakeup_fd(self._wakeup)
+        os.write(self._pipe[1], b"\0")  # the watchdog returns
+        self._thread.join()
+        for fd in self._pipe:
+            os.close(fd)
+        self._previous = self._pipe = self._thread = None

@@ -58,6 +58,7 @@ from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, re
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_platforms,
+    check_shared_output_dir,
     compilation_cache,
     embed_texts,
     eval_examples,
@@ -96,8 +97,10 @@ class Trainer(SamplingRounds):
         self.clock = compiles.CompileClock()  # what the run compiles, step by step (train/compiles.py)
         preflight(cfg, model_dirs=False)
         self.run_dir = storage.path(cfg.run.output_dir, "run.output_dir")  # a local path or a URL
+        check_shared_output_dir(cfg.run.output_dir)  # multi-host: every host must see the same run directory
         self.lock = RunLock(self.run_dir, cfg.run.lock_lease_seconds) if jax.process_index() == 0 else None
-        self.stop = StopSignal()
+        self.ckpt = None
+        self.stop = StopSignal(cfg.run.preempt_grace_seconds, on_abandon=self._abandon)
         self.preempted = False
         if self.lock is not None:
             self.lock.acquire()
@@ -187,6 +190,14 @@ class Trainer(SamplingRounds):
             save_resolved(given, self.run_dir)
             append_history(given, self.run_dir, checkpoint_found=found, train_rows=len(examples),
                            train_dropped_for_length=dropped, eval_dropped_for_length=eval_dropped)
+
+    def _abandon(self) -> None:
+        """What an abandoned step leaves (StopSignal, from its watchdog thread): the save in flight written, the
+        run directory released."""
+        if self.ckpt is not None:
+            self.ckpt.wait()
+        if self.lock is not None:
+            self.lock.release()
 
     def close(self) -> None:
         """Release run.output_dir (run() does this when it ends); other trainers may then start on it."""
@@ -345,7 +356,8 @@ class Trainer(SamplingRounds):
         summary.json and curves.png (g2rl_jax/train/report.py).
 
         Each step's checkpoint is saved before its validation. SIGTERM stops after the current step with a
-        checkpoint of it (a validation in progress is abandoned); `self.preempted` then says so. Ctrl-C during
+        checkpoint of it when the step's measured time fits run.preempt_grace_seconds, else ends the process at once
+        (lifecycle.StopSignal); a validation in progress is abandoned; `self.preempted` then says so. Ctrl-C during
         a validation keeps the step's metrics and checkpoint too. The run directory is released at the end."""
         cfg = self.cfg.run
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
@@ -354,19 +366,19 @@ class Trainer(SamplingRounds):
         self.clock.open()
         writer = MetricsWriter(self.run_dir, start_step=self.step, loggers=cfg.loggers, config=to_dict(self.cfg))
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
-        history, validation, mid_step = [], None, False
+        history, validation = [], None
         warm_step = self.step + 1  # the step that compiles the run's programs; later ones compile none
-        try:
-            with self.stop:
+        with self.stop:  # SIGTERM: the step finished within run.preempt_grace_seconds, or abandoned
+            try:
                 if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
                     writer.write(0, self.validate())
                 elif cfg.eval_every:  # a resumed run validates only later: compile its rollout now
                     self.warm_validation()
                 while self.step < last and not self._stop_requested():
-                    mid_step = True  # a second SIGTERM in here leaves a half-updated state: nothing is saved
+                    self.stop.begin_step()
                     result = self.step_stages(self.step)
+                    self.stop.end_step()
                     self.step += 1
-                    mid_step = False
                     metrics = result.metrics
                     self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
                     validation = None
@@ -375,20 +387,21 @@ class Trainer(SamplingRounds):
                         metrics.update(validation)
                     metrics |= self.clock.step_figures(self.step, after_warmup=self.step > warm_step,
                                                           strict=cfg.strict_compiles)
+                    self.stop.less_compiles(metrics["compile_seconds"])  # what SIGTERM expects of the next step
                     writer.write(self.step, metrics)
                     bar.update(self.step, metrics)
                     history.append(metrics)
                 if self._stop_requested():
                     raise Preempted("SIGTERM")
-        except Preempted:
-            self.preempted = True
-            if self.step and not mid_step:
-                self.ckpt.save(self.step, self.state(), self.loader, force=True)
-        finally:
-            bar.close()
-            writer.close()
-            self.ckpt.close()
-            self.close()
+            except Preempted:
+                self.preempted = True
+                if self.step:
+                    self.ckpt.save(self.step, self.state(), self.loader, force=True)
+            finally:
+                bar.close()
+                writer.close()
+                self.ckpt.close()
+                self.close()
         if self.step == cfg.total_steps and history and not self.preempted:
             summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
                                     steps=self.step, seconds=time.perf_counter() - self.started,

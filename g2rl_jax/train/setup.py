@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel, storage
 from g2rl_jax.config import Config, ConfigError
@@ -31,6 +32,39 @@ def check_platforms() -> None:
             raise ConfigError(f"JAX_PLATFORMS={wanted!r} names hardware JAX cannot use on this machine ({detail}); "
                               "unset it (or set it to cpu) to use what this machine has") from None
         raise ConfigError(f"JAX found no usable device ({detail}); check the JAX install for this hardware") from None
+
+
+def unshared_message(output_dir: str, seen_B: list[bool]) -> str | None:
+    """The refusal when some processes do not see process 0's file in run.output_dir (seen_B: one flag per process),
+    else None."""
+    blind = [i for i, seen in enumerate(seen_B) if not seen]
+    if not blind:
+        return None
+    return (f"run.output_dir: {output_dir!r} is a local directory that process(es) {', '.join(map(str, blind))} of "
+            f"{len(seen_B)} do not share with process 0, so each host would write its own copy of the run; use "
+            "storage every host sees: a bucket (run.output_dir=gs://BUCKET/DIR) or a shared file system")
+
+
+def check_shared_output_dir(output_dir: str) -> None:
+    """A multi-process run's run.output_dir must be one directory for all: a URL is; a local path is checked by
+    process 0 writing a file there that every process must read back (an NFS mount passes, each VM's own disk does
+    not). Raises ConfigError (every process, the same line)."""
+    if jax.process_count() == 1 or storage.is_url(output_dir):
+        return
+    token = int(multihost_utils.broadcast_one_to_all(np.int64(np.random.SeedSequence().entropy % 2**62)))
+    probe = storage.path(output_dir) / f".shared_check.{token}"
+    if jax.process_index() == 0:
+        storage.makedirs(probe.parent)
+        probe.write_text(str(token))
+    multihost_utils.sync_global_devices("run.output_dir shared: written")
+    seen = probe.is_file() and probe.read_text() == str(token)
+    seen_B = np.asarray(multihost_utils.process_allgather(np.int32(seen))).reshape(-1).astype(bool).tolist()
+    multihost_utils.sync_global_devices("run.output_dir shared: read")
+    if jax.process_index() == 0:
+        storage.remove(probe)
+    message = unshared_message(output_dir, seen_B)
+    if message:
+        raise ConfigError(message)
 
 
 CACHE_MIN_COMPILE_SECONDS = 0.5  # programs that compile faster are not worth a file (jax's default: 1 s)
