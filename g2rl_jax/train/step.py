@@ -219,7 +219,7 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
     m = batch.group_size
     r_Pxm, correct_Pxm = batch.rewards.reshape(-1, m), batch.correct.reshape(-1, m)
     given = {"embeddings": embeddings_BxE, "seq_logp": logp_BxT}
-    missing = [name for name in sorted(method.needs) if given[name] is None]
+    missing = [name for name in sorted(method.needs & given.keys()) if given[name] is None]  # "entropy": the loss's
     if missing:
         raise StageError(f"advantages: exploration={algo.exploration} needs {', '.join(missing)} "
                          "(embeddings_BxE from the embedding model; logp_BxT from the scoring pass)")
