@@ -32,7 +32,7 @@ def first_capacity_16(monkeypatch):
 
 @pytest.fixture(scope="module")
 def long_budget(model):
-    """A budget of 192 (capacities 16, 64, 256): the reference every other run is compared with."""
+    """A budget of 192 (capacities 16..256): the reference every other run is compared with."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine, "FIRST_CAPACITY", 16)
         before = engine.TRACE_COUNTS.copy()
@@ -62,7 +62,7 @@ def test_same_completions_whatever_budget(model, long_budget, first_capacity_16)
 
 
 def test_same_completions_whatever_batch(model, long_budget, first_capacity_16):
-    """Prompt 0 alone: its 8 samples in batch buckets of 8, 2, ... instead of 32, 8, ..., budget 24."""
+    """Prompt 0 alone: its 8 samples in batch buckets of 8, 4, ... instead of 32, 16, ..., budget 24."""
     big, _ = long_budget
     alone = generate(model, PROMPTS[:1], max_new_tokens=24, **KW)
     assert alone.completion_ids == [ids[:24] for ids in big.completion_ids[:8]]
@@ -158,9 +158,9 @@ def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
 
 
 def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_budget, first_capacity_16):
-    """compile_threads=2 on the sharded mesh (4 row shards, budget 48: capacities 16 and 64 x buckets 32, 8, 4):
-    every decode segment and every move between them (3 growths; 2 compactions, each a live-row cut with the
-    prompts' masks and lengths, and a layer's prefix and suffix rows at each of the 2 capacities) compiles on the
+    """compile_threads=2 on the sharded mesh (4 row shards, budget 48: capacities 16, 32, 64 x buckets 32, 16, 8,
+    4): every decode segment and every move between them (8 growths; 3 compactions, each a live-row cut with the
+    prompts' masks and lengths, and a layer's prefix and suffix rows at each of the 3 capacities) compiles on the
     pool's threads, the decode loop compiles none, the samples are the same; a second rollout, whose lengths
     differ, compiles nothing at all."""
     from test_warmup import Compiles
@@ -174,9 +174,9 @@ def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_b
         mp.setattr(prewarm, "_ROWS", {})
         with Compiles() as compiles:
             r = generate(sharded, PROMPTS, max_new_tokens=48, compile_threads=2, **KW)
-        assert engine.capacity_ladder(64) == (16, 64) and engine.batch_buckets(32, 4, 48) == (32, 8, 4)
+        assert engine.capacity_ladder(64) == (16, 32, 64) and engine.batch_buckets(32, 4, 48) == (32, 16, 8, 4)
         in_pool = {fn: compiles.by[fn, True] for fn in ("_segment", "_grow", "_regroup", "_live_rows")}
-        assert in_pool == {"_segment": 6, "_grow": 3, "_regroup": 2 * 2, "_live_rows": 2}, in_pool
+        assert in_pool == {"_segment": 12, "_grow": 8, "_regroup": 3 * 3, "_live_rows": 3}, in_pool
         assert all(compiles.by[fn, False] == 0 for fn in in_pool), compiles.by  # the decode loop compiled none
         assert len(set(r.segments)) >= 3, r.segments  # the loop met several of them
         assert r.completion_ids == [ids[:48] for ids in big.completion_ids]

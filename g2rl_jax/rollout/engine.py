@@ -16,10 +16,11 @@ move never holds a second copy of the whole cache. Compaction gathers the live r
 first compaction also gives each row its own copy of its prompt's prefix (P = rows, m = 1), so rows of different
 prompts can share a batch.
 
-Rungs of 4 (not 2) on both ladders: a rollout's bounded set is a segment per (batch bucket, capacity) and a move
-per step between neighbours, so the count falls with the square of the rungs (at an 8k budget, 256 rows on 4 batch
-shards: 4 x 4 segments and 27 moves instead of 7 x 7 and 108), while a step reads at most 4x (not 2x) the slots
-its position needs and carries at most 4x the live rows (docs/performance.md measures the trade).
+The rungs are a trade: a rollout's bounded set is a segment per (batch bucket, capacity) and a move per step
+between neighbours, so the count falls with the square of the rung factor (at an 8k budget, 256 rows on 4 batch
+shards: rungs of 4 compile 4 x 4 segments and 27 moves instead of 7 x 7 and 90), while a step reads up to R x the
+slots its position needs and carries up to R x the live rows. At 1.7B on v5p-8 rungs of 4 cost +79% decode time
+by the HBM byte model (`bench ladder --rungs 2 --rungs 4`), far more than the compile they save, so both stay 2.
 
 Per-sample determinism: token t of sample b (b = p*m + j in the global batch) is drawn with the key
 fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the draws do not depend on the batch
@@ -57,8 +58,8 @@ FIRST_CAPACITY = 128  # suffix slots of the first segment (the budget's bucket w
 # layer, and one more segment executable per new batch bucket) cannot pay for itself over a few steps; short
 # budgets (the demo's 8 tokens) then decode in one segment, one batch bucket, one compiled shape.
 COMPACT_MIN_STEPS = 8
-CAPACITY_GROWTH = 4  # each capacity of the ladder is this many times the one before (module docstring)
-BATCH_SHRINK = 4  # a compaction cuts the batch bucket to this fraction of its rows
+CAPACITY_GROWTH = 2  # each capacity of the ladder is this many times the one before (module docstring)
+BATCH_SHRINK = 2  # a compaction cuts the batch bucket to this fraction of its rows
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -86,7 +87,8 @@ def batch_shards(mesh) -> int:
 
 def capacity_ladder(new_tokens: int, first: int = 0) -> tuple[int, ...]:
     """Suffix capacities a decode walks through: `first` (default FIRST_CAPACITY) growing CAPACITY_GROWTH-fold, the
-    last one `new_tokens` (the bucketed budget). A step at position t reads at most max(first, 4t) slots."""
+    last one `new_tokens` (the bucketed budget). A step at position t reads at most max(first, CAPACITY_GROWTH t)
+    slots."""
     ladder = [min(first or FIRST_CAPACITY, new_tokens)]
     while ladder[-1] < new_tokens:
         ladder.append(min(CAPACITY_GROWTH * ladder[-1], new_tokens))
