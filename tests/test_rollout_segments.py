@@ -44,7 +44,7 @@ def test_long_budget_compacts_and_grows(long_budget, first_capacity_16):
     r, traced = long_budget
     lengths = np.array(list(map(len, r.completion_ids)))
     assert r.finish_reasons == ["stop"] * 32 and 1 < np.median(lengths) < 40 and lengths.max() > 32, lengths
-    assert traced["live_rows"] >= 2 and traced["regroup"] >= 2, traced  # the batch shrank and the cache grew
+    assert traced["live_rows"] >= 2 and traced["grow"] >= 2, traced  # the batch shrank and the cache grew
     # the segments' (rows, capacity), as the compile report predicts them from the lengths alone
     assert len(set(r.segments)) > 3 and list(r.segments) == engine.decode_schedule(lengths, 32, 192, 1), r.segments
     assert r.decode_steps == lengths.max() and r.completion_ids_BxT.shape[1] == batching.new_tokens_bucket(
@@ -52,7 +52,7 @@ def test_long_budget_compacts_and_grows(long_budget, first_capacity_16):
 
 
 def test_same_completions_whatever_budget(model, long_budget, first_capacity_16):
-    """Budget 24 (one capacity, 8x smaller): the same tokens, cut at 24."""
+    """Budget 24 (capacities 16 and 32, 8x smaller): the same tokens, cut at 24."""
     big, _ = long_budget
     small = generate(model, PROMPTS, max_new_tokens=24, **KW)
     for b, (short, full) in enumerate(zip(small.completion_ids, big.completion_ids)):
@@ -75,12 +75,12 @@ def test_sharded_compaction_samples_the_same(model_dir, long_budget, first_capac
     sharded = load_pretrained(model_dir, mesh=mesh)
     before = engine.TRACE_COUNTS.copy()
     with jax.set_mesh(mesh):
-        r = generate(sharded, PROMPTS, max_new_tokens=24, **KW)
+        r = generate(sharded, PROMPTS, max_new_tokens=48, **KW)
     assert (engine.TRACE_COUNTS - before)["live_rows"] >= 1, "no compaction happened"
-    assert list(r.segments) == engine.decode_schedule(list(map(len, r.completion_ids)), 32, 24, 4), r.segments
-    assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
+    assert list(r.segments) == engine.decode_schedule(list(map(len, r.completion_ids)), 32, 48, 4), r.segments
+    assert r.completion_ids == [ids[:48] for ids in big.completion_ids]
     for b, lp in enumerate(r.logprobs):
-        np.testing.assert_allclose(lp, big.logprobs[b][:24], atol=1e-5)
+        np.testing.assert_allclose(lp, big.logprobs[b][:48], atol=1e-5)
 
 
 def test_compiles_bounded_and_reused(model, long_budget, first_capacity_16):
@@ -93,7 +93,7 @@ def test_compiles_bounded_and_reused(model, long_budget, first_capacity_16):
     before = engine.TRACE_COUNTS.copy()
     run()
     first = engine.TRACE_COUNTS - before
-    capacities, buckets = len(engine.capacity_ladder(256)), len({engine.batch_bucket(n, 1) for n in range(1, 33)})
+    capacities, buckets = len(engine.capacity_ladder(256)), len(engine.batch_buckets(32, 1, 192))
     assert first["segment"] <= capacities * buckets and first["prefill"] == 0, first  # prefill: same bucket
     again = engine.TRACE_COUNTS.copy()
     run()
@@ -149,7 +149,7 @@ def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
     even though most rows stop early; budget 24 compacts the same prompts."""
     calls = []
     real = engine.compact
-    monkeypatch.setattr(engine, "compact", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(engine, "compact", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     kw = dict(KW, stop_token_ids=tuple(range(0, 128, 5)))  # most rows stop within a few tokens
     short = generate(model, PROMPTS, max_new_tokens=engine.COMPACT_MIN_STEPS, **kw)
     assert short.finish_reasons.count("stop") >= 20 and calls == [], (short.finish_reasons, calls)
@@ -158,11 +158,11 @@ def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
 
 
 def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_budget, first_capacity_16):
-    """compile_threads=2 on the sharded mesh (4 row shards, budget 24: capacities 16 and 32 x buckets 32, 16, 8, 4):
-    every decode segment and every move between them (4 growths, 3 halvings at each of the 2 capacities, 3 prefix
-    gathers with their masks and lengths, 3 live-row cuts) compiles on the pool's threads, the decode loop compiles
-    none, the samples are the same; a second rollout, whose lengths differ, compiles nothing at all. Two of the
-    prefix gathers are the very programs of a halving at 16 slots (prompts of 16 tokens): 11 moves, not 13."""
+    """compile_threads=2 on the sharded mesh (4 row shards, budget 48: capacities 16, 32, 64 x buckets 32, 16, 8,
+    4): every decode segment and every move between them (8 growths; 3 compactions, each a live-row cut with the
+    prompts' masks and lengths, and a layer's prefix and suffix rows at each of the 3 capacities) compiles on the
+    pool's threads, the decode loop compiles none, the samples are the same; a second rollout, whose lengths
+    differ, compiles nothing at all."""
     from test_warmup import Compiles
 
     big, _ = long_budget
@@ -173,15 +173,15 @@ def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_b
         mp.setattr(prewarm, "WARMED", set())
         mp.setattr(prewarm, "_ROWS", {})
         with Compiles() as compiles:
-            r = generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **KW)
-        assert len(engine.capacity_ladder(32)) * len(engine.batch_buckets(32, 4, 24)) == 8
-        in_pool = {fn: compiles.by[fn, True] for fn in ("_segment", "_regroup", "_live_rows", "_gather_rows")}
-        assert in_pool == {"_segment": 8, "_regroup": 4 + 3 * 2 + 3 - 2, "_live_rows": 3, "_gather_rows": 6}, in_pool
+            r = generate(sharded, PROMPTS, max_new_tokens=48, compile_threads=2, **KW)
+        assert engine.capacity_ladder(64) == (16, 32, 64) and engine.batch_buckets(32, 4, 48) == (32, 16, 8, 4)
+        in_pool = {fn: compiles.by[fn, True] for fn in ("_segment", "_grow", "_regroup", "_live_rows")}
+        assert in_pool == {"_segment": 12, "_grow": 8, "_regroup": 3 * 3, "_live_rows": 3}, in_pool
         assert all(compiles.by[fn, False] == 0 for fn in in_pool), compiles.by  # the decode loop compiled none
         assert len(set(r.segments)) >= 3, r.segments  # the loop met several of them
-        assert r.completion_ids == [ids[:24] for ids in big.completion_ids]
+        assert r.completion_ids == [ids[:48] for ids in big.completion_ids]
         with Compiles() as again:
-            other = generate(sharded, PROMPTS, max_new_tokens=24, compile_threads=2, **{**KW, "seed": 5})
+            other = generate(sharded, PROMPTS, max_new_tokens=48, compile_threads=2, **{**KW, "seed": 5})
         assert list(other.completion_lengths) != list(r.completion_lengths)
         assert sum(again.by.values()) == 0, again.by
 
@@ -202,6 +202,6 @@ def test_prewarm_without_a_mesh_matches_uncommitted_arrays(model, first_capacity
             r = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **KW)
         with Compiles() as again:
             other = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **{**KW, "seed": 7})
-    loop = ("_segment", "_regroup", "_live_rows", "_gather_rows")
+    loop = ("_segment", "_grow", "_regroup", "_live_rows")
     assert len(set(r.segments)) >= 3 and all(first.by[fn, False] == 0 for fn in loop), (r.segments, first.by)
     assert len(set(other.segments)) >= 3 and sum(again.by.values()) == 0, (other.segments, again.by)

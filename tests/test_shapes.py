@@ -184,8 +184,8 @@ def test_the_bill_counts_and_prices_the_bounded_set(paper_run):
                                             cfg.data.eval_max_new_tokens))
     want = {"segment": buckets * caps + eval_buckets * caps, "score": n, "reference": n, "gradient": n,
             "prefill": 2, "start": 2, "decode_layers": 2, "init": 1, "advantages": 1, "apply": 1,
-            "regroup": (buckets * (caps - 1) + (buckets - 1) * caps + 4 * (buckets - 1)) + 6 * n
-            + (eval_buckets * (caps - 1) + (eval_buckets - 1) * caps + 4 * (eval_buckets - 1))}
+            "regroup": (buckets * (caps - 1) + (buckets - 1) * caps + (buckets - 1)) + 6 * n
+            + (eval_buckets * (caps - 1) + (eval_buckets - 1) * caps + (eval_buckets - 1))}
     assert b.counts == want
     compile_s = sum(k * (seconds[kind] - 0.5) for kind, k in want.items())
     lower_s = 0.5 * sum(want.values())

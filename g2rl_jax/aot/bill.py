@@ -7,7 +7,8 @@ estimated run time (the last lines of `python -m g2rl_jax.plan --target SLICE --
 A run compiles its whole set at its first step, on run.compile_threads threads (train/warmup.py,
 rollout/prewarm.py), and nothing after. The set, per prompt bucket: the rollout's prefill, first token and decode
 weights, a decode segment at each batch bucket x capacity, and the moves between them (a growth at each bucket and
-capacity, a halving at each, the prefix rows, masks and lengths it gathers, the live rows it picks); the score,
+capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks and
+lengths); the score,
 reference and gradient programs at each micro-batch shape, with the small ones that move a micro-batch's rows in
 (twice: the step's batch, a mini-batch) and its results out (3, and 1 more with the reference pass); once per run:
 the optimizer's init and step, the advantages, and the method's own (`method_counts`: the EVOL embedder, a token
@@ -43,9 +44,10 @@ HOST_THREADS = warmup.MAX_AUTO_THREADS  # run.compile_threads=0 on a TPU VM: one
 def rollout_counts(buckets: tuple[int, ...], capacities: tuple[int, ...]) -> dict[str, int]:
     """Programs of one rollout (one prompt bucket) by kind: its segments, and the moves between them priced as
     cache growths ("regroup"); prefill, first token and decode weights once."""
-    halvings = len(buckets) - 1
-    moves = (len(buckets) * (len(capacities) - 1) + halvings * len(capacities)  # growths, halvings
-             + halvings * 4)  # per halving: the prefix rows, their mask and lengths, the live rows
+    shrinks = len(buckets) - 1
+    moves = (len(buckets) * (len(capacities) - 1)  # growths
+             + shrinks * len(capacities)  # compactions: a layer's prefix and suffix rows, at each capacity
+             + shrinks)  # per compaction: the live rows with their prompts' masks and lengths
     return {"prefill": 1, "start": 1, "decode_layers": 1, "segment": len(buckets) * len(capacities), "regroup": moves}
 
 

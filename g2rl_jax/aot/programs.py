@@ -11,7 +11,7 @@ largest prompt bucket, every response reaching the budget. What a step compiles:
     optimizer init        once per run (each moment sharded like its parameter)
     rollout               prefill; the first token; the decode weights; a decode segment for each KV capacity of the
                           ladder (engine.capacity_ladder) at the full batch and at each smaller batch bucket that a
-                          compaction can reach; growing the cache one layer at a time
+                          compaction can reach (engine.batch_buckets); growing the cache one layer at a time
     score / reference     one program per (micro-batch rows, response width) of the finest candidate set of
                           train/shapes.py (every row count x the 4-per-octave width ladder), which holds every
                           shape any run of the config can take
@@ -251,7 +251,7 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
         old, new = s.capacities[-2], s.capacities[-1]
         one_old, one_new = a.kv(s.rows, G, old, K, kv_dtype, 1)[0], a.kv(s.rows, G, new, K, kv_dtype, 1)[0]
         waiting = 2 * (L - 1) * per_chip_bytes(one_new)  # k and v of every other layer, at the new capacity
-        lower = functools.partial(engine.regroup_fn(mesh, G).lower, one_old, one_old, None, capacity=new)
+        lower = functools.partial(engine.grow_fn(mesh, G).lower, one_old, one_old, capacity=new)
         progs.append(Program(f"grow cache {old} -> {new} slots (one layer)", "regroup", "rollout", in_mesh(lower),
                              resident + per_chip_bytes((params, layers, prefix(s.prompts), decode_state(s.rows)))
                              + waiting))

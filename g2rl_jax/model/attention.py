@@ -2,8 +2,9 @@
 
 `attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend, mesh)` is the only entry point for full-sequence
 (training / scoring / prefill) attention. H query heads share G key/value heads (GQA); K/V are never repeated,
-the query heads are viewed as [G, R = H/G] instead. `mask_BxL` marks real tokens (False = padding); the mask is
-causal AND key-is-real. Backends:
+the query heads are viewed as [G, R = H/G] instead. `mask_BxL` marks real tokens (False = padding), or holds
+SEGMENT IDS for rows that pack several sequences (ints, 0 = padding, each sequence its own id >= 1); a real query
+sees the causal keys of its own segment (a 0/1 mask is one segment per row). Backends:
   "xla"    plain einsum + float32 softmax; runs everywhere and is the reference for the others.
   "cudnn"  `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
   "splash" the Pallas TPU splash-attention kernel (causal mask + segment ids = padding mask).
@@ -52,8 +53,8 @@ def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla", m
 
 
 def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
-    """Reference attention: scores and softmax in float32; query i sees key j iff i >= j and key j is real (padding
-    queries too: NaN-free)."""
+    """Reference attention: scores and softmax in float32; query i sees key j iff i >= j, key j is real and in query
+    i's segment (a padding query sees every causal real key: NaN-free)."""
     B, L, H, K = q_BxLxHxK.shape
     G = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
@@ -61,7 +62,9 @@ def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
                              preferred_element_type=jnp.float32) * K ** -0.5
     S = k_BxSxGxK.shape[1]
     causal_LxS = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
-    allowed_Bx1x1xLxS = (causal_LxS[None] & mask_BxS[:, None, :].astype(bool))[:, None, None]
+    seg_BxS = mask_BxS.astype(jnp.int32)
+    same_BxLxS = (seg_BxS[:, :L, None] == seg_BxS[:, None, :]) | (seg_BxS[:, :L, None] == 0)
+    allowed_Bx1x1xLxS = (causal_LxS[None] & (seg_BxS[:, None, :] > 0) & same_BxLxS)[:, None, None]
     s_BxGxRxLxS = jnp.where(allowed_Bx1x1xLxS, s_BxGxRxLxS, _NEG)
     p_BxGxRxLxS = jax.nn.softmax(s_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", p_BxGxRxLxS, v_BxSxGxK)
@@ -71,11 +74,11 @@ def xla(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxS):
 def fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, implementation: str = "cudnn"):
     """`jax.nn.dot_product_attention` (cuDNN on GPU, bf16; "xla" lets CPU tests check the masking); native GQA.
 
-    Real queries see causal real keys; padding queries see causal padding keys, so no row is empty (an empty row
-    could put NaN into padding K/V, and 0 * NaN would reach real tokens).
+    Real queries see causal keys of their segment; padding queries see causal padding keys, so no row is empty (an
+    empty row could put NaN into padding K/V, and 0 * NaN would reach real tokens).
     """
-    real_BxL = mask_BxL.astype(bool)
-    allowed_Bx1xLxL = (real_BxL[:, None, :] == real_BxL[:, :, None])[:, None]
+    seg_BxL = mask_BxL.astype(jnp.int32)
+    allowed_Bx1xLxL = (seg_BxL[:, None, :] == seg_BxL[:, :, None])[:, None]
     return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=allowed_Bx1xLxL,
                                         is_causal=True, implementation=implementation)
 
@@ -85,8 +88,9 @@ def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, mesh=None, interpret: b
     shard under `jax.shard_map` (rows over data x fsdp, heads over tensor; a dimension that does not divide its mesh
     axes is not split), since XLA cannot partition a Mosaic kernel.
 
-    The sequence is right-padded to a multiple of `block`; padding tokens get segment id 0 and real ones 1, so real
-    queries see only real keys and every query row has at least itself (no empty softmax).
+    The sequence is right-padded to a multiple of `block`; padding tokens get segment id 0 and real ones theirs (1
+    for a 0/1 mask), so real queries see only their segment's keys and every query row has at least itself (no
+    empty softmax).
     `interpret=True` runs the Pallas kernel in the interpreter (CPU tests).
     """
     kernel = functools.partial(_splash_local, interpret=interpret, block=block)

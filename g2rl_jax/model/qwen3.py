@@ -213,9 +213,12 @@ class Qwen3(nnx.Module):
         W_VxD = self.lm_head_weight().astype(h_BxLxD.dtype)
         return jnp.einsum("bld,vd->blv", h_BxLxD, W_VxD, preferred_element_type=jnp.float32)
 
-    def hidden_states(self, input_ids, attention_mask=None) -> jax.Array:
-        """Final-norm hidden states [B, L, D] in the compute dtype, of ids [B, L] and mask [B, L] (as __call__)."""
-        h_BxLxD, _ = self._forward(input_ids, attention_mask, keep_kv=False)
+    def hidden_states(self, input_ids, attention_mask=None, positions=None) -> jax.Array:
+        """Final-norm hidden states [B, L, D] in the compute dtype, of ids [B, L] and mask [B, L] (as __call__).
+        Packed rows (several sequences per row): `attention_mask` holds segment ids (0 padding, a sequence >= 1;
+        model.attention) and `positions` [B, L] each token's position in its own sequence (default
+        positions_from_mask)."""
+        h_BxLxD, _ = self._forward(input_ids, attention_mask, keep_kv=False, positions_BxL=positions)
         return h_BxLxD
 
     def _rows_sharded(self, x_Bx___):
@@ -227,11 +230,12 @@ class Qwen3(nnx.Module):
         spec = DEFAULT_RULES.spec(("batch",) + (None,) * (x_Bx___.ndim - 1))
         return jax.lax.with_sharding_constraint(x_Bx___, jax.sharding.NamedSharding(self.mesh, spec))
 
-    def _forward(self, input_ids_BxL, mask_BxL, keep_kv: bool):
+    def _forward(self, input_ids_BxL, mask_BxL, keep_kv: bool, positions_BxL=None):
         cfg, rt = self.config, self.runtime
         if mask_BxL is None:
             mask_BxL = jnp.ones(input_ids_BxL.shape, jnp.bool_)
-        positions_BxL = positions_from_mask(mask_BxL)
+        if positions_BxL is None:
+            positions_BxL = positions_from_mask(mask_BxL)
         x = self._rows_sharded(jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0).astype(rt.compute_jnp))
 
         def body(x_BxLxD, p):

@@ -7,14 +7,20 @@ compact the batch between them, so a step costs the slots filled and the samples
            rows = live_rows(state, new_batch); per layer: regroup(...) # compact and/or grow the cache
 
 A segment ends when the cache is full (t_end), when every sample has stopped, or as soon as at most `min_live`
-samples still run (half the rows: then the batch bucket of half the rows holds them; only while more than
-COMPACT_MIN_STEPS steps remain). Between segments the host (`generate.py`) picks the next capacity (a doubling
-ladder, `capacity_ladder`) and batch bucket (half the rows when it compacts; a segment that starts with at most a
-quarter still running ends at once, and the batch halves again), and each layer's K/V buffers move to their new
-shape one layer at a time (the old
-buffers are donated), so a regroup never holds a second copy of the whole cache. Compaction gathers the live rows
-first (stable order); the first compaction also gives each row its own copy of its prompt's prefix (P = rows,
-m = 1), so rows of different prompts can share a batch.
+samples still run (a BATCH_SHRINK-th of the rows: then the next smaller batch bucket holds them; only while more
+than COMPACT_MIN_STEPS steps remain). Between segments the host (`generate.py`) picks the next capacity (a ladder
+that grows CAPACITY_GROWTH-fold, `capacity_ladder`) and batch bucket (a BATCH_SHRINK-th of the rows when it
+compacts; a segment that starts with fewer still running ends at once, and the batch shrinks again), and each
+layer's K/V buffers move to their new shape one layer at a time (the old buffers are freed as each moves), so a
+move never holds a second copy of the whole cache. Compaction gathers the live rows first (stable order); the
+first compaction also gives each row its own copy of its prompt's prefix (P = rows, m = 1), so rows of different
+prompts can share a batch.
+
+The rungs are a trade: a rollout's bounded set is a segment per (batch bucket, capacity) and a move per step
+between neighbours, so the count falls with the square of the rung factor (at an 8k budget, 256 rows on 4 batch
+shards: rungs of 4 compile 4 x 4 segments and 27 moves instead of 7 x 7 and 90), while a step reads up to R x the
+slots its position needs and carries up to R x the live rows. At 1.7B on v5p-8 rungs of 4 cost +79% decode time
+by the HBM byte model (`bench ladder --rungs 2 --rungs 4`), far more than the compile they save, so both stay 2.
 
 Per-sample determinism: token t of sample b (b = p*m + j in the global batch) is drawn with the key
 fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the draws do not depend on the batch
@@ -22,8 +28,9 @@ bucket, the compaction, the cache capacity, the budget or the sharding. Stopped 
 but record nothing; dummy rows (bucket padding) start stopped.
 
 Compiles: one executable per shape (prompt bucket, batch bucket, capacity) and static sampler spec, and one per
-move between shapes (the batch halves, the cache doubles, or both); the ladders are short (capacities double;
-batch buckets halve), so a rollout has a bounded set, which rollout/prewarm.py compiles before the decode loop
+move between shapes (the batch shrinks: its live rows with their prompts' masks and lengths, once per bucket, and
+each layer's prefix and suffix rows, once per bucket and capacity; the cache grows); the ladders are short, so a
+rollout has a bounded set, which rollout/prewarm.py compiles before the decode loop
 needs any of it. `TRACE_COUNTS` counts traces per function (tests read it).
 """
 from __future__ import annotations
@@ -51,6 +58,8 @@ FIRST_CAPACITY = 128  # suffix slots of the first segment (the budget's bucket w
 # layer, and one more segment executable per new batch bucket) cannot pay for itself over a few steps; short
 # budgets (the demo's 8 tokens) then decode in one segment, one batch bucket, one compiled shape.
 COMPACT_MIN_STEPS = 8
+CAPACITY_GROWTH = 2  # each capacity of the ladder is this many times the one before (module docstring)
+BATCH_SHRINK = 2  # a compaction cuts the batch bucket to this fraction of its rows
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -77,11 +86,12 @@ def batch_shards(mesh) -> int:
 
 
 def capacity_ladder(new_tokens: int, first: int = 0) -> tuple[int, ...]:
-    """Suffix capacities a decode walks through: `first` (default FIRST_CAPACITY) doubling, the last one `new_tokens`
-    (the bucketed budget). A step at position t reads at most max(first, 2t) slots."""
+    """Suffix capacities a decode walks through: `first` (default FIRST_CAPACITY) growing CAPACITY_GROWTH-fold, the
+    last one `new_tokens` (the bucketed budget). A step at position t reads at most max(first, CAPACITY_GROWTH t)
+    slots."""
     ladder = [min(first or FIRST_CAPACITY, new_tokens)]
     while ladder[-1] < new_tokens:
-        ladder.append(min(2 * ladder[-1], new_tokens))
+        ladder.append(min(CAPACITY_GROWTH * ladder[-1], new_tokens))
     return tuple(ladder)
 
 
@@ -91,32 +101,40 @@ def batch_bucket(live: int, shards: int) -> int:
     return shards * (1 << (per_shard - 1).bit_length())
 
 
+def smaller_bucket(rows: int, shards: int) -> int:
+    """The batch bucket a compaction of `rows` rows cuts to: a BATCH_SHRINK-th of them, at least one row per shard
+    (`rows` itself when it cannot shrink)."""
+    return min(rows, batch_bucket(rows // BATCH_SHRINK, shards))
+
+
 def batch_buckets(rows: int, shards: int, new_tokens: int) -> tuple[int, ...]:
     """Row counts the decode batch can have: `rows`, then each smaller bucket a compaction reaches (none when the
     budget is too short for a compaction to pay)."""
     buckets = [rows]
-    while buckets[-1] // 2 >= shards and new_tokens > COMPACT_MIN_STEPS:
-        buckets.append(batch_bucket(buckets[-1] // 2, shards))
+    while smaller_bucket(buckets[-1], shards) < buckets[-1] and new_tokens > COMPACT_MIN_STEPS:
+        buckets.append(smaller_bucket(buckets[-1], shards))
     return tuple(buckets)
 
 
 def segment_bounds(rows: int, t: int, level: int, ladder: tuple[int, ...], max_new_tokens: int,
                    shards: int) -> tuple[int, int]:
     """(t_end, min_live) of the segment that starts at step t with `rows` rows and capacity ladder[level]: it runs
-    until the cache is full (t_end) or at most min_live samples still run (half the rows, while a compaction can
-    pay for itself: more than COMPACT_MIN_STEPS steps left and a smaller bucket exists; else -1, never)."""
-    compactable = rows // 2 >= shards and max_new_tokens - t > COMPACT_MIN_STEPS
-    return min(ladder[level] + 1, max_new_tokens), rows // 2 if compactable else -1
+    until the cache is full (t_end) or at most min_live samples still run (the next smaller bucket's rows, while a
+    compaction can pay for itself: more than COMPACT_MIN_STEPS steps left and a smaller bucket exists; else -1,
+    never)."""
+    smaller = smaller_bucket(rows, shards)
+    compactable = smaller < rows and max_new_tokens - t > COMPACT_MIN_STEPS
+    return min(ladder[level] + 1, max_new_tokens), smaller if compactable else -1
 
 
 def next_shape(rows: int, t: int, live: int, min_live: int, level: int, ladder: tuple[int, ...],
                max_new_tokens: int, shards: int) -> tuple[int, int] | None:
     """After a segment stopped at step t with `live` samples running: None when the decode is done, else the
     (rows, level) of the next segment (the next smaller batch bucket when it compacts, whatever number still
-    runs: it holds half the rows; the next capacity when the cache is full)."""
+    runs: it holds min_live rows; the next capacity when the cache is full)."""
     if live == 0 or t >= max_new_tokens:
         return None
-    return (batch_bucket(rows // 2, shards) if live <= min_live else rows), level + (t > ladder[level])
+    return (smaller_bucket(rows, shards) if live <= min_live else rows), level + (t > ladder[level])
 
 
 def decode_schedule(lengths_B, rows: int, max_new_tokens: int, shards: int) -> list[tuple[int, int]]:
@@ -214,30 +232,39 @@ def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, 
     return ds, suffix, t, jnp.sum(~ds.stopped_X)
 
 
-def _live_rows(last_X, sample_X, stopped_X, *, rows: int, per_prefix: int):
-    """The per-row state cut to `rows` rows, live rows first (in their current order), the old row of each, and
-    the prefix row each reads (old row // per_prefix: the rows that share one prompt's prefix)."""
+def _live_rows(last_X, sample_X, stopped_X, mask_QxS, lengths_Q, *, rows: int, per_prefix: int):
+    """The per-row state cut to `rows` rows, live rows first (in their current order), the old row of each, the
+    prefix row each reads (old row // per_prefix: the rows that share one prompt's prefix), and that prefix row's
+    mask and length (the prefix's Q rows: the prompts, or one per batch row after a compaction)."""
     TRACE_COUNTS["live_rows"] += 1
     keep_X = jnp.argsort(stopped_X, stable=True)[:rows].astype(jnp.int32)
-    return last_X[keep_X], sample_X[keep_X], stopped_X[keep_X], keep_X, keep_X // per_prefix
+    prefix_X = keep_X // per_prefix
+    return (last_X[keep_X], sample_X[keep_X], stopped_X[keep_X], keep_X, prefix_X, mask_QxS[prefix_X],
+            lengths_Q[prefix_X])
 
 
-def compact(mesh, ds: DecodeState, rows: int, per_prefix: int) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """`ds` with its live rows first in a batch of `rows`, the old row of each new one, and its prefix row."""
-    last_X, sample_X, stopped_X, keep_X, prefix_X = live_rows_fn(mesh)(ds.last_X, ds.sample_X, ds.stopped_X,
-                                                                       rows=rows, per_prefix=per_prefix)
-    return dataclasses.replace(ds, last_X=last_X, sample_X=sample_X, stopped_X=stopped_X), keep_X, prefix_X
+def compact(mesh, ds: DecodeState, prefix_mask, prefix_lengths, rows: int,
+            per_prefix: int) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`ds` with its live rows first in a batch of `rows`, the old row of each new one, its prefix row, and the
+    prefix mask and lengths of the new rows."""
+    last_X, sample_X, stopped_X, keep_X, prefix_X, mask, lengths = live_rows_fn(mesh)(
+        ds.last_X, ds.sample_X, ds.stopped_X, prefix_mask, prefix_lengths, rows=rows, per_prefix=per_prefix)
+    ds = dataclasses.replace(ds, last_X=last_X, sample_X=sample_X, stopped_X=stopped_X)
+    return ds, keep_X, prefix_X, mask, lengths
 
 
-def _regroup(k_XxGxWxK, v_XxGxWxK, rows_X, *, capacity: int):
-    """One layer's K/V: rows `rows_X` (None: all), padded with empty slots up to `capacity`."""
+def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxWxK, suffix_v_XxGxWxK, prefix_X, keep_X):
+    """One layer's K/V at a compaction: prefix rows `prefix_X` and suffix rows `keep_X` (slots unchanged)."""
     TRACE_COUNTS["regroup"] += 1
+    return (prefix_k_QxGxSxK[prefix_X], prefix_v_QxGxSxK[prefix_X], suffix_k_XxGxWxK[keep_X],
+            suffix_v_XxGxWxK[keep_X])
 
-    def one(x):
-        x = x if rows_X is None else x[rows_X]
-        return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - x.shape[2]), (0, 0)))
 
-    return one(k_XxGxWxK), one(v_XxGxWxK)
+def _grow(k_XxGxWxK, v_XxGxWxK, *, capacity: int):
+    """One layer's suffix K/V padded with empty slots up to `capacity`."""
+    TRACE_COUNTS["grow"] += 1
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, capacity - x.shape[2]), (0, 0)))  # noqa: E731
+    return pad(k_XxGxWxK), pad(v_XxGxWxK)
 
 
 # ------------------------------------------------------------------------------------------------ shardings
@@ -308,29 +335,25 @@ def live_rows_fn(mesh):
     static = ("rows", "per_prefix")
     if mesh is None:
         return jax.jit(_live_rows, static_argnames=static)
-    b1, replicated = batch_sharding(mesh, 1), NamedSharding(mesh, PartitionSpec())
-    return jax.jit(_live_rows, static_argnames=static, out_shardings=(b1, b1, b1, replicated, replicated))
+    b1, b2, replicated = batch_sharding(mesh, 1), batch_sharding(mesh, 2), NamedSharding(mesh, PartitionSpec())
+    return jax.jit(_live_rows, static_argnames=static, out_shardings=(b1, b1, b1, replicated, replicated, b2, b1))
 
 
 @functools.lru_cache(maxsize=None)
 def regroup_fn(mesh, num_kv_heads: int):
     """jit(_regroup), one layer at a time (the caller frees each old layer as soon as it has moved; donation would
-    not help: the output has another shape)."""
-    kw = dict(static_argnames=("capacity",))
+    not help: the outputs have other shapes)."""
     if mesh is None:
-        return jax.jit(_regroup, **kw)
+        return jax.jit(_regroup)
     kv = _kv_sharding(mesh, num_kv_heads)
-    return jax.jit(_regroup, out_shardings=(kv, kv), **kw)
-
-
-def _gather_rows(x_Bx___, rows_X):
-    TRACE_COUNTS["gather_rows"] += 1
-    return x_Bx___[rows_X]
+    return jax.jit(_regroup, out_shardings=(kv,) * 4)
 
 
 @functools.lru_cache(maxsize=None)
-def gather_rows_fn(mesh, ndim: int):
-    """Rows of a batch-leading array (the prefix mask and lengths when each row gets its own prefix)."""
+def grow_fn(mesh, num_kv_heads: int):
+    """jit(_grow), one layer at a time (as regroup_fn)."""
+    kw = dict(static_argnames=("capacity",))
     if mesh is None:
-        return jax.jit(_gather_rows)
-    return jax.jit(_gather_rows, out_shardings=batch_sharding(mesh, ndim))
+        return jax.jit(_grow, **kw)
+    kv = _kv_sharding(mesh, num_kv_heads)
+    return jax.jit(_grow, out_shardings=(kv, kv), **kw)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -198,42 +199,30 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
         step = engine.next_shape(rows, t, live, min_live, level, ladder, max_new_tokens, shards)
         if step is None:
             return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t, segments
-        keep_X = None
-        if step[0] < rows:  # compact: live rows into half the rows, each with its own prompt prefix
-            ds, keep_X, prefix_X = engine.compact(mesh, ds, step[0], per_prefix)
-            prefix = _take_prefix_rows(mesh, G, prefix, prefix_X)
-            per_prefix = 1
-        level = step[1]  # the next capacity when the cache is full
-        suffix = _regroup(engine.regroup_fn(mesh, G), suffix, keep_X, ladder[level])
+        if step[0] < rows:  # compact: the live rows into a smaller bucket, each with its own prompt prefix
+            ds, keep_X, prefix_X, mask, lengths = engine.compact(mesh, ds, prefix.mask, prefix.lengths, step[0],
+                                                                 per_prefix)
+            pk, pv, sk, sv = _per_layer(engine.regroup_fn(mesh, G), (prefix.k, prefix.v, suffix.k, suffix.v),
+                                        prefix_X, keep_X)
+            prefix, suffix, per_prefix = PrefixCache(k=pk, v=pv, mask=mask, lengths=lengths), SuffixCache(sk, sv), 1
+        if step[1] != level:  # the cache is full: grow it to the next capacity
+            suffix = SuffixCache(*_per_layer(functools.partial(engine.grow_fn(mesh, G), capacity=ladder[step[1]]),
+                                             (suffix.k, suffix.v)))
+        level = step[1]
 
 
-def _take_prefix_rows(mesh, num_kv_heads, prefix: PrefixCache, rows_X) -> PrefixCache:
-    """Prefix rows `rows_X` (one per batch row), layer by layer."""
-    k, v = _per_layer(engine.regroup_fn(mesh, num_kv_heads), prefix.k, prefix.v, rows_X, prefix.k[0].shape[2])
-    return PrefixCache(k=k, v=v, mask=engine.gather_rows_fn(mesh, 2)(prefix.mask, rows_X),
-                       lengths=engine.gather_rows_fn(mesh, 1)(prefix.lengths, rows_X))
-
-
-def _regroup(fn, suffix: SuffixCache, rows_X, capacity: int) -> SuffixCache:
-    """The suffix cache cut to rows `rows_X` (None: all) and grown to `capacity` slots: the cut first, then the
-    growth, each its own move, so that a rollout compiles one program per move, not per pair of them."""
-    if rows_X is not None:
-        suffix = SuffixCache(*_per_layer(fn, suffix.k, suffix.v, rows_X, suffix.capacity))
-    if capacity != suffix.capacity:
-        suffix = SuffixCache(*_per_layer(fn, suffix.k, suffix.v, None, capacity))
-    return suffix
-
-
-def _per_layer(fn, ks, vs, rows_X, capacity):
-    """Move each layer's K/V to its new rows / capacity, one layer at a time, freeing each old buffer at once: the
-    peak holds the new cache plus one old layer, never two whole caches."""
-    ks, vs = list(ks), list(vs)
-    for i in range(len(ks)):
-        old = ks[i], vs[i]
-        ks[i], vs[i] = fn(*old, rows_X, capacity=capacity)
+def _per_layer(fn, caches: tuple, *args) -> tuple:
+    """Move each layer's buffers (one tuple per cache, a buffer per layer) with fn(*that layer's buffers, *args),
+    one layer at a time, freeing each old buffer at once: the peak holds the new caches plus one old layer, never
+    two whole caches."""
+    caches = [list(c) for c in caches]
+    for i in range(len(caches[0])):
+        old = [c[i] for c in caches]
+        for c, new in zip(caches, fn(*old, *args)):
+            c[i] = new
         for x in old:
             x.delete()
-    return tuple(ks), tuple(vs)
+    return tuple(tuple(c) for c in caches)
 
 
 def _assemble(num_samples, ids_BxS, mask_BxS, tokens_BxT, logprobs_BxT, lengths_B, stopped_B,

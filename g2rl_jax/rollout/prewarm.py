@@ -3,17 +3,17 @@
     prewarm.rollout(mesh, graphdef, state, layers, prefix, suffix, ds, scalars, spec, ladder, buckets,
                     num_samples, threads)
 
-Which decode segments and cache moves a rollout runs depends on its response lengths, unknown until it has run; a
-loop that compiled each when it first met it would compile, one at a time, whatever a step's new lengths reach
-(at 1.7B on v5p-8 a segment takes 15-25 s to compile, and a long-tailed run kept meeting new ones for many steps).
-The set is bounded: a segment at each batch bucket x each capacity of the ladder, and the moves between them (the
-batch halves to the next bucket, the cache doubles to the next capacity; with each halving the live rows and their
-prompts' prefix rows are gathered). So this compiles all of it right after the first prefill, on
-`threads` threads, each program lowered over abstract arguments with the shardings of the real ones (taken from
-the prefill's arrays, or from the compiled program whose output feeds it): the decode loop's later call with the
-same shapes, dtypes and shardings finds it compiled (tests/test_rollout_segments.py counts the compiles). Each
-program once per process (`WARMED`). Lowering takes ~0.5 s a segment at 1.7B and holds the GIL; compiling releases
-it. It changes when programs compile, nothing they compute.
+Which decode segments and cache moves a rollout runs depends on its response lengths, unknown until it has run; a loop
+that compiled each when it first met it would compile, one at a time, whatever a step's new lengths reach (at 1.7B on
+v5p-8 a segment takes 15-25 s to compile, and a long-tailed run kept meeting new ones for many steps). The set is
+bounded: a segment at each batch bucket x each capacity of the ladder, and the moves between them (the batch shrinks
+to the next bucket: its live rows with their prompts' masks and lengths, once per bucket, and one layer's prefix and
+suffix rows, at each capacity; the cache grows to the next capacity, at each bucket). So this compiles all of it right
+after the first prefill, on `threads` threads, each program lowered over abstract arguments with the shardings of the
+real ones (taken from the prefill's arrays, or from the compiled program whose output feeds it): the decode loop's
+later call with the same shapes, dtypes and shardings finds it compiled (tests/test_rollout_segments.py counts the
+compiles). Each program once per process (`WARMED`). Lowering takes ~0.5 s a segment at 1.7B and holds the GIL;
+compiling releases it. It changes when programs compile, nothing they compute.
 """
 from __future__ import annotations
 
@@ -70,35 +70,34 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
     from g2rl_jax.compile_pool import compile_all  # the pool the trainer compiles on too
 
     G, L = suffix.k[0].shape[1], len(suffix.k)
-    segment, regroup = engine.segment_fn(mesh, G, L), engine.regroup_fn(mesh, G)
+    segment, regroup, grow = engine.segment_fn(mesh, G, L), engine.regroup_fn(mesh, G), engine.grow_fn(mesh, G)
     live_rows = engine.live_rows_fn(mesh)
-    full, prompts = ds.tokens_BxT.shape[0], prefix.k[0].shape[0]
+    full = ds.tokens_BxT.shape[0]
     kv = lambda rows, slots: _like(suffix.k[0], (rows, G, slots, suffix.k[0].shape[3]))  # noqa: E731
-    halvings = list(zip(buckets, buckets[1:]))
+    shrinks = list(zip(buckets, buckets[1:]))
     jobs: dict[tuple, object] = {}
 
     def add(key: tuple, lower) -> None:
         if key not in WARMED and key not in jobs:
             jobs[key] = lower
 
-    # the live rows of each compaction (their outputs are the gathers' row indices)
+    def rows_call(rows: int, half: int) -> tuple[tuple, dict]:
+        """The live rows program's arguments and static arguments at the compaction of `rows` rows."""
+        pre, _, d = segment_args(prefix, suffix, ds, rows, ladder[0])
+        return (d.last_X, d.sample_X, d.stopped_X, pre.mask, pre.lengths), dict(
+            rows=half, per_prefix=num_samples if rows == full else 1)
+
+    # the live rows of each compaction first (their outputs are the K/V gathers' row indices)
     moves = {}
-    for rows, half in halvings:
-        args = (_like(ds.last_X, (rows,)), _like(ds.sample_X, (rows,)), _like(ds.stopped_X, (rows,)))
-        static = dict(rows=half, per_prefix=num_samples if rows == full else 1)
+    for rows, half in shrinks:
+        args, static = rows_call(rows, half)
         key = _key("live_rows", *args, static=tuple(static.items()))
         if key not in _ROWS:
             moves[key] = functools.partial(live_rows.lower, *args, **static)
     timings = compile_all(list(moves.values()), threads) if moves else []
     committed = getattr(ds.last_X, "committed", True)
-    _ROWS.update({key: tuple(_template(x, committed) for x in t.compiled.out_info[3:])
+    _ROWS.update({key: tuple(_template(x, committed) for x in t.compiled.out_info[3:5])
                   for key, t in zip(moves, timings) if t.error is None})
-    picked = {}
-    for rows, half in halvings:
-        args = (_like(ds.last_X, (rows,)), _like(ds.sample_X, (rows,)), _like(ds.stopped_X, (rows,)))
-        key = _key("live_rows", *args, static=(("rows", half), ("per_prefix", num_samples if rows == full else 1)))
-        if key in _ROWS:
-            picked[rows] = _ROWS[key]
     for rows in buckets:
         for capacity in ladder:
             pre, suf, d = segment_args(prefix, suffix, ds, rows, capacity)
@@ -106,22 +105,17 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
                 functools.partial(segment.lower, graphdef, state, layers, pre, suf, d, *scalars, spec=spec))
         for old, new in zip(ladder, ladder[1:]):  # the cache grows
             add(_key("grow", kv(rows, old), static=new),
-                functools.partial(regroup.lower, kv(rows, old), kv(rows, old), None, capacity=new))
-    for rows in buckets[:-1]:
-        if rows not in picked:
+                functools.partial(grow.lower, kv(rows, old), kv(rows, old), capacity=new))
+    for rows, half in shrinks:  # the batch shrinks (a growth at the same time is a move of its own)
+        args, static = rows_call(rows, half)
+        key = _key("live_rows", *args, static=tuple(static.items()))
+        if key not in _ROWS:
             continue
-        keep_X, prefix_X = picked[rows]
-        source = prompts if rows == full else rows  # the prompts' prefix, or one row per batch row
-        pk = _like(prefix.k[0], (source, *prefix.k[0].shape[1:]))
-        add(_key("prefix", pk, prefix_X), functools.partial(regroup.lower, pk, pk, prefix_X,
-                                                              capacity=prefix.k[0].shape[2]))
-        for x, ndim in ((prefix.mask, 2), (prefix.lengths, 1)):
-            src = _like(x, (source, *x.shape[1:]))
-            gather = engine.gather_rows_fn(mesh, ndim)
-            add(_key("gather", src, prefix_X), functools.partial(gather.lower, src, prefix_X))
-        for slots in ladder:  # the batch halves (a growth at the same time is a move of its own)
-            add(_key("compact", kv(rows, slots), keep_X, static=slots),
-                functools.partial(regroup.lower, kv(rows, slots), kv(rows, slots), keep_X, capacity=slots))
+        keep_X, prefix_X = _ROWS[key]
+        for capacity in ladder:
+            pre, suf, _ = segment_args(prefix, suffix, ds, rows, capacity)
+            move = (pre.k[0], pre.v[0], suf.k[0], suf.v[0], prefix_X, keep_X)
+            add(_key("regroup", *move), functools.partial(regroup.lower, *move))
     done = compile_all(list(jobs.values()), threads) if jobs else []
     WARMED.update(key for key, t in zip(jobs, done) if t.error is None)
     return timings + done
