@@ -157,7 +157,7 @@ def test_the_first_step_compiles_the_whole_set_on_the_pool(steps):
     assert in_pool == dict.fromkeys(HEAVY, 6), in_pool  # every shape of the set, once each
     assert first["apply_gradients", True] == 1 and first["_segment", True] >= 3
     in_step = {fn: first[fn, False] for fn in (*HEAVY, "apply_gradients", "take_micro", "put_micro", "_segment",
-                                               "_regroup", "_live_rows", "_gather_rows")}
+                                               "_regroup", "_live_rows", "_grow")}
     assert in_step == dict.fromkeys(in_step, 0), in_step  # the step's own calls compiled none of them again
     assert all(t.error is None for t in trainer.warmup.timings)
 
