@@ -10,6 +10,7 @@ is all there is under checkpoints/ (the cause of a once-seen failure of test_gcs
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import urllib.request
 import pytest
 from test_checkpoint import _abstract, _assert_equal, _BytesIterator, _state
 from test_gcs import _gs_cmd, _saving, bucket  # noqa: F401 - bucket is a fixture
-from test_train import STEPS, _assert_same_metrics, _env, assets, reference  # noqa: F401 - fixtures
+from test_train import STEPS, _assert_same_metrics, _env, _train_cmd, assets, reference  # noqa: F401
 
 from g2rl_jax import storage
 from g2rl_jax.config import ConfigError
@@ -250,3 +251,18 @@ def test_relaunch_after_a_kill_mid_first_save_opens_the_run_afresh(run_dir, requ
     step, state = Checkpointer(run_dir, every=1, keep=2).restore_newest(_abstract(_state(0)), it)
     assert step == 1 and it.position == 1
     _assert_equal(state, _state(1))
+
+
+def test_a_storage_error_opening_the_run_is_not_called_a_config_error(assets, tmp_path, capsys):  # noqa: F811
+    """A file the trainer does not find while it opens the run (here the policy's weights, missing from a model
+    directory whose config.json is there, so every check passed) is one line labelled a storage error and naming the
+    error's type (the storage client's message may be only an object's path), and the run lock is released."""
+    from g2rl_jax.train.loop import main
+
+    model, out = tmp_path / "policy", tmp_path / "run"
+    shutil.copytree(assets["policy"], model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cmd = [*_train_cmd(assets, out, 1), f"model.path={model}"]
+    assert main(cmd[cmd.index("--config"):]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("storage error: FileNotFoundError: ") and "model.safetensors" in line, line
+    assert not (out / LOCK_FILE).exists()
