@@ -150,19 +150,22 @@ def main(argv=None) -> int:
                         proc.kill()
                         proc.wait()
                         kills, mid_save = kills + 1, mid_save + saving
-                        print(f"run {runs} launch {launches}: killed after {delay:.1f} s"
+                        print(f"[{time.monotonic() - t0:.0f} s] kill {kills}/{args.kills} (mid-save so far "
+                              f"{mid_save}): run {runs} launch {launches} killed after {delay:.1f} s"
                               f"{' mid-save' if saving else ''}, {len(_metrics(out))} records", flush=True)
                         continue
                 if proc.returncode != 0:
                     failures.append((launches, proc.returncode, log.read_text()[-2000:]))
-                    print(f"run {runs} launch {launches}: FAILED with exit {proc.returncode}:\n"
+                    print(f"[{time.monotonic() - t0:.0f} s] run {runs} launch {launches}: FAILED with exit "
+                          f"{proc.returncode}:\n"
                           f"{log.read_text()[-2000:]}", flush=True)
                     break
                 if not before:  # a whole warm launch (compiled programs cached): the span kills are drawn from
                     span = time.monotonic() - started
                 got = _metrics(out)
                 result = _compare(got, want)
-                print(f"run {runs} launch {launches}: finished; {result}", flush=True)
+                print(f"[{time.monotonic() - t0:.0f} s] run {runs} launch {launches}: finished; {result}; "
+                      f"resumes so far {[round(r, 1) for r in resume_s]} s", flush=True)
                 totals = {k: totals[k] + result[k] for k in totals}
                 break
         print(json.dumps({"kills": kills, "launches": launches, "runs": runs, "mid_save_kills": mid_save,
