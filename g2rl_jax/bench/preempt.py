@@ -39,6 +39,9 @@ def parse_args(argv):
     p.add_argument("--lease", type=float, default=3.0, help="run.lock_lease_seconds (default 3, the smallest)")
     p.add_argument("--local", action="store_true", help="a local run directory instead of the emulator's bucket")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    p.add_argument("--after-checkpoint", action="store_true",
+                   help="kill each launch the moment it has committed a new checkpoint, not at a random moment (with "
+                        "--kills 1 --lease 60: a relaunch's time to resume with the default lease)")
     return p.parse_args(argv)
 
 
@@ -79,6 +82,15 @@ def _metrics(out: str) -> list[dict]:
     from g2rl_jax.train.metrics import read_metrics
 
     return read_metrics(out)
+
+
+def _committed(out: str) -> int:
+    """The newest committed checkpoint's step, 0 when none (on GCS a step directory holding commit_success.txt;
+    locally Orbax renames a step's directory into place only once it is complete)."""
+    ckpts = f"{out}/checkpoints"
+    local = not storage.is_url(out)
+    return max((int(n) for n in storage.names(ckpts)
+                if n.isdigit() and (local or storage.exists(f"{ckpts}/{n}/commit_success.txt"))), default=0)
 
 
 def _saving(out: str) -> bool:
@@ -136,14 +148,18 @@ def main(argv=None) -> int:
                     proc = subprocess.Popen(_as_host(prefix, f"vm-{launches}", _cmd(model, out, args.steps,
                                                                                       args.lease)),
                                             env=env, stdout=stdout, stderr=err)
-                    delay = rng.uniform(0, span) if kills < args.kills else None
+                    delay = rng.uniform(0, span) if kills < args.kills and not args.after_checkpoint else None
+                    watch = _committed(out) if kills < args.kills and args.after_checkpoint else None
                     polled, measured = 0.0, not before
                     while proc.poll() is None and (delay is None or time.monotonic() - started < delay):
-                        if not measured and time.monotonic() - polled > 0.2:
+                        if time.monotonic() - polled > 0.2:
                             polled = time.monotonic()  # a relaunch's time to its resume (lock taken, state read)
-                            if "resumed from the checkpoint" in said.read_text():
+                            if not measured and "resumed from the checkpoint" in said.read_text():
                                 resume_s.append(polled - started)
                                 measured = True
+                            if watch is not None and _committed(out) > watch:
+                                delay = polled - started  # a new checkpoint committed: kill now
+                                break
                         time.sleep(0.01)
                     if proc.poll() is None:
                         saving = _saving(out)
