@@ -5,7 +5,9 @@ Each launch runs `python -m g2rl_jax.train` as host vm-<n> (`unshare -u`, where 
 (--lease) and is killed with SIGKILL after a delay drawn uniformly from [0, the launch-to-end time of the
 uninterrupted run, then of the last launch that ran a run from start to end] (so kills land in the start, the lock's
 wait, the compile, mid-step and mid-save), unless it ended first. The next launch takes the run over once the lease
-lapses, with no manual step. A run that reaches run.total_steps is checked against an uninterrupted run of the same
+lapses, with no manual step (the window a relaunch's kill is drawn from is one lease longer: the relaunch waits
+that out first). With --after-checkpoint each launch is killed instead the moment it has committed a new
+checkpoint. A run that reaches run.total_steps is checked against an uninterrupted run of the same
 config, and a fresh run directory starts, until --kills kills.
 Reported: kills, launches, how many kills landed mid-save (a step directory without commit_success), lost steps (a
 reference step missing from the finished run's metrics.jsonl), duplicated steps, and steps whose deterministic
@@ -139,6 +141,7 @@ def main(argv=None) -> int:
         while kills < args.kills:
             runs += 1
             out = emulator.url(f"runs/{runs}") if emulator else str(root / f"runs/{runs}")
+            fresh = True  # the run's first launch: no lock to wait for
             while True:
                 launches += 1
                 before = len(_metrics(out))
@@ -148,7 +151,10 @@ def main(argv=None) -> int:
                     proc = subprocess.Popen(_as_host(prefix, f"vm-{launches}", _cmd(model, out, args.steps,
                                                                                       args.lease)),
                                             env=env, stdout=stdout, stderr=err)
-                    delay = rng.uniform(0, span) if kills < args.kills and not args.after_checkpoint else None
+                    # a relaunch first waits out the killed holder's lease: without it in the window, most kills
+                    # would land before the first step and a run would never get past its start
+                    life = span + (0.0 if fresh else args.lease)
+                    delay = rng.uniform(0, life) if kills < args.kills and not args.after_checkpoint else None
                     watch = _committed(out) if kills < args.kills and args.after_checkpoint else None
                     polled, measured = 0.0, not before
                     while proc.poll() is None and (delay is None or time.monotonic() - started < delay):
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
                         saving = _saving(out)
                         proc.kill()
                         proc.wait()
-                        kills, mid_save = kills + 1, mid_save + saving
+                        kills, mid_save, fresh = kills + 1, mid_save + saving, False
                         print(f"[{time.monotonic() - t0:.0f} s] kill {kills}/{args.kills} (mid-save so far "
                               f"{mid_save}): run {runs} launch {launches} killed after {delay:.1f} s"
                               f"{' mid-save' if saving else ''}, {len(_metrics(out))} records", flush=True)
