@@ -13,7 +13,8 @@ Reported: kills, launches, how many kills landed mid-save (a step directory with
 reference step missing from the finished run's metrics.jsonl), duplicated steps, and steps whose deterministic
 metrics differ from the reference; and each relaunch's seconds from launch to its "resumed from the checkpoint" line
 (the lock taken over and the state read: what a preemption costs in time, with this lease, before the steps since
-the last checkpoint are computed again). A launch that fails is printed with its log's tail.
+the last checkpoint are computed again), and to its first step after that (the compile included). A launch that
+fails is printed with its log's tail.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
         rng = random.Random(args.seed)
         kills = launches = mid_save = runs = 0
         totals = {"lost": 0, "duplicated": 0, "differ": 0}
-        failures, resume_s = [], []
+        failures, resume_s, first_step_s = [], [], []
         while kills < args.kills:
             runs += 1
             out = emulator.url(f"runs/{runs}") if emulator else str(root / f"runs/{runs}")
@@ -156,13 +157,18 @@ def main(argv=None) -> int:
                     life = span + (0.0 if fresh else args.lease)
                     delay = rng.uniform(0, life) if kills < args.kills and not args.after_checkpoint else None
                     watch = _committed(out) if kills < args.kills and args.after_checkpoint else None
-                    polled, measured = 0.0, not before
+                    polled, measured, resumed_at = 0.0, not before, None
                     while proc.poll() is None and (delay is None or time.monotonic() - started < delay):
                         if time.monotonic() - polled > 0.2:
                             polled = time.monotonic()  # a relaunch's time to its resume (lock taken, state read)
-                            if not measured and "resumed from the checkpoint" in said.read_text():
+                            if not measured and "resumed from the checkpoint of step " in said.read_text():
                                 resume_s.append(polled - started)
                                 measured = True
+                                resumed_at = int(said.read_text().split("resumed from the checkpoint of step ")[1]
+                                                 .split()[0])
+                            if resumed_at is not None and any(r["step"] > resumed_at for r in _metrics(out)):
+                                first_step_s.append(polled - started)  # and to its first step after the resume
+                                resumed_at = None
                             if watch is not None and _committed(out) > watch:
                                 delay = polled - started  # a new checkpoint committed: kill now
                                 break
@@ -187,14 +193,17 @@ def main(argv=None) -> int:
                 got = _metrics(out)
                 result = _compare(got, want)
                 print(f"[{time.monotonic() - t0:.0f} s] run {runs} launch {launches}: finished; {result}; "
-                      f"resumes so far {[round(r, 1) for r in resume_s]} s", flush=True)
+                      f"resumes so far {[round(r, 1) for r in resume_s]} s, first steps after them "
+                      f"{[round(r, 1) for r in first_step_s]} s", flush=True)
                 totals = {k: totals[k] + result[k] for k in totals}
                 break
         print(json.dumps({"kills": kills, "launches": launches, "runs": runs, "mid_save_kills": mid_save,
                           "lost_steps": totals["lost"], "duplicated_steps": totals["duplicated"],
                           "steps_differing": totals["differ"], "failed_launches": len(failures),
                           "uninterrupted_s": round(span, 1), "relaunch_to_resume_s_median":
-                          round(statistics.median(resume_s), 1) if resume_s else None}),
+                          round(statistics.median(resume_s), 1) if resume_s else None,
+                          "relaunch_to_first_step_s_median":
+                          round(statistics.median(first_step_s), 1) if first_step_s else None}),
               flush=True)
         return 1 if failures or any(totals.values()) else 0
     finally:
