@@ -4,20 +4,29 @@ as its own host (`unshare -u` gives a process its own hostname), on local disk a
 wins; a holder frozen past its lease (SIGSTOP) is taken over, and once thawed stops at once, writing nothing more.
 End to end: a trainer as host vm-a on a gs:// run killed with -9 mid-save, its relaunch as vm-b takes the run over
 once the lease has lapsed, with no manual step, and ends with the uninterrupted run's metrics; vm-c meanwhile is
-refused in one line. (The 20-kill loop: `python -m g2rl_jax.bench preempt`.)"""
+refused in one line. A relaunch after a kill mid-save of a run's first checkpoint, on GCS, where that unfinished step
+is all there is under checkpoints/ (the cause of a once-seen failure of test_gcs's kill -9 test). (The 20-kill loop:
+`python -m g2rl_jax.bench preempt`.)"""
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
+import urllib.request
 
 import pytest
+from test_checkpoint import _abstract, _assert_equal, _BytesIterator, _state
 from test_gcs import _gs_cmd, _saving, bucket  # noqa: F401 - bucket is a fixture
-from test_train import STEPS, _assert_same_metrics, _env, assets, reference  # noqa: F401 - fixtures
+from test_train import STEPS, _assert_same_metrics, _env, _train_cmd, assets, reference  # noqa: F401
 
 from g2rl_jax import storage
 from g2rl_jax.config import ConfigError
+from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.lifecycle import HISTORY_FILE, LEASE_LOST_EXIT, LOCK_FILE, RunLock
 from g2rl_jax.train.metrics import read_metrics
 
@@ -172,3 +181,88 @@ def test_preempted_vm_is_replaced_without_a_manual_step(gcs, assets, bucket, ref
     assert [h["host"] for h in history] == ["vm-a", "vm-b"]  # vm-c wrote nothing
     assert not storage.exists(f"{out}/{LOCK_FILE}")
     assert STEPS == len(read_metrics(out))
+
+
+# ------------------------------------------------------------------------------------------ a kill mid-first-save
+@contextlib.contextmanager
+def _listing_held_until_emptied(gcs, url: str):
+    """The main thread's listings of directory `url` wait (up to 20 s) until no object is under it: if anything
+    deletes the last of them meanwhile (another thread), the listing comes after, as the unlucky interleaving of the
+    two would have it. Only the order is forced; the listing and the delete are the real clients' on the real server.
+    Yields a list that holds True for each listing that found the directory emptied this way."""
+    cls = type(storage.path(url))
+    real, key, emptied = cls.iterdir, url.split("://", 1)[1].split("/", 1)[1] + "/", []
+
+    def empty() -> bool:  # asked of the server itself, past gcsfs's cache of listings
+        query = urllib.parse.urlencode({"prefix": key})
+        with urllib.request.urlopen(f"{gcs.endpoint}/storage/v1/b/{gcs.bucket}/o?{query}", timeout=30) as answer:
+            return not json.load(answer).get("items")
+
+    def iterdir(self):
+        if str(self).rstrip("/") == url and threading.current_thread() is threading.main_thread():
+            deadline = time.monotonic() + 20
+            while not empty() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            emptied.append(empty())
+        return real(self)
+
+    cls.iterdir = iterdir
+    try:
+        yield emptied
+    finally:
+        cls.iterdir = real
+
+
+def _unfinished_first_save(run: str) -> str:
+    """`run` as a kill -9 at the end of its first save leaves it: step 1 fully written by Orbax but not committed
+    (on GCS no commit_success.txt; locally still under its temporary name), and nothing else under checkpoints/.
+    Returns the unfinished step's directory."""
+    ckpt = Checkpointer(run, every=1, keep=2)
+    ckpt.save(1, _state(1), _BytesIterator(1))
+    ckpt.close()
+    step_dir = f"{run}/checkpoints/1"
+    if storage.is_url(run):
+        storage.remove(f"{step_dir}/commit_success.txt", missing_ok=False)
+        return step_dir
+    os.rename(step_dir, f"{step_dir}.orbax-checkpoint-tmp-1795757968")
+    return f"{step_dir}.orbax-checkpoint-tmp-1795757968"
+
+
+def test_relaunch_after_a_kill_mid_first_save_opens_the_run_afresh(run_dir, request):
+    """The relaunch's Checkpointer removes the unfinished step before anything lists the steps, opens the run with
+    no checkpoint, and saves step 1 again. On GCS that delete leaves no object under checkpoints/, so the prefix is
+    gone: a listing of it that ran after an exists() saw it failed with gcsfs's FileNotFoundError (Orbax removed
+    unfinished steps from a background thread while its constructor listed them; test_gcs's kill -9 test failed so
+    once, "no committed checkpoint", its relaunch having died at once). Such a listing here is made to wait for any
+    concurrent delete, so that interleaving happens every time it is possible."""
+    unfinished = _unfinished_first_save(run_dir)
+    assert latest_step(run_dir) is None and storage.exists(unfinished)
+    hold = (_listing_held_until_emptied(request.getfixturevalue("gcs"), f"{run_dir}/checkpoints")
+            if storage.is_url(run_dir) else contextlib.nullcontext([]))
+    with hold as emptied:
+        relaunch = Checkpointer(run_dir, every=1, keep=2)
+    assert True not in emptied, "a listing of checkpoints/ ran after the unfinished step was deleted under it"
+    assert relaunch.all_steps() == [] and not storage.exists(unfinished) and latest_step(run_dir) is None
+    it = _BytesIterator()
+    assert relaunch.restore_newest(_abstract(_state(0)), it) == (None, None)
+    assert relaunch.save(1, _state(1), _BytesIterator(1))
+    relaunch.close()
+    assert latest_step(run_dir) == 1
+    step, state = Checkpointer(run_dir, every=1, keep=2).restore_newest(_abstract(_state(0)), it)
+    assert step == 1 and it.position == 1
+    _assert_equal(state, _state(1))
+
+
+def test_a_storage_error_opening_the_run_is_not_called_a_config_error(assets, tmp_path, capsys):  # noqa: F811
+    """A file the trainer does not find while it opens the run (here the policy's weights, missing from a model
+    directory whose config.json is there, so every check passed) is one line labelled a storage error and naming the
+    error's type (the storage client's message may be only an object's path), and the run lock is released."""
+    from g2rl_jax.train.loop import main
+
+    model, out = tmp_path / "policy", tmp_path / "run"
+    shutil.copytree(assets["policy"], model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cmd = [*_train_cmd(assets, out, 1), f"model.path={model}"]
+    assert main(cmd[cmd.index("--config"):]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("storage error: FileNotFoundError: ") and "model.safetensors" in line, line
+    assert not (out / LOCK_FILE).exists()

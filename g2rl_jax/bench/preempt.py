@@ -5,13 +5,16 @@ Each launch runs `python -m g2rl_jax.train` as host vm-<n> (`unshare -u`, where 
 (--lease) and is killed with SIGKILL after a delay drawn uniformly from [0, the launch-to-end time of the
 uninterrupted run, then of the last launch that ran a run from start to end] (so kills land in the start, the lock's
 wait, the compile, mid-step and mid-save), unless it ended first. The next launch takes the run over once the lease
-lapses, with no manual step. A run that reaches run.total_steps is checked against an uninterrupted run of the same
+lapses, with no manual step (the window a relaunch's kill is drawn from is one lease longer: the relaunch waits
+that out first). With --after-checkpoint each launch is killed instead the moment it has committed a new
+checkpoint. A run that reaches run.total_steps is checked against an uninterrupted run of the same
 config, and a fresh run directory starts, until --kills kills.
 Reported: kills, launches, how many kills landed mid-save (a step directory without commit_success), lost steps (a
 reference step missing from the finished run's metrics.jsonl), duplicated steps, and steps whose deterministic
 metrics differ from the reference; and each relaunch's seconds from launch to its "resumed from the checkpoint" line
 (the lock taken over and the state read: what a preemption costs in time, with this lease, before the steps since
-the last checkpoint are computed again). A launch that fails is printed with its log's tail.
+the last checkpoint are computed again), and to its first step after that (the compile included). A launch that
+fails is printed with its log's tail.
 """
 from __future__ import annotations
 
@@ -39,6 +42,9 @@ def parse_args(argv):
     p.add_argument("--lease", type=float, default=3.0, help="run.lock_lease_seconds (default 3, the smallest)")
     p.add_argument("--local", action="store_true", help="a local run directory instead of the emulator's bucket")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    p.add_argument("--after-checkpoint", action="store_true",
+                   help="kill each launch the moment it has committed a new checkpoint, not at a random moment (with "
+                        "--kills 1 --lease 60: a relaunch's time to resume with the default lease)")
     return p.parse_args(argv)
 
 
@@ -79,6 +85,15 @@ def _metrics(out: str) -> list[dict]:
     from g2rl_jax.train.metrics import read_metrics
 
     return read_metrics(out)
+
+
+def _committed(out: str) -> int:
+    """The newest committed checkpoint's step, 0 when none (on GCS a step directory holding commit_success.txt;
+    locally Orbax renames a step's directory into place only once it is complete)."""
+    ckpts = f"{out}/checkpoints"
+    local = not storage.is_url(out)
+    return max((int(n) for n in storage.names(ckpts)
+                if n.isdigit() and (local or storage.exists(f"{ckpts}/{n}/commit_success.txt"))), default=0)
 
 
 def _saving(out: str) -> bool:
@@ -123,10 +138,11 @@ def main(argv=None) -> int:
         rng = random.Random(args.seed)
         kills = launches = mid_save = runs = 0
         totals = {"lost": 0, "duplicated": 0, "differ": 0}
-        failures, resume_s = [], []
+        failures, resume_s, first_step_s = [], [], []
         while kills < args.kills:
             runs += 1
             out = emulator.url(f"runs/{runs}") if emulator else str(root / f"runs/{runs}")
+            fresh = True  # the run's first launch: no lock to wait for
             while True:
                 launches += 1
                 before = len(_metrics(out))
@@ -136,40 +152,58 @@ def main(argv=None) -> int:
                     proc = subprocess.Popen(_as_host(prefix, f"vm-{launches}", _cmd(model, out, args.steps,
                                                                                       args.lease)),
                                             env=env, stdout=stdout, stderr=err)
-                    delay = rng.uniform(0, span) if kills < args.kills else None
-                    polled, measured = 0.0, not before
+                    # a relaunch first waits out the killed holder's lease: without it in the window, most kills
+                    # would land before the first step and a run would never get past its start
+                    life = span + (0.0 if fresh else args.lease)
+                    delay = rng.uniform(0, life) if kills < args.kills and not args.after_checkpoint else None
+                    watch = _committed(out) if kills < args.kills and args.after_checkpoint else None
+                    polled, measured, resumed_at = 0.0, not before, None
                     while proc.poll() is None and (delay is None or time.monotonic() - started < delay):
-                        if not measured and time.monotonic() - polled > 0.2:
+                        if time.monotonic() - polled > 0.2:
                             polled = time.monotonic()  # a relaunch's time to its resume (lock taken, state read)
-                            if "resumed from the checkpoint" in said.read_text():
+                            if not measured and "resumed from the checkpoint of step " in said.read_text():
                                 resume_s.append(polled - started)
                                 measured = True
+                                resumed_at = int(said.read_text().split("resumed from the checkpoint of step ")[1]
+                                                 .split()[0])
+                            if resumed_at is not None and any(r["step"] > resumed_at for r in _metrics(out)):
+                                first_step_s.append(polled - started)  # and to its first step after the resume
+                                resumed_at = None
+                            if watch is not None and _committed(out) > watch:
+                                delay = polled - started  # a new checkpoint committed: kill now
+                                break
                         time.sleep(0.01)
                     if proc.poll() is None:
                         saving = _saving(out)
                         proc.kill()
                         proc.wait()
-                        kills, mid_save = kills + 1, mid_save + saving
-                        print(f"run {runs} launch {launches}: killed after {delay:.1f} s"
+                        kills, mid_save, fresh = kills + 1, mid_save + saving, False
+                        print(f"[{time.monotonic() - t0:.0f} s] kill {kills}/{args.kills} (mid-save so far "
+                              f"{mid_save}): run {runs} launch {launches} killed after {delay:.1f} s"
                               f"{' mid-save' if saving else ''}, {len(_metrics(out))} records", flush=True)
                         continue
                 if proc.returncode != 0:
                     failures.append((launches, proc.returncode, log.read_text()[-2000:]))
-                    print(f"run {runs} launch {launches}: FAILED with exit {proc.returncode}:\n"
+                    print(f"[{time.monotonic() - t0:.0f} s] run {runs} launch {launches}: FAILED with exit "
+                          f"{proc.returncode}:\n"
                           f"{log.read_text()[-2000:]}", flush=True)
                     break
                 if not before:  # a whole warm launch (compiled programs cached): the span kills are drawn from
                     span = time.monotonic() - started
                 got = _metrics(out)
                 result = _compare(got, want)
-                print(f"run {runs} launch {launches}: finished; {result}", flush=True)
+                print(f"[{time.monotonic() - t0:.0f} s] run {runs} launch {launches}: finished; {result}; "
+                      f"resumes so far {[round(r, 1) for r in resume_s]} s, first steps after them "
+                      f"{[round(r, 1) for r in first_step_s]} s", flush=True)
                 totals = {k: totals[k] + result[k] for k in totals}
                 break
         print(json.dumps({"kills": kills, "launches": launches, "runs": runs, "mid_save_kills": mid_save,
                           "lost_steps": totals["lost"], "duplicated_steps": totals["duplicated"],
                           "steps_differing": totals["differ"], "failed_launches": len(failures),
                           "uninterrupted_s": round(span, 1), "relaunch_to_resume_s_median":
-                          round(statistics.median(resume_s), 1) if resume_s else None}),
+                          round(statistics.median(resume_s), 1) if resume_s else None,
+                          "relaunch_to_first_step_s_median":
+                          round(statistics.median(first_step_s), 1) if first_step_s else None}),
               flush=True)
         return 1 if failures or any(totals.values()) else 0
     finally:

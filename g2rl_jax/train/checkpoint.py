@@ -12,7 +12,8 @@ A checkpoint at step s is the directory `<run_dir>/checkpoints/<s>/` holding two
 
 Orbax writes each step into a temporary directory and renames it into place only once every item is complete, so a
 process killed at any moment, mid-save included, leaves the previous checkpoints intact and `latest_step` never
-sees a half-written one; leftover temporary directories are removed when the next `Checkpointer` opens the run.
+sees a half-written one; leftover temporary directories are removed when the next `Checkpointer` opens the run, before
+anything lists its steps (on GCS a directory is only the prefix of its objects: see `_remove_unfinished`).
 All processes call every method (Orbax synchronises hosts itself; nothing here runs on process 0 only).
 
     ckpt = Checkpointer(run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints)
@@ -120,22 +121,47 @@ def _absolute(path: str | os.PathLike) -> epath.Path:
     return where if storage.is_url(where) else where.absolute()
 
 
+def _finished_steps(run_dir: str | os.PathLike) -> list[int]:
+    """The complete checkpoint steps under run_dir; [] when checkpoints/ is not there, or is gone by the time it is
+    listed (on GCS it vanishes with its last object: `_remove_unfinished`)."""
+    try:
+        return ocp.utils.checkpoint_steps(checkpoint_dir(run_dir))
+    except FileNotFoundError:
+        return []
+
+
 def latest_step(run_dir: str | os.PathLike) -> int | None:
     """Newest complete checkpoint step under run_dir, or None; unfinished (temporary) saves are never counted."""
-    steps = ocp.utils.checkpoint_steps(checkpoint_dir(run_dir)) if checkpoint_dir(run_dir).exists() else []
-    return max(steps, default=None)
+    return max(_finished_steps(run_dir), default=None)
 
 
 def check_model(run_dir: str | os.PathLike, want: dict) -> None:
     """CheckpointError when a checkpoint of the run was trained on another model than record `want` describes
     (LoRA or not, the adapters' shape, the base's weights: train/identity.py)."""
-    steps = ocp.utils.checkpoint_steps(checkpoint_dir(run_dir)) if checkpoint_dir(run_dir).exists() else []
-    for step in steps:
+    for step in _finished_steps(run_dir):
         step_dir = checkpoint_dir(run_dir) / str(step)
         try:
             identity.check(identity.saved(step_dir), want, f"the checkpoint {step_dir}")
         except ValueError as err:
             raise CheckpointError(str(err)) from None
+
+
+def _remove_unfinished(directory: epath.Path) -> None:
+    """Delete the step directories of saves a kill interrupted (locally `<step>.orbax-checkpoint-tmp-*`, on GCS a
+    `<step>/` without commit_success.txt), on process 0 while the others wait, before Orbax lists the steps.
+
+    Not Orbax's own `cleanup_tmp_directories`: it deletes from a background thread while the CheckpointManager's
+    constructor lists the same directory. On GCS a directory is only the prefix of the objects under it, so after a
+    kill mid-save of a run's first checkpoint (the unfinished step is all there is under checkpoints/) the delete can
+    land between the constructor's exists() and its listing, and gcsfs answers that listing with FileNotFoundError:
+    the relaunch failed at once."""
+    if jax.process_index() == 0:
+        for unfinished in ocp.path.step.all_temporary_paths(directory):
+            storage.rmtree(unfinished.get())
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("g2rl_jax: unfinished checkpoints removed")
 
 
 def _reject_typed_keys(state: Any) -> None:
@@ -152,10 +178,12 @@ class Checkpointer:
         if every <= 0 or keep <= 0:
             raise ValueError(f"Checkpointer needs every > 0 and keep > 0, got every={every}, keep={keep}")
         self._every, self._model = every, model
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=True,
+        directory = _absolute(checkpoint_dir(run_dir))
+        _remove_unfinished(directory)  # first, not in Orbax's background thread while it lists the steps
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=False,
                                                enable_async_checkpointing=True)
         self._manager = ocp.CheckpointManager(
-            _absolute(checkpoint_dir(run_dir)), options=options,
+            directory, options=options,
             item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: IteratorStateHandler(),
                            identity.MODEL_ITEM: ocp.JsonCheckpointHandler(identity.MODEL_FILE)})
 

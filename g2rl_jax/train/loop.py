@@ -34,7 +34,7 @@ from flax import nnx
 
 from g2rl_jax import cli, methods, parallel, storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
-from g2rl_jax.data import make_prompt_loader
+from g2rl_jax.data import DataError, make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
@@ -424,6 +424,15 @@ class Trainer(SamplingRounds):
             raise
 
 
+def _setup_failure(err: BaseException) -> int:
+    """The one line of a Trainer that could not open the run: a check's error (config, data, a path given that is
+    not usable) is a config error; a file or object that a read or write did not find, or was refused, is a storage
+    error, named with its type (a storage client's message may be only the object's path)."""
+    if isinstance(err, (ConfigError, DataError)):
+        return cli.fail("config", err)
+    return cli.fail("storage", f"{type(err).__name__}: {err}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from g2rl_jax.config import format_help, parse_cli
 
@@ -443,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
     except cli.USER_ERRORS as err:
-        return cli.fail("config", err)
+        return _setup_failure(err)
     except CheckpointError as err:
         return cli.fail("checkpoint", err)
     try:
