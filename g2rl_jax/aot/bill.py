@@ -52,9 +52,11 @@ def rollout_counts(buckets: tuple[int, ...], capacities: tuple[int, ...]) -> dic
 
 
 def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
-    """Programs of one prompt bucket's micro-batch shapes by kind; the small moves priced as cache growths."""
+    """Programs of one prompt bucket's micro-batch shapes by kind; the small moves (priced as cache growths): a
+    micro-batch's rows in (the step's batch, a mini-batch) and the score passes' results out (per-token and
+    per-row parts; the reference pass's per-token part shares the score's)."""
     n = len(shapes.shapes)
-    return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 3 + kl)}
+    return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 2)}
 
 
 def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> dict[str, int]:
@@ -194,3 +196,69 @@ def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bi
                  for b, share in shares.items())
     return Bill(choice, counts, seconds, lower_s, compile_s, wall, threads, cfg.run.total_steps,
                 chosen.step_s + decode, chosen.step_s, decode, prompts_from)
+
+
+def rollout_keys(prompts: int, prompt_len: int, samples: int, budget: int, shards: int, spec) -> set[tuple]:
+    """The programs one `generate` shape compiles (rollout/generate.py, rollout/prewarm.py), each as a key that
+    another rollout with the same shapes shares: prefill and first token, a segment at each batch bucket x capacity
+    of the engine's ladder (its buckets from the budget itself, the ladder from its bucket), a growth at each bucket,
+    and per compaction the live rows and a layer's prefix and suffix rows at each capacity."""
+    T = batching.new_tokens_bucket(budget)
+    ladder, rows = engine.capacity_ladder(T), prompts * samples
+    buckets = engine.batch_buckets(rows, shards, budget)
+    keys = {("prefill", prompts, prompt_len, samples, ladder[0]), ("start", prompts, samples, T, spec)}
+    keys |= {("segment", r, c, prompt_len, rows, T, spec) for r in buckets for c in ladder}
+    keys |= {("grow", r, old, new) for r in buckets for old, new in zip(ladder, ladder[1:])}
+    for r, half in zip(buckets, buckets[1:]):
+        keys.add(("live_rows", r, half, samples if r == rows else 1, prompt_len))
+        keys |= {("regroup", r, c, prompt_len, prompts if r == rows else r, half) for c in ladder}
+    return keys
+
+
+def small_counts(cfg: Config, step_rows: int, param_shapes: int) -> dict[str, int]:
+    """The small programs a run compiles besides its set, by rule (the demo's, counted by a jax.monitoring listener,
+    tests/test_program_count.py): set-up (the optimizer's count, the run's key and its placement, the KL reference's
+    copy), the first rollout's scalars (its key, temperature, prompt count), the round's seed, the batch's two
+    dtype conversions, the score pass's zeros (a scalar and one per output width), the rows kept (placement and
+    mask), the update key (fold_in), the mini-batch row slices (one per dtype x shape of its fields, when a step has
+    more than one), the step's and a mini-batch's response-token sums, the gradient accumulator's zeros (one per
+    trainable shape, one more with a token rule's statistics), the learning rate, and the step's metrics (token sums,
+    two row-mean trees, the masked sums of a novelty method, the log-prob drift)."""
+    algo = cfg.algorithm
+    method = methods.get(algo.exploration)
+    kl_copy = int(algo.kl_coef > 0 and not cfg.model.lora.rank)
+    minis = int(algo.mini_batch_size != step_rows)
+    rule = int(method.tokens is not None)
+    return {"small": (kl_copy + 3 + 4 + 1 + 2 + 3 + 2 + 2 + 4 * minis + 2 + param_shapes + rule + 1 + 1 + 2
+                      + int(method.novelty) + 1)}
+
+
+def program_counts(cfg: Config, model, shards: int, choice: shapes_lib.Choice, eval_prompt_len: int,
+                   param_shapes: int) -> dict[str, int]:
+    """Every program a run of `cfg` compiles, by kind, without compiling any: the rollouts' (training, at each of
+    the choice's prompt buckets, and validation's, shared where their shapes are), the micro-batch set's at each
+    prompt bucket, the run's own (init, advantages, the optimizer step, the method's) and the small ones
+    (small_counts). shards: the batch shards of the mesh; param_shapes: distinct shapes of the trainable
+    parameters."""
+    from g2rl_jax.rollout.sampling import spec_for
+
+    data, ro, vocab = cfg.data, cfg.rollout, model.vocab_size
+    prompts = -(-batching.bucket(data.prompts_per_step, 1) // shards) * shards
+    step_rows = data.prompts_per_step * ro.num_samples
+    keys: set[tuple] = set()
+    train_spec = spec_for(ro.temperature, ro.top_p, ro.top_k or 0, vocab)
+    for prompt_len in choice.prompts:
+        keys |= rollout_keys(prompts, prompt_len, ro.num_samples, ro.max_new_tokens, shards, train_spec)
+    if cfg.run.eval_every and data.eval_datasets:
+        keys |= rollout_keys(prompts, eval_prompt_len, data.eval_samples, data.eval_max_new_tokens, shards,
+                             spec_for(data.eval_temperature, 1.0, 0, vocab))
+    counts = {"decode_layers": 1}
+    for key in keys:
+        kind = "regroup" if key[0] in ("grow", "live_rows", "regroup") else key[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    for part in [micro_counts(choice.shapes, cfg.algorithm.kl_coef > 0)] * len(choice.prompts) + [
+            {"init": 1, "advantages": 1, "apply": 1}, method_counts(cfg, choice.shapes, step_rows),
+            small_counts(cfg, step_rows, param_shapes)]:
+        for k, n in part.items():
+            counts[k] = counts.get(k, 0) + n
+    return counts

@@ -243,9 +243,15 @@ def _assemble(num_samples, ids_BxS, mask_BxS, tokens_BxT, logprobs_BxT, lengths_
 def logprob_drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT) -> dict[str, float]:
     """How far the sampler's log-probs are from the scoring pass's, over response tokens: the mean and max of
     |sampler - scorer| (metrics rollout_logprob_diff_mean / _max). The two engines compute the same quantity
-    (log softmax(z / T)[token]), so a value far above float rounding means they drifted apart."""
-    mask_BxT = jnp.asarray(response_mask_BxT) > 0
+    (log softmax(z / T)[token]), so a value far above float rounding means they drifted apart. One program."""
+    mean, largest = _drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT)
+    return {"rollout_logprob_diff_mean": float(mean), "rollout_logprob_diff_max": float(largest)}
+
+
+@jax.jit
+def _drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT):
+    """(mean, max) of |sampler - scorer| over the response tokens."""
+    mask_BxT = response_mask_BxT > 0
     diff_BxT = jnp.where(mask_BxT, jnp.abs(jnp.asarray(sampler_logp_BxT, jnp.float32)
                                            - jnp.asarray(scorer_logp_BxT, jnp.float32)), 0.0)
-    return {"rollout_logprob_diff_mean": float(diff_BxT.sum() / jnp.maximum(mask_BxT.sum(), 1)),
-            "rollout_logprob_diff_max": float(diff_BxT.max())}
+    return diff_BxT.sum() / jnp.maximum(mask_BxT.sum(), 1), diff_BxT.max()

@@ -89,6 +89,12 @@ class StepResult:
     metrics: dict[str, float]
 
 
+@jax.jit
+def _copy_tree(tree):
+    """A copy of every array of a tree, placed as the original (one program, not one per shape)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 class Trainer(SamplingRounds):
     """Holds the run: mesh, policy (graphdef, params), reference params, optimizer, data iterator, checkpoints."""
 
@@ -162,7 +168,7 @@ class Trainer(SamplingRounds):
         if cfg.algorithm.kl_coef > 0 and lora_on:  # the same params with the adapters off: no copy
             self.ref_graphdef = lora.reference_graphdef(self.graphdef, self.params)
         elif cfg.algorithm.kl_coef > 0:  # frozen, sharded like the policy
-            self.ref_params = jax.tree.map(jnp.copy, self.params)
+            self.ref_params = _copy_tree(self.params)
         self.embedder = self.embed_tokenizer = None
         self.method = methods.get(cfg.algorithm.exploration)
         if "embeddings" in self.method.needs:  # evol
@@ -176,7 +182,8 @@ class Trainer(SamplingRounds):
                               f"{responses} responses of a step (data.prompts_per_step × rollout.num_samples)")
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
         self.optimizer = train_optim.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.schedule = train_optim.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
+        self.schedule = jax.jit(train_optim.learning_rate_schedule(cfg.optim, cfg.run.total_steps
+                                                                   * self.updates_per_step))  # one program
         # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
         self.opt_state = train_optim.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
@@ -280,9 +287,8 @@ class Trainer(SamplingRounds):
         info["padding"] += passes * plan.padding
         metrics = step_metrics(batch, scores, signal, info, (t0, t1, t2, t3, t4), step=step,
                                learning_rate=float(self.schedule((step + 1) * self.updates_per_step - 1)),
-                               novelty=self.method.novelty)
+                               novelty=self.method.novelty, truncated_B=truncated_B)
         metrics |= self._sampling_metrics(sampled_correct)
-        metrics["truncated_fraction"] = float(jnp.mean(truncated_B))  # share of responses that hit the budget
         metrics |= logprob_drift(shard_rows(rollout.logprobs_BxT, self.mesh), scores.logp_BxT, batch.response_mask)
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
@@ -297,7 +303,7 @@ class Trainer(SamplingRounds):
         if self.method.keep_rows is not None:  # the method's own choice of rows (nsr: the wrong responses)
             keep_B = keep_B & np.asarray(self.method.keep_rows(parallel.gather(batch.correct)))
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
-        keep_Bx1 = jnp.asarray(keep_B, jnp.float32)[:, None]
+        keep_Bx1 = jnp.asarray(keep_B.astype(np.float32)[:, None])  # placed, nothing to compile
         masked = lambda b: dataclasses.replace(b, response_mask=b.response_mask * keep_Bx1)  # noqa: E731
         batch = masked(batch)
         n, mb = adv_B.shape[0], algo.mini_batch_size

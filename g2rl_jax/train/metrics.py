@@ -59,9 +59,27 @@ HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent",
 
 def _masked_mean(x_B, mask_B) -> float:
     """Mean of x over the rows where mask is set; NaN (written as null) when none is. Both sums run every step, so
-    their programs compile at the first step, not at the first step that has a masked row."""
-    count, total = float(jnp.sum(mask_B)), float(jnp.sum(jnp.where(mask_B, x_B, 0.0)))
+    their program compiles at the first step, not at the first step that has a masked row."""
+    count, total = (float(x) for x in _masked_sums(x_B, mask_B))
     return total / count if count else math.nan
+
+
+@jax.jit
+def _masked_sums(x_B, mask_B):
+    """(rows where mask is set, the sum of x over them)."""
+    return jnp.sum(mask_B), jnp.sum(jnp.where(mask_B, x_B, 0.0))
+
+
+@jax.jit
+def _means(tree):
+    """The mean of each array of a tree (one program for a step's row means)."""
+    return jax.tree.map(jnp.mean, tree)
+
+
+@jax.jit
+def _token_sums(mask_BxT, entropy_BxT):
+    """(response tokens, the entropy summed over them)."""
+    return jnp.sum(mask_BxT), jnp.sum(entropy_BxT * mask_BxT)
 
 
 def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[str, float]:
@@ -70,7 +88,8 @@ def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[st
     `all_wrong_fraction` (shares of groups), and with novelty (g2rl) the mean advantage those groups give their
     most and least novel response, over all single-class groups and over the all-wrong ones (null if none)."""
     single_B, wrong_B = signal["single_class"], signal["all_wrong"]
-    out = {"single_class_fraction": float(jnp.mean(single_B)), "all_wrong_fraction": float(jnp.mean(wrong_B))}
+    means = _means({"single_class_fraction": single_B, "all_wrong_fraction": wrong_B})
+    out = {k: float(v) for k, v in means.items()}
     if novelty:
         for which in ("most", "least"):
             adv_B = signal[f"{which}_novel_advantage"]
@@ -80,20 +99,25 @@ def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[st
 
 
 def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate: float,
-                 novelty: bool) -> dict[str, float]:
+                 novelty: bool, truncated_B=None) -> dict[str, float]:
     """The trainer's record of one step: reductions over the global arrays (every process gets the same numbers),
     the update's `info`, and the stage times `times` = (start, rollout done, rewards done, advantages done, update
-    done) in perf_counter seconds."""
+    done) in perf_counter seconds; truncated_B: 1 for each response that hit the budget. The row means are one
+    program."""
     t0, t1, t2, t3, t4 = times
     mask_BxT = batch.response_mask
-    tokens = float(jnp.sum(mask_BxT))
-    nu = {"novelty": float(jnp.mean(signal["nu"]))} if novelty else {}
+    tokens, entropy = (float(x) for x in _token_sums(mask_BxT, scores.entropy_BxT))
+    means = {k: float(v) for k, v in _means({"accuracy": batch.correct, "reward": signal["shaped_rewards"],
+                                            **({"novelty": signal["nu"]} if novelty else {}),
+                                            **({} if truncated_B is None else {"truncated_fraction": truncated_B})
+                                            }).items()}
+    nu = {"novelty": means["novelty"]} if novelty else {}
     return nu | {
         "step": step + 1,
-        "accuracy": float(jnp.mean(batch.correct)),
-        "reward": float(jnp.mean(signal["shaped_rewards"])),
+        "accuracy": means["accuracy"],
+        "reward": means["reward"],
         "loss": info["loss"], "kl": info.get("kl", 0.0),
-        "entropy": float(jnp.sum(scores.entropy_BxT * mask_BxT)) / max(tokens, 1.0),
+        "entropy": entropy / max(tokens, 1.0),
         "response_length": tokens / mask_BxT.shape[0],
         "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
         "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],
@@ -104,7 +128,8 @@ def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate
         "tokens_per_second": tokens / max(t4 - t0, 1e-9),
         "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
         "padding_fraction": info["padding"] / max(info["positions"], 1),
-    } | single_class_metrics(signal, novelty=novelty) | {
+    } | ({} if truncated_B is None else {"truncated_fraction": means["truncated_fraction"]}) | single_class_metrics(
+        signal, novelty=novelty) | {
         k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
 
 

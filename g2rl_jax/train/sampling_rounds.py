@@ -23,13 +23,19 @@ from g2rl_jax.train.lifecycle import Preempted
 from g2rl_jax.train.stages import stage
 
 
+@jax.jit
+def _seed_of(key_data, step, round_):
+    """A rollout round's sampling seed from the run's key (one program for every step and round)."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
+    key = jax.lax.cond(round_ > 0, lambda k: jax.random.fold_in(k, round_), lambda k: k, key)  # round 0: the step's
+    return jax.random.randint(key, (), 0, 2**31 - 1)
+
+
 class SamplingRounds:
     """Rollout rounds of a training step, and validation (see the module docstring)."""
 
     def _step_seed(self, step: int, round_: int = 0) -> int:
-        key = jax.random.fold_in(jax.random.wrap_key_data(self.rng_key_data), step)
-        key = jax.random.fold_in(key, round_) if round_ else key  # round 0 keeps the seed of a one-round step
-        return int(jax.random.randint(key, (), 0, 2**31 - 1))
+        return int(_seed_of(self.rng_key_data, step, round_))
 
     def _sample_round(self, step: int, round_: int):
         """One rollout round: the next prompts from the data iterator, their samples and ±1 rewards."""

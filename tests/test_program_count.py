@@ -1,0 +1,79 @@
+"""The bill counts what a run compiles: for every registered method, the programs aot/bill.program_counts predicts
+(without compiling) equal those a jax.monitoring listener counts on a 2-step run with validation on (test_train's
+tiny policy on one CPU device, as the demo runs). One process runs every method in turn, its in-memory caches
+cleared between them (the shared persistent cache only makes the compiles cheaper: a program read back counts)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from g2rl_jax import methods
+
+from _helpers import xla_flags
+
+RUN = r'''
+import json, pathlib, shutil, sys
+sys.path.insert(0, sys.argv[1])
+import g2rl_jax  # noqa: F401 - sizes XLA:CPU's pool first
+import jax
+import test_train
+from test_train import config
+from g2rl_jax import methods
+from g2rl_jax.aot.bill import program_counts
+from g2rl_jax.model import lora
+from g2rl_jax.rollout import engine, prewarm
+from g2rl_jax.train.compiles import CompileClock
+from g2rl_jax.train.loop import Trainer
+from g2rl_jax.demo.tokenizer import make_tokenizer
+root = pathlib.Path(sys.argv[2])
+test_train.VOCAB = -(-len(make_tokenizer()) // 64) * 64
+assets = json.loads(sys.argv[3])
+out = {}
+for method in methods.NAMES:
+    kw = {"run.eval_every": 1, "data.eval_samples": 2, "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0,
+          "data.eval_datasets": sys.argv[4], "mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 1}
+    if method == "passk":
+        kw["algorithm.passk_k"] = 2
+    jax.clear_caches()
+    prewarm.WARMED.clear()
+    prewarm._ROWS.clear()
+    clock = CompileClock()
+    cfg = config(assets, root / method, mode=method, steps=2, **kw)
+    trainer = Trainer(cfg)
+    trainer.resume()
+    trainer.run()
+    seen = clock.take()
+    clock.close()
+    shapes = {(x.shape, str(x.dtype)) for x in jax.tree.leaves(lora.trainable(trainer.params))}
+    counts = program_counts(cfg, trainer.model.config, engine.batch_shards(trainer.mesh), trainer.warmup.choice,
+                            trainer.eval_prompt_len, len(shapes))
+    out[method] = {"listener": seen.programs, "names": list(seen.names), "bill": counts}
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    from test_train import assets as make_assets
+
+    root = tmp_path_factory.mktemp("program_count")
+    assets = make_assets.__wrapped__(tmp_path_factory)
+    evalset = root / "eval.jsonl"
+    evalset.write_text("".join(json.dumps({"id": str(i), "problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n"
+                               for i in range(10, 14)))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", RUN, tests, str(root), json.dumps({k: str(v) for k, v in
+                          assets.items()}), str(evalset)], env=env, capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("method", methods.NAMES)
+def test_the_bill_counts_what_the_run_compiles(counted, method):
+    got = counted[method]
+    assert sum(got["bill"].values()) == got["listener"], (got["bill"], got["names"])
