@@ -1,6 +1,7 @@
 """The bill counts what a run compiles: for every registered method, the programs aot/bill.program_counts predicts
 (without compiling) equal those a jax.monitoring listener counts on a 2-step run with validation on (test_train's
-tiny policy on one CPU device, as the demo runs). One process runs every method in turn, its in-memory caches
+tiny policy on one CPU device, as the demo runs), each run strict (`run.strict_compiles`: a compile after the first
+step raises, naming the program). One process runs every method in turn, its in-memory caches
 cleared between them (the shared persistent cache only makes the compiles cheaper: a program read back counts)."""
 import json
 import os
@@ -26,13 +27,15 @@ from g2rl_jax.model import lora
 from g2rl_jax.rollout import engine, prewarm
 from g2rl_jax.train.compiles import CompileClock
 from g2rl_jax.train.loop import Trainer
+from g2rl_jax.train.metrics import read_metrics
 from g2rl_jax.demo.tokenizer import make_tokenizer
 root = pathlib.Path(sys.argv[2])
 test_train.VOCAB = -(-len(make_tokenizer()) // 64) * 64
 assets = json.loads(sys.argv[3])
 out = {}
 for method in methods.NAMES:
-    kw = {"run.eval_every": 1, "data.eval_samples": 2, "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0,
+    kw = {"run.strict_compiles": True, "run.eval_every": 1, "data.eval_samples": 2,
+          "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0,
           "data.eval_datasets": sys.argv[4], "mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 1}
     if method == "passk":
         kw["algorithm.passk_k"] = 2
@@ -49,7 +52,8 @@ for method in methods.NAMES:
     shapes = {(x.shape, str(x.dtype)) for x in jax.tree.leaves(lora.trainable(trainer.params))}
     counts = program_counts(cfg, trainer.model.config, engine.batch_shards(trainer.mesh), trainer.warmup.choice,
                             trainer.eval_prompt_len, len(shapes))
-    out[method] = {"listener": seen.programs, "names": list(seen.names), "bill": counts}
+    late = [r["programs_compiled"] for r in read_metrics(root / method)[2:]]
+    out[method] = {"listener": seen.programs, "names": list(seen.names), "bill": counts, "late": late}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -77,3 +81,4 @@ def counted(tmp_path_factory):
 def test_the_bill_counts_what_the_run_compiles(counted, method):
     got = counted[method]
     assert sum(got["bill"].values()) == got["listener"], (got["bill"], got["names"])
+    assert got["late"] == [0], got["late"]  # step 2 compiled nothing (strict mode would have raised)
