@@ -295,6 +295,12 @@ class Appender:
                                       delete_part=False)
             self._exists, self._flushed = True, time.monotonic()
 
+    def __enter__(self) -> Appender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self.flush()
         if self._part:
@@ -416,6 +422,13 @@ def check_writable(directory: PathLike, key: str, probe_name: str = ".write_test
     from g2rl_jax import storage_clients
 
     storage_clients.check_writable(directory, key, probe_name)
+
+
+def check_readable(p: PathLike, key: str) -> None:
+    """StorageError naming `key` when URL `p` cannot be reached within a bounded time (storage_clients.py)."""
+    from g2rl_jax import storage_clients
+
+    storage_clients.check_readable(p, key)
 
 
 # ------------------------------------------------------------------------------------------------ local copies

@@ -35,10 +35,10 @@ RETRIES = {"max_retries": 6, "initial_delay": "1s", "max_delay": "16s"}  # tenso
 # what `python -m g2rl_jax.bench.gcs_emulator` exports: the clients need all of them to use an emulator
 EMULATOR_VARIABLES = {
     "TENSORSTORE_GCS_HTTP_URL": "the emulator's address, for tensorstore (Orbax's checkpoint writer)",
-    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "a token, so that tensorstore sends no Google credentials",
-    "FSSPEC_GCS_TOKEN": "anon, so that gcsfs asks for no credentials",
-    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false, so that gcsfs does not ask Google's control API (gRPC over TLS) "
-                                         "about the bucket",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "any token, so that tensorstore looks for no Google credentials",
+    "FSSPEC_GCS_TOKEN": "anon, so that gcsfs looks for no Google credentials",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false, so that gcsfs does not ask Google's control API (gRPC over TLS, "
+                                         "which an emulator does not speak) about the bucket",
 }
 _CONFIGURED = False
 
@@ -68,13 +68,14 @@ def emulator_problem() -> str | None:
     host = os.environ.get("STORAGE_EMULATOR_HOST")
     if not host:
         return None
-    missing = [f"{name} ({why})" for name, why in EMULATOR_VARIABLES.items() if not os.environ.get(name)]
+    missing = [f"{name} is not set (it must be {why})" for name, why in EMULATOR_VARIABLES.items()
+               if not os.environ.get(name)]
     if os.environ.get("TENSORSTORE_GCS_HTTP_URL") and os.environ["TENSORSTORE_GCS_HTTP_URL"] != host:
         missing.append(f"TENSORSTORE_GCS_HTTP_URL={os.environ['TENSORSTORE_GCS_HTTP_URL']} differs from "
                        f"STORAGE_EMULATOR_HOST={host} (checkpoints would go to another server)")
     if os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "").lower() not in ("", "false", "0"):
-        missing.append("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT (must be false: " +
-                       EMULATOR_VARIABLES["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] + ")")
+        missing.append("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is " + os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] +
+                       " (it must be " + EMULATOR_VARIABLES["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] + ")")
     if not missing:
         return None
     return (f"STORAGE_EMULATOR_HOST={host} points the clients at an emulator, but {'; '.join(missing)}; export the "
@@ -268,6 +269,20 @@ def check_writable(directory, key: str, probe_name: str = ".write_test") -> None
             raise storage.StorageError(f"{key}: {explain(directory, err, client)}") from None
 
 
+def check_readable(p, key: str) -> None:
+    """StorageError naming `key` when `p` (a URL) cannot be reached to be read within timeout_seconds(): a server
+    that went away, a closed port, no credentials (a missing object is no error here)."""
+    from g2rl_jax import storage
+
+    if not storage.is_url(p):
+        return
+    storage.require_client(p, key)
+    try:
+        _within(timeout_seconds(), "gcsfs", lambda: storage.exists(p))
+    except Exception as err:  # noqa: BLE001 - every failure becomes the one line below, the cause named in it
+        raise storage.StorageError(f"{key}: {explain(p, err, 'gcsfs', 'read')}") from None
+
+
 def _endpoint(client: str) -> str:
     """The endpoint `client` talks to."""
     variable = "TENSORSTORE_GCS_HTTP_URL" if client == "tensorstore" else "STORAGE_EMULATOR_HOST"
@@ -293,8 +308,8 @@ def _reachability(endpoint: str) -> str | None:
     return None
 
 
-def explain(directory, err: BaseException, client: str = "gcsfs") -> str:
-    """What a failed write to `directory` through `client` means and what to do, from the client's error."""
+def explain(directory, err: BaseException, client: str = "gcsfs", verb: str = "write") -> str:
+    """What a failed `verb` of `directory` through `client` means and what to do, from the client's error."""
     from g2rl_jax import storage
 
     detail = " ".join(str(err).split())[:300]
@@ -319,7 +334,7 @@ def explain(directory, err: BaseException, client: str = "gcsfs") -> str:
     endpoint = _endpoint(client)
     why = _reachability(endpoint)
     if why or isinstance(err, TimeoutError):
-        return (f"{client} cannot reach {endpoint} to write {url}: {why or detail} ({type(err).__name__}: {detail}); "
+        return (f"{client} cannot reach {endpoint} to {verb} {url}: {why or detail} ({type(err).__name__}: {detail}); "
                 f"check STORAGE_EMULATOR_HOST / TENSORSTORE_GCS_HTTP_URL if you use an emulator, else the network "
                 f"(each storage call gives up after {TIMEOUT_ENV}={timeout_seconds():.0f} s)")
     return f"{client} cannot write to {url} ({type(err).__name__}: {detail}); check the path and the network"

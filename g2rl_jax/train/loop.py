@@ -363,13 +363,15 @@ class Trainer(SamplingRounds):
                     self.step += 1
                     mid_step = False
                     metrics = result.metrics
-                    self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
+                    saved = self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
                     validation = None
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
                         validation = self._validate_step(writer, metrics)
                         metrics.update(validation)
                     metrics |= self.clock.step_figures(self.step, after_warmup=self.step > warm_step)
                     writer.write(self.step, metrics)
+                    if saved:  # the records the checkpoint's resume keeps reach the run directory now
+                        writer.flush()
                     bar.update(self.step, metrics)
                     history.append(metrics)
                 if self._stop_requested():
