@@ -254,3 +254,25 @@ def test_half_set_emulator_variables_are_one_line_at_once(gcs):
     line = _last_line(done)
     assert "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is not set (it must be false" in line, line
     assert "python -m g2rl_jax.bench.gcs_emulator" in line and seconds < 60
+
+
+def test_eval_of_a_checkpoint_whose_server_went_away_is_one_line(gcs, tmp_path):
+    """`eval --checkpoint gs://...` with the bucket's server gone (its port closed): one line naming the URL and the
+    closed port, within the bounded time, before any model loads (it used to hang until killed)."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"problem": "1+2", "answer": "3"}) + "\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "g2rl_jax.eval", "--checkpoint", "gs://g2rl-test/runs/gone",
+                           "--datasets", str(data), "--out", str(tmp_path / "eval")],
+                          env=_emulator_env(gcs, f"http://127.0.0.1:{port}"), capture_output=True, text=True,
+                          timeout=300)
+    line = _last_line(done)
+    assert line.startswith("eval error: --checkpoint: gcsfs cannot reach") and "gs://g2rl-test/runs/gone" in line
+    assert f"nothing listens on port {port}" in line and time.monotonic() - t0 < 90, line

@@ -363,6 +363,8 @@ class Trainer(SamplingRounds):
                     self.step += 1
                     mid_step = False
                     metrics = result.metrics
+                    if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
+                        writer.flush()  # the steps before this checkpoint's reach the run directory before it
                     saved = self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
                     validation = None
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
@@ -370,7 +372,7 @@ class Trainer(SamplingRounds):
                         metrics.update(validation)
                     metrics |= self.clock.step_figures(self.step, after_warmup=self.step > warm_step)
                     writer.write(self.step, metrics)
-                    if saved:  # the records the checkpoint's resume keeps reach the run directory now
+                    if saved:  # and this step's record right after it (its save is still being written)
                         writer.flush()
                     bar.update(self.step, metrics)
                     history.append(metrics)
