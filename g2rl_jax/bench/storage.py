@@ -12,11 +12,11 @@ policy's architecture, random weights):
   first step  `python -m g2rl_jax.train` for one step (no validation) with model.path a local directory and the same
               directory in the bucket, fresh processes, alternating --first-repeats times: seconds from the launch to
               the first step's metrics record, and the copy to the local cache alone (storage.local_copy).
-  requests    (the proxy only) what each file costs the bucket, counted by the proxy: a trainer's steps (--steps
-              records, --step-seconds apart, a checkpoint every --checkpoint-every steps with the metrics flushed
-              there) per step for metrics.jsonl, the TensorBoard events and per checkpoint; eval's records per
-              problem (--problems, --problem-seconds apart), buffered as eval writes them and, for comparison, one
-              append per record as before: requests, bytes each way, and the 429s the proxy served.
+  requests    (the proxy only) what each file costs the bucket, counted by the proxy: a trainer's steps
+              (--request-steps records, --step-seconds apart, a checkpoint every --checkpoint-every steps with the
+              metrics flushed there) per step for metrics.jsonl, the TensorBoard events and per checkpoint;
+              eval's records per problem (--problems, --problem-seconds apart), buffered as eval writes them and,
+              for comparison, one append per record as before: requests, bytes each way, and the 429s the proxy served.
 The emulator is on this machine, so its figures are the storage layer's own cost (requests, copies, composes)
 without a network's latency; docs/performance.md says what a real bucket adds.
 """
@@ -50,6 +50,7 @@ def parse_args(argv):
     p.add_argument("--tail", type=int, default=20, help="the last steps whose mean is shown separately")
     p.add_argument("--scalars", type=int, default=40, help="numbers per metrics record (a demo step writes ~40)")
     p.add_argument("--first-repeats", type=int, default=1, help="trainer launches per model location (0: skip)")
+    p.add_argument("--request-steps", type=int, default=30, help="requests: a trainer's steps")
     p.add_argument("--step-seconds", type=float, default=0.3, help="requests: seconds between a trainer's steps")
     p.add_argument("--checkpoint-every", type=int, default=10, help="requests: steps between checkpoints")
     p.add_argument("--problems", type=int, default=100, help="requests: eval problems (buffered records)")
@@ -181,8 +182,10 @@ def _requests(proxy, url: str, state, args) -> list[tuple[str, str, float, list[
     proxy.reset()
     writer = MetricsWriter(run, start_step=0, loggers=("jsonl", "tensorboard"))
     ckpt = Checkpointer(run, every=args.checkpoint_every, keep=2)
-    for step in range(1, args.steps + 1):
+    for step in range(1, args.request_steps + 1):
         time.sleep(args.step_seconds)
+        if step % args.checkpoint_every == 0:
+            writer.flush()  # as the trainer does before and after a checkpoint
         saved = ckpt.save(step, state, _Iterator())
         writer.write(step, {f"metric_{k}": float(v) for k, v in enumerate(rng.standard_normal(args.scalars))})
         if saved:
@@ -190,9 +193,9 @@ def _requests(proxy, url: str, state, args) -> list[tuple[str, str, float, list[
     ckpt.close()
     writer.close()
     tally = _tally(proxy.log, f"{bucket_root}/requests_run")
-    checkpoints = args.steps // args.checkpoint_every
-    rows = [("metrics.jsonl", "step", args.steps, tally.get("metrics", [0] * 4)),
-            ("TensorBoard events", "step", args.steps, tally.get("events", [0] * 4)),
+    checkpoints = args.request_steps // args.checkpoint_every
+    rows = [("metrics.jsonl", "step", args.request_steps, tally.get("metrics", [0] * 4)),
+            ("TensorBoard events", "step", args.request_steps, tally.get("events", [0] * 4)),
             ("checkpoint (Orbax)", "checkpoint", checkpoints, tally.get("checkpoint", [0] * 4))]
     for label, problems, buffered in (("eval records, buffered", args.problems, True),
                                       ("eval records, one append each", args.unbuffered_problems, False)):
@@ -257,7 +260,8 @@ def main(argv=None) -> int:
             t0, earlier = time.perf_counter(), (proxy.served_429, dict(proxy.throttled()))
             rows = _requests(proxy, url, state, args)
             print(f"\nrequests through the strict proxy (faults {proxy.faults}; {time.perf_counter() - t0:.0f} s): "
-                  f"{args.steps} steps {args.step_seconds} s apart, a checkpoint every {args.checkpoint_every}, "
+                  f"{args.request_steps} steps {args.step_seconds} s apart, a checkpoint every "
+                  f"{args.checkpoint_every}, "
                   f"records flushed every {storage.flush_seconds():g} s")
             print("| file | per | requests | KB sent | KB received | 429s served (total) |")
             print("|---|---|---|---|---|---|")
