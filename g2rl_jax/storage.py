@@ -11,11 +11,16 @@ The choice: etils `epath`, the path type Orbax takes for its checkpoint director
 cache uses for non-local directories, with fsspec's gcsfs behind it for gs:// (epath's own backend for gs:// when
 TensorFlow is absent). So the checkpoints, the compile cache and every file the project writes itself go through one
 client, one set of credentials and one emulator setting (STORAGE_EMULATOR_HOST). gcsfs is the optional extra
-`pip install -e ".[gcs]"`; a gs:// path without it is one line naming the extra.
+`pip install -e ".[gcs]"`; a gs:// path without it is one line naming the extra. The clients' retries, timeouts and
+the checks at start that keep an unreachable endpoint from hanging a run: g2rl_jax/storage_clients.py.
 
 What an object store does not have, done here once:
-- append: `append_text` writes the new bytes as a small object and composes [object, part] onto the object (one
-  compose request, whatever the object's size), so metrics.jsonl and the TensorBoard events grow as one object;
+- append: `append_text` writes the new bytes as a small part object (named for host, pid and a random id) and
+  composes [object, part] onto the object (one compose request, whatever the object's size), so metrics.jsonl and
+  the TensorBoard events grow as one object; `Appender` and `Mirror` buffer and flush every $G2RL_JAX_FLUSH_SECONDS
+  (and when told); `remove_orphan_parts` deletes the parts a killed writer left;
+- write rates: GCS allows about one update per second per object name; this process's gcsfs client waits out the
+  rest of the second before updating an object again (storage_clients.py), so it is never answered 429;
 - an atomic create-if-absent (the run lock): a write with the precondition ifGenerationMatch=0, refused (412) when
   the object exists; locally, a complete file hard-linked into place;
 - rename: a copy and a delete (`move`), not atomic; used only to set a corrupt checkpoint aside, where a partial move

@@ -145,15 +145,12 @@ def _metrics(root: str, steps: int, tail: int, scalars: int) -> tuple[float, flo
 def _part_of(obj: str, root: str) -> str | None:
     """Which file of a run an object belongs to: metrics, events, checkpoint, records (a compose part counts as
     its file's)."""
-    rel = obj[len(root):].lstrip("/") if obj.startswith(root) else None
-    if rel is None:
+    if not obj.startswith(root):
         return None
-    if rel.startswith("checkpoints/"):
-        return "checkpoint"
-    if rel.startswith("tensorboard/"):
-        return "events"
-    if rel.startswith("records/"):
-        return "records"
+    rel = "/" + obj[len(root):].lstrip("/")
+    for folder, part in (("/checkpoints/", "checkpoint"), ("/tensorboard/", "events"), ("/records/", "records")):
+        if folder in rel:
+            return part
     return "metrics" if "metrics.jsonl" in rel else None
 
 
@@ -210,6 +207,32 @@ def _requests(proxy, url: str, state, args) -> list[tuple[str, str, float, list[
             appender.close()
         rows.append((label, "problem", problems, _tally(proxy.log, bucket_root).get("records", [0] * 4)))
     return rows
+
+
+def _manifest_retries(proxy, url: str, state, repeats: int) -> list[tuple[str, float, int]]:
+    """(rule, median save s, 429s served) of checkpoint saves with the proxy's one-update-a-second rule and without
+    it (the same proxy and faults, alternating): what tensorstore's retries of its manifest.ocdbt cost."""
+    from g2rl_jax.train.checkpoint import Checkpointer
+
+    rule = proxy.update_interval
+    times: dict[float, list[float]] = {rule: [], 0.0: []}
+    throttled: dict[float, int] = {rule: 0, 0.0: 0}
+    try:
+        for i in range(repeats):
+            for interval in (rule, 0.0):
+                proxy.update_interval = interval
+                before = proxy.served_429
+                ckpt = Checkpointer(f"{url}/manifest_{interval:g}_{i}", every=1, keep=1)
+                t0 = time.perf_counter()
+                ckpt.save(1, state, _Iterator(), force=True)
+                ckpt.wait()
+                times[interval].append(time.perf_counter() - t0)
+                ckpt.close()
+                throttled[interval] += proxy.served_429 - before
+    finally:
+        proxy.update_interval = rule
+    return [(f"{interval:g} s per object" if interval else "no rate rule", statistics.median(times[interval]),
+             throttled[interval]) for interval in (rule, 0.0)]
 
 
 def _first_step(model_path: str, out: str, env: dict) -> float:
@@ -269,6 +292,11 @@ def main(argv=None) -> int:
                 print(f"| {what} | {per} | {requests / count:.2f} | {up / count / 1e3:.2f} | {down / count / 1e3:.2f} "
                       f"| {throttled} |")
             print(f"429s served while timing the saves, restores and metrics above: {earlier[0]} {earlier[1]}")
+            print("\ncheckpoint saves with the proxy's rate rule and without it (alternating):")
+            print("| rule | save s (median) | 429s served (all saves) |")
+            print("|---|---|---|")
+            for rule, seconds, throttled in _manifest_retries(proxy, url, state, args.repeats):
+                print(f"| {rule} | {seconds:.2f} | {throttled} |")
         if args.first_repeats:
             bucket_model = f"{url.rstrip('/')}/model"
             storage.upload_tree(model_dir, bucket_model)
