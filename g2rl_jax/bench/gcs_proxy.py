@@ -48,7 +48,7 @@ class Faults:
     seed: int = 0
 
 
-STRICT = Faults(rate_503=0.01, rate_slow=0.01, rate_drop=0.005, slow_s=0.3, seed=0)  # what the tests serve
+STRICT = Faults(rate_503=0.003, rate_slow=0.005, rate_drop=0.002, slow_s=0.3, seed=0)  # what the tests serve
 
 
 @dataclasses.dataclass
@@ -59,6 +59,7 @@ class Request:
     bytes_in: int      # request body
     bytes_out: int     # response body
     status: int        # what the client got (429, 503, 0 for a dropped connection, else the server's)
+    t: float = 0.0     # when it arrived (time.monotonic())
 
 
 
@@ -214,7 +215,7 @@ class GcsProxy:
                 split = urllib.parse.urlsplit(self.path)
                 query = {k: v[0] for k, v in urllib.parse.parse_qs(split.query).items()}
                 kind, obj = classify(self.command, split.path, query, body, proxy._uploads)
-                request = Request(self.command, kind, obj, len(body), 0, 0)
+                request = Request(self.command, kind, obj, len(body), 0, 0, time.monotonic())
                 fault = proxy._draw()
                 if fault:
                     with proxy._lock:
