@@ -200,12 +200,15 @@ def _requests(proxy, url: str, state, args) -> list[tuple[str, str, float, list[
         path = f"{url}/requests_eval_{int(buffered)}/records/key.jsonl"
         record = json.dumps({"dataset": "d", "id": "0", "answers": ["1"] * 16, "correct": [True] * 16}) + "\n"
         appender = storage.Appender(path) if buffered else None
+        t0 = time.perf_counter()
         for _ in range(problems):
             time.sleep(args.problem_seconds)
             appender.write(record) if buffered else storage.append_text(path, record)
         if appender is not None:
             appender.close()
-        rows.append((label, "problem", problems, _tally(proxy.log, bucket_root).get("records", [0] * 4)))
+        seconds = (time.perf_counter() - t0) / problems
+        rows.append((f"{label} ({seconds:.2f} s a problem, {args.problem_seconds:g} s of it sampling)", "problem",
+                     problems, _tally(proxy.log, bucket_root).get("records", [0] * 4)))
     return rows
 
 
