@@ -165,8 +165,6 @@ def append_record(path, record: dict[str, Any]) -> None:
     storage.append_text(path, json.dumps(record) + "\n")  # on GCS: composed onto the object
 
 
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """What the samples depend on: records are kept per settings, so a change starts new records."""
@@ -253,6 +251,7 @@ def _run_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         from g2rl_jax.train.checkpoint import run_defaults
 
         try:
+            storage.check_readable(args.checkpoint, "--checkpoint")  # a server gone away: one line, not a hang
             run = run_defaults([args.checkpoint], lambda c: {
                 "temperature": c.data.eval_temperature, "max_new_tokens": c.data.eval_max_new_tokens,
                 "template": c.data.prompt_template, "max_prompt_tokens": c.data.max_prompt_tokens}, args)
@@ -393,8 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = storage.path(args.out, "--out")
         storage.check_writable(out, "--out")  # a missing bucket, no credentials: one line before any model loads
-        for flag, source in (("--checkpoint", args.checkpoint), ("--model-path", args.model_path)):
-            storage.check_readable(source or "", flag)  # a server gone away: one line, not a hang
+        storage.check_readable(args.model_path or "", "--model-path")  # a server gone away: one line, not a hang
         settings = run_settings(args)
         datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
         tokenizer = load_tokenizer(args, settings)
