@@ -277,3 +277,20 @@ def test_eval_of_a_checkpoint_whose_server_went_away_is_one_line(gcs, tmp_path):
     line = _last_line(done)
     assert line.startswith("eval error: --checkpoint: gcsfs cannot reach") and "gs://g2rl-test/runs/gone" in line
     assert f"nothing listens on port {port}" in line and time.monotonic() - t0 < 90, line
+
+
+def test_the_trainer_with_half_set_emulator_variables_is_one_line(gcs):
+    """The case that printed gRPC handshake errors for 18 minutes: the trainer on a gs:// run.output_dir with the
+    emulator's address but without the export line's last four variables. One line, before any model loads."""
+    import pathlib
+    import subprocess
+
+    env = _emulator_env(gcs, gcs.endpoint)
+    for name in ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "GCE_METADATA_HOST", "GCE_METADATA_IP", "NO_GCE_CHECK"):
+        env.pop(name)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "g2rl_jax.train", "--config", str(root / "configs" / "demo.yaml"),
+                           f"run.output_dir={gcs.url('storage/half_set')}"], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    line = _last_line(done)
+    assert line.startswith("config error: ") and "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is not set" in line, line
