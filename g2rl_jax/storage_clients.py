@@ -172,7 +172,7 @@ def _register_paced_gcsfs() -> None:
     (every file written through gcsfs, Orbax's metadata files included): a 429 avoided, not retried."""
     import fsspec
 
-    from g2rl_jax import storage
+    from g2rl_jax import storage_append
 
     base = fsspec.get_filesystem_class("gs")
     if getattr(base, "paced", False):
@@ -192,7 +192,7 @@ def _register_paced_gcsfs() -> None:
             if obj is None or kind not in (*UPDATES, "start"):
                 return await super()._request(method, path, *args, **kwargs)
             key = f"gs://{obj}"
-            wait = storage.UPDATE_INTERVAL_S + 0.05 - storage._since_update(key)
+            wait = storage_append.UPDATE_INTERVAL_S + 0.05 - storage_append._since_update(key)
             if wait > 0 and "upload_id" not in query:  # a resumable upload waits at its start
                 await asyncio.sleep(wait)
             result = await super()._request(method, path, *args, **kwargs)
@@ -200,8 +200,8 @@ def _register_paced_gcsfs() -> None:
             if kind == "start" and "upload_id=" in headers.get("Location", ""):
                 uploads[urllib.parse.parse_qs(urllib.parse.urlsplit(headers["Location"]).query)["upload_id"][0]] = obj
             elif status < 300:
-                with storage._UPDATED_LOCK:
-                    storage._UPDATED[key] = time.monotonic()
+                with storage_append._UPDATED_LOCK:
+                    storage_append._UPDATED[key] = time.monotonic()
             return result
 
     for protocol in ("gs", "gcs"):
@@ -233,12 +233,12 @@ def _tensorstore_probe(probe) -> None:
     """Write object `probe` through tensorstore's gcs driver, with the retries Orbax will use (gcsfs deletes it)."""
     import tensorstore as ts
 
-    from g2rl_jax import storage
+    from g2rl_jax import storage_append
 
     bucket, _, name = str(probe).split("://", 1)[1].partition("/")
     store = ts.KvStore.open({"driver": "gcs", "bucket": bucket,
                              "context": {"gcs_request_retries": dict(RETRIES)}}).result()
-    with storage._update(probe):  # its delete waits out the second after this write
+    with storage_append._update(probe):  # its delete waits out the second after this write
         store.write(name, b"ok").result()
 
 
