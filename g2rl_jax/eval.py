@@ -161,6 +161,7 @@ def read_records(path) -> list[dict[str, Any]]:
 
 
 def append_record(path, record: dict[str, Any]) -> None:
+    """One record appended at once (evaluate_dataset buffers its own: storage.Appender)."""
     storage.append_text(path, json.dumps(record) + "\n")  # on GCS: composed onto the object
 
 
@@ -250,6 +251,7 @@ def _run_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         from g2rl_jax.train.checkpoint import run_defaults
 
         try:
+            storage.check_readable(args.checkpoint, "--checkpoint")  # a server gone away: one line, not a hang
             run = run_defaults([args.checkpoint], lambda c: {
                 "temperature": c.data.eval_temperature, "max_new_tokens": c.data.eval_max_new_tokens,
                 "template": c.data.prompt_template, "max_prompt_tokens": c.data.max_prompt_tokens}, args)
@@ -351,7 +353,10 @@ def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path)
 
     stop_ids = stop_token_ids(tokenizer)
     pending = [e for e in examples if e.id not in done]
-    with tqdm(total=len(examples), initial=len(examples) - len(pending), desc=name, unit="problem") as bar:
+    # on GCS buffered: composed onto the object every G2RL_JAX_FLUSH_SECONDS and at the end (a kill loses the
+    # records since the last flush; the rerun samples those problems again)
+    with storage.Appender(records_path) as records, \
+            tqdm(total=len(examples), initial=len(examples) - len(pending), desc=name, unit="problem") as bar:
         for start in range(0, len(pending), args.batch_size):
             chunk = pending[start:start + args.batch_size]
             seed = zlib.crc32(f"{args.seed}:{name}:{chunk[0].id}".encode()) & 0x7FFFFFFF
@@ -363,10 +368,10 @@ def evaluate_dataset(name, examples, done, model, tokenizer, args, records_path)
                 ids = rollout.completion_ids[group]
                 texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
                 answers, correct, classes = score_responses(example, texts)
-                append_record(records_path, {
+                records.write(json.dumps({
                     "dataset": name, "id": example.id, "gold": example.answer, "answers": answers,
                     "correct": correct, "classes": classes,
-                    "lengths": [len(x) for x in ids], "finish_reasons": list(rollout.finish_reasons[group])})
+                    "lengths": [len(x) for x in ids], "finish_reasons": list(rollout.finish_reasons[group])}) + "\n")
                 bar.update()
 
 
@@ -387,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = storage.path(args.out, "--out")
         storage.check_writable(out, "--out")  # a missing bucket, no credentials: one line before any model loads
+        storage.check_readable(args.model_path or "", "--model-path")  # a server gone away: one line, not a hang
         settings = run_settings(args)
         datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
         tokenizer = load_tokenizer(args, settings)
@@ -394,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as err:  # no model or tokenizer there, a bad dataset, or no prompt of one fits
         return cli.fail("eval", err)
     path = records_path(out, settings)
+    storage.remove_orphan_parts(path.parent, older_than=600)  # a killed eval's compose parts (not a live one's)
     records = read_records(path)
     done = {(r["dataset"], r["id"]) for r in records}
     if any((name, e.id) not in done for name, examples in datasets.items() for e in examples):

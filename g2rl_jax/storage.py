@@ -11,11 +11,17 @@ The choice: etils `epath`, the path type Orbax takes for its checkpoint director
 cache uses for non-local directories, with fsspec's gcsfs behind it for gs:// (epath's own backend for gs:// when
 TensorFlow is absent). So the checkpoints, the compile cache and every file the project writes itself go through one
 client, one set of credentials and one emulator setting (STORAGE_EMULATOR_HOST). gcsfs is the optional extra
-`pip install -e ".[gcs]"`; a gs:// path without it is one line naming the extra.
+`pip install -e ".[gcs]"`; a gs:// path without it is one line naming the extra. The clients' retries, timeouts and
+the checks at start that keep an unreachable endpoint from hanging a run: g2rl_jax/storage_clients.py.
 
 What an object store does not have, done here once:
-- append: `append_text` writes the new bytes as a small object and composes [object, part] onto the object (one
-  compose request, whatever the object's size), so metrics.jsonl and the TensorBoard events grow as one object;
+- append: `append_text` writes the new bytes as a small part object (named for host, pid and a random id) and
+  composes [object, part] onto the object (one compose request, whatever the object's size), so metrics.jsonl and
+  the TensorBoard events grow as one object; `Appender` and `Mirror` buffer and flush every $G2RL_JAX_FLUSH_SECONDS
+  (and when told); `remove_orphan_parts` deletes the parts a killed writer left (these live in storage_append.py and
+  are re-exported here);
+- write rates: GCS allows about one update per second per object name; this process's gcsfs client waits out the
+  rest of the second before updating an object again (storage_clients.py), so it is never answered 429;
 - an atomic create-if-absent (the run lock): a write with the precondition ifGenerationMatch=0, refused (412) when
   the object exists; locally, a complete file hard-linked into place;
 - rename: a copy and a delete (`move`), not atomic; used only to set a corrupt checkpoint aside, where a partial move
@@ -43,6 +49,17 @@ from urllib.parse import quote
 from etils import epath
 
 from g2rl_jax.errors import ConfigError
+from g2rl_jax.storage_append import (  # noqa: F401 - part of this module's interface
+    FLUSH_ENV,
+    PART,
+    UPDATE_INTERVAL_S,
+    Appender,
+    Mirror,
+    append_bytes,
+    append_text,
+    flush_seconds,
+    remove_orphan_parts,
+)
 
 PathLike = Union[str, os.PathLike]
 EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}  # scheme -> (the client module, the extra that has it)
@@ -77,16 +94,9 @@ def require_client(p: PathLike, key: str = "") -> None:
         where = f"{key}: " if key else ""
         raise StorageError(f"{where}{str(p)!r} is a {which}:// path, which needs the {module} package: "
                            f"pip install -e \".[{extra}]\" (or pip install {module})") from None
-    _configure_gcs()
+    from g2rl_jax import storage_clients
 
-
-def _configure_gcs() -> None:
-    """gcsfs without its listings cache: hosts that share a bucket must see each other's writes (Orbax lists the
-    checkpoint directory that another process wrote)."""
-    import fsspec
-
-    fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
-    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
+    storage_clients.configure()  # timeouts, retries, the emulator's variables: once per process
 
 
 def path(p: PathLike, key: str = "") -> epath.Path:
@@ -156,77 +166,6 @@ def write_bytes(p: PathLike, data: bytes) -> None:
 
 def write_text(p: PathLike, text: str) -> None:
     write_bytes(p, text.encode("utf-8"))
-
-
-def append_bytes(p: PathLike, data: bytes, *, known_to_exist: bool | None = None) -> None:
-    """Append `data` to `p` (created when absent). On an object store: the new bytes as a part object, composed
-    onto `p` (GCS compose: atomic, one request whatever the size of `p`), the part then deleted. A caller that knows
-    whether `p` exists passes `known_to_exist` and saves a request."""
-    if not is_url(p):
-        with open(path(p), "ab") as fh:
-            fh.write(data)
-        return
-    fs, key = _fs(p)
-    if not (fs.exists(key) if known_to_exist is None else known_to_exist):
-        fs.pipe_file(key, data)
-        return
-    part = f"{key.rsplit('/', 1)[0]}/.{key.rsplit('/', 1)[-1]}.part.{os.getpid()}"
-    fs.pipe_file(part, data)
-    try:
-        fs.merge(key, [key, part])
-    finally:
-        fs.rm_file(part)
-
-
-def append_text(p: PathLike, text: str, **kw) -> None:
-    append_bytes(p, text.encode("utf-8"), **kw)
-
-
-class Appender:
-    """A file grown one `write` at a time, each written through at once (a local file flushed; an object composed),
-    so a kill loses at most the write in progress."""
-
-    def __init__(self, p: PathLike):
-        self.path = path(p)
-        self._url = is_url(p)
-        self._exists = exists(p) if self._url else True
-        self._file = None if self._url else open(self.path, "a", encoding="utf-8")
-
-    def write(self, text: str) -> None:
-        if self._file is not None:
-            self._file.write(text)
-            self._file.flush()
-            return
-        append_text(self.path, text, known_to_exist=self._exists)
-        self._exists = True
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-class Mirror:
-    """Keeps the files of a fresh local directory `local_dir` (for a tool that writes only local files, e.g.
-    TensorBoard's event writer) copied to directory `dst`: `sync()` appends to each object the bytes its local file
-    gained since the last sync, so a growing events file costs one compose per sync, not a rewrite."""
-
-    def __init__(self, dst: PathLike, purpose: str):
-        self.local_dir, self.dst = Path(tempfile.mkdtemp(prefix=f"g2rl_jax_{purpose}_")), path(dst)
-        self._sent: dict[str, int] = {}
-
-    def close(self) -> None:
-        """A last sync; the local copy is then deleted."""
-        self.sync()
-        shutil.rmtree(self.local_dir, ignore_errors=True)
-
-    def sync(self) -> None:
-        for file in sorted(f for f in self.local_dir.iterdir() if f.is_file()):
-            size, sent = file.stat().st_size, self._sent.get(file.name, 0)
-            if size > sent:
-                with open(file, "rb") as fh:
-                    fh.seek(sent)
-                    append_bytes(self.dst / file.name, fh.read(size - sent), known_to_exist=sent > 0)
-                self._sent[file.name] = size
 
 
 # ------------------------------------------------------------------------------------------------ small versioned files
@@ -386,40 +325,18 @@ def upload_tree(local_dir: PathLike, dst: PathLike) -> None:
 
 # ------------------------------------------------------------------------------------------------ checks
 def check_writable(directory: PathLike, key: str, probe_name: str = ".write_test") -> None:
-    """StorageError naming `key`, the path and the fix when `directory` cannot be written: a bucket that does not
-    exist, no credentials, permission denied, an unwritable local directory. Writes and deletes one small probe
-    file (`probe_name`: one per process when hosts share the directory)."""
-    try:
-        makedirs(directory)
-        probe = path(directory, key) / probe_name
-        write_text(probe, "ok")
-        remove(probe)
-    except StorageError:
-        raise
-    except Exception as err:  # noqa: BLE001 - every failure becomes the one line below, the cause named in it
-        raise StorageError(f"{key}: {_explain(directory, err)}") from None
+    """StorageError naming `key`, the path and the fix when `directory` cannot be written (through both clients
+    for gs://, each within a bounded time: g2rl_jax/storage_clients.py)."""
+    from g2rl_jax import storage_clients
+
+    storage_clients.check_writable(directory, key, probe_name)
 
 
-def _explain(directory: PathLike, err: BaseException) -> str:
-    """What a failed write to `directory` means and what to do, from the client's error."""
-    detail = " ".join(str(err).split())[:300]
-    if not is_url(directory):
-        return f"cannot write to {str(directory)!r} ({detail}); choose a writable directory"
-    url = str(directory)
-    bucket = url.split("://", 1)[1].split("/", 1)[0]
-    code = getattr(err, "code", None)
-    if isinstance(err, FileNotFoundError) or code == 404:
-        return (f"the bucket {scheme(url)}://{bucket} does not exist (writing {url}); create it (gcloud storage "
-                f"buckets create {scheme(url)}://{bucket}) or fix the name")
-    if code == 401 or "anonymous caller" in detail.lower() or "credentials" in detail.lower():
-        return (f"no Google Cloud credentials to write {url} ({detail}); run `gcloud auth application-default "
-                "login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account key, or run on a VM whose service "
-                "account may write the bucket")
-    if isinstance(err, PermissionError) or code == 403 or detail.startswith("Forbidden"):
-        return (f"permission denied writing {url} ({detail}); grant this machine's account roles/storage.objectUser "
-                f"on {scheme(url)}://{bucket} (gcloud storage buckets add-iam-policy-binding), or choose a bucket it "
-                "may write")
-    return f"cannot write to {url} ({type(err).__name__}: {detail}); check the path and the network"
+def check_readable(p: PathLike, key: str) -> None:
+    """StorageError naming `key` when URL `p` cannot be reached within a bounded time (storage_clients.py)."""
+    from g2rl_jax import storage_clients
+
+    storage_clients.check_readable(p, key)
 
 
 # ------------------------------------------------------------------------------------------------ local copies

@@ -80,10 +80,11 @@ def pytest_collection_modifyitems(config, items):
 def gcs():
     """A real GCS server on loopback (g2rl_jax/bench/gcs_emulator.py), one per test process: tensorstore reads its
     address once per process and etils keeps its gcsfs client, so every module a worker runs shares this one (each
-    under its own prefix of the bucket)."""
-    from g2rl_jax.bench.gcs_emulator import GcsEmulator
+    under its own prefix of the bucket). The clients reach it through the strict proxy (gcs_proxy.py): a 429 for a
+    second update of an object within a second, and seeded 503s, slow answers and dropped connections."""
+    from g2rl_jax.bench.gcs_emulator import STRICT, GcsEmulator
 
-    with GcsEmulator() as emulator:
+    with GcsEmulator(proxy=STRICT) as emulator:
         yield emulator
 
 

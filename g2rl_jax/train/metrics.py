@@ -12,10 +12,14 @@ Only process 0 writes (on other processes every method is a no-op), so multi-hos
         bar.update(step, scalars)
     metrics.close(); bar.close()
 
-Storage (g2rl_jax.storage): run_dir may be a URL. On GCS, where an object cannot be appended to, each record is
-uploaded as a small object and composed onto metrics.jsonl (one compose request per step whatever the file's size),
-and TensorBoard's events, written to a local directory, have each flush's new bytes composed onto their object the
-same way; W&B keeps its local files in the cache (storage.scratch_dir).
+Storage (g2rl_jax.storage): run_dir may be a URL. On GCS, where an object cannot be appended to and an object may
+be updated about once a second, the records are buffered and composed onto metrics.jsonl (one part upload and one
+compose whatever the file's size) every $G2RL_JAX_FLUSH_SECONDS (default 5 s), at `flush()` (the trainer's every
+checkpoint) and at `close()`; TensorBoard's events, written to a local directory, have their new bytes composed onto
+their object on the same schedule; W&B keeps its local files in the cache (storage.scratch_dir). Compose parts left
+by a killed writer are deleted when the next writer opens the run (it holds the run lock). What a kill -9 loses is
+at most the records since the last flush, all of steps after the last checkpoint, which the resumed run recomputes
+(and rewrites: see Resuming).
 
 Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ... again, so MetricsWriter first
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
@@ -238,8 +242,10 @@ class MetricsWriter:
         check_loggers(loggers)
         run_dir = storage.path(run_dir)
         storage.makedirs(run_dir)
+        for folder in (run_dir, run_dir / TENSORBOARD_DIR):
+            storage.remove_orphan_parts(folder)  # a killed writer's; this one holds the run
         _truncate(run_dir, start_step)
-        self._file = storage.Appender(run_dir / METRICS_FILE)  # on GCS each line is composed onto the object
+        self._file = storage.Appender(run_dir / METRICS_FILE)  # on GCS buffered, composed onto the object
         self._tb = self._wandb = self._tb_mirror = None
         if "tensorboard" in loggers:
             events = run_dir / TENSORBOARD_DIR
@@ -271,6 +277,14 @@ class MetricsWriter:
                 self._tb_mirror.sync()
         if self._wandb is not None:
             self._wandb.log(finite, step=int(step))
+
+    def flush(self) -> None:
+        """Everything written so far to the run directory now (the trainer calls it at every checkpoint)."""
+        if self._enabled:
+            self._file.flush()
+            if self._tb_mirror is not None:
+                self._tb.flush()
+                self._tb_mirror.sync(force=True)
 
     def close(self) -> None:
         if self._enabled:

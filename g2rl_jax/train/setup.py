@@ -148,6 +148,9 @@ def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
                       ("run.compilation_cache_dir", cfg.run.compilation_cache_dir)):
         if path:
             storage.require_client(path, key)  # a gs:// path without the gcs extra: one line, before anything loads
+    # one probe per process (hosts may share the directory), before any other request: an endpoint that cannot be
+    # reached is one line in bounded time
+    storage.check_writable(cfg.run.output_dir, "run.output_dir", f".write_test.{jax.process_index()}")
     known = dataset_names()
     datasets = (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets))
     for key, names in datasets:
@@ -155,8 +158,6 @@ def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
             if name not in known and not (storage.require_client(name, key) or storage.is_file(name)):
                 raise ConfigError(f"{key}: {name!r} is neither a registered dataset ({', '.join(known)}) nor a "
                                   ".jsonl file (local or a URL such as gs://bucket/data.jsonl)")
-    # one probe per process: hosts may share the directory
-    storage.check_writable(cfg.run.output_dir, "run.output_dir", f".write_test.{jax.process_index()}")
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
