@@ -72,6 +72,29 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
         return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
+def split_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh | None]:
+    """(training mesh, rollout mesh): with config.rollout_devices = R > 0, the last R devices of each process form
+    the rollout mesh (data = all of them / rollout_tensor, fsdp 1, tensor = rollout_tensor) and data/fsdp/tensor
+    shape the training mesh on the rest; with R = 0, one mesh (make_mesh) and None. Each process holds devices of
+    both sides, so every process runs the same loop and weight sync copies within a process (train/weight_sync.py)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if config.rollout_devices == 0:
+        return make_mesh(config, devices), None
+    by_process: dict[int, list] = {}
+    for d in devices:
+        by_process.setdefault(d.process_index, []).append(d)
+    local = min(len(v) for v in by_process.values())
+    if config.rollout_devices >= local:
+        raise ConfigError(f"mesh.rollout_devices={config.rollout_devices} leaves no training device of the {local} "
+                          f"each process has; give the rollout fewer than {local} devices per process")
+    r = config.rollout_devices
+    train = [d for ds in by_process.values() for d in ds[:-r]]
+    rollout = [d for ds in by_process.values() for d in ds[-r:]]
+    shape = {"data": len(rollout) // config.rollout_tensor, "fsdp": 1, "tensor": config.rollout_tensor}
+    rollout_mesh = make_mesh(MeshConfig(**shape), rollout)
+    return make_mesh(dataclasses.replace(config, rollout_devices=0), train), rollout_mesh
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """The logical-axis -> mesh-axes table; `None` means replicated along that dimension."""
