@@ -2,7 +2,9 @@
 have mixed correctness, train/dynamic.py) and the validation rollouts on data.eval_datasets.
 
 `SamplingRounds` is a mixin of `train.loop.Trainer`: it reads the trainer's cfg, rng_key_data, tokenizer, mesh,
-loader, reward_cfg, stop_ids, eval_sets, stop signal and policy (`self.model`), and advances only the data iterator.
+loader, reward_cfg, stop_ids, eval_sets, stop signal and policy (`self.model`; the training rollouts use
+`self.rollout_model()` on `self.rollout_mesh`, the same unless mesh.rollout_devices > 0), and advances only the
+data iterator.
 """
 from __future__ import annotations
 
@@ -41,10 +43,10 @@ class SamplingRounds:
             longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
         t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
-            rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+            rollout = generate(self.rollout_model(), prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
-                               seed=self._step_seed(step, round_), mesh=self.mesh,
+                               seed=self._step_seed(step, round_), mesh=self.rollout_mesh,
                                compile_threads=self.warmup.threads,
                                pad_to=(cfg.data.prompts_per_step, self.warmup.prompt_len(longest)))
         t1 = time.perf_counter()
@@ -133,10 +135,10 @@ class SamplingRounds:
             if prompt_len not in self._warmed_prompts:
                 self._warmed_prompts.add(prompt_len)
                 if prompt_len != max(self.warmup.shares):
-                    warm(self.model, num_prompts=cfg.data.prompts_per_step, prompt_len=prompt_len,
+                    warm(self.rollout_model(), num_prompts=cfg.data.prompts_per_step, prompt_len=prompt_len,
                          max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k or 0, num_samples=cfg.rollout.num_samples,
-                         stop_token_ids=self.stop_ids, mesh=self.mesh, compile_threads=self.warmup.threads)
+                         stop_token_ids=self.stop_ids, mesh=self.rollout_mesh, compile_threads=self.warmup.threads)
 
     def warm_validation(self) -> None:
         """Compile the validation's rollout (generate.warm) without running it: a resumed run validates first after
