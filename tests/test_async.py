@@ -13,34 +13,36 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from test_train import DETERMINISTIC, ROOT, _env, assets, overrides  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import losses, parallel
 from g2rl_jax.config import ConfigError, MeshConfig, load_config
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.weight_sync import WeightSync
 
 from _helpers import HANG_S, kill_when, tail, xla_flags
-from test_train import DETERMINISTIC, ROOT, _env, assets, overrides  # noqa: F401 - assets is a fixture
 
 STEPS = 3
 SPLIT = {"mesh.rollout_devices": 4, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 1}
 CAP = 2.0
 
 
-def _config(assets, out, **kw):
+def _config(assets, out, **kw):  # noqa: F811
     return load_config(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml", overrides(assets, out, steps=STEPS, **kw))
 
 
-def _run(assets, out, **kw):
+def _run(assets, out, **kw):  # noqa: F811
     trainer = Trainer(_config(assets, out, **kw))
     trainer.resume()
     trainer.run()
     return read_metrics(out)
 
 
-def _same(got, want, keys=DETERMINISTIC, tol=1e-5):
+LAG = ("staleness_max", "policy_version")
+
+
+def _same(got, want, keys=DETERMINISTIC + LAG, tol=1e-5):
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for rg, rw in zip(got, want):
         for key in keys:
@@ -49,7 +51,7 @@ def _same(got, want, keys=DETERMINISTIC, tol=1e-5):
 
 
 @pytest.fixture(scope="module")
-def one_step_off(assets, tmp_path_factory):
+def one_step_off(assets, tmp_path_factory):  # noqa: F811
     """An uninterrupted one-step-off run: what a resumed or killed one must reproduce."""
     out = tmp_path_factory.mktemp("one_step_off") / "run"
     return {"out": out, "records": _run(assets, out, **SPLIT, **{"rollout.max_staleness": 1,
@@ -70,13 +72,13 @@ def test_split_meshes_on_eight_devices():
     ({"rollout.max_staleness": -1}, "rollout.max_staleness: must be >= 0"),
     ({"mesh.rollout_devices": 4, "mesh.rollout_tensor": 3}, "must divide mesh.rollout_devices=4"),
 ])
-def test_bad_settings_fail_in_one_line(assets, tmp_path, overrides_, match):
+def test_bad_settings_fail_in_one_line(assets, tmp_path, overrides_, match):  # noqa: F811
     with pytest.raises(ConfigError, match=match) as err:
         _config(assets, tmp_path / "bad", **overrides_)
     assert "\n" not in str(err.value)
 
 
-def test_weight_sync_moves_the_params_and_only_the_adapters_with_lora(assets, tmp_path):
+def test_weight_sync_moves_the_params_and_only_the_adapters_with_lora(assets, tmp_path):  # noqa: F811
     for rank in (0, 2):
         trainer = Trainer(_config(assets, tmp_path / f"sync{rank}", **SPLIT, **{"model.lora.rank": rank}))
         sync = trainer.ahead.sync
@@ -90,14 +92,14 @@ def test_weight_sync_moves_the_params_and_only_the_adapters_with_lora(assets, tm
         trainer.close()
 
 
-def test_staleness_zero_on_split_meshes_equals_colocated(assets, tmp_path):
+def test_staleness_zero_on_split_meshes_equals_colocated(assets, tmp_path):  # noqa: F811
     colocated = _run(assets, tmp_path / "colocated")
     split = _run(assets, tmp_path / "split", **SPLIT)
     _same(split, colocated)
     assert all(r["staleness_max"] == 0 and r["weight_sync_bytes"] > 0 for r in split)
 
 
-def test_one_step_off_uses_the_previous_policy_and_float64_weights(assets, tmp_path, one_step_off):
+def test_one_step_off_uses_the_previous_policy_and_float64_weights(assets, tmp_path, one_step_off):  # noqa: F811
     records = one_step_off["records"]
     assert [r["staleness_max"] for r in records] == [0.0, 1.0, 1.0]
     assert [r["policy_version"] for r in records] == [0.0, 0.0, 1.0]
@@ -126,7 +128,14 @@ def test_one_step_off_uses_the_previous_policy_and_float64_weights(assets, tmp_p
     trainer.close()
 
 
-def test_resume_of_one_step_off_equals_uninterrupted(assets, tmp_path, one_step_off):
+def test_two_steps_ahead_lags_by_two(assets, tmp_path):  # noqa: F811
+    records = _run(assets, tmp_path / "k2", **SPLIT, **{"rollout.max_staleness": 2, "algorithm.rollout_is_cap": CAP})
+    assert [r["staleness_max"] for r in records] == [0.0, 1.0, 2.0]
+    assert [r["policy_version"] for r in records] == [0.0, 0.0, 0.0]
+    assert all(np.isfinite(r["loss"]) and 0 <= r["rollout_is_capped_frac"] <= 1 for r in records)
+
+
+def test_resume_of_one_step_off_equals_uninterrupted(assets, tmp_path, one_step_off):  # noqa: F811
     kw = {**SPLIT, "rollout.max_staleness": 1, "algorithm.rollout_is_cap": CAP}
     part = Trainer(_config(assets, tmp_path / "part", **kw))
     part.resume()
@@ -137,7 +146,7 @@ def test_resume_of_one_step_off_equals_uninterrupted(assets, tmp_path, one_step_
     _same(read_metrics(tmp_path / "part"), one_step_off["records"])
 
 
-def test_kill_9_during_an_overlapped_step_resumes_exactly(assets, tmp_path, one_step_off):
+def test_kill_9_during_an_overlapped_step_resumes_exactly(assets, tmp_path, one_step_off):  # noqa: F811
     out = tmp_path / "killed"
     ckpts = out / "checkpoints"
     env = _env()

@@ -182,7 +182,8 @@ class AheadSampler:
         stop = min(self._taken + self.k, self.total)
         with self._cond:
             self._wait(lambda: all(s in self._drawn for s in range(self._taken, stop)))
-            pending = {s: dataclasses.astuple(self._drawn[s]) for s in range(self._taken, stop)}
+            pending = {s: (self._drawn[s].sample, self._drawn[s].version, self._drawn[s].seconds)
+                       for s in range(self._taken, stop)}
             position = self._before.get(stop)
         if position is None:  # nothing drawn this launch yet
             position = self.loader.get_state()

@@ -41,10 +41,10 @@ from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
 from g2rl_jax.train import compiles, identity, report, warmup
-from g2rl_jax.train.ahead import AheadSampler
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train.ahead import AheadSampler
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
 from g2rl_jax.train.lifecycle import (
     PREEMPTED_EXIT,
