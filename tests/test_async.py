@@ -1,6 +1,9 @@
 """Rollouts on their own mesh, ahead of the update (train/ahead.py, train/weight_sync.py), on 8 fake CPU devices:
 4 train + 4 rollout.
 
+Costs: one module of compiles (the colocated and the split programs); one uninterrupted one-step-off run serves
+the lag, float64, weight-sync, resume and kill -9 tests; the runs compared with checkpoint at their end only.
+
 Covers: max_staleness=0 on split meshes gives the colocated run's metrics; max_staleness=1 draws each step's samples
 with the previous step's policy (and the first step's with its own), and its importance weights match a float64
 NumPy transcription; a resumed one-step-off run, and one killed with -9 mid-run, equal the uninterrupted run; the
@@ -28,12 +31,13 @@ SPLIT = {"mesh.rollout_devices": 4, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor
 CAP = 2.0
 
 
-def _config(assets, out, **kw):  # noqa: F811
-    return load_config(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml", overrides(assets, out, steps=STEPS, **kw))
+def _config(assets, out, steps=STEPS, **kw):  # noqa: F811
+    return load_config(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml", overrides(assets, out, steps=steps, **kw))
 
 
-def _run(assets, out, **kw):  # noqa: F811
-    trainer = Trainer(_config(assets, out, **kw))
+def _run(assets, out, steps=STEPS, **kw):  # noqa: F811
+    """An uninterrupted run, checkpointed at its end only (the runs it is compared with checkpoint every step)."""
+    trainer = Trainer(_config(assets, out, **{"run.checkpoint_every": steps, **kw}))
     trainer.resume()
     trainer.run()
     return read_metrics(out)
@@ -50,12 +54,21 @@ def _same(got, want, keys=DETERMINISTIC + LAG, tol=1e-5):
                 np.testing.assert_allclose(rg[key], rw[key], rtol=tol, atol=tol, err_msg=f"step {rw['step']} {key}")
 
 
+ONE_STEP_OFF = {**SPLIT, "rollout.max_staleness": 1, "algorithm.rollout_is_cap": CAP}
+
+
 @pytest.fixture(scope="module")
 def one_step_off(assets, tmp_path_factory):  # noqa: F811
-    """An uninterrupted one-step-off run: what a resumed or killed one must reproduce."""
+    """An uninterrupted one-step-off run (checkpointed at its end only): what a resumed or killed one must
+    reproduce; also its trainer, its initial params (version 0) and every step's intermediates."""
     out = tmp_path_factory.mktemp("one_step_off") / "run"
-    return {"out": out, "records": _run(assets, out, **SPLIT, **{"rollout.max_staleness": 1,
-                                                                  "algorithm.rollout_is_cap": CAP})}
+    trainer = Trainer(_config(assets, out, **{"run.checkpoint_every": STEPS, **ONE_STEP_OFF}))
+    trainer.resume()
+    v0 = jax.tree.map(np.asarray, trainer.params)
+    results, stages = [], trainer.step_stages
+    trainer.step_stages = lambda step: results.append(stages(step)) or results[-1]
+    trainer.run()
+    return {"out": out, "records": read_metrics(out), "trainer": trainer, "v0": v0, "results": results}
 
 
 def test_split_meshes_on_eight_devices():
@@ -78,9 +91,10 @@ def test_bad_settings_fail_in_one_line(assets, tmp_path, overrides_, match):  # 
     assert "\n" not in str(err.value)
 
 
-def test_weight_sync_moves_the_params_and_only_the_adapters_with_lora(assets, tmp_path):  # noqa: F811
+def test_weight_sync_moves_the_params_and_only_the_adapters_with_lora(assets, tmp_path, one_step_off):  # noqa: F811
     for rank in (0, 2):
-        trainer = Trainer(_config(assets, tmp_path / f"sync{rank}", **SPLIT, **{"model.lora.rank": rank}))
+        trainer = one_step_off["trainer"] if rank == 0 else \
+            Trainer(_config(assets, tmp_path / f"sync{rank}", **SPLIT, **{"model.lora.rank": rank}))
         sync = trainer.ahead.sync
         moved = sync.push(trainer.params)
         for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(moved)):
@@ -89,27 +103,23 @@ def test_weight_sync_moves_the_params_and_only_the_adapters_with_lora(assets, tm
         every = sum(x.nbytes for x in jax.tree.leaves(trainer.params))
         adapters = sum(x.nbytes for x in jax.tree.leaves(nnx.state(trainer.model, nnx.LoRAParam)))
         assert sync.bytes == (every if rank == 0 else adapters) and (rank == 0 or adapters < every / 2)
-        trainer.close()
+        if rank:
+            trainer.close()
 
 
 def test_staleness_zero_on_split_meshes_equals_colocated(assets, tmp_path):  # noqa: F811
-    colocated = _run(assets, tmp_path / "colocated")
-    split = _run(assets, tmp_path / "split", **SPLIT)
+    colocated = _run(assets, tmp_path / "colocated", steps=2)  # step 1 samples from the params after an update
+    split = _run(assets, tmp_path / "split", steps=2, **SPLIT)
     _same(split, colocated)
     assert all(r["staleness_max"] == 0 and r["weight_sync_bytes"] > 0 for r in split)
 
 
-def test_one_step_off_uses_the_previous_policy_and_float64_weights(assets, tmp_path, one_step_off):  # noqa: F811
-    records = one_step_off["records"]
+def test_one_step_off_uses_the_previous_policy_and_float64_weights(one_step_off):
+    records, trainer = one_step_off["records"], one_step_off["trainer"]
     assert [r["staleness_max"] for r in records] == [0.0, 1.0, 1.0]
     assert [r["policy_version"] for r in records] == [0.0, 0.0, 1.0]
-    # step 1 by hand: its samples come from version 0 (the initial params), its score pass from version 1
-    trainer = Trainer(_config(assets, tmp_path / "by_hand", **SPLIT, **{"rollout.max_staleness": 1,
-                                                                         "algorithm.rollout_is_cap": CAP}))
-    v0 = jax.tree.map(np.asarray, trainer.params)
-    trainer.step_stages(0)
-    trainer.step = 1
-    result = trainer.step_stages(1)
+    # step 1: its samples come from version 0 (the initial params), its score pass from version 1
+    result, v0 = one_step_off["results"][1], one_step_off["v0"]
     mask = np.asarray(result.batch.response_mask, np.float64)
     sampler = np.asarray(result.rollout.logprobs_BxT, np.float64)  # host rows (one process: all of them)
     old = np.asarray(result.scores.logp_BxT, np.float64)
@@ -125,18 +135,17 @@ def test_one_step_off_uses_the_previous_policy_and_float64_weights(assets, tmp_p
     np.testing.assert_allclose(np.asarray(w, np.float64) * mask, w_ref * mask, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(capped) * mask, (np.exp(old - sampler) > CAP) * mask)
     assert "rollout_is_capped_frac" in result.metrics
-    trainer.close()
 
 
 def test_two_steps_ahead_lags_by_two(assets, tmp_path):  # noqa: F811
-    records = _run(assets, tmp_path / "k2", **SPLIT, **{"rollout.max_staleness": 2, "algorithm.rollout_is_cap": CAP})
+    records = _run(assets, tmp_path / "k2", **{**ONE_STEP_OFF, "rollout.max_staleness": 2})
     assert [r["staleness_max"] for r in records] == [0.0, 1.0, 2.0]
     assert [r["policy_version"] for r in records] == [0.0, 0.0, 0.0]
     assert all(np.isfinite(r["loss"]) and 0 <= r["rollout_is_capped_frac"] <= 1 for r in records)
 
 
 def test_resume_of_one_step_off_equals_uninterrupted(assets, tmp_path, one_step_off):  # noqa: F811
-    kw = {**SPLIT, "rollout.max_staleness": 1, "algorithm.rollout_is_cap": CAP}
+    kw = ONE_STEP_OFF
     part = Trainer(_config(assets, tmp_path / "part", **kw))
     part.resume()
     part.run(stop_after=1)  # step 1's samples, drawn from version 0, are saved with step 1's checkpoint
@@ -151,7 +160,7 @@ def test_kill_9_during_an_overlapped_step_resumes_exactly(assets, tmp_path, one_
     ckpts = out / "checkpoints"
     env = _env()
     env["XLA_FLAGS"] = xla_flags(8)
-    kw = {**SPLIT, "rollout.max_staleness": 1, "algorithm.rollout_is_cap": CAP}
+    kw = ONE_STEP_OFF
     cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
            *overrides(assets, out, steps=STEPS, **kw)]
     with open(tmp_path / "trainer.err", "w") as log:
