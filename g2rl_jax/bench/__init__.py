@@ -18,4 +18,5 @@ BENCHMARKS = {
     "ladder": "g2rl_jax.bench.ladder",     # the KV capacity ladder's first capacity: segments vs decode roofline
     "storage": "g2rl_jax.bench.storage",   # a run in a bucket vs local disk: checkpoints, metrics, first step
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
+    "async": "g2rl_jax.bench.ahead",       # rollout ahead of the update (k = 0, 1, 2) vs colocated, side by side
 }

@@ -30,9 +30,16 @@ import threading
 import time
 from typing import Any
 
+import jax
+import numpy as np
 from flax import nnx
+from jax._src import distributed
 
 from g2rl_jax.train.weight_sync import WeightSync
+
+
+class _Closed(Exception):
+    """The trainer closed the sampler while the driver waited for another process."""
 
 
 @dataclasses.dataclass
@@ -125,10 +132,35 @@ class AheadSampler:
                     for v in [v for v in self._versions if v < self.version_of(step + 1)]:
                         del self._versions[v]
                     self._cond.notify_all()
+        except _Closed:
+            return
         except BaseException as err:  # noqa: BLE001 - handed to the trainer's thread, which raises it
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def exchange(self, name: str, value, block: int) -> list[np.ndarray]:
+        """Every process block's `value` in block order (each block once), on every process, through
+        jax.distributed's key-value store: host to host. The driver thread issues no device collective across
+        processes: its order against the trainer's could differ between processes and hang both."""
+        client, key = distributed.global_state.client, f"g2rl_ahead/{name}"
+        client.key_value_set_bytes(f"{key}/{jax.process_index()}", pickle.dumps((block, np.asarray(value))))
+        by_block: dict[int, np.ndarray] = {}
+        for process in range(jax.process_count()):
+            b, v = pickle.loads(self._get(client, f"{key}/{process}"))  # noqa: S301 - this run's own processes
+            by_block.setdefault(b, v)
+        return [by_block[b] for b in sorted(by_block)]
+
+    def _get(self, client, key: str) -> bytes:
+        """The value of `key` once another process has set it; stops when the trainer closes the sampler."""
+        while True:
+            try:
+                return client.blocking_key_value_get_bytes(key, 1000)
+            except jax.errors.JaxRuntimeError as err:
+                if "DEADLINE_EXCEEDED" not in str(err):
+                    raise
+                if self._closing:
+                    raise _Closed(key) from None
 
     def _wait(self, done) -> None:
         while not done() and self._error is None:

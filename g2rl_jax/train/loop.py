@@ -157,9 +157,6 @@ class Trainer(SamplingRounds):
                 raise ConfigError(f"model.lora.init_from: {err}") from None
         self.graphdef, self.params = nnx.split(model)
         if rollout_mesh is not None:
-            if parallel.batch_block(rollout_mesh) != (block, blocks):
-                raise ConfigError("mesh.rollout_devices: the rollout mesh splits the batch over the processes "
-                                  "unlike the training mesh; give both sides devices of every process")
             self.ahead = AheadSampler(self, self.loader, cfg.rollout.max_staleness)
             self.loader = self.ahead  # it draws the prompts, and checkpoints the samples drawn ahead
         self.ref_graphdef, self.ref_params = self.graphdef, None  # the KL reference (kl_coef > 0), see _reference

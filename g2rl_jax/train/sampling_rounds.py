@@ -28,10 +28,27 @@ from g2rl_jax.train.stages import stage
 class SamplingRounds:
     """Rollout rounds of a training step, and validation (see the module docstring)."""
 
-    def _step_seed(self, step: int, round_: int = 0) -> int:
+    def _step_seed(self, step: int, round_: int = 0, block: int = 0) -> int:
         key = jax.random.fold_in(jax.random.wrap_key_data(self.rng_key_data), step)
         key = jax.random.fold_in(key, round_) if round_ else key  # round 0 keeps the seed of a one-round step
+        key = jax.random.fold_in(key, 2**20 + block) if block else key  # block 0 keeps the seed of one process
         return int(jax.random.randint(key, (), 0, 2**31 - 1))
+
+    def _rollout_share(self) -> tuple[int, int]:
+        """(i, n): the rollout mesh samples block i of the n blocks of the step's prompts by itself. (0, 1) when it
+        spans every process (one mesh for both sides, or one process); with several processes and
+        mesh.rollout_devices, each process's rollout devices sample its own block (parallel.split_meshes)."""
+        if self.ahead is None or jax.process_count() == 1:
+            return 0, 1
+        return parallel.batch_block(self.mesh)
+
+    def _gather_rollout(self, name: str, local: np.ndarray) -> np.ndarray:
+        """Every block's rows of `local` in block order, on every process (parallel.gather_blocks); host to host
+        through jax.distributed's key-value store when the rollout runs beside the trainer (train/ahead.py)."""
+        block, blocks = self._rollout_share()
+        if blocks == 1:
+            return parallel.gather_blocks(self.mesh, local)
+        return np.concatenate(self.ahead.exchange(name, local, block), axis=0)
 
     def _sample_round(self, step: int, round_: int):
         """One rollout round: the next prompts from the data iterator, their samples and ±1 rewards."""
@@ -39,16 +56,19 @@ class SamplingRounds:
         examples = next(self.loader)
         prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
         longest = max(map(len, prompts))
-        if jax.process_count() > 1:  # the bucket of the global batch's longest prompt, the same on every process
+        block, blocks = self._rollout_share()  # the prompts this process's rollout mesh samples: all, or its block
+        if blocks > 1:  # the bucket of the global batch's longest prompt, the same on every process
+            longest = int(np.max(self.ahead.exchange(f"longest/{step}/{round_}", np.int32(longest), block)))
+        elif jax.process_count() > 1:
             longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
         t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
             rollout = generate(self.rollout_model(), prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
-                               seed=self._step_seed(step, round_), mesh=self.rollout_mesh,
+                               seed=self._step_seed(step, round_, block), mesh=self.rollout_mesh,
                                compile_threads=self.warmup.threads,
-                               pad_to=(cfg.data.prompts_per_step, self.warmup.prompt_len(longest)))
+                               pad_to=(cfg.data.prompts_per_step // blocks, self.warmup.prompt_len(longest)))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rows = [ex.as_row() for ex in examples for _ in range(m)]
@@ -70,7 +90,7 @@ class SamplingRounds:
             rollout_s += seconds
             if not algo.dynamic_sampling:
                 return examples, rollout, texts, scored, rollout_s, []
-            correct.append(parallel.gather_blocks(self.mesh, scored.correct))  # global: every process decides alike
+            correct.append(self._gather_rollout(f"correct/{step}/{len(rounds)}", scored.correct))  # every process alike
             mixed.append(dynamic.mixed_groups(correct[-1], m))
             if dynamic.enough(mixed, blocks) or len(rounds) == algo.max_sampling_rounds:
                 break
@@ -135,7 +155,8 @@ class SamplingRounds:
             if prompt_len not in self._warmed_prompts:
                 self._warmed_prompts.add(prompt_len)
                 if prompt_len != max(self.warmup.shares):
-                    warm(self.rollout_model(), num_prompts=cfg.data.prompts_per_step, prompt_len=prompt_len,
+                    warm(self.rollout_model(), num_prompts=cfg.data.prompts_per_step // self._rollout_share()[1],
+                         prompt_len=prompt_len,
                          max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k or 0, num_samples=cfg.rollout.num_samples,
                          stop_token_ids=self.stop_ids, mesh=self.rollout_mesh, compile_threads=self.warmup.threads)
