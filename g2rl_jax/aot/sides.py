@@ -116,16 +116,16 @@ def step_lines(cfg: Config, model, target) -> list[str]:
 
 
 def side_meshes(cfg: Config, target, train_cfg: Config, roll_cfg: Config):
-    """(training mesh, one host's rollout mesh) on the target's compile-only devices: the devices in host order,
-    each host's last R its rollout side's (parallel.split_meshes)."""
+    """(training mesh, host 0's rollout mesh) on the target's compile-only devices, which carry their host as
+    process_index: each host's last R devices its rollout side's (as parallel.split_meshes does in a run)."""
     from g2rl_jax import parallel
 
-    devices = target.devices()
-    per_host = len(devices) // target.hosts
-    hosts = [devices[i * per_host:(i + 1) * per_host] for i in range(target.hosts)]
+    hosts: dict[int, list] = {}
+    for d in target.devices():
+        hosts.setdefault(d.process_index, []).append(d)
     r = cfg.mesh.rollout_devices
-    train = [d for host in hosts for d in host[:-r]]
-    return parallel.make_mesh(train_cfg.mesh, train), parallel.make_mesh(roll_cfg.mesh, hosts[0][-r:])
+    train = [d for host in hosts.values() for d in host[:-r]]
+    return parallel.make_mesh(train_cfg.mesh, train), parallel.make_mesh(roll_cfg.mesh, hosts[min(hosts)][-r:])
 
 
 def check_sides(cfg: Config, model, target, scope: str, say, threads: int) -> tuple[bool, list[str]]:
