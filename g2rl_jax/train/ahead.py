@@ -18,6 +18,12 @@ older versions, which the checkpoint does not hold, so they are saved with it (w
 flight), beside the iterator position before step t+k+1's draw. A resumed run takes those samples, and redraws
 everything later from the checkpointed params, RNG key and iterator position.
 
+Several processes. Each process's rollout mesh is its own devices (parallel.split_meshes) and samples its block
+of the step's prompts: the driver thread runs no device collective across processes, whose order against the
+trainer's collectives could differ between processes and hang them. What the processes must agree on before a
+rollout (the prompt bucket, dynamic sampling's correctness) goes host to host through jax.distributed's key-value
+store (`exchange`).
+
 The first step of a launch runs alone (it compiles and chooses the run's shapes, train/warmup.py); overlap starts
 with the next one.
 """

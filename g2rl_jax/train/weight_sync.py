@@ -10,11 +10,12 @@ copy of the frozen base, made once at construction.
 
 How the arrays move. Within one process (every device addressable) `jax.device_put` onto the rollout side's
 NamedShardings copies each shard device to device. Across processes, parallel.split_meshes gives every process
-devices on both sides, so the move stays inside each process: the training mesh first all-gathers each array (a
-collective over the training devices only), then every process copies its local whole array onto its own rollout
-devices (`jax.make_array_from_callback`). No Pathways, no server, no host round trip. JAX's cross-host device_put
-(different process sets, equal HLO shardings; TPU runtime, or CPU with jax_cross_host_transfer_socket_address)
-would serve a layout with one process per side, which split_meshes does not build (docs/async.md).
+training devices and a rollout mesh of its own, so the move stays inside each process: the training mesh first
+all-gathers each array (a collective over the training devices only, in the trainer's thread), then every
+process copies its local whole array onto its own rollout mesh (`jax.make_array_from_callback`). No Pathways,
+no server, no host round trip. JAX's cross-host device_put (different process sets, equal HLO shardings; TPU
+runtime, or CPU with jax_cross_host_transfer_socket_address) would serve a layout with one process per side,
+which split_meshes does not build (docs/async.md).
 """
 from __future__ import annotations
 
