@@ -63,7 +63,8 @@ def parse_args(argv):
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
     p.add_argument("--random-model", action="store_true", help="a random demo-size Qwen3: long-tailed responses")
     p.add_argument("--budget", type=int, default=128, help="rollout.max_new_tokens with --random-model")
-    p.add_argument("overrides", nargs="*", help="config key=value overrides for every variant")
+    p.add_argument("overrides", nargs="*", help="config key=value overrides for every variant (run.eval_every=0: no "
+                   "validation)")
     return p.parse_intermixed_args(argv)
 
 
@@ -97,13 +98,13 @@ def summarize(run: dict, samples_per_step: int) -> dict[str, float]:
 
 
 def _run(name: str, a, shared: dict, tmp: Path) -> dict:
-    overrides = {**shared, **variant_overrides(name, a.rollout_devices), "run.output_dir": str(tmp / name)}
+    variant = {**variant_overrides(name, a.rollout_devices), "run.output_dir": str(tmp / name)}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
     env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={a.devices}", *flags])
     out = tmp / f"{name}.json"
-    cmd = [sys.executable, "-c", HARNESS, str(out), a.config, *a.overrides,
-           *[f"{k}={v}" for k, v in overrides.items()]]
+    cmd = [sys.executable, "-c", HARNESS, str(out), a.config, *[f"{k}={v}" for k, v in shared.items()],
+           *a.overrides, *[f"{k}={v}" for k, v in variant.items()]]  # the variant's settings win, then the user's
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name}: the run failed:\n{done.stderr[-3000:]}")
@@ -125,7 +126,7 @@ def main(argv=None) -> None:
             from g2rl_jax.bench.once import random_model
 
             shared |= {"model.path": str(random_model(tmp / "model")), "rollout.max_new_tokens": a.budget}
-        cfg = load_config(a.config, [*a.overrides, *[f"{k}={v}" for k, v in shared.items()]])
+        cfg = load_config(a.config, [*[f"{k}={v}" for k, v in shared.items()], *a.overrides])
         if not cfg.data.eval_datasets:
             shared["run.eval_every"] = 0
         per_step = cfg.data.prompts_per_step * cfg.rollout.num_samples
