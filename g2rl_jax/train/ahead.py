@@ -77,6 +77,7 @@ class AheadSampler:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._rollout_idle = 0.0  # seconds the driver waited for a version since the last take
+        self._held: str | None = None  # this process's key of the last exchange (see exchange)
 
     # ---------------------------------------------------------------------------------------- the schedule
     def version_of(self, step: int) -> int:
@@ -150,11 +151,16 @@ class AheadSampler:
         jax.distributed's key-value store: host to host. The driver thread issues no device collective across
         processes: its order against the trainer's could differ between processes and hang both."""
         client, key = distributed.global_state.client, f"g2rl_ahead/{name}"
-        client.key_value_set_bytes(f"{key}/{jax.process_index()}", pickle.dumps((block, np.asarray(value))))
+        mine = f"{key}/{jax.process_index()}"
+        client.key_value_set_bytes(mine, pickle.dumps((block, np.asarray(value))))
         by_block: dict[int, np.ndarray] = {}
         for process in range(jax.process_count()):
             b, v = pickle.loads(self._get(client, f"{key}/{process}"))  # noqa: S301 - this run's own processes
             by_block.setdefault(b, v)
+        # every process set this key after reading all of the previous exchange's: that one can go
+        if self._held is not None:
+            client.key_value_delete(self._held)
+        self._held = mine
         return [by_block[b] for b in sorted(by_block)]
 
     def _get(self, client, key: str) -> bytes:
