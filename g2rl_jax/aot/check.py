@@ -132,7 +132,7 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
     if cfg.mesh.rollout_devices:  # a split run: each side on its own mesh (aot/sides.py)
         from g2rl_jax.aot.sides import check_sides
 
-        fits, lines = check_sides(cfg, model, target, scope, say, threads)
+        fits, lines = check_sides(cfg, model, target, scope, say, threads, only)
         return fits, "\n".join([f"split run on {target.name}, {target.hosts} host(s), {scope}", "", *lines])
     say(header)
     start, cpu = time.perf_counter(), time.process_time()

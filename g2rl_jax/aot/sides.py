@@ -128,9 +128,11 @@ def side_meshes(cfg: Config, target, train_cfg: Config, roll_cfg: Config):
     return parallel.make_mesh(train_cfg.mesh, train), parallel.make_mesh(roll_cfg.mesh, hosts[min(hosts)][-r:])
 
 
-def check_sides(cfg: Config, model, target, scope: str, say, threads: int) -> tuple[bool, list[str]]:
+def check_sides(cfg: Config, model, target, scope: str, say, threads: int,
+                only: tuple[str, ...] = ()) -> tuple[bool, list[str]]:
     """Compile the rollout programs on one host's rollout mesh and the rest on the training mesh; (both fit, the
-    report's lines: a table and a verdict per side, then the step-time model)."""
+    report's lines: a table and a verdict per side, then the step-time model). `only`: just the programs whose
+    name contains one of these strings (a side with none of them is left out)."""
     from g2rl_jax.aot import programs as programs_lib
     from g2rl_jax.aot import report as report_lib
     from g2rl_jax.plan import USABLE_FRACTION
@@ -145,8 +147,13 @@ def check_sides(cfg: Config, model, target, scope: str, say, threads: int) -> tu
         "training": [p for p in programs_lib.step_programs(train_cfg, model, train_mesh, scope=scope)
                      if p.phase != "rollout"],
     }
+    if only:
+        sides = {side: [p for p in progs if any(text in p.name for text in only)] for side, progs in sides.items()}
+        if not any(sides.values()):
+            raise PlanError(f"--only {list(only)}: no program of this step is named so; see the names that "
+                            "--programs largest prints")
     limit, fits, lines = USABLE_FRACTION * target.hbm_bytes, True, []
-    for side, progs in sides.items():
+    for side, progs in ((s, p) for s, p in sides.items() if p):
         chips = rc if side == "rollout" else tc
         say(f"{side} side: compiling {len(progs)} programs on {chips} chips"
             + (" (one host's)" if side == "rollout" else ""))
