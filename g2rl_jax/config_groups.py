@@ -159,8 +159,16 @@ class MeshConfig:
     data: int = _f(1, "data-parallel mesh axis size (-1 = all remaining devices)")
     fsdp: int = _f(-1, "fully-sharded data-parallel axis size (-1 = all remaining devices)")
     tensor: int = _f(1, "tensor-parallel axis size (-1 = all remaining devices)")
+    rollout_devices: int = _f(0, "devices of each process given to a separate rollout mesh (0 = one mesh for "
+                              "both); data/fsdp/tensor then shape the training mesh on the rest (docs/async.md)")
+    rollout_tensor: int = _f(1, "tensor-parallel axis of the rollout mesh; its data axis takes the rest of its "
+                             "devices (weights replicated over it, as decoding wants)")
 
     def __post_init__(self):
+        _check(self.rollout_devices >= 0, "mesh.rollout_devices", f"must be >= 0, got {self.rollout_devices}")
+        _check(self.rollout_tensor >= 1, "mesh.rollout_tensor", f"must be >= 1, got {self.rollout_tensor}")
+        _check(self.rollout_devices == 0 or self.rollout_devices % self.rollout_tensor == 0, "mesh.rollout_tensor",
+               f"must divide mesh.rollout_devices={self.rollout_devices}, got {self.rollout_tensor}")
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in sizes.items():
             _check(size > 0 or size == -1, f"mesh.{name}", f"must be > 0 or -1 (fill), got {size}")
@@ -208,6 +216,9 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature T, also the T of p_t = softmax(z_t/T) (paper: 1.0)")
     top_p: float = _f(1.0, "nucleus sampling mass, 0 < top_p <= 1; paper silent, 1.0 (off) chosen")
     top_k: Optional[int] = _f(None, "keep the top_k most likely tokens (null = off); paper silent, off chosen")
+    max_staleness: int = _f(0, "policy versions a step's samples lag the update: 0 = on-policy (serial), 1 = "
+                            "one-step-off, k = the rollout runs k steps ahead; > 0 needs mesh.rollout_devices and "
+                            "algorithm.rollout_is_cap (docs/async.md)")
 
     def __post_init__(self):
         _check(self.num_samples >= 2, "rollout.num_samples", f"group size must be >= 2, got {self.num_samples}")
@@ -216,6 +227,7 @@ class RolloutConfig:
                "greedy decoding gives a group identical responses, whose advantages are all zero (no signal)")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must satisfy 0 < top_p <= 1, got {self.top_p}")
         _check(self.top_k is None or self.top_k > 0, "rollout.top_k", f"must be > 0 or null, got {self.top_k}")
+        _check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {self.max_staleness}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -266,7 +266,12 @@ def _gib(n: int) -> str:
     return f"{n / GiB:8.2f}"
 
 
-def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform: str = "tpu") -> str:
+def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform: str = "tpu", target=None) -> str:
+    """The plan's text; with mesh.rollout_devices > 0 the table is the colocated run's, and each side's follows
+    (aot/sides.py), with its fit and the step-time model when `target` (a slice) is given."""
+    from g2rl_jax.aot import sides
+
+    split, cfg = cfg, sides.colocated(cfg)
     p = plan(cfg, model, devices, platform)
     rows = [("params", p.params), ("optimizer (AdamW mu, nu)", p.optimizer),
             ("gradients (f32 acc + micro)", p.gradients), ("reference model", p.reference),
@@ -290,6 +295,8 @@ def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform:
         need = "does not fit in any slice tried" if chips is None else (
             f"{acc.label(chips):14s} {_gib(fp.peak).strip()} GiB/chip of {acc.hbm_gib} GiB, mesh {fp.mesh}")
         lines.append(f"  {acc.name:5s} {need}")
+    if split.mesh.rollout_devices:
+        lines += ["", *sides.plan_lines(split, model, devices, target.hosts if target else 1, platform, target)]
     return "\n".join(lines)
 
 
@@ -328,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         model, source = model_config(cfg, args.preset)
         target = parse_target(args.target) if args.target else None
         print(report(cfg, model, source, target.chips if target else args.devices,
-                     target.platform if target else "tpu"), flush=True)
+                     target.platform if target else "tpu", target), flush=True)
         if args.compile:
             from g2rl_jax.aot.check import check
 

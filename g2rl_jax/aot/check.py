@@ -129,6 +129,11 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
     header = (f"compiling {len(progs)} programs ({picked}) for {target.name}: {target.chips} chips of "
               f"{target.hbm_gib:.0f} GiB, {target.hosts} host(s), topology {target.topology}, mesh {sizes}")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    if cfg.mesh.rollout_devices:  # a split run: each side on its own mesh (aot/sides.py)
+        from g2rl_jax.aot.sides import check_sides
+
+        fits, lines = check_sides(cfg, model, target, scope, say, threads, only)
+        return fits, "\n".join([f"split run on {target.name}, {target.hosts} host(s), {scope}", "", *lines])
     say(header)
     start, cpu = time.perf_counter(), time.process_time()
     results = report_lib.compile_programs(progs, say, threads, target.kernel_mark)

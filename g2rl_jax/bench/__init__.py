@@ -20,4 +20,5 @@ BENCHMARKS = {
     "preempt": "g2rl_jax.bench.preempt",   # kill -9 at random moments (>= 20), relaunch as another host: lost steps
     "tune-shapes": "g2rl_jax.bench.tune_shapes",  # measured shape tuning: a shape file run.shapes_file pins
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
+    "async": "g2rl_jax.bench.ahead",       # rollout ahead of the update (k = 0, 1, 2) vs colocated, side by side
 }

@@ -44,6 +44,7 @@ from g2rl_jax.train import compiles, identity, report, warmup
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train.ahead import AheadSampler
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
 from g2rl_jax.train.lifecycle import (
     PREEMPTED_EXIT,
@@ -135,7 +136,9 @@ class Trainer(SamplingRounds):
         self.model_record = identity.record(given.model, self.base_sha256)
         if found is not None:
             check_model(self.run_dir, self.model_record)  # before anything is loaded or written
-        self.mesh = parallel.make_mesh(cfg.mesh)
+        self.mesh, rollout_mesh = parallel.split_meshes(cfg.mesh)  # rollout_mesh: None unless mesh.rollout_devices
+        self.rollout_mesh = self.mesh if rollout_mesh is None else rollout_mesh
+        self.ahead: AheadSampler | None = None  # the rollout driver on its own mesh (train/ahead.py)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward  # a reward function's file path made absolute, and checked in a worker
@@ -164,6 +167,9 @@ class Trainer(SamplingRounds):
             except (OSError, ValueError) as err:
                 raise ConfigError(f"model.lora.init_from: {err}") from None
         self.graphdef, self.params = nnx.split(model)
+        if rollout_mesh is not None:
+            self.ahead = AheadSampler(self, self.loader, cfg.rollout.max_staleness)
+            self.loader = self.ahead  # it draws the prompts, and checkpoints the samples drawn ahead
         self.ref_graphdef, self.ref_params = self.graphdef, None  # the KL reference (kl_coef > 0), see _reference
         if cfg.algorithm.kl_coef > 0 and lora_on:  # the same params with the adapters off: no copy
             self.ref_graphdef = lora.reference_graphdef(self.graphdef, self.params)
@@ -209,6 +215,8 @@ class Trainer(SamplingRounds):
     def close(self) -> None:
         """Release run.output_dir (run() does this when it ends); other trainers may then start on it."""
         self.clock.close()
+        if self.ahead is not None:
+            self.ahead.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -240,13 +248,18 @@ class Trainer(SamplingRounds):
         """The policy as an NNX module over the live (sharded) params; no copy is made."""
         return nnx.merge(self.graphdef, self.params)
 
+    def rollout_model(self):
+        """The sampler of the training rollouts: the policy itself, or its copy on the rollout mesh."""
+        return self.model if self.ahead is None else self.ahead.model()
+
     # ------------------------------------------------------------------------------------------- one step
     def step_stages(self, step: int) -> StepResult:
         """Run step `step` stage by stage and return every intermediate; the params are updated in place."""
         cfg, algo = self.cfg, self.cfg.algorithm
         m, micro, temp = cfg.rollout.num_samples, algo.micro_batch_size, self.settings.temperature
         t0 = time.perf_counter()
-        examples, rollout, texts, scored, rollout_s, sampled_correct = self._sample(step)
+        sample, ahead = (self._sample(step), {}) if self.ahead is None else self.ahead.take(step)
+        examples, rollout, texts, scored, rollout_s, sampled_correct = sample
         rewards = scored.rewards
         t2 = time.perf_counter()
         t1 = t0 + rollout_s
@@ -281,6 +294,9 @@ class Trainer(SamplingRounds):
             info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B, sampler_logp,
                                 scores.entropy_BxT, step)
         t4 = time.perf_counter()
+        if self.ahead is not None:  # the new version goes to the rollout side
+            self.ahead.publish(step + 1, self.params)
+            ahead |= self.ahead.sync_figures()
         plan = micro_lib.plan_for(batch, micro, shapes=shapes)  # the plan score (and the reference pass) ran over
         passes = 1 + (ref is not None)
         info["positions"] += passes * plan.positions
@@ -290,6 +306,7 @@ class Trainer(SamplingRounds):
                                novelty=self.method.novelty, truncated_B=truncated_B)
         metrics |= self._sampling_metrics(sampled_correct)
         metrics |= logprob_drift(shard_rows(rollout.logprobs_BxT, self.mesh), scores.logp_BxT, batch.response_mask)
+        metrics |= ahead
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
     def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B,

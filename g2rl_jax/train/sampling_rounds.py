@@ -2,7 +2,9 @@
 have mixed correctness, train/dynamic.py) and the validation rollouts on data.eval_datasets.
 
 `SamplingRounds` is a mixin of `train.loop.Trainer`: it reads the trainer's cfg, rng_key_data, tokenizer, mesh,
-loader, reward_cfg, stop_ids, eval_sets, stop signal and policy (`self.model`), and advances only the data iterator.
+loader, reward_cfg, stop_ids, eval_sets, stop signal and policy (`self.model`; the training rollouts use
+`self.rollout_model()` on `self.rollout_mesh`, the same unless mesh.rollout_devices > 0), and advances only the
+data iterator.
 """
 from __future__ import annotations
 
@@ -24,18 +26,35 @@ from g2rl_jax.train.stages import stage
 
 
 @jax.jit
-def _seed_of(key_data, step, round_):
-    """A rollout round's sampling seed from the run's key (one program for every step and round)."""
+def _seed_of(key_data, step, round_, block):
+    """A rollout round's sampling seed from the run's key (one program for every step, round and block)."""
     key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
     key = jax.lax.cond(round_ > 0, lambda k: jax.random.fold_in(k, round_), lambda k: k, key)  # round 0: the step's
+    key = jax.lax.cond(block > 0, lambda k: jax.random.fold_in(k, 2**20 + block), lambda k: k, key)  # one process
     return jax.random.randint(key, (), 0, 2**31 - 1)
 
 
 class SamplingRounds:
     """Rollout rounds of a training step, and validation (see the module docstring)."""
 
-    def _step_seed(self, step: int, round_: int = 0) -> int:
-        return int(_seed_of(self.rng_key_data, step, round_))
+    def _step_seed(self, step: int, round_: int = 0, block: int = 0) -> int:
+        return int(_seed_of(self.rng_key_data, step, round_, block))  # block 0 keeps the seed of one process
+
+    def _rollout_share(self) -> tuple[int, int]:
+        """(i, n): the rollout mesh samples block i of the n blocks of the step's prompts by itself. (0, 1) when it
+        spans every process (one mesh for both sides, or one process); with several processes and
+        mesh.rollout_devices, each process's rollout devices sample its own block (parallel.split_meshes)."""
+        if self.ahead is None or jax.process_count() == 1:
+            return 0, 1
+        return parallel.batch_block(self.mesh)
+
+    def _gather_rollout(self, name: str, local: np.ndarray) -> np.ndarray:
+        """Every block's rows of `local` in block order, on every process (parallel.gather_blocks); host to host
+        through jax.distributed's key-value store when the rollout runs beside the trainer (train/ahead.py)."""
+        block, blocks = self._rollout_share()
+        if blocks == 1:
+            return parallel.gather_blocks(self.mesh, local)
+        return np.concatenate(self.ahead.exchange(name, local, block), axis=0)
 
     def _sample_round(self, step: int, round_: int):
         """One rollout round: the next prompts from the data iterator, their samples and ±1 rewards."""
@@ -43,16 +62,19 @@ class SamplingRounds:
         examples = next(self.loader)
         prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
         longest = max(map(len, prompts))
-        if jax.process_count() > 1:  # the bucket of the global batch's longest prompt, the same on every process
+        block, blocks = self._rollout_share()  # the prompts this process's rollout mesh samples: all, or its block
+        if blocks > 1:  # the bucket of the global batch's longest prompt, the same on every process
+            longest = int(np.max(self.ahead.exchange(f"longest/{step}/{round_}", np.int32(longest), block)))
+        elif jax.process_count() > 1:
             longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
         t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
-            rollout = generate(self.model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+            rollout = generate(self.rollout_model(), prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
-                               seed=self._step_seed(step, round_), mesh=self.mesh,
+                               seed=self._step_seed(step, round_, block), mesh=self.rollout_mesh,
                                compile_threads=self.warmup.threads,
-                               pad_to=(cfg.data.prompts_per_step, self.warmup.prompt_len(longest)))
+                               pad_to=(cfg.data.prompts_per_step // blocks, self.warmup.prompt_len(longest)))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rows = [ex.as_row() for ex in examples for _ in range(m)]
@@ -74,7 +96,7 @@ class SamplingRounds:
             rollout_s += seconds
             if not algo.dynamic_sampling:
                 return examples, rollout, texts, scored, rollout_s, []
-            correct.append(parallel.gather_blocks(self.mesh, scored.correct))  # global: every process decides alike
+            correct.append(self._gather_rollout(f"correct/{step}/{len(rounds)}", scored.correct))  # every process alike
             mixed.append(dynamic.mixed_groups(correct[-1], m))
             if dynamic.enough(mixed, blocks) or len(rounds) == algo.max_sampling_rounds:
                 break
@@ -139,10 +161,11 @@ class SamplingRounds:
             if prompt_len not in self._warmed_prompts:
                 self._warmed_prompts.add(prompt_len)
                 if prompt_len != max(self.warmup.shares):
-                    warm(self.model, num_prompts=cfg.data.prompts_per_step, prompt_len=prompt_len,
+                    warm(self.rollout_model(), num_prompts=cfg.data.prompts_per_step // self._rollout_share()[1],
+                         prompt_len=prompt_len,
                          max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k or 0, num_samples=cfg.rollout.num_samples,
-                         stop_token_ids=self.stop_ids, mesh=self.mesh, compile_threads=self.warmup.threads)
+                         stop_token_ids=self.stop_ids, mesh=self.rollout_mesh, compile_threads=self.warmup.threads)
 
     def warm_validation(self) -> None:
         """Compile the validation's rollout (generate.warm) without running it: a resumed run validates first after

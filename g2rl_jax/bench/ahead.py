@@ -1,0 +1,148 @@
+"""`python -m g2rl_jax.bench async`: the rollout ahead of the update (docs/async.md) against the colocated run, side
+by side in one invocation: tokens trained per second and accuracy after a fixed number of samples.
+
+Each variant is one `Trainer` run in its own process with --devices fake CPU devices (XLA_FLAGS), the same config,
+seed, data and number of steps (so the same number of samples):
+
+- colocated: one mesh over every device (mesh.fsdp=-1), rollout and update in turn;
+- split k=0: mesh.rollout_devices=--rollout-devices, the rest train; serial (on-policy);
+- k=1 (one-step-off) and k=2: the same split, the rollout 1 or 2 steps ahead (algorithm.rollout_is_cap=2).
+
+Per variant it prints the response tokens trained per second after the first step (the first step compiles and runs
+alone: steps 2..N's trained tokens over their wall time, each step timed from the end of the previous one, so
+metrics, checkpoints and waits count), the mean training accuracy of the last quarter of the steps, the validation
+mean@k after the last step (data.eval_datasets, when the config has one), the mean rollout and update idle seconds
+and the weight-sync seconds and bytes per step; then each variant's tokens/s against the colocated run's.
+
+Default workload: the demo (configs/demo.yaml, its warm-started tiny Qwen3, built on first use). --random-model: a
+random Qwen3 of the demo's architecture with --budget new tokens, whose responses are long-tailed up to the budget
+(the rollout then dominates a step); its accuracy is about 0 and says nothing. This machine's CPU devices share its
+cores, so a split gives each side fewer cores rather than devices of its own: the figures say what overlap buys on
+this machine, not on a TPU slice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from g2rl_jax import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = {"colocated": {}, "k0": {"rollout.max_staleness": 0}, "k1": {"rollout.max_staleness": 1},
+            "k2": {"rollout.max_staleness": 2}}
+
+HARNESS = r"""
+import json, sys, time
+from g2rl_jax.config import load_config
+from g2rl_jax.train.loop import Trainer
+out, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+trainer = Trainer(load_config(config, overrides))
+trainer.resume()
+ends, stages = [], trainer.step_stages
+def timed(step):
+    result = stages(step)
+    ends.append(time.perf_counter())
+    return result
+trainer.step_stages = timed
+start = time.perf_counter()
+history = trainer.run()
+json.dump({"start": start, "ends": ends, "history": history}, open(out, "w"))
+"""
+
+
+def parse_args(argv):
+    p = cli.ArgumentParser(prog="python -m g2rl_jax.bench async", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    p.add_argument("--steps", type=int, default=40, help="training steps of every variant (the first compiles)")
+    p.add_argument("--devices", type=int, default=2, help="fake CPU devices of each run")
+    p.add_argument("--rollout-devices", type=int, default=1, help="of --devices, the rollout side's in a split")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
+    p.add_argument("--random-model", action="store_true", help="a random demo-size Qwen3: long-tailed responses")
+    p.add_argument("--budget", type=int, default=128, help="rollout.max_new_tokens with --random-model")
+    p.add_argument("overrides", nargs="*", help="config key=value overrides for every variant (run.eval_every=0: no "
+                   "validation)")
+    return p.parse_intermixed_args(argv)
+
+
+def variant_overrides(name: str, rollout_devices: int) -> dict:
+    """The settings of one variant on top of the shared ones."""
+    if name == "colocated":
+        return {"mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 1}
+    ahead = VARIANTS[name]["rollout.max_staleness"]
+    return {"mesh.rollout_devices": rollout_devices, "mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 1,
+            **VARIANTS[name], **({"algorithm.rollout_is_cap": 2.0} if ahead else {})}
+
+
+def summarize(run: dict, samples_per_step: int) -> dict[str, float]:
+    """Tokens trained per second after the first step, accuracies and the async figures of one run's record."""
+    history, ends = run["history"], run["ends"]
+    later = history[1:]
+    tokens = sum(h["response_length"] * samples_per_step for h in later)
+    seconds = ends[-1] - ends[0] if len(ends) > 1 else float("nan")
+    tail = history[-max(1, len(history) // 4):]
+    out = {"tokens_trained_per_s": tokens / seconds if later else float("nan"),
+           "accuracy_last_quarter": sum(h["accuracy"] for h in tail) / len(tail),
+           "seconds_after_step_1": seconds}
+    val = [k for k in history[-1] if k.startswith("val/") and "/mean@" in k]
+    if val:
+        out["val_mean_after"] = history[-1][val[0]]
+    for key in ("update_idle_seconds", "rollout_idle_seconds", "weight_sync_seconds", "weight_sync_bytes",
+                "rollout_is_capped_frac"):
+        if later and key in later[0]:
+            out[key] = sum(h[key] for h in later) / len(later)
+    return out
+
+
+def _run(name: str, a, shared: dict, tmp: Path) -> dict:
+    variant = {**variant_overrides(name, a.rollout_devices), "run.output_dir": str(tmp / name)}
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
+    env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={a.devices}", *flags])
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, "-c", HARNESS, str(out), a.config, *[f"{k}={v}" for k, v in shared.items()],
+           *a.overrides, *[f"{k}={v}" for k, v in variant.items()]]  # the variant's settings win, then the user's
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{name}: the run failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> None:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    from g2rl_jax.config import load_config
+
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    with tempfile.TemporaryDirectory(prefix="g2rl_bench_async_") as tmp_name:
+        tmp = Path(tmp_name)
+        shared = {"run.total_steps": a.steps, "run.checkpoint_every": a.steps, "run.eval_every": a.steps}
+        if a.random_model:
+            from g2rl_jax.bench.once import random_model
+
+            shared |= {"model.path": str(random_model(tmp / "model")), "rollout.max_new_tokens": a.budget}
+        cfg = load_config(a.config, [*[f"{k}={v}" for k, v in shared.items()], *a.overrides])
+        if not cfg.data.eval_datasets:
+            shared["run.eval_every"] = 0
+        per_step = cfg.data.prompts_per_step * cfg.rollout.num_samples
+        model = f", random model, budget {a.budget}" if a.random_model else ""
+        print(f"bench async: {a.config} {' '.join(a.overrides)}{model}, {a.steps} steps x {per_step} "
+              f"samples, {a.devices} CPU devices (split: {a.rollout_devices} rollout)", flush=True)
+        rows = {}
+        for name in names:
+            rows[name] = summarize(_run(name, a, shared, tmp), per_step)
+            print(f"{name:10s} " + "  ".join(f"{k} {v:.4g}" for k, v in rows[name].items()), flush=True)
+    base = rows.get("colocated", {}).get("tokens_trained_per_s")
+    if base:
+        print("tokens trained/s vs colocated: " + ", ".join(
+            f"{n} {r['tokens_trained_per_s'] / base:.2f}x" for n, r in rows.items() if n != "colocated"))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
