@@ -47,7 +47,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # modules), so the two workers end together; the rest follow in file order. `--durations=0` shows what each costs.
 GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
 SLOW_FIRST = ("test_demo_run.py", "test_micro.py", "test_rollout_segments.py", "test_bench.py", "test_train.py",
-              "test_lora_train.py", "test_multihost.py", "test_aot.py", "test_micro_multihost.py",
+              "test_lora_train.py", "test_multihost.py", "test_async.py", "test_preemption.py",
+              "test_tpu_watch.py", "test_program_count.py", "test_async_multihost.py", "test_preempt.py",
+              "test_storage.py", "test_method_updates.py", "test_aot.py", "test_micro_multihost.py",
               "test_gpu_compile.py", "test_lifecycle.py", "test_plan.py", "test_study.py", "test_model.py",
               "test_warmup.py", "test_strict.py", "test_verify_bounds.py", "test_lora.py", "test_g2rl.py",
               "test_rollout.py",
