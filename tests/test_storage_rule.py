@@ -25,6 +25,10 @@ ALLOWED = {
     "bench/step.py": "benchmark scratch: a temporary random model directory",
     "bench/verify.py": "the package's source trees for the before/after verifier processes",
     "bench/once.py": "benchmark scratch: temporary run directories and caches of the before/after checkouts' runs",
+    "bench/ahead.py": "benchmark scratch: the variants' temporary run directories",
+    "bench/preempt.py": "benchmark scratch: the killed trainers' local logs and the local-disk variant's run",
+    "colab.py": "probes /dev for TPU chips before jax is installed: no run path",
+    "model/sources.py": "the commit of a hub id is the name of its snapshot directory in huggingface_hub's local cache",
 }
 
 
