@@ -181,16 +181,19 @@ class GcsProxy:
                         self.rfile.readline()
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-            def _answer(self, status: int, message: str) -> int:
+            def _answer(self, request, status: int, message: str) -> None:
+                """Answer `status` with GCS's JSON error body; the request is logged before the reply goes out, so a
+                client that has its answer finds it counted."""
                 body = json.dumps({"error": {"code": status, "message": message,
                                              "errors": [{"message": message, "reason": "rateLimitExceeded"
                                                          if status == 429 else "backendError"}]}}).encode()
+                request.status, request.bytes_out = status, len(body)
+                proxy._record(request)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json; charset=UTF-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-                return len(body)
 
             def _forward(self, body: bytes) -> tuple[int, list, bytes]:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"expect"}}
@@ -226,17 +229,14 @@ class GcsProxy:
                     proxy._record(request)
                     return
                 if fault == "503":
-                    request.status, request.bytes_out = 503, self._answer(503, "Service Unavailable (injected)")
-                    proxy._record(request)
+                    self._answer(request, 503, "Service Unavailable (injected)")
                     return
                 if fault == "slow":
                     time.sleep(proxy.faults.slow_s)
                 allowed, previous = proxy._admit(kind, obj)
                 if not allowed:
-                    request.status = 429
-                    request.bytes_out = self._answer(429, f"The object {obj} exceeded the rate limit for object "
-                                                          "mutation operations (create, update, and delete).")
-                    proxy._record(request)
+                    self._answer(request, 429, f"The object {obj} exceeded the rate limit for object mutation "
+                                               "operations (create, update, and delete).")
                     return
                 status, headers, data = self._forward(body)
                 if kind in UPDATES and obj is not None:
@@ -246,6 +246,8 @@ class GcsProxy:
                         upload_id = urllib.parse.parse_qs(urllib.parse.urlsplit(value).query)["upload_id"][0]
                         with proxy._lock:
                             proxy._uploads[upload_id] = obj
+                request.status, request.bytes_out = status, len(data)
+                proxy._record(request)  # before the reply, as _answer
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in HOP_BY_HOP:
@@ -254,8 +256,6 @@ class GcsProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                request.status, request.bytes_out = status, len(data)
-                proxy._record(request)
 
             do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _serve
 
