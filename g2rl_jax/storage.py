@@ -195,12 +195,34 @@ def _gcs_upload(p: PathLike, data: bytes, if_generation: str) -> str | None:
                         headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body, json_out=True,
                         ifGenerationMatch=if_generation)
     except FileExistsError:  # 412 Precondition Failed
-        try:
-            now, generation_now = read_versioned(p)
-        except FileNotFoundError:
-            return None
-        return generation_now if now == data else None
+        return _own_upload(p, data)
+    except Exception as err:  # noqa: BLE001 - gcsfs's HttpError once its retries are spent; all else re-raised
+        if not _moved_while_throttled(p, err, if_generation):
+            raise
+        return _own_upload(p, data)
     return str(reply["generation"])
+
+
+def _own_upload(p: PathLike, data: bytes) -> str | None:
+    """After a refused conditional upload: the generation of `p` if it holds our own bytes (a retry of an upload
+    that had landed), else None."""
+    try:
+        now, generation_now = read_versioned(p)
+    except FileNotFoundError:
+        return None
+    return generation_now if now == data else None
+
+
+def _moved_while_throttled(p: PathLike, err: BaseException, expected: str) -> bool:
+    """Whether a conditional write to `p` that stayed throttled (429 after every retry: another writer keeps updating
+    the object, e.g. a live lock's holder renewing its lease) would have failed its precondition anyway: `p`'s
+    generation is no longer `expected` ("0": `p` exists)."""
+    if getattr(err, "code", None) not in (429, "429"):
+        return False
+    try:
+        return read_versioned(p)[1] != expected
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager
@@ -275,6 +297,10 @@ def remove_if_generation(p: PathLike, expected: str) -> bool:
             fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=expected)
         except (FileExistsError, FileNotFoundError):
             return False
+        except Exception as err:  # noqa: BLE001 - gcsfs's HttpError (429 after its retries); all else re-raised
+            if _moved_while_throttled(p, err, expected):
+                return False
+            raise
         return True
     target = path(p)
     with _local_mutex(target):

@@ -107,6 +107,7 @@ class Trainer(SamplingRounds):
         check_shared_output_dir(cfg.run.output_dir)  # multi-host: every host must see the same run directory
         self.lock = RunLock(self.run_dir, cfg.run.lock_lease_seconds) if jax.process_index() == 0 else None
         self.ckpt = None
+        self.ahead: AheadSampler | None = None  # the rollout driver on its own mesh (train/ahead.py), set by _setup
         self.stop = StopSignal(cfg.run.preempt_grace_seconds, on_abandon=self._abandon)
         self.preempted = False
         if self.lock is not None:
@@ -138,7 +139,6 @@ class Trainer(SamplingRounds):
             check_model(self.run_dir, self.model_record)  # before anything is loaded or written
         self.mesh, rollout_mesh = parallel.split_meshes(cfg.mesh)  # rollout_mesh: None unless mesh.rollout_devices
         self.rollout_mesh = self.mesh if rollout_mesh is None else rollout_mesh
-        self.ahead: AheadSampler | None = None  # the rollout driver on its own mesh (train/ahead.py)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward  # a reward function's file path made absolute, and checked in a worker
