@@ -74,16 +74,18 @@ class RunConfig:
                                   "tensorboard, wandb (pip install -e \".[wandb]\"; WANDB_MODE=offline works)")
     lock_lease_seconds: float = _f(60.0, "the trainer holding run.output_dir renews its run.lock every this / 3 "
                                    "seconds; a lock not renewed this long is stale from any host, so a preempted "
-                                   "run's relaunch (another VM) takes the run over after at most this wait; >= 3 "
-                                   "(GCS takes about one update per second per object)")
+                                   "run's relaunch (another VM) takes the run over after at most this wait; >= 9 "
+                                   "(GCS takes about one update per second per object: renewals every 3 s or more "
+                                   "leave room for a takeover or a release)")
 
     def __post_init__(self):
         _check(self.output_dir.strip() != "", "run.output_dir",
                "is empty; name the run directory, e.g. run.output_dir=runs/my_run")
         for name in ("total_steps", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, name) > 0, f"run.{name}", f"must be > 0, got {getattr(self, name)}")
-        _check(self.lock_lease_seconds >= 3, "run.lock_lease_seconds",
-               f"must be >= 3 (renewed every third of it), got {self.lock_lease_seconds}")
+        _check(self.lock_lease_seconds >= 9, "run.lock_lease_seconds",
+               f"must be >= 9 (renewed every third of it, so a bucket's one update a second per object leaves room "
+               f"for a takeover or a release), got {self.lock_lease_seconds}")
         _check(self.preempt_grace_seconds > 0, "run.preempt_grace_seconds",
                f"must be > 0 seconds, got {self.preempt_grace_seconds}")
         _check(self.eval_every >= 0, "run.eval_every", f"must be >= 0 (0 = never), got {self.eval_every}")

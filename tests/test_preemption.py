@@ -32,7 +32,7 @@ from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import HANG_S, kill_when, xla_flags
 
-LEASE = 3.0  # the smallest run.lock_lease_seconds: renewed every second
+LEASE = 9.0  # the smallest run.lock_lease_seconds: renewed every 3 s (a bucket's 1 update/s leaves others room)
 HOLD = ("import sys, time\n"
         "from g2rl_jax.train.lifecycle import RunLock\n"
         "if len(sys.argv) > 3:\n"  # a racer: ready, then go at once when the go file appears

@@ -39,7 +39,7 @@ def parse_args(argv):
     p = cli.ArgumentParser(prog="python -m g2rl_jax.bench preempt", description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20, help="kill -9 at least this many launches (default 20)")
     p.add_argument("--steps", type=int, default=6, help="run.total_steps of each run (default 6)")
-    p.add_argument("--lease", type=float, default=3.0, help="run.lock_lease_seconds (default 3, the smallest)")
+    p.add_argument("--lease", type=float, default=9.0, help="run.lock_lease_seconds (default 9, the smallest)")
     p.add_argument("--local", action="store_true", help="a local run directory instead of the emulator's bucket")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     p.add_argument("--after-checkpoint", action="store_true",
