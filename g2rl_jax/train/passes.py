@@ -166,9 +166,14 @@ def _scores(graphdef, params, batch: train_step.Batch, shape: PackShape, *, temp
     return acc
 
 
+_HIDDEN: dict = {}
+
+
 def graphdef_hidden(graphdef, params) -> int:
-    """The model's hidden size D (Φ's width)."""
-    return nnx.merge(graphdef, params).lm_head_weight().shape[1]
+    """The model's hidden size D (Φ's width), found once per model."""
+    if graphdef not in _HIDDEN:
+        _HIDDEN[graphdef] = nnx.merge(graphdef, params).lm_head_weight().shape[1]
+    return _HIDDEN[graphdef]
 
 
 def score(graphdef, params, batch: train_step.Batch, *, temperature: float, micro: int, shapes,
