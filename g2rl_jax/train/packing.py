@@ -8,7 +8,7 @@ Length-grouped micro-batches (train/micro.py) need one program per (rows, respon
 and pad each row to its shape's width. Packing puts whole sequences, unpadded (prompt tokens then response
 tokens), one after the other into rows of W = (largest prompt bucket) + (response budget) tokens (first fit,
 longest first, at most `slots` sequences a row): every row has the same width whatever the step's lengths and
-prompt bucket, so a pass compiles once per row count of `PackShape.rows` (micro, micro/4, ... down to the row
+prompt bucket, so a pass compiles once per row count of `PackShape.rows` (micro, micro/2, ... down to the row
 shards), and only a row's tail is padding. A token attends to the causal tokens of its own sequence only (segment
 ids, model.attention) and sits at its position in its own sequence, so each sequence computes what it computes
 alone (tests/test_packing.py: equal to the unpacked pass within float tolerance).
@@ -45,10 +45,11 @@ class PackShape:
 
     @classmethod
     def of(cls, micro: int, min_rows: int, *, prompt_len: int, resp_len: int) -> "PackShape":
-        """Rows of prompt_len + resp_len (the longest sequence fits), row counts micro, micro/4, ... (every other
-        halving of micro.row_counts, the smallest >= min_rows, the batch's row shards): the token budget of a
-        micro-batch is that of the unpacked pass's largest, micro x (S + T)."""
-        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows)[::2])
+        """Rows of prompt_len + resp_len (the longest sequence fits), row counts micro, micro/2, ... down to
+        min_rows, the batch's row shards (micro.row_counts): the token budget of a micro-batch is that of the
+        unpacked pass's largest, micro x (S + T), and a pass's last micro-batch leaves fewer than min_rows rows
+        empty."""
+        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows))
 
     @property
     def name(self) -> str:
