@@ -85,7 +85,7 @@ def test_packed_logprobs_equal_the_unpacked_pass(model):
         p = packing.packed_inputs(ids, attn, resp, plan)
         assert plan.rows < 8 or width == 24, plan.rows  # several sequences per row
         logp_RxW = packing.packed_token_logprobs(graphdef, params, p.ids_RxW, p.segments_RxW, p.positions_RxW,
-                                                 p.targets_RxW, temperature=0.7, chunk=8)
+                                                 p.targets_RxC, temperature=0.7, chunk=8)
         got_BxT = np.asarray(packing.unpack(logp_RxW, p.source_BxT, p.valid_BxT))
         np.testing.assert_allclose(got_BxT, want_BxT, atol=2e-5, rtol=2e-5, err_msg=f"width {width}")
         assert np.all(got_BxT[resp == 0] == 0) and np.all(got_BxT[resp > 0] < 0)
@@ -120,7 +120,8 @@ def test_packed_phi_equals_a_float64_transcription():
     np.testing.assert_allclose(np.asarray(phi), _np_phi(h, w, y, alpha, slots_RxW, K, 0.7), atol=1e-4, rtol=1e-4)
 
 
-SHAPES = (packing.PackShape(40, (4, 1), 3), packing.PackShape(24, (2,), 16))  # several sequences a row; one or two
+SHAPES = (packing.PackShape(40, (4, 1), 3, head=16), packing.PackShape(24, (2,), 16))  # outputs at the response
+# positions only (head: at most T of them a row), or at all W; several sequences a row, or one or two
 
 
 @pytest.fixture(scope="module")

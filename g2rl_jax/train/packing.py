@@ -2,7 +2,7 @@
 
     shape = PackShape.of(micro, min_rows, prompt_len=S_max, resp_len=T)   # rows of W = S_max + T, few row counts
     plan = plan_packed(ids_BxL, attn_BxL, resp_BxT, shape)               # host: which sequence goes where
-    for m in plan.micros: ...  m.ids_RxW, m.segments_RxW, m.positions_RxW, m.targets_RxW, m.source_BxT, m.in_B
+    for m in plan.micros: ...  m.ids_RxW, m.segments_RxW, m.positions_RxW, m.targets_RxC, m.source_BxT, m.in_B
 
 Length-grouped micro-batches (train/micro.py) need one program per (rows, response width) shape and prompt bucket,
 and pad each row to its shape's width. Packing puts whole sequences, unpadded (prompt tokens then response
@@ -42,6 +42,7 @@ class PackShape:
     width: int
     rows: tuple[int, ...]
     slots: int = SLOTS
+    head: int = 0  # C: positions of a row whose next-token outputs the passes compute (0: all W)
 
     @classmethod
     def of(cls, micro: int, min_rows: int, *, prompt_len: int, resp_len: int) -> "PackShape":
@@ -49,7 +50,7 @@ class PackShape:
         min_rows, the batch's row shards (micro.row_counts): the token budget of a micro-batch is that of the
         unpacked pass's largest, micro x (S + T), and a pass's last micro-batch leaves fewer than min_rows rows
         empty."""
-        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows))
+        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows), head=resp_len)
 
     @property
     def name(self) -> str:
@@ -81,25 +82,29 @@ class PackPlan:
     slot_B: np.ndarray | None = None
 
 
-def pack(prompt_lengths_B, response_lengths_B, width: int, rows: int = 0, slots: int = 0) -> PackPlan:
+def pack(prompt_lengths_B, response_lengths_B, width: int, rows: int = 0, slots: int = 0, head: int = 0) -> PackPlan:
     """First-fit decreasing: sequences of prompt + response tokens, longest first, each into the first row with room
-    (and fewer than `slots` sequences, when slots > 0; a new row when none has). `rows`: at least this many rows (a
+    (and fewer than `slots` sequences, when slots > 0, and at most `head` response tokens, when head > 0; a new row
+    when none has). `rows`: at least this many rows (a
     fixed shape); raises ValueError when a sequence is longer than `width` or the sequences need more than `rows`
     rows (rows > 0)."""
-    n_B = np.asarray(prompt_lengths_B, int) + np.asarray(response_lengths_B, int)
+    r_B = np.asarray(response_lengths_B, int)
+    n_B = np.asarray(prompt_lengths_B, int) + r_B
     if n_B.size and n_B.max() > width:
         raise ValueError(f"a sequence of {n_B.max()} tokens does not fit a packed row of {width}; raise the width")
     row_B, offset_B, slot_B = (np.zeros(len(n_B), int) for _ in range(3))
-    used, count = [], []
+    used, count, answers = [], [], []
     for b in np.argsort(-n_B, kind="stable"):
-        r = next((i for i, u in enumerate(used) if u + n_B[b] <= width and (not slots or count[i] < slots)),
-                 len(used))
+        r = next((i for i, u in enumerate(used) if u + n_B[b] <= width and (not slots or count[i] < slots)
+                  and (not head or answers[i] + r_B[b] <= head)), len(used))
         if r == len(used):
             used.append(0)
             count.append(0)
+            answers.append(0)
         row_B[b], offset_B[b], slot_B[b] = r, used[r], count[r]
         used[r] += n_B[b]
         count[r] += 1
+        answers[r] += r_B[b]
     if rows and len(used) > rows:
         raise ValueError(f"{len(n_B)} sequences need {len(used)} packed rows of {width} tokens, more than {rows}")
     return PackPlan(row_B, offset_B, width, max(rows, len(used)), slot_B)
@@ -107,25 +112,28 @@ def pack(prompt_lengths_B, response_lengths_B, width: int, rows: int = 0, slots:
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """Host arrays of a packed micro-batch: ids, segment ids (sequence b of the batch is segment b + 1; 0 padding),
-    positions in the own sequence, next-token targets and sequence slots (0..K-1; K on padding) [R, W];
-    source_BxT: the flat index (row * W + column) of the position that predicts response token t of sequence b,
+    """Host arrays of a packed micro-batch: ids, segment ids (sequence b of the batch is segment b + 1; 0 padding)
+    and positions in the own sequence [R, W]; predict_RxC: the columns whose next-token outputs the passes compute
+    (the positions that predict response tokens, in order; all W columns with head 0), and at those their targets
+    and sequence slots (0..K-1; K on padding) [R, C]; source_BxT: the flat index (row * C + output column) of the
+    output that is response token t of sequence b,
     valid_BxT: whether that token exists in this micro-batch; in_B: sequence b is in it; slot_B: its flat slot
     (row * K + slot; 0 when not in it)."""
 
     ids_RxW: np.ndarray
     segments_RxW: np.ndarray
     positions_RxW: np.ndarray
-    targets_RxW: np.ndarray
+    targets_RxC: np.ndarray
     source_BxT: np.ndarray
     valid_BxT: np.ndarray
-    slots_RxW: np.ndarray | None = None
+    slots_RxC: np.ndarray | None = None
     in_B: np.ndarray | None = None
     slot_B: np.ndarray | None = None
+    predict_RxC: np.ndarray | None = None
 
 
 def packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, plan: PackPlan, keep_B=None,
-                  slots: int = SLOTS) -> Packed:
+                  slots: int = SLOTS, head: int = 0) -> Packed:
     """Pack the real tokens of a Batch's host arrays ([B, S+T], prompts left- and responses right-padded) by
     `plan` (pack's, from the lengths of the rows keep_B, default all; the others are left out). A sequence's
     response is its attention mask's tokens after S; valid_BxT marks its tokens that response_mask keeps."""
@@ -134,8 +142,11 @@ def packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, plan: Pa
     b, t = resp_BxT.shape
     s = ids_BxL.shape[1] - t
     R, W = plan.rows, plan.width
-    ids, seg, pos, tgt = (np.zeros((R, W), np.int32) for _ in range(4))
-    slot_RxW = np.full((R, W), slots, np.int32)
+    C = head or W
+    ids, seg, pos = (np.zeros((R, W), np.int32) for _ in range(3))
+    tgt, slot_RxC = np.zeros((R, C), np.int32), np.full((R, C), slots, np.int32)
+    predict = np.tile(np.arange(W, dtype=np.int32), (R, 1)) if not head else np.zeros((R, C), np.int32)
+    outputs = np.zeros(R, int)  # head > 0: output columns used in each row
     source, valid = np.zeros((b, t), np.int32), np.zeros((b, t), bool)
     in_B, slot_B = np.zeros(b, bool) if keep_B is None else np.asarray(keep_B, bool).copy(), np.zeros(b, np.int32)
     rows_B = np.arange(b) if keep_B is None else np.flatnonzero(keep_B)
@@ -144,15 +155,22 @@ def packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, plan: Pa
         n, r, o = len(tokens), plan.row_B[j], plan.offset_B[j]
         prompt = int(attn_BxL[i, :s].sum())
         ids[r, o:o + n], seg[r, o:o + n], pos[r, o:o + n] = tokens, i + 1, np.arange(n)
-        tgt[r, o:o + n - 1] = tokens[1:]
-        if plan.slot_B is not None:
-            slot_RxW[r, o:o + n] = plan.slot_B[j]
-            slot_B[i] = r * slots + plan.slot_B[j]
         resp = n - prompt
-        source[i, :resp] = r * W + o + prompt - 1 + np.arange(resp)  # position p-1+j predicts response token j
+        predicting = o + prompt - 1 + np.arange(resp)  # position p-1+j predicts response token j
+        if head:
+            cols = outputs[r] + np.arange(resp)
+            outputs[r] += resp
+            predict[r, cols], tgt[r, cols] = predicting, tokens[prompt:]
+        else:
+            cols = predicting
+            tgt[r, o:o + n - 1] = tokens[1:]
+        if plan.slot_B is not None:
+            slot_RxC[r, cols] = plan.slot_B[j]
+            slot_B[i] = r * slots + plan.slot_B[j]
+        source[i, :resp] = r * C + cols
         valid[i, :resp] = resp_BxT[i, :resp]
         in_B[i] = True
-    return Packed(ids, seg, pos, tgt, source, valid, slot_RxW, in_B, slot_B)
+    return Packed(ids, seg, pos, tgt, source, valid, slot_RxC, in_B, slot_B, predict)
 
 
 def sequence_lengths(attention_mask_BxL, resp_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -179,7 +197,7 @@ def plan_packed(input_ids_BxL, attention_mask_BxL, response_mask_BxT, shape: Pac
     prompt_B, resp_B = sequence_lengths(attention_mask_BxL, t)
     keep_B = np.ones(len(prompt_B), bool) if keep_B is None else np.asarray(keep_B, bool)
     rows_B = np.flatnonzero(keep_B)
-    plan = pack(prompt_B[rows_B], resp_B[rows_B], shape.width, slots=shape.slots)
+    plan = pack(prompt_B[rows_B], resp_B[rows_B], shape.width, slots=shape.slots, head=shape.head)
     counts = cut_rows(plan.rows if len(rows_B) else 0, shape.rows, shape.width)
     micros, start = [], 0
     for r in counts:
@@ -187,17 +205,18 @@ def plan_packed(input_ids_BxL, attention_mask_BxL, response_mask_BxT, shape: Pac
         sub = PackPlan(plan.row_B[in_rows] - start, plan.offset_B[in_rows], shape.width, r, plan.slot_B[in_rows])
         keep = np.zeros(len(keep_B), bool)
         keep[rows_B[in_rows]] = True
-        micros.append(packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, sub, keep, shape.slots))
+        micros.append(packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, sub, keep, shape.slots,
+                                    shape.head))
         start += r
     positions = sum(counts) * shape.width
     return PackedPlan(tuple(micros), positions, positions - int((prompt_B + resp_B)[rows_B].sum()))
 
 
 # ------------------------------------------------------------------------------------------- device side
-def packed_stats(h_RxWxD, w_VxD, targets_RxW, alpha_RxW, slots_RxW, *, slots: int, temperature: float, chunk: int):
+def packed_stats(h_RxWxD, w_VxD, targets_RxC, alpha_RxW, slots_RxC, *, slots: int, temperature: float, chunk: int):
     """(log-probs [R, W], entropies [R, W], Φ [R, K, D]) of packed rows in one chunked vocabulary scan: g2rl's
     token_stats (eqs. head-softmax, token-feature, seq-feature, efficient), with Φ's vocabulary-space sum
-    Σ_t α̃_t (e(y_t) − p_t) kept per sequence slot (slots_RxW: each position's slot, K on padding)."""
+    Σ_t α̃_t (e(y_t) − p_t) kept per sequence slot (slots_RxC: each position's slot, K on padding)."""
     temperature, chunk = g2rl._static_chunking(temperature, chunk, h_RxWxD.shape[1])
 
     def body(q_RxKxV, xs):
@@ -211,9 +230,9 @@ def packed_stats(h_RxWxD, w_VxD, targets_RxW, alpha_RxW, slots_RxW, *, slots: in
 
     r, vocab = h_RxWxD.shape[0], w_VxD.shape[0]
     q_RxKxV, (logp, ent) = g2rl._scan_positions(body, jnp.zeros((r, slots, vocab), jnp.float32),
-                                                (h_RxWxD, targets_RxW, alpha_RxW, slots_RxW), chunk)
-    rows_RxW = jnp.broadcast_to(jnp.arange(r)[:, None], targets_RxW.shape)
-    onehots_RxKxV = jnp.zeros((r, slots, vocab), jnp.float32).at[rows_RxW, slots_RxW, targets_RxW].add(
+                                                (h_RxWxD, targets_RxC, alpha_RxW, slots_RxC), chunk)
+    rows_RxW = jnp.broadcast_to(jnp.arange(r)[:, None], targets_RxC.shape)
+    onehots_RxKxV = jnp.zeros((r, slots, vocab), jnp.float32).at[rows_RxW, slots_RxC, targets_RxC].add(
         alpha_RxW, mode="drop")
     r_RxKxV = onehots_RxKxV - q_RxKxV  # eq. token-feature summed with α̃ per sequence: Φ = Wᵀ r
     phi_RxKxD = jnp.einsum("rkv,vd->rkd", r_RxKxV.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
@@ -221,7 +240,7 @@ def packed_stats(h_RxWxD, w_VxD, targets_RxW, alpha_RxW, slots_RxW, *, slots: in
 
 
 def to_packed(x_BxT, source_BxT, valid_BxT, shape_RxW):
-    """[B, T] per-token values placed at their predicting positions of the packed rows [R, W] (0 elsewhere)."""
+    """[B, T] per-token values placed at their outputs of the packed rows [R, C] (0 elsewhere)."""
     flat = jnp.zeros(shape_RxW[0] * shape_RxW[1], x_BxT.dtype)
     return flat.at[source_BxT].add(jnp.where(valid_BxT, x_BxT, 0)).reshape(shape_RxW)
 
@@ -232,11 +251,11 @@ def unpack(x_RxW, source_BxT, valid_BxT):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
-def packed_token_logprobs(graphdef, params, ids_RxW, segments_RxW, positions_RxW, targets_RxW, *,
+def packed_token_logprobs(graphdef, params, ids_RxW, segments_RxW, positions_RxW, targets_RxC, *,
                           temperature: float, chunk: int = g2rl.DEFAULT_CHUNK):
     """log p(next token) [R, W] at every packed position (eq. token log-prob of the reference / behaviour pass);
     positions whose target is not a response token hold values `unpack` drops."""
     model = nnx.merge(graphdef, params)
     h_RxWxD = model.hidden_states(ids_RxW, segments_RxW, positions=positions_RxW)
     head = model.lm_head_weight().astype(h_RxWxD.dtype)
-    return g2rl.token_logprobs(h_RxWxD, head, targets_RxW, temperature=temperature, chunk_size=chunk)
+    return g2rl.token_logprobs(h_RxWxD, head, targets_RxC, temperature=temperature, chunk_size=chunk)

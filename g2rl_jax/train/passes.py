@@ -33,8 +33,8 @@ from g2rl_jax.train.packing import PackShape
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["ids_RxW", "segments_RxW", "positions_RxW", "targets_RxW", "slots_RxW",
-                                "source_BxT", "valid_BxT", "in_B", "slot_B"], meta_fields=[])
+                   data_fields=["ids_RxW", "segments_RxW", "positions_RxW", "targets_RxC", "slots_RxC",
+                                "source_BxT", "valid_BxT", "in_B", "slot_B", "predict_RxC"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PackedMicro:
     """One packed micro-batch on device (packing.Packed's arrays)."""
@@ -42,12 +42,13 @@ class PackedMicro:
     ids_RxW: jax.Array
     segments_RxW: jax.Array
     positions_RxW: jax.Array
-    targets_RxW: jax.Array
-    slots_RxW: jax.Array
+    targets_RxC: jax.Array
+    slots_RxC: jax.Array
     source_BxT: jax.Array
     valid_BxT: jax.Array
     in_B: jax.Array
     slot_B: jax.Array
+    predict_RxC: jax.Array
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -102,10 +103,10 @@ def template(shape: PackShape, rows: int, batch_rows: int, resp_len: int, like_B
     def spec(*dims, dtype=jnp.int32):
         return jax.ShapeDtypeStruct(dims, dtype, sharding=_sharding(dims[0], like_B))
 
-    w = shape.width
-    return PackedMicro(spec(rows, w), spec(rows, w), spec(rows, w), spec(rows, w), spec(rows, w),
+    w, c = shape.width, shape.head or shape.width
+    return PackedMicro(spec(rows, w), spec(rows, w), spec(rows, w), spec(rows, c), spec(rows, c),
                        spec(batch_rows, resp_len), spec(batch_rows, resp_len, dtype=jnp.bool_),
-                       spec(batch_rows, dtype=jnp.bool_), spec(batch_rows))
+                       spec(batch_rows, dtype=jnp.bool_), spec(batch_rows), spec(rows, c))
 
 
 def plan(batch: train_step.Batch, shape: PackShape, in_loss: bool = False) -> packing.PackedPlan:
@@ -125,8 +126,10 @@ def plan_for(batch: train_step.Batch, micro: int, *, shapes, in_loss: bool = Fal
 
 
 def _hidden(model, m: PackedMicro):
+    """The final hidden states at the output columns [R, C, D] (those that predict response tokens), and the head."""
     h_RxWxD = model.hidden_states(m.ids_RxW, m.segments_RxW, positions=m.positions_RxW)
-    return h_RxWxD, model.lm_head_weight().astype(h_RxWxD.dtype)
+    h_RxCxD = jnp.take_along_axis(h_RxWxD, m.predict_RxC[..., None], axis=1)
+    return h_RxCxD, model.lm_head_weight().astype(h_RxWxD.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "slots"), donate_argnames=("acc",))
@@ -134,11 +137,11 @@ def score_micro(graphdef, params, acc, m: PackedMicro, response_mask_BxT, *, tem
                 slots: int):
     """acc + one packed micro-batch's (log-probs [B, T], entropies [B, T], Φ [B, D]) of its sequences (eq.
     seq-feature: α̃ over each response's own tokens, response_mask_BxT)."""
-    h_RxWxD, head = _hidden(nnx.merge(graphdef, params), m)
+    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m)
     mask_BxT = response_mask_BxT.astype(jnp.float32)
     alpha_BxT = mask_BxT / (jnp.sum(mask_BxT, axis=-1, keepdims=True) + g2rl.EPS)  # eq. seq-feature
-    alpha_RxW = packing.to_packed(alpha_BxT, m.source_BxT, m.valid_BxT, m.ids_RxW.shape)
-    logp, ent, phi_RxKxD = packing.packed_stats(h_RxWxD, head, m.targets_RxW, alpha_RxW, m.slots_RxW, slots=slots,
+    alpha_RxC = packing.to_packed(alpha_BxT, m.source_BxT, m.valid_BxT, m.targets_RxC.shape)
+    logp, ent, phi_RxKxD = packing.packed_stats(h_RxCxD, head, m.targets_RxC, alpha_RxC, m.slots_RxC, slots=slots,
                                                 temperature=temperature, chunk=chunk)
     phi_BxD = jnp.where(m.in_B[:, None], phi_RxKxD.reshape(-1, phi_RxKxD.shape[-1])[m.slot_B], 0.0)
     logp_acc, ent_acc, phi_acc = acc
@@ -149,8 +152,8 @@ def score_micro(graphdef, params, acc, m: PackedMicro, response_mask_BxT, *, tem
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"), donate_argnames=("acc",))
 def ref_micro(graphdef, params, acc, m: PackedMicro, *, temperature: float, chunk: int):
     """acc + one packed micro-batch's log-probs [B, T] of its sequences' response tokens."""
-    h_RxWxD, head = _hidden(nnx.merge(graphdef, params), m)
-    logp = g2rl.token_logprobs(h_RxWxD, head, m.targets_RxW, temperature=temperature, chunk_size=chunk)
+    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m)
+    logp = g2rl.token_logprobs(h_RxCxD, head, m.targets_RxC, temperature=temperature, chunk_size=chunk)
     return acc + packing.unpack(logp, m.source_BxT, m.valid_BxT)
 
 
@@ -203,14 +206,14 @@ def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings):
     """step.policy_loss on a packed micro-batch: the forward over the packed rows, its per-token log-probs (and
     entropies, for the bonus) gathered to the mini-batch's [X, T] layout, the loss over this micro-batch's tokens."""
     m = pm.micro
-    h_RxWxD, head = _hidden(nnx.merge(graphdef, params), m)
+    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m)
     ent = None
     if s.entropy_coef:
-        logp, ent, _ = g2rl.token_stats(h_RxWxD, head, m.targets_RxW, m.segments_RxW > 0,
+        logp, ent, _ = g2rl.token_stats(h_RxCxD, head, m.targets_RxC, jnp.ones_like(m.targets_RxC),
                                         temperature=s.temperature, chunk_size=s.chunk)
         ent = packing.unpack(ent, m.source_BxT, m.valid_BxT)
     else:
-        logp = g2rl.token_logprobs(h_RxWxD, head, m.targets_RxW, temperature=s.temperature, chunk_size=s.chunk)
+        logp = g2rl.token_logprobs(h_RxCxD, head, m.targets_RxC, temperature=s.temperature, chunk_size=s.chunk)
     mask_XxT = pm.response_mask_BxT * m.in_B[:, None]
     loss, diag = train_step.loss_from_logprobs(
         packing.unpack(logp, m.source_BxT, m.valid_BxT), ent, pm.old_logp_BxT, pm.ref_logp_BxT, pm.sampler_logp_BxT,
