@@ -185,20 +185,26 @@ def test_packed_gradients_equal_the_unpacked_ones(split, agg, ratio_level):
 
 def test_a_packed_training_step_equals_an_unpacked_one(assets, tmp_path):  # noqa: F811
     """One g2rl step of test_train's tiny policy with algorithm.packing on and off: the same rollout, then scores,
-    advantages and the update agree (float32) and the packed run's passes ran at the packed layout."""
+    advantages and the update agree (float32), the packed run's passes ran at the packed layout, and its warm-up
+    compiled every program its second step runs (run.strict_compiles)."""
     from test_train import config
 
     from g2rl_jax.train.loop import Trainer
     from g2rl_jax.train.metrics import read_metrics
 
     runs = {}
-    for packed in (True, False):
+    for packed in (True, False):  # the packed run: two steps, strict (a compile after the first step raises)
         out = tmp_path / f"packed_{packed}"
-        trainer = Trainer(config(assets, out, steps=1, **{"algorithm.packing": packed, "algorithm.kl_coef": 0.01}))
+        trainer = Trainer(config(assets, out, steps=1 + packed, **{"algorithm.packing": packed,
+                                                                    "algorithm.kl_coef": 0.01,
+                                                                    "run.strict_compiles": packed}))
         trainer.resume()
         trainer.run()
         assert isinstance(trainer.warmup.layout, packing.PackShape) == packed
-        runs[packed] = read_metrics(out)[-1]
+        records = read_metrics(out)
+        if packed:
+            assert records[0]["programs_compiled"] > 0 and records[1]["programs_compiled"] == 0
+        runs[packed] = records[0]
     for key in ("accuracy", "response_length"):
         assert runs[True][key] == runs[False][key], key  # the same rollout
     for key in ("reward", "loss", "kl", "novelty", "grad_norm", "entropy", "clip_fraction", "approx_kl"):
