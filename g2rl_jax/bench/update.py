@@ -16,7 +16,9 @@ still costs (about max/mean when every micro-batch is padded to the longest resp
 compiling update per mini-batch, one untimed (the params that the first update returns compile once more), then
 --iters timed ones, alternating between the long-tailed and the equal mini-batch; all variants run side by side in
 one process. layout=grouped (default) is the trainer's length-grouped micro-batches; layout=padded runs every
-micro-batch at the full width (before grouping); overhead= sets the plan's per-micro-batch cost in rows
+micro-batch at the full width (before grouping); layout=packed packs whole sequences into rows of
+prompt + response width (train/packing.py, the trainer's algorithm.packing: micro-batches of micro, micro/2, ...
+packed rows; its widths column reads rows x packed width); overhead= sets the plan's per-micro-batch cost in rows
 (train.micro.OVERHEAD_ROWS) for that variant.
 --plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything.
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
@@ -41,10 +43,11 @@ from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import optim as train_optim
+from g2rl_jax.train import packing, passes
 from g2rl_jax.train import step as train_step
 
 _KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float}
-LAYOUTS = ("grouped", "padded")
+LAYOUTS = ("grouped", "padded", "packed")
 
 
 def _args(argv):
@@ -149,9 +152,9 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
     for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns
         for mini, t in zip(minis, times):
             start = time.perf_counter()
-            params, opt_state, info = train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                        settings=settings, micro=v["micro"],
-                                                        padded=v["layout"] == "padded")
+            params, opt_state, info = passes.update(graphdef, params, opt_state, mini, optimizer=optimizer,
+                                                    settings=settings, micro=v["micro"], shapes=_layout(v, mini),
+                                                    padded=v["layout"] == "padded")
             jax.block_until_ready(info["loss"])
             t.append(time.perf_counter() - start)
             assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
@@ -160,19 +163,35 @@ def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], it
     return [(t[0], statistics.median(t[2:])) for t in times]
 
 
+def _layout(v: dict, mini: train_step.MiniBatch):
+    """The passes' layout of a variant: packed rows of the mini-batch's S + T (layout=packed), else None (every
+    shape of the length-grouped plan)."""
+    if v["layout"] != "packed":
+        return None
+    t = mini.batch.response_mask.shape[1]
+    return packing.PackShape.of(v["micro"], 1, prompt_len=mini.batch.prompt_len, resp_len=t)
+
+
 def _shapes(plan) -> str:
-    """'4x32 4x64 2x512': rows x response width of each micro-batch."""
+    """'4x32 4x64 2x512': rows x response width of each micro-batch (packed: rows x packed width)."""
+    if isinstance(plan, packing.PackedPlan):
+        return " ".join(f"{m.ids_RxW.shape[0]}x{m.ids_RxW.shape[1]}p" for m in plan.micros)
     return " ".join(f"{len(rows)}x{w}" for rows, w in zip(plan.rows, plan.widths))
 
 
 def _plan(v: dict, lengths, rows: int, prompt_len: int, response_len: int):
     """The micro-batch plan of a variant for response lengths `lengths` (prompts all real)."""
     mask = np.arange(response_len)[None] < lengths[:, None]
-    attn = np.ones((rows, prompt_len + response_len), bool)
+    attn = np.concatenate([np.ones((rows, prompt_len), bool), mask], axis=1)
+    if v["layout"] == "packed":
+        shape = packing.PackShape.of(v["micro"], 1, prompt_len=prompt_len, resp_len=response_len)
+        return packing.plan_packed(np.ones_like(attn, np.int32), attn, mask, shape)
     return micro_lib.plan_micro(mask, v["micro"], attn, padded=v["layout"] == "padded")
 
 
 def _plan_flops(cfg, plan, prompt_len: int) -> float:
+    if isinstance(plan, packing.PackedPlan):
+        return sum(train_flops(cfg, *m.ids_RxW.shape) for m in plan.micros)
     return sum(train_flops(cfg, len(rows), prompt_len + w) for rows, w in zip(plan.rows, plan.widths))
 
 

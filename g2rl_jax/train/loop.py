@@ -40,8 +40,7 @@ from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
-from g2rl_jax.train import compiles, identity, report, warmup
-from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import compiles, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.ahead import AheadSampler
@@ -274,11 +273,11 @@ class Trainer(SamplingRounds):
                                        batch, temperature=temp, micro=micro,
                                        batch_like=functools.partial(self._batch_like, batch))
             self.warm_prompt_buckets()
-            scores = train_step.score(self.graphdef, self.params, batch, temperature=temp, micro=micro, shapes=shapes)
+            scores = passes.score(self.graphdef, self.params, batch, temperature=temp, micro=micro, shapes=shapes)
         ref = None
         if algo.kl_coef > 0:
             with stage("reference", input_ids=batch.input_ids):
-                ref = train_step.ref_logprobs(*self._reference(), batch, temperature=temp, micro=micro, shapes=shapes)
+                ref = passes.ref_logprobs(*self._reference(), batch, temperature=temp, micro=micro, shapes=shapes)
         embeddings = valid = None
         if "embeddings" in self.method.needs:
             with stage("embed", texts=texts):
@@ -297,10 +296,10 @@ class Trainer(SamplingRounds):
         if self.ahead is not None:  # the new version goes to the rollout side
             self.ahead.publish(step + 1, self.params)
             ahead |= self.ahead.sync_figures()
-        plan = micro_lib.plan_for(batch, micro, shapes=shapes)  # the plan score (and the reference pass) ran over
-        passes = 1 + (ref is not None)
-        info["positions"] += passes * plan.positions
-        info["padding"] += passes * plan.padding
+        plan = passes.plan_for(batch, micro, shapes=shapes)  # the plan score (and the reference pass) ran over
+        forwards = 1 + (ref is not None)
+        info["positions"] += forwards * plan.positions
+        info["padding"] += forwards * plan.padding
         metrics = step_metrics(batch, scores, signal, info, (t0, t1, t2, t3, t4), step=step,
                                learning_rate=float(self.schedule((step + 1) * self.updates_per_step - 1)),
                                novelty=self.method.novelty, truncated_B=truncated_B)
@@ -340,7 +339,8 @@ class Trainer(SamplingRounds):
                            mini_like=lambda s: minis_of(masked(self._batch_like(batch, s)))[0])
         for epoch in range(algo.ppo_epochs):
             for i, rows in enumerate(minis):
-                plans.append(micro_lib.plan_for(rows.batch, algo.micro_batch_size, shapes=self.warmup.shapes))
+                plans.append(passes.plan_for(rows.batch, algo.micro_batch_size, shapes=self.warmup.layout,
+                                             in_loss=True))
                 rule = None
                 if rules:  # the step's first update starts from the behaviour policy: its scores are π_θ's
                     first = epoch == 0 and i == 0
@@ -348,9 +348,9 @@ class Trainer(SamplingRounds):
                     rule = train_step.TokenRule(algo, jax.random.fold_in(key, epoch * len(minis) + i), current)
                     if not first:
                         plans.append(plans[-1])  # the current policy's forward pass over the same micro-batches
-                self.params, self.opt_state, info = train_step.update(
+                self.params, self.opt_state, info = passes.update(
                     self.graphdef, self.params, self.opt_state, rows, optimizer=self.optimizer,
-                    settings=self.settings, micro=algo.micro_batch_size, shapes=self.warmup.shapes, rule=rule)
+                    settings=self.settings, micro=algo.micro_batch_size, shapes=self.warmup.layout, rule=rule)
                 infos.append(info)
         infos = jax.device_get(infos)
         stepped = [i for i in infos if not int(i["empty"])] or infos  # empty mini-batches took no step

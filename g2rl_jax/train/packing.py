@@ -1,22 +1,22 @@
-"""Packed micro-batches: several (prompt + response) sequences per row, one fixed [rows, width] shape per pass.
+"""Packed micro-batches: several (prompt + response) sequences per row, one fixed width for every pass of a run.
 
-    plan = pack(prompt_lengths_B, response_lengths_B, width)       # host: which sequence goes where
-    p = packed_inputs(batch_host, plan)                            # ids / segment ids / positions [R, W], maps
-    logp_RxW = packed_token_logprobs(graphdef, params, p.ids_RxW, p.segments_RxW, p.positions_RxW,
-                                     p.targets_RxW, temperature=T)
-    logp_BxT = unpack(logp_RxW, p.source_BxT, p.valid_BxT)         # back to the [B, T] layout of a Batch
+    shape = PackShape.of(micro, min_rows, prompt_len=S_max, resp_len=T)   # rows of W = S_max + T, few row counts
+    plan = plan_packed(ids_BxL, attn_BxL, resp_BxT, shape)               # host: which sequence goes where
+    for m in plan.micros: ...  m.ids_RxW, m.segments_RxW, m.positions_RxW, m.targets_RxC, m.source_BxT, m.in_B
 
-Length-grouped micro-batches (train/micro.py) need one program per (rows, response width) shape, and pad each row
-to its shape's width. Packing puts whole sequences, unpadded (prompt tokens then response tokens), one after the
-other into rows of `width` tokens (first fit, longest first): every row has the same shape, so a pass compiles
-once whatever the lengths, and only a row's tail is padding. A token attends to the causal tokens of its own
-sequence only (segment ids, model.attention) and sits at its position in its own sequence, so each sequence
-computes what it computes alone (tests/test_packing.py: equal to the unpacked pass within float tolerance).
-Per-token results are gathered back to [B, T] on device (`unpack`): the losses, the advantages and Φ's per-row
-sums then run on the usual layout.
+Length-grouped micro-batches (train/micro.py) need one program per (rows, response width) shape and prompt bucket,
+and pad each row to its shape's width. Packing puts whole sequences, unpadded (prompt tokens then response
+tokens), one after the other into rows of W = (largest prompt bucket) + (response budget) tokens (first fit,
+longest first, at most `slots` sequences a row): every row has the same width whatever the step's lengths and
+prompt bucket, so a pass compiles once per row count of `PackShape.rows` (micro, micro/2, ... down to the row
+shards), and only a row's tail is padding. A token attends to the causal tokens of its own sequence only (segment
+ids, model.attention) and sits at its position in its own sequence, so each sequence computes what it computes
+alone (tests/test_packing.py: equal to the unpacked pass within float tolerance).
 
-Status: the packed token log-probs (the reference pass's computation) and their equality with the unpacked pass;
-the trainer still runs train/micro.py's length-grouped micro-batches (see docs/performance.md).
+Per-token results are gathered back to the [B, T] layout of a Batch on device (`unpack`), inside each pass's
+program: the losses, the advantages and every per-row sum then run on the usual layout, over the same tokens.
+Φ, a per-response sum over its tokens (eq. seq-feature), is accumulated per sequence slot inside the vocabulary
+scan (`packed_stats`). Shape letters: R packed rows, W their width, K sequence slots of a row.
 """
 from __future__ import annotations
 
@@ -29,85 +29,233 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import g2rl
+from g2rl_jax.train import micro as micro_lib
+
+SLOTS = 16  # K: sequences one packed row holds at most (Φ's per-sequence sums carry a [R, K, V] accumulator)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackShape:
+    """The packed layout of a run: rows of `width` positions, `slots` sequences each at most; a micro-batch holds
+    one of `rows` (descending) packed rows, so each pass compiles len(rows) programs."""
+
+    width: int
+    rows: tuple[int, ...]
+    slots: int = SLOTS
+    head: int = 0  # C: positions of a row whose next-token outputs the passes compute (0: all W)
+
+    @classmethod
+    def of(cls, micro: int, min_rows: int, *, prompt_len: int, resp_len: int) -> "PackShape":
+        """Rows of prompt_len + resp_len (the longest sequence fits), row counts micro, micro/2, ... down to
+        min_rows, the batch's row shards (micro.row_counts): the token budget of a micro-batch is that of the
+        unpacked pass's largest, micro x (S + T), and a pass's last micro-batch leaves fewer than min_rows rows
+        empty."""
+        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows), head=resp_len)
+
+    @property
+    def name(self) -> str:
+        return f"packed {'/'.join(map(str, self.rows))} x {self.width}"
+
+
+def cut_rows(n: int, counts: tuple[int, ...], width: int) -> list[int]:
+    """Row counts (descending) of the micro-batches that hold n packed rows at least total micro.micro_cost (each
+    at one of `counts`; the smallest count may leave some rows empty)."""
+    best = [(0, ())] + [None] * n  # best[i]: least cost of i rows and its counts
+    for i in range(1, n + 1):
+        for r in counts:
+            prev = best[max(i - r, 0)]
+            cost = prev[0] + micro_lib.micro_cost(r, width)
+            if best[i] is None or cost < best[i][0]:
+                best[i] = (cost, prev[1] + (r,))
+    return sorted(best[n][1], reverse=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class PackPlan:
-    """Where each sequence lies: row_B and offset_B (its first token's column); width W of every row; R rows."""
+    """Where each sequence lies: row_B and offset_B (its first token's column) and slot_B (its index among its
+    row's sequences); width W of every row; R rows."""
 
     row_B: np.ndarray
     offset_B: np.ndarray
     width: int
     rows: int
+    slot_B: np.ndarray | None = None
 
 
-def pack(prompt_lengths_B, response_lengths_B, width: int, rows: int = 0) -> PackPlan:
+def pack(prompt_lengths_B, response_lengths_B, width: int, rows: int = 0, slots: int = 0, head: int = 0) -> PackPlan:
     """First-fit decreasing: sequences of prompt + response tokens, longest first, each into the first row with room
-    (a new row when none has). `rows`: at least this many rows (a fixed shape); raises ValueError when a sequence is
-    longer than `width` or the sequences need more than `rows` rows (rows > 0)."""
-    n_B = np.asarray(prompt_lengths_B, int) + np.asarray(response_lengths_B, int)
+    (and fewer than `slots` sequences, when slots > 0, and at most `head` response tokens, when head > 0; a new row
+    when none has). `rows`: at least this many rows (a
+    fixed shape); raises ValueError when a sequence is longer than `width` or the sequences need more than `rows`
+    rows (rows > 0)."""
+    r_B = np.asarray(response_lengths_B, int)
+    n_B = np.asarray(prompt_lengths_B, int) + r_B
     if n_B.size and n_B.max() > width:
         raise ValueError(f"a sequence of {n_B.max()} tokens does not fit a packed row of {width}; raise the width")
-    row_B, offset_B, used = np.zeros(len(n_B), int), np.zeros(len(n_B), int), []
+    row_B, offset_B, slot_B = (np.zeros(len(n_B), int) for _ in range(3))
+    used, count, answers = [], [], []
     for b in np.argsort(-n_B, kind="stable"):
-        r = next((i for i, u in enumerate(used) if u + n_B[b] <= width), len(used))
+        r = next((i for i, u in enumerate(used) if u + n_B[b] <= width and (not slots or count[i] < slots)
+                  and (not head or answers[i] + r_B[b] <= head)), len(used))
         if r == len(used):
             used.append(0)
-        row_B[b], offset_B[b] = r, used[r]
+            count.append(0)
+            answers.append(0)
+        row_B[b], offset_B[b], slot_B[b] = r, used[r], count[r]
         used[r] += n_B[b]
+        count[r] += 1
+        answers[r] += r_B[b]
     if rows and len(used) > rows:
         raise ValueError(f"{len(n_B)} sequences need {len(used)} packed rows of {width} tokens, more than {rows}")
-    return PackPlan(row_B, offset_B, width, max(rows, len(used)))
+    return PackPlan(row_B, offset_B, width, max(rows, len(used)), slot_B)
 
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """Host arrays of a packed micro-batch: ids, segment ids (sequence b of the batch is segment b + 1; 0 padding),
-    positions in the own sequence, and next-token targets [R, W]; source_BxT: the flat index (row * W + column)
-    of the position that predicts response token t of sequence b, valid_BxT: whether that token exists."""
+    """Host arrays of a packed micro-batch: ids, segment ids (sequence b of the batch is segment b + 1; 0 padding)
+    and positions in the own sequence [R, W]; predict_RxC: the columns whose next-token outputs the passes compute
+    (the positions that predict response tokens, in order; all W columns with head 0), and at those their targets
+    and sequence slots (0..K-1; K on padding) [R, C]; source_BxT: the flat index (row * C + output column) of the
+    output that is response token t of sequence b,
+    valid_BxT: whether that token exists in this micro-batch; in_B: sequence b is in it; slot_B: its flat slot
+    (row * K + slot; 0 when not in it)."""
 
     ids_RxW: np.ndarray
     segments_RxW: np.ndarray
     positions_RxW: np.ndarray
-    targets_RxW: np.ndarray
+    targets_RxC: np.ndarray
     source_BxT: np.ndarray
     valid_BxT: np.ndarray
+    slots_RxC: np.ndarray | None = None
+    in_B: np.ndarray | None = None
+    slot_B: np.ndarray | None = None
+    predict_RxC: np.ndarray | None = None
 
 
-def packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, plan: PackPlan) -> Packed:
+def packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, plan: PackPlan, keep_B=None,
+                  slots: int = SLOTS, head: int = 0) -> Packed:
     """Pack the real tokens of a Batch's host arrays ([B, S+T], prompts left- and responses right-padded) by
-    `plan` (pack's, from these rows' prompt and response lengths)."""
+    `plan` (pack's, from the lengths of the rows keep_B, default all; the others are left out). A sequence's
+    response is its attention mask's tokens after S; valid_BxT marks its tokens that response_mask keeps."""
     ids_BxL, attn_BxL = np.asarray(input_ids_BxL), np.asarray(attention_mask_BxL) != 0
     resp_BxT = np.asarray(response_mask_BxT) != 0
     b, t = resp_BxT.shape
     s = ids_BxL.shape[1] - t
     R, W = plan.rows, plan.width
-    ids, seg, pos, tgt = (np.zeros((R, W), np.int32) for _ in range(4))
+    C = head or W
+    ids, seg, pos = (np.zeros((R, W), np.int32) for _ in range(3))
+    tgt, slot_RxC = np.zeros((R, C), np.int32), np.full((R, C), slots, np.int32)
+    predict = np.tile(np.arange(W, dtype=np.int32), (R, 1)) if not head else np.zeros((R, C), np.int32)
+    outputs = np.zeros(R, int)  # head > 0: output columns used in each row
     source, valid = np.zeros((b, t), np.int32), np.zeros((b, t), bool)
-    for i in range(b):
+    in_B, slot_B = np.zeros(b, bool) if keep_B is None else np.asarray(keep_B, bool).copy(), np.zeros(b, np.int32)
+    rows_B = np.arange(b) if keep_B is None else np.flatnonzero(keep_B)
+    for j, i in enumerate(rows_B):
         tokens = ids_BxL[i][attn_BxL[i]]
-        n, r, o = len(tokens), plan.row_B[i], plan.offset_B[i]
+        n, r, o = len(tokens), plan.row_B[j], plan.offset_B[j]
         prompt = int(attn_BxL[i, :s].sum())
         ids[r, o:o + n], seg[r, o:o + n], pos[r, o:o + n] = tokens, i + 1, np.arange(n)
-        tgt[r, o:o + n - 1] = tokens[1:]
-        resp = int(resp_BxT[i].sum())
-        source[i, :resp] = r * W + o + prompt - 1 + np.arange(resp)  # position p-1+j predicts response token j
-        valid[i, :resp] = True
-    return Packed(ids, seg, pos, tgt, source, valid)
+        resp = n - prompt
+        predicting = o + prompt - 1 + np.arange(resp)  # position p-1+j predicts response token j
+        if head:
+            cols = outputs[r] + np.arange(resp)
+            outputs[r] += resp
+            predict[r, cols], tgt[r, cols] = predicting, tokens[prompt:]
+        else:
+            cols = predicting
+            tgt[r, o:o + n - 1] = tokens[1:]
+        if plan.slot_B is not None:
+            slot_RxC[r, cols] = plan.slot_B[j]
+            slot_B[i] = r * slots + plan.slot_B[j]
+        source[i, :resp] = r * C + cols
+        valid[i, :resp] = resp_BxT[i, :resp]
+        in_B[i] = True
+    return Packed(ids, seg, pos, tgt, source, valid, slot_RxC, in_B, slot_B, predict)
+
+
+def sequence_lengths(attention_mask_BxL, resp_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens [B], response tokens [B]) of a Batch's host attention mask."""
+    attn = np.asarray(attention_mask_BxL) != 0
+    s = attn.shape[1] - resp_len
+    return attn[:, :s].sum(axis=1), attn[:, s:].sum(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPlan:
+    """The packed micro-batches of some rows (host arrays), and the positions they compute and how many of those are
+    padding (no sequence's token)."""
+
+    micros: tuple[Packed, ...]
+    positions: int
+    padding: int
+
+
+def plan_packed(input_ids_BxL, attention_mask_BxL, response_mask_BxT, shape: PackShape, keep_B=None) -> PackedPlan:
+    """Pack the rows keep_B (default all) of a Batch's host arrays into micro-batches of `shape`: sequences into
+    rows (pack), the rows cut into micro-batches at shape.rows (cut_rows), each micro-batch's arrays on its own."""
+    t = np.shape(response_mask_BxT)[1]
+    prompt_B, resp_B = sequence_lengths(attention_mask_BxL, t)
+    keep_B = np.ones(len(prompt_B), bool) if keep_B is None else np.asarray(keep_B, bool)
+    rows_B = np.flatnonzero(keep_B)
+    plan = pack(prompt_B[rows_B], resp_B[rows_B], shape.width, slots=shape.slots, head=shape.head)
+    counts = cut_rows(plan.rows if len(rows_B) else 0, shape.rows, shape.width)
+    micros, start = [], 0
+    for r in counts:
+        in_rows = (plan.row_B >= start) & (plan.row_B < start + r)
+        sub = PackPlan(plan.row_B[in_rows] - start, plan.offset_B[in_rows], shape.width, r, plan.slot_B[in_rows])
+        keep = np.zeros(len(keep_B), bool)
+        keep[rows_B[in_rows]] = True
+        micros.append(packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, sub, keep, shape.slots,
+                                    shape.head))
+        start += r
+    positions = sum(counts) * shape.width
+    return PackedPlan(tuple(micros), positions, positions - int((prompt_B + resp_B)[rows_B].sum()))
+
+
+# ------------------------------------------------------------------------------------------- device side
+def packed_stats(h_RxWxD, w_VxD, targets_RxC, alpha_RxW, slots_RxC, *, slots: int, temperature: float, chunk: int):
+    """(log-probs [R, W], entropies [R, W], Φ [R, K, D]) of packed rows in one chunked vocabulary scan: g2rl's
+    token_stats (eqs. head-softmax, token-feature, seq-feature, efficient), with Φ's vocabulary-space sum
+    Σ_t α̃_t (e(y_t) − p_t) kept per sequence slot (slots_RxC: each position's slot, K on padding)."""
+    temperature, chunk = g2rl._static_chunking(temperature, chunk, h_RxWxD.shape[1])
+
+    def body(q_RxKxV, xs):
+        h_RxCxD, y_RxC, a_RxC, k_RxC = xs
+        u_RxCxV = g2rl._chunk_logits(h_RxCxD, w_VxD, temperature)
+        m_RxC, e_RxCxV, s_RxC, _, logp_RxC = g2rl._chunk_normaliser(u_RxCxV, y_RxC)
+        ent_RxC = jnp.log(s_RxC) - jnp.sum(e_RxCxV * (u_RxCxV + (-m_RxC)[..., None]), axis=-1) / s_RxC
+        onehot_RxCxK = jax.nn.one_hot(k_RxC, slots, dtype=jnp.float32) * (a_RxC / s_RxC)[..., None]
+        q_RxKxV = q_RxKxV + jnp.einsum("rck,rcv->rkv", onehot_RxCxK, e_RxCxV, preferred_element_type=jnp.float32)
+        return q_RxKxV, (logp_RxC, ent_RxC)
+
+    r, vocab = h_RxWxD.shape[0], w_VxD.shape[0]
+    q_RxKxV, (logp, ent) = g2rl._scan_positions(body, jnp.zeros((r, slots, vocab), jnp.float32),
+                                                (h_RxWxD, targets_RxC, alpha_RxW, slots_RxC), chunk)
+    rows_RxW = jnp.broadcast_to(jnp.arange(r)[:, None], targets_RxC.shape)
+    onehots_RxKxV = jnp.zeros((r, slots, vocab), jnp.float32).at[rows_RxW, slots_RxC, targets_RxC].add(
+        alpha_RxW, mode="drop")
+    r_RxKxV = onehots_RxKxV - q_RxKxV  # eq. token-feature summed with α̃ per sequence: Φ = Wᵀ r
+    phi_RxKxD = jnp.einsum("rkv,vd->rkd", r_RxKxV.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
+    return logp, ent, phi_RxKxD
+
+
+def to_packed(x_BxT, source_BxT, valid_BxT, shape_RxW):
+    """[B, T] per-token values placed at their outputs of the packed rows [R, C] (0 elsewhere)."""
+    flat = jnp.zeros(shape_RxW[0] * shape_RxW[1], x_BxT.dtype)
+    return flat.at[source_BxT].add(jnp.where(valid_BxT, x_BxT, 0)).reshape(shape_RxW)
+
+
+def unpack(x_RxW, source_BxT, valid_BxT):
+    """Per-token packed results back to [B, T]: x at each response token's predicting position, 0 elsewhere."""
+    return jnp.where(valid_BxT, x_RxW.reshape(-1)[source_BxT], 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
-def packed_token_logprobs(graphdef, params, ids_RxW, segments_RxW, positions_RxW, targets_RxW, *,
+def packed_token_logprobs(graphdef, params, ids_RxW, segments_RxW, positions_RxW, targets_RxC, *,
                           temperature: float, chunk: int = g2rl.DEFAULT_CHUNK):
     """log p(next token) [R, W] at every packed position (eq. token log-prob of the reference / behaviour pass);
     positions whose target is not a response token hold values `unpack` drops."""
     model = nnx.merge(graphdef, params)
     h_RxWxD = model.hidden_states(ids_RxW, segments_RxW, positions=positions_RxW)
     head = model.lm_head_weight().astype(h_RxWxD.dtype)
-    return g2rl.token_logprobs(h_RxWxD, head, targets_RxW, temperature=temperature, chunk_size=chunk)
-
-
-@jax.jit
-def unpack(x_RxW, source_BxT, valid_BxT):
-    """Per-token packed results back to [B, T]: x at each response token's predicting position, 0 elsewhere."""
-    return jnp.where(valid_BxT, x_RxW.reshape(-1)[source_BxT], 0.0)
+    return g2rl.token_logprobs(h_RxWxD, head, targets_RxC, temperature=temperature, chunk_size=chunk)

@@ -32,11 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rl_jax import storage
+from g2rl_jax import methods, storage
 from g2rl_jax.compile_pool import MAX_AUTO_THREADS, Timing, compile_all, resolve_threads
 from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.train import passes
 from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train.packing import PackShape
 
 __all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "RunWarmup", "Timing", "choice_key", "choice_record", "compile_all",
            "resolve_threads"]
@@ -76,6 +78,7 @@ class RunWarmup:
         self.lengths, self.rollout = np.asarray(prompt_lengths), rollout
         self.shares = shapes_lib.prompt_shares(self.lengths, cfg.data.prompts_per_step)
         self.shapes: micro_lib.ShapeSet | None = None
+        self.layout: micro_lib.ShapeSet | PackShape | None = None  # what the passes run at: shapes, or packed rows
         self.prompts: tuple[int, ...] | None = None
         self.choice: shapes_lib.Choice | None = None
         self.source: str | None = None  # where the set came from: "recorded", "pinned", "model"
@@ -199,6 +202,16 @@ class RunWarmup:
         batch placed like `batch` with prompts of S tokens)."""
         if self.shapes is None:
             self._choose(batch, micro=micro)
+            self.layout = self.shapes
+            if self.cfg.algorithm.packing:
+                self.layout = PackShape.of(micro, micro_lib.row_shards(batch.rewards), prompt_len=max(self.prompts),
+                                           resp_len=batch.response_mask.shape[1])
+                if jax.process_index() == 0:
+                    print(f"{self.layout.name}: the score, reference and gradient passes pack whole sequences "
+                          "into rows of this width (algorithm.packing)", file=sys.stderr, flush=True)
+        if isinstance(self.layout, PackShape):
+            self._packed_score(graphdef, params, reference, batch, temperature=temperature, chunk=chunk)
+            return self.layout
         static = dict(temperature=temperature, chunk=chunk)
         passes = [(train_step._score_micro, graphdef, params)]
         if reference is not None:
@@ -216,6 +229,45 @@ class RunWarmup:
                     if t.error is None]
             self._put(like, outs)
         return self.shapes
+
+    def _packed_score(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, chunk: int,
+                      key: str = "packed score") -> None:
+        """The packed score (and reference) programs at every row count of the layout, for batches like `batch`."""
+        if (key, batch.response_mask.shape) in self._done:
+            return
+        self._done.add((key, batch.response_mask.shape))
+        b, t = batch.response_mask.shape
+        shape = self.layout
+        d = passes.graphdef_hidden(graphdef, params)
+        acc = tuple(_template(train_step._zeros_rows(batch.rewards, s)) for s in ((b, t), (b, t), (b, d)))
+        lowers = []
+        for rows in shape.rows:
+            m = passes.template(shape, rows, b, t, batch.rewards)
+            lowers.append(functools.partial(passes.score_micro.lower, graphdef, params, acc, m,
+                                            _template(batch.response_mask), temperature=temperature, chunk=chunk,
+                                            slots=shape.slots))
+            if reference is not None:
+                lowers.append(functools.partial(passes.ref_micro.lower, *reference, acc[0], m,
+                                                temperature=temperature, chunk=chunk))
+        self._compile(lowers)
+
+    def _packed_update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings):
+        """The packed gradient programs at every row count (and, for a method with a token rule, the packed score
+        programs over a mini-batch's rows, its current policy's pass); the accumulator spec of the first."""
+        rows, t = mini.batch.response_mask.shape
+        shape, acc, lowers = self.layout, None, []
+        total_tokens = jnp.sum(mini.batch.response_mask)  # as `passes.gradients` computes it
+        for r in shape.rows:
+            pm = passes.PackedMini.of(passes.template(shape, r, rows, t, mini.batch.rewards), mini)
+            acc = acc or train_step.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
+                                                     mini.batch.rewards)
+            lowers.append(functools.partial(passes.accumulate.lower, graphdef, params, acc, pm, total_tokens,
+                                            settings=settings, total_rows=rows))
+        self._compile(lowers)
+        if methods.get(self.cfg.algorithm.exploration).tokens is not None:
+            self._packed_score(graphdef, params, None, mini.batch, temperature=settings.temperature,
+                               chunk=settings.chunk)
+        return acc
 
     def _put(self, batch: train_step.Batch, outs: list) -> None:
         """put_micro of every output of the score and reference programs (outs: [((rows, width), their compiled
@@ -246,6 +298,15 @@ class RunWarmup:
         if self.shapes is None:
             return
         lowers, acc = [], None
+        if isinstance(self.layout, PackShape):
+            if ("update",) not in self._done:
+                self._done.add(("update",))
+                acc = self._packed_update(graphdef, params, mini, settings=settings)
+            if optimizer is not None and acc is not None and ("apply",) not in self._done:
+                self._done.add(("apply",))
+                self._compile([functools.partial(train_step.apply_gradients.lower, params, opt_state, *acc,
+                                                 optimizer=optimizer)])
+            return
         for prompt_len in self.prompts:
             if ("update", prompt_len) in self._done:
                 continue
