@@ -190,10 +190,13 @@ def _gcs_upload(p: PathLike, data: bytes, if_generation: str) -> str | None:
     bucket, name = key.split("/", 1)
     body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{json.dumps({'name': name})}\n--==0==\n"
             "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
-    try:
-        reply = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="multipart",
-                        headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body, json_out=True,
-                        ifGenerationMatch=if_generation)
+    from g2rl_jax import storage_append
+
+    try:  # paced as gcsfs's own updates (the object's name is in the multipart body, which gcsfs's pacing cannot see)
+        with storage_append._update(p):
+            reply = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="multipart",
+                            headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body,
+                            json_out=True, ifGenerationMatch=if_generation)
     except FileExistsError:  # 412 Precondition Failed
         return _own_upload(p, data)
     except Exception as err:  # noqa: BLE001 - gcsfs's HttpError once its retries are spent; all else re-raised

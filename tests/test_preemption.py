@@ -90,7 +90,7 @@ def test_live_holder_on_another_host_is_refused_and_a_frozen_one_taken_over(run_
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match=rf"is in use by another trainer \(pid {holder.pid} on host 'vm-a'"):
             RunLock(run_dir, LEASE).acquire()  # it renews within a third of its lease: live
-        assert "waiting up to 3 s" in capsys.readouterr().err
+        assert f"waiting up to {LEASE:g} s" in capsys.readouterr().err
         holder.send_signal(signal.SIGSTOP)  # frozen: no renewals, as a VM that stopped answering
         t0 = time.monotonic()
         lock = RunLock(run_dir, LEASE)
@@ -175,7 +175,7 @@ def test_preempted_vm_is_replaced_without_a_manual_step(gcs, assets, bucket, ref
         stdout, _ = vm_b.communicate(timeout=HANG_S)
     text = log.read_text()
     assert vm_b.returncode == 0, text[-3000:]
-    assert "waiting up to 3 s (its lease)" in text and "removing the stale lock" in text, text[-3000:]
+    assert f"waiting up to {LEASE:g} s (its lease)" in text and "removing the stale lock" in text, text[-3000:]
     _assert_same_metrics(read_metrics(out), reference["records"])
     history = [json.loads(line) for line in storage.read_text(f"{out}/{HISTORY_FILE}").splitlines()]
     assert [h["host"] for h in history] == ["vm-a", "vm-b"]  # vm-c wrote nothing

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -148,9 +149,11 @@ def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
                       ("run.compilation_cache_dir", cfg.run.compilation_cache_dir)):
         if path:
             storage.require_client(path, key)  # a gs:// path without the gcs extra: one line, before anything loads
-    # one probe per process (hosts may share the directory), before any other request: an endpoint that cannot be
+    # one probe per process (hosts, and a refused second trainer, may share the directory: two writers of one probe
+    # name would update one object twice within a second), before any other request: an endpoint that cannot be
     # reached is one line in bounded time
-    storage.check_writable(cfg.run.output_dir, "run.output_dir", f".write_test.{jax.process_index()}")
+    storage.check_writable(cfg.run.output_dir, "run.output_dir",
+                           f".write_test.{jax.process_index()}.{socket.gethostname()}.{os.getpid()}")
     known = dataset_names()
     datasets = (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets))
     for key, names in datasets:
