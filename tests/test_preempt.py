@@ -89,7 +89,9 @@ def test_a_real_trainer_abandons_a_step_that_does_not_fit(assets, tmp_path):  # 
     assert "abandoning it, the last checkpoint stands" in stderr or "grace (run.preempt_grace_seconds) is over" \
         in stderr, stderr[-3000:]
     assert took < 5.0, took  # the grace and the lock's release; the old rule finished the step and saved first
-    assert not (out / LOCK_FILE).exists()
+    # released, unless the grace ran out while a save was still being written: then the lock stays (a dead pid on
+    # this host, taken over at once by the rerun below) rather than freeing the run directory mid-save
+    assert not (out / LOCK_FILE).exists() or "grace (run.preempt_grace_seconds) is over" in stderr, stderr[-3000:]
     recorded = max(r["step"] for r in read_metrics(out))
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
