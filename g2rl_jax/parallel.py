@@ -167,6 +167,21 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
     return jax.tree.map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def place(tree, shardings):
+    """`jax.device_put(tree, shardings)` that leaves every array already on an equivalent sharding as it is. A
+    compiled program returns its outputs in jax's canonical spec (trailing replicated dims dropped: a parameter
+    placed as P(None, 'fsdp', 'tensor', None) comes back from the update as P(None, 'fsdp', 'tensor')), which
+    `device_put` takes for another sharding: it copies the array, and across processes it compiles a reshard
+    program for it (a compile after the warm-up step)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    moves = [i for i, (x, s) in enumerate(zip(leaves, targets))
+             if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim))]
+    for i, moved in zip(moves, jax.device_put([leaves[i] for i in moves], [targets[i] for i in moves])):
+        leaves[i] = moved
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, seq, ...] input: batch over its mesh axes, the rest replicated."""
     return NamedSharding(mesh, rules.spec(("batch",) + (None,) * (ndim - 1)))
