@@ -8,6 +8,7 @@ from that one table:
     model = load_pretrained(path, mesh=mesh)   # each parameter read straight into its shard (g2rl_jax.model);
     # the model's mesh pins activations to rows over (data, fsdp), so fsdp all-gathers weights per layer
     ids = jax.device_put(ids_BxL, batch_sharding(mesh))
+    state = place(state, state_shardings(state, mesh))   # moves only what sits elsewhere (no reshard program)
 
 Checks, each with both numbers in the message: the mesh must use exactly the available devices (ConfigError);
 a sharded parameter dimension (heads, kv_heads, vocab, mlp, embed, ...) must be divisible by its mesh axes' size;
