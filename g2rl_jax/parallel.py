@@ -170,10 +170,10 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
 
 def place(tree, shardings):
     """`jax.device_put(tree, shardings)` that leaves every array already on an equivalent sharding as it is. A
-    compiled program returns its outputs in jax's canonical spec (trailing replicated dims dropped: a parameter
-    placed as P(None, 'fsdp', 'tensor', None) comes back from the update as P(None, 'fsdp', 'tensor')), which
-    `device_put` takes for another sharding: it copies the array, and across processes it compiles a reshard
-    program for it (a compile after the warm-up step)."""
+    compiled program may return an output in jax's canonical spec (trailing replicated dims dropped: a parameter
+    placed as P(None, 'fsdp', 'tensor', None) came back from the update as P(None, 'fsdp', 'tensor')), which
+    `device_put` takes for another sharding: on one process it wraps the same buffers in a new array, across
+    processes it compiles a reshard program for it (a compile after the warm-up step)."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
     moves = [i for i, (x, s) in enumerate(zip(leaves, targets))
