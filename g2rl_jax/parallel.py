@@ -8,6 +8,7 @@ from that one table:
     model = load_pretrained(path, mesh=mesh)   # each parameter read straight into its shard (g2rl_jax.model);
     # the model's mesh pins activations to rows over (data, fsdp), so fsdp all-gathers weights per layer
     ids = jax.device_put(ids_BxL, batch_sharding(mesh))
+    state = place(state, state_shardings(state, mesh))   # moves only what sits elsewhere (no reshard program)
 
 Checks, each with both numbers in the message: the mesh must use exactly the available devices (ConfigError);
 a sharded parameter dimension (heads, kv_heads, vocab, mlp, embed, ...) must be divisible by its mesh axes' size;
@@ -165,6 +166,21 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
         return var.replace(NamedSharding(mesh, rules.spec(tuple(logical), var.shape, mesh, what)))
 
     return jax.tree.map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def place(tree, shardings):
+    """`jax.device_put(tree, shardings)` that leaves every array already on an equivalent sharding as it is. A
+    compiled program may return an output in jax's canonical spec (trailing replicated dims dropped: a parameter
+    placed as P(None, 'fsdp', 'tensor', None) came back from the update as P(None, 'fsdp', 'tensor')), which
+    `device_put` takes for another sharding: on one process it wraps the same buffers in a new array, across
+    processes it compiles a reshard program for it (a compile after the warm-up step)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    moves = [i for i, (x, s) in enumerate(zip(leaves, targets))
+             if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim))]
+    for i, moved in zip(moves, jax.device_put([leaves[i] for i in moves], [targets[i] for i in moves])):
+        leaves[i] = moved
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, ndim: int = 2) -> NamedSharding:

@@ -5,6 +5,12 @@
     model_dir, model = tiny_qwen3_fixtures()   # module-scoped fixtures of one tiny random Qwen3 per test module
     kill_when(proc, ready, log)                # SIGKILL a trainer subprocess the moment a condition holds
     with lock_held_elsewhere(out, env) as holder: ...   # another process holds the run lock of `out`
+    run_processes(lambda i, port: [*train_cmd, *trainer_args(i, port)], timeout=1800)   # 2 processes, one job
+
+Multi-host on localhost: `run_processes` starts several processes at once, joined by jax.distributed (CPU, gloo
+collectives) through a coordinator on a free port, each with `devices` fake CPU devices (the suite's XLA flags,
+`xla_flags`) and tests/ on its PYTHONPATH; it waits for all of them (killing what still runs `timeout` seconds after
+the start, a hang guard) and fails the test, with the end of its log, when one hung or exited non-zero.
 """
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -119,3 +127,56 @@ def placed_on_mesh_and_one_device(trainer, batch):
         model.mesh = None if mesh is one else trainer.mesh  # the graphdef carries where activations live
         yield nnx.graphdef(model), params, put(trainer.opt_state), placed
 
+
+# ------------------------------------------------------------------------------------------- multi-host
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(devices: int) -> dict[str, str]:
+    """The environment of one process: JAX on CPU with `devices` fake devices, tests/ importable."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    return env
+
+
+def trainer_args(process_id: int, port: int, num_processes: int = 2) -> list[str]:
+    """The `distributed.*` overrides that make a trainer process `process_id` of `num_processes`."""
+    return [f"distributed.coordinator_address=127.0.0.1:{port}", f"distributed.num_processes={num_processes}",
+            f"distributed.process_id={process_id}"]
+
+
+def run_processes(command: Callable[[int, int], list[str]], *, timeout: float, processes: int = 2,
+                  devices: int = 4) -> list[str]:
+    """Start `command(process_id, port)` for every process id at once, wait for all; their logs (stdout and stderr),
+    after asserting that each exited 0."""
+    port, deadline = free_port(), time.monotonic() + timeout
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(processes)]
+        procs = []  # each writes to a file, not a pipe: a full pipe would stall its process while the other waits
+        try:
+            for i, log in enumerate(files):
+                procs.append(subprocess.Popen(command(i, port), env=process_env(devices), stdout=log,
+                                              stderr=subprocess.STDOUT))
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):  # reported below, with its log
+                    p.wait(timeout=max(deadline - time.monotonic(), 0))
+            hung = [i for i, p in enumerate(procs) if p.poll() is None]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        logs = []
+        for log in files:
+            log.seek(0)
+            logs.append(log.read().decode(errors="replace"))
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert i not in hung, f"process {i} was still running after {timeout} s (a hang?), killed:\n{log[-4000:]}"
+        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-4000:]}"
+    return logs

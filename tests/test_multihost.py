@@ -6,25 +6,26 @@ Checks: the deterministic metrics (and the validation mean@k, on 5 prompts so th
 the 2-process run, which writes to a bucket on a GCS emulator as a pod's hosts would, equal the 1-process run; only
 process 0 wrote metrics; rerunning the 2-process command with one more step resumes from its Orbax multi-host
 checkpoint in the bucket (both processes' data-iterator states) and its next step equals the 1-process run's;
-with LoRA, 2 processes equal one device. Also: start-up
-errors for partial distributed.* settings.
+with LoRA, 2 processes equal one device. Every 2-process run is strict (run.strict_compiles): a compile after its
+warm-up step fails it. Also: start-up errors for partial distributed.* settings. The processes are started by
+tests/_helpers.py (run_processes).
 """
 import json
-import os
 import pathlib
-import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from g2rl_jax import parallel, storage
-from g2rl_jax.config import DistributedConfig
+from g2rl_jax.config import DistributedConfig, MeshConfig
 from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train.metrics import read_metrics
 
-from _helpers import xla_flags
+from _helpers import free_port, process_env, run_processes, trainer_args
 from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -32,6 +33,7 @@ STEPS = 2
 HANG_S = 1800  # a hang guard only: on a loaded 2-core machine one run has taken more than 4 minutes
 DETERMINISTIC = ("accuracy", "reward", "loss", "kl", "entropy", "response_length", "novelty", "clip_fraction",
                  "approx_kl", "grad_norm", "learning_rate", "groups_kept", "skipped_updates")
+STRICT = ("run.strict_compiles=true",)  # the two-process runs: a compile after the warm-up step raises
 
 
 @pytest.fixture(scope="module")
@@ -59,39 +61,17 @@ def _cmd(assets, out, steps, extra=()):
           "mesh.tensor": 2, "data.eval_datasets": assets["eval"], "data.eval_samples": 2,
           "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0,
           "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0}  # a constant LR: total_steps changes nothing
-    # Not strict (run.strict_compiles): two processes still compile _device_put_reshard programs of parameter shapes
-    # at step 2 (found by strict mode, not yet fixed; docs/performance.md)
     return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
             *[f"{k}={v}" for k, v in ov.items()], *extra]
 
 
-def _env(devices):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_env, _free_port = process_env, free_port  # tests/test_async_multihost.py imports these two from here
 
 
 def _run_two_processes(assets, out, steps, extra=()):
-    port = _free_port()
-    procs = [subprocess.Popen(
-        _cmd(assets, out, steps, [*extra, f"distributed.coordinator_address=127.0.0.1:{port}",
-                                  "distributed.num_processes=2", f"distributed.process_id={i}"]),
-        env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=HANG_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-4000:]}"
+    """The 2-process run, strict (run.strict_compiles): a compile after its warm-up step fails it, naming the
+    program (both processes run the same steps, so each would raise)."""
+    run_processes(lambda i, port: _cmd(assets, out, steps, [*extra, *STRICT, *trainer_args(i, port)]), timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +85,7 @@ def runs(assets, gcs, tmp_path_factory):
 
 
 def _run_one_process(assets, out, steps, extra=(), devices=8):
-    one = subprocess.run(_cmd(assets, out, steps, extra), env=_env(devices), capture_output=True, text=True,
+    one = subprocess.run(_cmd(assets, out, steps, extra), env=process_env(devices), capture_output=True, text=True,
                          timeout=HANG_S)
     assert one.returncode == 0, one.stderr[-4000:]
 
@@ -191,3 +171,21 @@ def test_start_up_dispatch(monkeypatch):
     assert parallel.initialize_distributed(explicit) is True
     assert calls[1:] == [{"jax_cpu_collectives_implementation": "gloo"},
                          {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}]
+
+
+def test_place_keeps_arrays_on_an_equivalent_sharding():
+    """What kept the 2-process run from compiling at step 2: its update returned P(None, 'fsdp', 'tensor') (jax's
+    canonical spec, trailing None dropped) for a parameter placed as P(None, 'fsdp', 'tensor', None); the next
+    rollout's device_put took that for another sharding and copied it (across processes, by a compiled reshard
+    program). parallel.place leaves it as it is and moves only what really sits elsewhere."""
+    mesh = parallel.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+    placed_as = named(None, "fsdp", "tensor", None)  # parallel.state_shardings' spec of a [L, D, H, hd] weight
+    x = jax.device_put(np.ones((1, 4, 2, 3), np.float32), named(None, "fsdp", "tensor"))  # as the update returned it
+    assert x.sharding.is_equivalent_to(placed_as, x.ndim) and x.sharding != placed_as
+    y = np.arange(8, dtype=np.float32)  # on the host: must move
+    target = {"x": placed_as, "y": named("fsdp")}
+    assert jax.device_put(x, target["x"]) is not x  # a copy
+    placed = parallel.place({"x": x, "y": y}, target)
+    assert placed["x"] is x and placed["y"].sharding == target["y"]
+    np.testing.assert_array_equal(np.asarray(placed["y"]), y)

@@ -169,7 +169,7 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     G, L, shards = cfg.num_key_value_heads, cfg.num_hidden_layers, engine.batch_shards(mesh)
     graphdef, state = nnx.split(model)
     if mesh is not None:  # a no-op (zero-copy) when the parameters already sit on these shardings
-        state = jax.device_put(state, parallel.state_shardings(state, mesh))
+        state = parallel.place(state, parallel.state_shardings(state, mesh))
         ids_PxS, mask_PxS = jax.device_put((ids_PxS, mask_PxS), engine.batch_sharding(mesh, 2))
     ladder = engine.capacity_ladder(sizes.new_tokens)
     logits_PxV, prefix, suffix = engine.prefill_fn(mesh, G, L)(
