@@ -1,6 +1,6 @@
 """Test set-up: JAX on CPU with 8 fake devices, so sharded code runs on a (data, fsdp, tensor) mesh; the XLA flags
 and compilation cache every test process shares; the order, and the grouping that `-n 2` runs the modules
-in; fixtures more than one module shares; the full demo run.
+in; fixtures more than one module shares; the demo run.
 
 XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU);
 the demo run, a newcomer's command, runs without these flags; the same tests pass at both levels. XLA:CPU runs each
@@ -90,22 +90,44 @@ def gcs():
         yield emulator
 
 
+def demo_command(run: pathlib.Path, model: pathlib.Path, *overrides: str) -> list[str]:
+    """`python -m g2rl_jax.train --config configs/demo.yaml` into run, the demo policy built in model (or reused)."""
+    return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
+            f"run.output_dir={run}", f"model.path=demo:{model}", *overrides]
+
+
+def run_demo(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a demo command as a newcomer does: one CPU device, XLA's default flags."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # a guard against a hang only: the run shares the machine with the other worker
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """(finished process, run dir) of `python -m g2rl_jax.train --config configs/demo.yaml` as a newcomer's first
-    command runs it: one CPU device, XLA's default flags, the demo policy built first (`model.path=demo:DIR`)."""
+    command runs it (one CPU device, XLA's default flags, the demo policy built first: `model.path=demo:DIR`),
+    shortened to four steps (DEMO_SHORT)."""
+    from _helpers import DEMO_SHORT
+
     root = tmp_path_factory.mktemp("demo_run")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
-           f"run.output_dir={root / 'run'}", f"model.path=demo:{root / 'model'}"]
-    # a guard against a hang only: the run shares the machine with the other worker
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600), root / "run"
+    return run_demo(demo_command(root / "run", root / "model", *DEMO_SHORT)), root / "run"
 
 
 @pytest.fixture(scope="session")
 def demo_model_dir(demo_run):
-    """The demo policy the demo run built (`demo:DIR` reuses a build of the same recipe): the Colab notebook starts
-    from it. (The build itself is tested in test_demo_assets.py.)"""
+    """The demo policy the demo run built (`demo:DIR` reuses a build of the same recipe): the Colab notebook and the
+    full demo run start from it. (The build itself is tested in test_demo_assets.py.)"""
     done, out = demo_run
     assert done.returncode == 0, done.stderr[-4000:]
     return out.parent / "model"
+
+
+@pytest.fixture(scope="session")
+def demo_full_run(demo_model_dir):
+    """(finished process, run dir) of the full demo, all 200 steps of configs/demo.yaml, from the policy the short
+    run built: only with G2RL_FULL_DEMO=1 (about 250 s of CPU; the README's first command measures the same)."""
+    if os.environ.get("G2RL_FULL_DEMO") != "1":
+        pytest.skip("the full 200-step demo runs with G2RL_FULL_DEMO=1 (docs/testing.md)")
+    run = demo_model_dir.parent / "full_run"
+    return run_demo(demo_command(run, demo_model_dir)), run
