@@ -127,7 +127,7 @@ def demo_model_dir(demo_run):
 @pytest.fixture(scope="session")
 def demo_full_run(demo_model_dir):
     """(finished process, run dir) of the full demo, all 200 steps of configs/demo.yaml, from the policy the short
-    run built: only with G2RL_FULL_DEMO=1 (about 250 s of CPU; the README's first command measures the same)."""
+    run built: only with G2RL_FULL_DEMO=1 (over 200 s of CPU; the README's first command is the same run)."""
     if os.environ.get("G2RL_FULL_DEMO") != "1":
         pytest.skip("the full 200-step demo runs with G2RL_FULL_DEMO=1 (docs/testing.md)")
     run = demo_model_dir.parent / "full_run"

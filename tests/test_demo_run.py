@@ -1,7 +1,7 @@
 """The embedded demo through the real command, `python -m g2rl_jax.train --config configs/demo.yaml` on one CPU
 device, the demo policy built first (tests/conftest.py): a four-step run checked for what the command leaves behind
 (`demo_run`), and, with G2RL_FULL_DEMO=1, the full 200-step run checked for the README's promise with a safe bound
-on its margin (`demo_full_run`; about 250 s of CPU, so outside the default suite: the README's first command is the
+on its margin (`demo_full_run`; over 200 s of CPU, so outside the default suite: the README's first command is the
 same run, and its figures are measured on a fresh clone, docs/testing.md).
 
 Measured on the 2-core CPU (README): held-out mean@4 0.384 -> 0.646 after 200 steps (+0.262; twelve runs of four
