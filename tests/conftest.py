@@ -1,6 +1,6 @@
 """Test set-up: JAX on CPU with 8 fake devices, so sharded code runs on a (data, fsdp, tensor) mesh; the XLA flags
 and compilation cache every test process shares; the order, and the grouping that `-n 2` runs the modules
-in; fixtures more than one module shares; the full demo run.
+in; fixtures more than one module shares; the demo run.
 
 XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU);
 the demo run, a newcomer's command, runs without these flags; the same tests pass at both levels. XLA:CPU runs each
@@ -42,18 +42,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # `-n 2` (the default, pyproject.toml) runs one module (one group) per worker at a time, so a module's fixtures and
-# compiled programs serve all its tests. Modules that share a session fixture share a group. The costliest start
-# first (the demo run: minutes of one core while its worker waits; the other worker meanwhile runs single-process
-# modules), so the two workers end together; the rest follow in file order. `--durations=0` shows what each costs.
+# compiled programs serve all its tests. Modules that share a session fixture share a group. A worker takes the next
+# module of SLOW_FIRST when it is nearly done with its own, so the costliest go first (longest first: the two
+# workers end together), and those that mostly wait (timeouts, a GCS server's slow answers, a fake cloud's queue)
+# alternate with those that keep a core busy, so that both workers seldom wait at once; the rest follow in file
+# order. Costs: the fresh-clone run's `--durations` (worker seconds, 2026-11-27). `--durations=0` shows them all.
 GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
-SLOW_FIRST = ("test_demo_run.py", "test_micro.py", "test_rollout_segments.py", "test_bench.py", "test_train.py",
-              "test_lora_train.py", "test_multihost.py", "test_async.py", "test_preemption.py",
-              "test_tpu_watch.py", "test_program_count.py", "test_async_multihost.py", "test_preempt.py",
-              "test_storage.py", "test_method_updates.py", "test_aot.py", "test_micro_multihost.py",
-              "test_gpu_compile.py", "test_lifecycle.py", "test_plan.py", "test_study.py", "test_model.py",
-              "test_warmup.py", "test_strict.py", "test_verify_bounds.py", "test_lora.py", "test_g2rl.py",
-              "test_rollout.py",
-              "test_demo_assets.py", "test_launch.py", "test_algorithm_options.py", "test_gcs.py")
+SLOW_FIRST = ("test_multihost.py", "test_gcs.py", "test_bench.py", "test_preemption.py", "test_program_count.py",
+              "test_storage.py", "test_demo_run.py", "test_micro.py", "test_train.py", "test_tpu_watch.py",
+              "test_warmup.py", "test_lifecycle.py", "test_rollout_segments.py", "test_async.py",
+              "test_lora_train.py", "test_async_multihost.py", "test_micro_multihost.py", "test_preempt.py",
+              "test_method_updates.py", "test_aot.py", "test_gpu_compile.py", "test_launch.py", "test_plan.py",
+              "test_study.py", "test_model.py", "test_strict.py", "test_verify_bounds.py", "test_lora.py",
+              "test_g2rl.py", "test_rollout.py", "test_demo_assets.py", "test_algorithm_options.py")
 
 
 def _group(name: str) -> str:
@@ -90,22 +91,44 @@ def gcs():
         yield emulator
 
 
+def demo_command(run: pathlib.Path, model: pathlib.Path, *overrides: str) -> list[str]:
+    """`python -m g2rl_jax.train --config configs/demo.yaml` into run, the demo policy built in model (or reused)."""
+    return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
+            f"run.output_dir={run}", f"model.path=demo:{model}", *overrides]
+
+
+def run_demo(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a demo command as a newcomer does: one CPU device, XLA's default flags."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # a guard against a hang only: the run shares the machine with the other worker
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """(finished process, run dir) of `python -m g2rl_jax.train --config configs/demo.yaml` as a newcomer's first
-    command runs it: one CPU device, XLA's default flags, the demo policy built first (`model.path=demo:DIR`)."""
+    command runs it (one CPU device, XLA's default flags, the demo policy built first: `model.path=demo:DIR`),
+    shortened to four steps (DEMO_SHORT)."""
+    from _helpers import DEMO_SHORT
+
     root = tmp_path_factory.mktemp("demo_run")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "demo.yaml"),
-           f"run.output_dir={root / 'run'}", f"model.path=demo:{root / 'model'}"]
-    # a guard against a hang only: the run shares the machine with the other worker
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600), root / "run"
+    return run_demo(demo_command(root / "run", root / "model", *DEMO_SHORT)), root / "run"
 
 
 @pytest.fixture(scope="session")
 def demo_model_dir(demo_run):
-    """The demo policy the demo run built (`demo:DIR` reuses a build of the same recipe): the Colab notebook starts
-    from it. (The build itself is tested in test_demo_assets.py.)"""
+    """The demo policy the demo run built (`demo:DIR` reuses a build of the same recipe): the Colab notebook and the
+    full demo run start from it. (The build itself is tested in test_demo_assets.py.)"""
     done, out = demo_run
     assert done.returncode == 0, done.stderr[-4000:]
     return out.parent / "model"
+
+
+@pytest.fixture(scope="session")
+def demo_full_run(demo_model_dir):
+    """(finished process, run dir) of the full demo, all 200 steps of configs/demo.yaml, from the policy the short
+    run built: only with G2RL_FULL_DEMO=1 (over 200 s of CPU; the README's first command is the same run)."""
+    if os.environ.get("G2RL_FULL_DEMO") != "1":
+        pytest.skip("the full 200-step demo runs with G2RL_FULL_DEMO=1 (docs/testing.md)")
+    run = demo_model_dir.parent / "full_run"
+    return run_demo(demo_command(run, demo_model_dir)), run
