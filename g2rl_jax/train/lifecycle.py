@@ -211,6 +211,11 @@ class RunLock:
         if state == "live":
             raise ConfigError(self._refusal(holder))
         if state == "stale":
+            # a lock written within the last second (a holder on this host whose pid is gone, killed right after a
+            # renewal) is replaced once that second is out: a bucket allows one update per object per second
+            age = _age(holder)
+            if age is not None and 0 <= age < storage.UPDATE_INTERVAL_S:
+                time.sleep(storage.UPDATE_INTERVAL_S + 0.05 - age)
             # conditional on the generation read: of any number of starters exactly one replaces it, and a lock
             # renewed meanwhile is left alone (the next look sees its new generation, and refuses)
             taken = storage.replace_if_generation(self.path, self._record(), current)
