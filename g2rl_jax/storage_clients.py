@@ -15,10 +15,9 @@ the first URL it meets, and `check_writable` before anything heavy):
 
 The budget: $G2RL_JAX_STORAGE_TIMEOUT seconds (default 120) for a call whose endpoint does not answer; a request's
 stall limit is what leaves room for gcsfs's 6 attempts and their backoff in it, and tensorstore's retries are as many
-as fit in it at that stall limit. `check_writable` writes and deletes a
-probe through both clients, each under that deadline, and turns a failure into one line naming the URL and the
-likely cause: a variable missing from an emulator's set, no credentials, a denied permission, a closed port, a
-server that accepts and does not answer.
+as fit in it at that stall limit. `check_writable` writes and deletes a probe through both clients, each under that
+deadline, and turns a failure into one line naming the URL and the likely cause: a variable missing from an
+emulator's set, no credentials, a denied permission, a closed port, a server that accepts and does not answer.
 """
 from __future__ import annotations
 
