@@ -6,17 +6,18 @@ the first URL it meets, and `check_writable` before anything heavy):
   waiting for an answer stalls for `request_seconds()`; gcsfs then retries 429, 5xx, timeouts and dropped
   connections itself, 6 attempts with exponential backoff (1, 2, 4, 8, 16 s plus up to 1 s of jitter; fixed in
   gcsfs);
-- tensorstore (Orbax's checkpoint writer, its own HTTP client and credentials): the context resource
-  `gcs_request_retries` of Orbax's tensorstore contexts is set to RETRIES (429, 5xx and transport errors retried
-  with exponential backoff from 1 s up to 16 s), and libcurl aborts a request that moves under 1 byte/s for
-  `request_seconds()` (TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS, read once per process; a value already in the
-  environment is kept).
+- tensorstore (Orbax's checkpoint writer, its own HTTP client and credentials): libcurl gives up a connection not
+  made in `request_seconds()` (TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS) and a request that moves under 1 byte/s for
+  `request_seconds()` (TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS / _LIMIT_BYTES; read once per process, at its first
+  request; values already in the environment are kept); the context resource `gcs_request_retries` of Orbax's
+  tensorstore contexts is `tensorstore_retries()` (429, 5xx and transport errors retried with exponential backoff
+  from 1 s up to 16 s, as many times as fit the budget). tensorstore has no per-request deadline of its own.
 
 The budget: $G2RL_JAX_STORAGE_TIMEOUT seconds (default 120) for a call whose endpoint does not answer; a request's
-stall limit is what leaves room for gcsfs's 6 attempts and their backoff in it. `check_writable` writes and deletes a
-probe through both clients, each under that deadline, and turns a failure into one line naming the URL and the
-likely cause: a variable missing from an emulator's set, no credentials, a denied permission, a closed port, a
-server that accepts and does not answer.
+stall limit is what leaves room for gcsfs's 6 attempts and their backoff in it, and tensorstore's retries are as many
+as fit in it at that stall limit. `check_writable` writes and deletes a probe through both clients, each under that
+deadline, and turns a failure into one line naming the URL and the likely cause: a variable missing from an
+emulator's set, no credentials, a denied permission, a closed port, a server that accepts and does not answer.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ import urllib.parse
 
 TIMEOUT_ENV = "G2RL_JAX_STORAGE_TIMEOUT"
 GCSFS_BACKOFF_S = 36.0  # gcsfs's 5 sleeps between its 6 attempts, at most
-RETRIES = {"max_retries": 6, "initial_delay": "1s", "max_delay": "16s"}  # tensorstore's gcs_request_retries
+TS_MAX_RETRIES = 6
+TS_DELAYS = {"initial_delay": "1s", "max_delay": "16s"}  # tensorstore's backoff: 1 s doubling to 16 s, + <= 1 s jitter
+TS_ATTEMPT_OVERHEAD_S = 3.0  # measured: a stalled attempt ends 2-2.6 s after libcurl's stall limit (its checks)
 # what `python -m g2rl_jax.bench.gcs_emulator` exports: the clients need all of them to use an emulator
 EMULATOR_VARIABLES = {
     "TENSORSTORE_GCS_HTTP_URL": "the emulator's address, for tensorstore (Orbax's checkpoint writer)",
@@ -63,6 +66,29 @@ def request_seconds() -> float:
     return max(2.0, (timeout_seconds() - GCSFS_BACKOFF_S) / 6)
 
 
+def tensorstore_retries() -> dict:
+    """tensorstore's gcs_request_retries: the most retries (up to TS_MAX_RETRIES) whose worst case, every attempt
+    stalled for request_seconds() and each followed by its backoff, fits in timeout_seconds(): 4 at the default 120 s
+    (worst case 104 s), at least 1 (worst case 12 s at the smallest stall limit, 2 s)."""
+    attempt = request_seconds() + TS_ATTEMPT_OVERHEAD_S
+
+    def worst(retries: int) -> float:  # (retries + 1) attempts and `retries` sleeps of min(2^i, 16) s + 1 s jitter
+        return (retries + 1) * attempt + sum(min(2.0 ** i, 16.0) + 1.0 for i in range(retries))
+
+    retries = 1
+    while retries < TS_MAX_RETRIES and worst(retries + 1) <= timeout_seconds():
+        retries += 1
+    return {"max_retries": retries, **TS_DELAYS}
+
+
+def tensorstore_environment() -> dict[str, str]:
+    """The libcurl limits of tensorstore's HTTP client: a connection not made, or a request that moves under 1 byte
+    a second, for request_seconds() is given up (and retried)."""
+    stall = str(int(request_seconds()))
+    return {"TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS": stall, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": stall,
+            "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1"}
+
+
 def emulator_problem() -> str | None:
     """With STORAGE_EMULATOR_HOST set, what is missing from the rest of the emulator's variables (None if none)."""
     host = os.environ.get("STORAGE_EMULATOR_HOST")
@@ -85,7 +111,7 @@ def emulator_problem() -> str | None:
 
 def configure() -> None:
     """Once per process, before the first request: the emulator's variables checked (StorageError naming what is
-    missing), gcsfs's request timeouts and listings cache, tensorstore's retries and stall limit."""
+    missing), gcsfs's request timeouts and listings cache, tensorstore's retries, connect and stall limits."""
     global _CONFIGURED
     if _CONFIGURED:
         return
@@ -103,21 +129,37 @@ def configure() -> None:
         conf.setdefault("use_listings_cache", False)  # hosts that share a bucket must see each other's writes
         conf.setdefault("requests_timeout", aiohttp.ClientTimeout(total=None, sock_connect=stall, sock_read=stall))
     _register_paced_gcsfs()
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(int(stall)))
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
-    _configure_orbax()
+    for name, value in tensorstore_environment().items():
+        os.environ.setdefault(name, value)
+    set_orbax_retries(tensorstore_retries())
     _CONFIGURED = True
 
 
-def _configure_orbax() -> None:
-    """gcs_request_retries in the tensorstore contexts Orbax builds for every save and restore (its defaults are
-    module-level dicts, copied per context)."""
+def set_orbax_retries(retries: dict) -> None:
+    """`retries` as gcs_request_retries in every tensorstore context Orbax builds. Orbax (0.12.8, as installed)
+    builds them in tensorstore_utils.get_ts_context from two private module-level dicts, with no public way to add a
+    context resource (no option of CheckpointManagerOptions or of the handlers takes a tensorstore Context, and the
+    handlers, the metadata reader and the multi-process OCDBT merge each call get_ts_context themselves), so this
+    is the one place that patches those dicts, and it checks that a context built afterwards carries `retries`:
+    an Orbax whose internals moved fails here, in one line, instead of saving with tensorstore's defaults (32
+    retries up to 32 s apart, minutes past the storage budget)."""
+    import tensorstore as ts
+
+    from g2rl_jax.storage import StorageError
+
+    want = ts.Context({"gcs_request_retries": retries})["gcs_request_retries"].to_json()
     try:
         from orbax.checkpoint._src.serialization import tensorstore_utils
-    except ImportError:  # an Orbax without these defaults: tensorstore's own retries (32, up to 32 s apart) stay
-        return
-    for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
-        context.setdefault("gcs_request_retries", dict(RETRIES))
+
+        for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):
+            getattr(tensorstore_utils, name)["gcs_request_retries"] = dict(retries)
+        got = [tensorstore_utils.get_ts_context(use_ocdbt=ocdbt)["gcs_request_retries"].to_json()
+               for ocdbt in (False, True)]
+    except Exception as err:  # noqa: BLE001 - any change of Orbax's internals is the one line below
+        got = [f"{type(err).__name__}: {err}"]
+    if got != [want, want]:
+        raise StorageError(f"this orbax-checkpoint builds its tensorstore contexts differently ({got[0]}); install "
+                           "orbax-checkpoint 0.12.8, or update g2rl_jax/storage_clients.py's set_orbax_retries")
 
 
 # ------------------------------------------------------------------------------------------------ pacing
@@ -237,7 +279,7 @@ def _tensorstore_probe(probe) -> None:
 
     bucket, _, name = str(probe).split("://", 1)[1].partition("/")
     store = ts.KvStore.open({"driver": "gcs", "bucket": bucket,
-                             "context": {"gcs_request_retries": dict(RETRIES)}}).result()
+                             "context": {"gcs_request_retries": tensorstore_retries()}}).result()
     with storage_append._update(probe):  # its delete waits out the second after this write
         store.write(name, b"ok").result()
 

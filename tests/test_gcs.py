@@ -314,12 +314,13 @@ def test_hugging_face_id_from_the_cache_and_one_line_when_absent(assets, tmp_pat
                       "HF_HUB_OFFLINE=1", "huggingface-cli download tiny-org/not-cached")
 
 
-def test_the_bucket_served_no_429_but_tensorstores_manifest(gcs):
+def test_the_bucket_served_no_429(gcs):
     """Last in this module: through the strict proxy (tests/conftest.py's `gcs`), everything the runs above wrote
-    stayed within GCS's one update per object per second, so the proxy served no 429, except to tensorstore's
-    rewrites of an OCDBT manifest.ocdbt within one checkpoint save (Orbax's array writer; its retries absorb them:
-    the checkpoints above restore exactly) and to writes of a run.lock that met another writer's within a second
-    when this process ran test_preemption.py too: its racing starters (three conditional writes of one lock at once)
-    and its forced overwrite of a live holder's lock; gcsfs's retries absorb them, and the precondition decides."""
-    throttled = gcs.proxy.throttled()
-    assert all(obj.endswith(("/manifest.ocdbt", "/run.lock")) for obj in throttled), throttled
+    stayed within GCS's one update per object per second, so the proxy served no 429: the files the project writes
+    itself are paced, and each checkpoint's OCDBT manifest.ocdbt is written once a save (one tensorstore transaction
+    per process). test_preemption.py's contended lock writes, when this process ran that module too, are under its
+    own prefixes, and that module checks them itself."""
+    elsewhere = ("/lease/", "/runs/preempted/")  # test_preemption.OWN_OBJECTS
+    throttled = {obj: n for obj, n in gcs.proxy.throttled().items()
+                 if not any(prefix in (obj or "") for prefix in elsewhere)}
+    assert not throttled, throttled

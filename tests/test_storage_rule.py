@@ -27,6 +27,7 @@ ALLOWED = {
     "bench/once.py": "benchmark scratch: temporary run directories and caches of the before/after checkouts' runs",
     "bench/ahead.py": "benchmark scratch: the variants' temporary run directories",
     "bench/preempt.py": "benchmark scratch: the killed trainers' local logs and the local-disk variant's run",
+    "bench/gcs_proxy.py": "names the process a 429 went to from /proc (Linux): no run path",
     "colab.py": "probes /dev for TPU chips before jax is installed: no run path",
     "model/sources.py": "the commit of a hub id is the name of its snapshot directory in huggingface_hub's local cache",
 }

@@ -12,6 +12,7 @@ emulator does not:
         ... clients pointed at proxy.endpoint ...
     proxy.served_429, proxy.faults, proxy.requests       # what it served
     proxy.log                                             # one Request per request: kind, object, bytes, status
+                                                          # (and for a 429, the pid of the client it went to)
 
 It counts every request (method, object, bytes each way), so a benchmark can say what each file costs
 (g2rl_jax/bench/storage.py). Used by `GcsEmulator(proxy=...)`, which starts the server with this proxy's address as
@@ -60,6 +61,39 @@ class Request:
     bytes_out: int     # response body
     status: int        # what the client got (429, 503, 0 for a dropped connection, else the server's)
     t: float = 0.0     # when it arrived (time.monotonic())
+    pid: int | None = None  # the client's process, for the 429s it was served (Linux: from /proc; else None)
+
+
+def client_pid(port: int) -> int | None:
+    """The pid of the local process whose TCP socket has local port `port` (the client end of a connection to this
+    proxy), from /proc/net/tcp and the processes' open file descriptors; None if not found (or not Linux)."""
+    import os
+
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    def link(fd_path: str) -> str:
+        try:
+            return os.readlink(fd_path)
+        except OSError:  # closed meanwhile
+            return ""
+
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if inodes else ():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours to look into
+            continue
+        if any(link(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+            return pid
+    return None
 
 
 
@@ -188,6 +222,8 @@ class GcsProxy:
                                              "errors": [{"message": message, "reason": "rateLimitExceeded"
                                                          if status == 429 else "backendError"}]}}).encode()
                 request.status, request.bytes_out = status, len(body)
+                if status == 429:  # who drew it: the client end of this connection
+                    request.pid = client_pid(self.client_address[1])
                 proxy._record(request)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json; charset=UTF-8")

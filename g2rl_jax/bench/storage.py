@@ -16,7 +16,10 @@ policy's architecture, random weights):
               (--request-steps records, --step-seconds apart, a checkpoint every --checkpoint-every steps with the
               metrics flushed there) per step for metrics.jsonl, the TensorBoard events and per checkpoint;
               eval's records per problem (--problems, --problem-seconds apart), buffered as eval writes them and,
-              for comparison, one append per record as before: requests, bytes each way, and the 429s the proxy served.
+              for comparison, one append per record as before: requests, bytes each way, and the 429s the proxy served;
+              and checkpoint saves as the Checkpointer writes them (one tensorstore transaction per process: one
+              manifest.ocdbt write) against per-array commits (Orbax's default), each with the proxy's
+              one-update-a-second rule and without it.
 The emulator is on this machine, so its figures are the storage layer's own cost (requests, copies, composes)
 without a network's latency; docs/performance.md says what a real bucket adds.
 """
@@ -212,30 +215,51 @@ def _requests(proxy, url: str, state, args) -> list[tuple[str, str, float, list[
     return rows
 
 
-def _manifest_retries(proxy, url: str, state, repeats: int) -> list[tuple[str, float, int]]:
-    """(rule, median save s, 429s served) of checkpoint saves with the proxy's one-update-a-second rule and without
-    it (the same proxy and faults, alternating): what tensorstore's retries of its manifest.ocdbt cost."""
+def _per_array_commits():
+    """The Checkpointer as it was: Orbax's PyTree handler under its default bound on bytes in flight (96 GB, as
+    StandardCheckpointHandler), so every array's write commits on its own (checkpoint._state_handler says why)."""
+    from unittest import mock
+
+    import orbax.checkpoint as ocp
+
+    from g2rl_jax.train import checkpoint
+
+    return mock.patch.object(checkpoint, "_state_handler", lambda: ocp.PyTreeCheckpointHandler())
+
+
+def _manifest_retries(proxy, url: str, state, repeats: int) -> list[tuple[str, str, float, int, int, int]]:
+    """(save mode, rule, median save s, requests, manifest.ocdbt writes, 429s served; per save) of checkpoint saves
+    with the proxy's one-update-a-second rule and without it, the Checkpointer's one transaction per process against
+    per-array commits (the same proxy and faults, alternating)."""
     from g2rl_jax.train.checkpoint import Checkpointer
 
     rule = proxy.update_interval
-    times: dict[float, list[float]] = {rule: [], 0.0: []}
-    throttled: dict[float, int] = {rule: 0, 0.0: 0}
+    modes = {"one transaction": contextlib.nullcontext, "per-array commits": _per_array_commits}
+    runs = [(mode, interval) for mode in modes for interval in (rule, 0.0)]
+    times: dict = {run: [] for run in runs}
+    counts: dict = {run: [0, 0, 0] for run in runs}
     try:
         for i in range(repeats):
-            for interval in (rule, 0.0):
+            for mode, interval in runs:
                 proxy.update_interval = interval
-                before = proxy.served_429
-                ckpt = Checkpointer(f"{url}/manifest_{interval:g}_{i}", every=1, keep=1)
-                t0 = time.perf_counter()
-                ckpt.save(1, state, _Iterator(), force=True)
-                ckpt.wait()
-                times[interval].append(time.perf_counter() - t0)
-                ckpt.close()
-                throttled[interval] += proxy.served_429 - before
+                start = len(proxy.log)
+                with modes[mode]():
+                    ckpt = Checkpointer(f"{url}/manifest_{mode[:3]}_{interval:g}_{i}", every=1, keep=1)
+                    t0 = time.perf_counter()
+                    ckpt.save(1, state, _Iterator(), force=True)
+                    ckpt.wait()
+                    times[mode, interval].append(time.perf_counter() - t0)
+                    ckpt.close()
+                log = proxy.log[start:]
+                counts[mode, interval][0] += len(log)
+                counts[mode, interval][1] += sum(r.kind == "upload" and (r.obj or "").endswith("/manifest.ocdbt")
+                                                 for r in log)
+                counts[mode, interval][2] += sum(r.status == 429 for r in log)
     finally:
         proxy.update_interval = rule
-    return [(f"{interval:g} s per object" if interval else "no rate rule", statistics.median(times[interval]),
-             throttled[interval]) for interval in (rule, 0.0)]
+    return [(mode, f"{interval:g} s per object" if interval else "no rate rule",
+             statistics.median(times[mode, interval]), *(c / repeats for c in counts[mode, interval]))
+            for mode, interval in runs]
 
 
 def _first_step(model_path: str, out: str, env: dict) -> float:
@@ -295,11 +319,13 @@ def main(argv=None) -> int:
                 print(f"| {what} | {per} | {requests / count:.2f} | {up / count / 1e3:.2f} | {down / count / 1e3:.2f} "
                       f"| {throttled} |")
             print(f"429s served while timing the saves, restores and metrics above: {earlier[0]} {earlier[1]}")
-            print("\ncheckpoint saves with the proxy's rate rule and without it (alternating):")
-            print("| rule | save s (median) | 429s served (all saves) |")
-            print("|---|---|---|")
-            for rule, seconds, throttled in _manifest_retries(proxy, url, state, args.repeats):
-                print(f"| {rule} | {seconds:.2f} | {throttled} |")
+            print("\ncheckpoint saves, the Checkpointer's one transaction per process against per-array commits, with "
+                  "the proxy's rate rule and without it (alternating; requests and 429s per save):")
+            print("| save | rule | save s (median) | requests | manifest.ocdbt writes | 429s served |")
+            print("|---|---|---|---|---|---|")
+            for mode, rule, seconds, requests, manifests, throttled in _manifest_retries(proxy, url, state,
+                                                                                         args.repeats):
+                print(f"| {mode} | {rule} | {seconds:.2f} | {requests:.0f} | {manifests:.1f} | {throttled:.1f} |")
         if args.first_repeats:
             bucket_model = f"{url.rstrip('/')}/model"
             storage.upload_tree(model_dir, bucket_model)

@@ -183,10 +183,13 @@ class RunLock:
             self._held = True
             return
         storage.makedirs(self.path.parent)
-        watch = {"t0": time.monotonic(), "seen": None, "said": False}
+        watch = {"t0": time.monotonic(), "seen": None, "said": False, "absent": False}
         generation = None
-        while generation is None:
-            generation = storage.create_exclusive(self.path, self._record()) or self._take_over(watch)
+        while generation is None:  # a create only after a look found no lock: a start watching a held lock only
+            # reads it (a create is an update of the object, and one within a second of the holder's renewal draws
+            # a 429 on a bucket)
+            created = storage.create_exclusive(self.path, self._record()) if watch["absent"] else None
+            generation = created or self._take_over(watch)
         _LEASES[key], self._held = _Lease(self.path, self.lease_s, generation, self._record), True
         atexit.register(self.release)
 
@@ -196,8 +199,10 @@ class RunLock:
         `watch` carries the generation first seen and when, across looks."""
         try:
             data, current = storage.read_versioned(self.path)
-        except FileNotFoundError:  # released meanwhile: create it again
+        except FileNotFoundError:  # none yet, or released meanwhile: create it
+            watch["absent"] = True
             return None
+        watch["absent"] = False
         holder, seen = _parse(data), watch["seen"]
         if seen is not None and current != seen[0]:  # renewed (or taken) while this start watched
             raise ConfigError(self._refusal(holder))
@@ -206,6 +211,11 @@ class RunLock:
         if state == "live":
             raise ConfigError(self._refusal(holder))
         if state == "stale":
+            # a lock written within the last second (a holder on this host whose pid is gone, killed right after a
+            # renewal) is replaced once that second is out: a bucket allows one update per object per second
+            age = _age(holder)
+            if age is not None and 0 <= age < storage.UPDATE_INTERVAL_S:
+                time.sleep(storage.UPDATE_INTERVAL_S + 0.05 - age)
             # conditional on the generation read: of any number of starters exactly one replaces it, and a lock
             # renewed meanwhile is left alone (the next look sees its new generation, and refuses)
             taken = storage.replace_if_generation(self.path, self._record(), current)
