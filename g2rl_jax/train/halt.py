@@ -61,7 +61,7 @@ def _store_error(err: BaseException) -> bool:
 
 
 def storage_failure(err: BaseException, run_dir, step: int) -> str | None:
-    """The one line for `err`, raised at step `step` of the run in `run_dir`, when a storage client raised it and
+    """The one line for `err`, raised after step `step` (the last one finished) of the run in `run_dir`, when a storage client raised it and
     the run directory is a URL; None otherwise (a bug, a local disk: the traceback stays)."""
     from g2rl_jax import storage, storage_clients
 
@@ -72,7 +72,7 @@ def storage_failure(err: BaseException, run_dir, step: int) -> str | None:
         return None
     text = " ".join(f"{type(e).__module__} {e}" for e in _chain(err))
     client = "tensorstore" if "tensorstore" in text or _STORE_STATUSES[0] in text else "gcsfs"
-    return (f"run.output_dir: the storage failed during step {step + 1}: "
+    return (f"run.output_dir: the storage failed after step {step}: "
             f"{storage_clients.explain(run_dir, cause, client)}. Kept: the checkpoints already committed in "
             f"{storage.path(run_dir) / 'checkpoints'} (a save in flight is discarded at the next start) and the "
             "metrics flushed before; run the same command again once the storage answers: it resumes from the "
