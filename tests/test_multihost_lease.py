@@ -29,9 +29,10 @@ def test_every_process_stops_with_one_line_when_process_0_loses_the_lock(tmp_pat
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "lease_multihost_worker.py"), coordinator, str(i),
-                               str(run_dir)], env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{i}.err", "w"), text=True)
-             for i in range(2)]
+    worker = str(ROOT / "tests" / "lease_multihost_worker.py")
+    logs = [open(tmp_path / f"{i}.err", "w") for i in range(2)]  # noqa: SIM115 - closed below
+    procs = [subprocess.Popen([sys.executable, worker, coordinator, str(i), str(run_dir)], env=env,
+                              stdout=subprocess.PIPE, stderr=logs[i], text=True) for i in range(2)]
     try:
         for proc in procs:  # (gloo prints its own line first)
             assert any(line.strip() == "running" for line in iter(proc.stdout.readline, "")), proc.returncode
@@ -43,8 +44,9 @@ def test_every_process_stops_with_one_line_when_process_0_loses_the_lock(tmp_pat
             proc.wait(timeout=60)
         seconds = time.monotonic() - t0
     finally:
-        for proc in procs:
+        for proc, log in zip(procs, logs):
             proc.kill()
+            log.close()
     for i, proc in enumerate(procs):
         stderr = (tmp_path / f"{i}.err").read_text()
         lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith(("I0", "W0", "E0"))]

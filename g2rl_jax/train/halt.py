@@ -61,8 +61,9 @@ def _store_error(err: BaseException) -> bool:
 
 
 def storage_failure(err: BaseException, run_dir, step: int) -> str | None:
-    """The one line for `err`, raised after step `step` (the last one finished) of the run in `run_dir`, when a storage client raised it and
-    the run directory is a URL; None otherwise (a bug, a local disk: the traceback stays)."""
+    """The one line for `err`, raised after step `step` (the last one finished) of the run in `run_dir`, when a
+    storage client raised it and the run directory is a URL; None otherwise (a bug, a local disk: the traceback
+    stays)."""
     from g2rl_jax import storage, storage_clients
 
     if not storage.is_url(run_dir):
