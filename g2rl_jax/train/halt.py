@@ -7,6 +7,8 @@
 - `stop_everywhere(line, code)`: print `line`, tell the other processes (jax.distributed's key-value store), give
   them up to ACK_S to say they stop too, and end this process (os._exit: no cleanup that could wait on a store that
   no longer answers; the checkpoints already committed stand, a save in flight is discarded at the next start).
+- `StoreTracebacksOff`: while the loop runs, the tracebacks that gcsfs and Orbax (through absl) log for a storage
+  failure are left out of their records (each stays one line): the line above says what failed.
 - `PeerWatch`: in every process of a multi-host run, a thread that ends the process with that same line when
   another process called `stop_everywhere` (a lost run lock on process 0, a storage failure on any), so none stalls
   at the next collective waiting for a process that is gone.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import threading
@@ -91,6 +94,33 @@ def exit_if_storage_failed(err: BaseException, run_dir, step: int) -> None:
 
         raise StorageError(line) from None
     stop_everywhere(f"train error: {line}", STORAGE_FAILED_EXIT)
+
+
+class _NoStoreTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        if err is not None and any(_store_error(e) for e in _chain(err)):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+class StoreTracebacksOff:
+    """While entered, records of the storage clients' loggers (gcsfs's "out of retries", Orbax's failed save
+    thread) carry no traceback when their error is a storage failure; other records are untouched."""
+
+    LOGGERS = ("gcsfs", "fsspec", "absl")
+
+    def __init__(self):
+        self._filter = _NoStoreTraceback()
+
+    def __enter__(self) -> StoreTracebacksOff:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self._filter)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self._filter)
 
 
 # ------------------------------------------------------------------------------------------------ every process

@@ -130,9 +130,8 @@ class _Lease:
         renewed_at = time.monotonic()  # the last renewal that landed: the lease holds until a lease after it
         while not self._stop.wait(self.lease_s / 3):
             left = renewed_at + self.lease_s - time.monotonic()
-            try:  # given no longer than the lease has left: a store that does not answer cannot outlast it
-                renewed = storage_clients._within(max(left, 1.0), "the renewal", lambda: storage.replace_if_generation(
-                    self.path, self.record(), self.generation))
+            try:  # given what the lease has left (a third of it at least: a thawed process learns whether it lost it)
+                renewed = storage_clients._within(max(left, self.lease_s / 3), "the renewal", self._renew_once)
             except Exception as err:  # noqa: BLE001 - a store that does not answer: retried until the lease is over
                 if self._stop.is_set():
                     return
@@ -147,6 +146,9 @@ class _Lease:
                     self._lost()
                 return
             self.generation, renewed_at = renewed, time.monotonic()
+
+    def _renew_once(self) -> str | None:
+        return storage.replace_if_generation(self.path, self.record(), self.generation)
 
     def _unreachable(self, err: BaseException, seconds: float) -> None:
         """The lease ran out while the store did not answer: another trainer may take the run over now, so this one
@@ -372,7 +374,7 @@ class StopSignal:
         self._previous = None
         self._wakeup = self._pipe = None
         self._thread = None
-        self._peers = halt.PeerWatch()
+        self._peers, self._quiet = halt.PeerWatch(), halt.StoreTracebacksOff()
 
     def begin_step(self) -> None:
         self.step_started = time.monotonic()
@@ -432,6 +434,7 @@ class StopSignal:
 
     def __enter__(self) -> StopSignal:
         self._peers.__enter__()  # multi-host: another process that stops at once (train/halt.py) stops this one
+        self._quiet.__enter__()  # a storage failure's tracebacks left out of the clients' log records (halt.py)
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread (e.g. a notebook worker): no handler, nothing changes
@@ -446,6 +449,7 @@ class StopSignal:
 
     def __exit__(self, *exc) -> None:
         self._peers.__exit__()
+        self._quiet.__exit__()
         if self._previous is None:
             return
         signal.signal(signal.SIGTERM, self._previous)
