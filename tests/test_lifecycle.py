@@ -233,13 +233,10 @@ def test_only_a_storage_clients_error_on_a_bucket_is_a_storage_failure(gcs):
 
     from g2rl_jax.train.halt import storage_failure
 
-    def raised(err, cause=None):
+    def raised(err, cause):
         try:
-            try:
-                raise cause
-            except BaseException:
-                raise err from cause
-        except BaseException as caught:
+            raise err from cause
+        except RuntimeError as caught:
             return caught
 
     url = gcs.url("halt/run")

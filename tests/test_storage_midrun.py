@@ -44,7 +44,8 @@ def failing(gcs, how: str):
         if how == "closed":  # a new proxy on the same port, sharing the old one's state
             port = int(gcs.endpoint.rsplit(":", 1)[1])
             fresh = GcsProxy(gcs.server, faults=healthy, port=port)
-            fresh.log, fresh._last_update = proxy.log, proxy._last_update
+            for shared in ("log", "fault_counts", "_last_update", "_uploads", "_rng", "_lock"):
+                setattr(fresh, shared, getattr(proxy, shared))
             gcs.proxy = fresh.start()
         else:
             proxy.faults = healthy
@@ -84,6 +85,7 @@ def test_a_server_gone_mid_run_is_one_line_and_the_rerun_resumes(gcs, assets, tm
     assert f"cannot reach {gcs.endpoint}" in line and "accepts connections and closes them without an answer" in line
     assert "run the same command again" in line and "Traceback" not in stderr, stderr[-3000:]
     assert seconds < BOUND_S, seconds
+    print(f"the trainer stopped {seconds:.1f} s after its server went away", file=sys.stderr)
     # the committed checkpoints stand; the same command against the healthy server resumes from the newest
     newest = _committed(out)[-1]
     assert newest >= 2
