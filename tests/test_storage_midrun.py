@@ -20,6 +20,7 @@ from _helpers import xla_flags
 
 TIMEOUT_S = "10"
 BOUND_S = 100  # 6 requests of 2 s and gcsfs's 31 s of backoff, the reachability check, and a loaded machine
+LEASE_S = 60  # run.lock_lease_seconds's default: the trainer stops within it, whatever its main thread waits on
 
 
 def _committed(out) -> list[int]:
@@ -84,7 +85,7 @@ def test_a_server_gone_mid_run_is_one_line_and_the_rerun_resumes(gcs, assets, tm
     assert line.startswith("train error: run.output_dir: ") and out in line, line
     assert f"cannot reach {gcs.endpoint}" in line and "accepts connections and closes them without an answer" in line
     assert "run the same command again" in line and "Traceback" not in stderr, stderr[-3000:]
-    assert seconds < BOUND_S, seconds
+    assert seconds < LEASE_S + 15, seconds
     print(f"the trainer stopped {seconds:.1f} s after its server went away", file=sys.stderr)
     # the committed checkpoints stand; the same command against the healthy server resumes from the newest
     newest = _committed(out)[-1]
@@ -123,7 +124,7 @@ def test_lease_renewals_that_fail_for_a_lease_stop_the_holder_with_one_line(gcs,
     assert "another trainer may take the run over now" in line and "Traceback" not in stderr, stderr[-3000:]
     cause = "nothing listens on port" if how == "closed" else "answers every request 503"
     assert cause in line, line
-    assert lease * 2 / 3 - 1 < seconds < lease + 30, seconds  # renewals every lease/3: the lapse is that late
+    assert lease * 2 / 3 - 1 < seconds < lease + 15, seconds  # renewals every lease/3: the lapse is that late
 
 
 def test_an_async_save_that_fails_is_one_line_and_keeps_the_committed_checkpoint(gcs, tmp_path):

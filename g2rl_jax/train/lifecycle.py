@@ -128,13 +128,20 @@ class _Lease:
         from g2rl_jax import storage_clients
 
         renewed_at = time.monotonic()  # the last renewal that landed: the lease holds until a lease after it
-        while not self._stop.wait(self.lease_s / 3):
+        failed = None  # the last renewal's error while renewals fail
+        while True:
+            left = renewed_at + self.lease_s - time.monotonic()
+            if self._stop.wait(self.lease_s / 3 if failed is None else min(self.lease_s / 3, max(left, 0.0))):
+                return
+            if failed is not None and time.monotonic() - renewed_at >= self.lease_s:  # at the lease's end, not later
+                self._unreachable(failed, time.monotonic() - renewed_at)
             left = renewed_at + self.lease_s - time.monotonic()
             try:  # given what the lease has left (a third of it at least: a thawed process learns whether it lost it)
                 renewed = storage_clients._within(max(left, self.lease_s / 3), "the renewal", self._renew_once)
             except Exception as err:  # noqa: BLE001 - a store that does not answer: retried until the lease is over
                 if self._stop.is_set():
                     return
+                failed = err
                 if time.monotonic() - renewed_at >= self.lease_s:
                     self._unreachable(err, time.monotonic() - renewed_at)
                 _warn(f"could not renew the lease on {self.path} for {time.monotonic() - renewed_at:.0f} s "
@@ -145,7 +152,7 @@ class _Lease:
                 if not self._stop.is_set():
                     self._lost()
                 return
-            self.generation, renewed_at = renewed, time.monotonic()
+            self.generation, renewed_at, failed = renewed, time.monotonic(), None
 
     def _renew_once(self) -> str | None:
         return storage.replace_if_generation(self.path, self.record(), self.generation)
