@@ -1,4 +1,5 @@
-"""A bucket that fails in the middle of a run, on a real GCS server on loopback (fake-gcs-server behind the strict
+"""A bucket that fails in the middle of a run (a metrics flush, an asynchronous checkpoint save, the lease renewal,
+and a whole trainer), on a real GCS server on loopback (fake-gcs-server behind the strict
 proxy, tests/conftest.py's `gcs`): the proxy is told to drop every connection (a server gone away), to refuse every
 request (503), or to stop listening (a closed port) while a real trainer, or a real lock holder or checkpoint
 writer, is at work. Each ends in bounded time (G2RL_JAX_STORAGE_TIMEOUT=10 here) with one line naming the URL and the
@@ -127,26 +128,20 @@ def test_lease_renewals_that_fail_for_a_lease_stop_the_holder_with_one_line(gcs,
     assert lease * 2 / 3 - 1 < seconds < lease + 15, seconds  # renewals every lease/3: the lapse is that late
 
 
-def test_an_async_save_that_fails_is_one_line_and_keeps_the_committed_checkpoint(gcs, tmp_path):
-    """Orbax's asynchronous save into a bucket that stopped answering: the error surfaces at the next wait and
-    becomes the one line (train/halt.py, as the trainer's loop does), the committed checkpoint stays whole."""
-    out = gcs.url("midrun/save")
-    code = (
-        "import sys\nimport jax, jax.numpy as jnp\nfrom g2rl_jax.train.checkpoint import Checkpointer\n"
-        "from g2rl_jax.train import halt\n"
-        "class It:\n    def get_state(self): return {'i': 0}\n    def set_state(self, s): pass\n"
-        f"ckpt = Checkpointer({out!r}, every=1, keep=3)\n"
-        "state = {'w': jnp.arange(4096.0)}\n"
-        "ckpt.save(1, state, It()); ckpt.wait(); print('saved', flush=True); sys.stdin.readline()\n"
-        "try:\n    with halt.StoreTracebacksOff():  # as in the trainer's loop\n"
-        "        ckpt.save(2, state, It()); ckpt.wait()\n"
-        f"except Exception as err:\n    halt.exit_if_storage_failed(err, {out!r}, 2)\n    raise\n"
-        "print('no error', flush=True)\n")
+def _run_until_told(tmp_path, out: str, setup: str, then: str, step: int, how: str, gcs):
+    """A process that runs `setup`, prints "ready", waits for a line on stdin and runs `then` within the loop's frame
+    (halt.StoreTracebacksOff, and halt.exit_if_storage_failed around it, as the trainer's loop); `then` runs while
+    the endpoint fails `how`. Returns (seconds from the failure to the exit, exit code, stderr)."""
+    body = "\n".join("        " + line for line in then.splitlines())
+    code = (f"import sys\nfrom g2rl_jax.train import halt\n{setup}\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+            f"try:\n    with halt.StoreTracebacksOff():\n{body}\n"
+            f"except Exception as err:\n    halt.exit_if_storage_failed(err, {out!r}, {step})\n    raise\n"
+            "print('no error', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=_env_for(tmp_path), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "saved", proc.stderr.read()[-3000:]
-        with failing(gcs, "drop"):
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
+        with failing(gcs, how):
             t0 = time.monotonic()
             proc.stdin.write("go\n")
             proc.stdin.flush()
@@ -154,9 +149,41 @@ def test_an_async_save_that_fails_is_one_line_and_keeps_the_committed_checkpoint
             seconds = time.monotonic() - t0
     finally:
         proc.kill()
-    stderr = proc.stderr.read()
+    return seconds, proc.returncode, proc.stderr.read()
+
+
+def test_a_metrics_flush_that_fails_is_one_line_and_keeps_what_was_flushed(gcs, tmp_path):
+    """The trainer's MetricsWriter (metrics.jsonl and the TensorBoard events through the buffered appends) flushing
+    into a bucket that refuses every request: one line, the records flushed before still whole."""
+    from g2rl_jax.train.metrics import read_metrics
+
+    out = gcs.url("midrun/metrics")
+    setup = ("from g2rl_jax.train.metrics import MetricsWriter\n"
+             f"writer = MetricsWriter({out!r}, start_step=0)\n"
+             "writer.write(1, {'loss': 1.0}); writer.flush()")
+    seconds, code, stderr = _run_until_told(tmp_path, out, setup, "writer.write(2, {'loss': 2.0})\nwriter.flush()", 2,
+                                            "503", gcs)
     line = _last_line(stderr)
-    assert proc.returncode == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert code == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
+    assert "answers every request 503" in line and "Traceback" not in stderr, stderr[-3000:]
+    assert seconds < BOUND_S, seconds
+    assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_an_async_save_that_fails_is_one_line_and_keeps_the_committed_checkpoint(gcs, tmp_path):
+    """Orbax's asynchronous save into a bucket whose server drops every connection: the error surfaces at the next
+    wait and becomes the one line, the committed checkpoint stays whole."""
+    out = gcs.url("midrun/save")
+    setup = ("import jax.numpy as jnp\nfrom g2rl_jax.train.checkpoint import Checkpointer\n"
+             "class It:\n    def get_state(self): return {'i': 0}\n    def set_state(self, s): pass\n"
+             f"ckpt = Checkpointer({out!r}, every=1, keep=3)\n"
+             "state = {'w': jnp.arange(4096.0)}\n"
+             "ckpt.save(1, state, It()); ckpt.wait()")
+    seconds, code, stderr = _run_until_told(tmp_path, out, setup, "ckpt.save(2, state, It())\nckpt.wait()", 2, "drop",
+                                            gcs)
+    line = _last_line(stderr)
+    assert code == STORAGE_FAILED_EXIT, stderr[-3000:]
     assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
     assert "accepts connections and closes them without an answer" in line, line
     assert "Traceback" not in stderr and seconds < BOUND_S, (seconds, stderr[-3000:])
