@@ -219,6 +219,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.label and len(args.label) != len(args.models):
         p.error(f"{len(args.label)} --label for {len(args.models)} models; give one per model, in order, or none")
     try:  # unset flags from the runs' config.yaml (--model-path dirs have none)
+        for kind, path in args.models:  # a server gone away: one line within a bounded time, not a hang
+            storage.check_readable(path, "--checkpoint" if kind == "checkpoint" else "--model-path")
         run = run_defaults([path for kind, path in args.models if kind == "checkpoint"],
                            lambda c: {"temperature": c.rollout.temperature, "max_new_tokens": c.rollout.max_new_tokens},
                            args)

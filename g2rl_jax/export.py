@@ -40,10 +40,11 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, adapter: bo
     from g2rl_jax.train import identity
     from g2rl_jax.train.checkpoint import resolve_checkpoint
 
-    if storage.names(out) and not overwrite:
-        raise FileExistsError(f"--out {str(out)!r} is not empty; choose an empty directory or pass --overwrite")
+    storage.check_readable(checkpoint, "--checkpoint")  # a server gone away: one line within a bounded time
     if storage.is_url(out):
         storage.check_writable(out, "--out")  # a missing bucket, no credentials: one line before any model loads
+    if storage.names(out) and not overwrite:
+        raise FileExistsError(f"--out {str(out)!r} is not empty; choose an empty directory or pass --overwrite")
     run_dir, step_dir = resolve_checkpoint(checkpoint)
     record = identity.saved(step_dir)
     if adapter and record["lora"] is None:

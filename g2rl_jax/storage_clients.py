@@ -339,8 +339,12 @@ def _reachability(endpoint: str) -> str | None:
         with socket.create_connection((host, port), timeout=5) as conn:
             conn.settimeout(5)
             conn.sendall(f"GET /storage/v1/b HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-            if not conn.recv(1):
+            answer = conn.recv(64)
+            if not answer:
                 return f"{host}:{port} accepts connections and closes them without an answer"
+            status = answer.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+            if len(status) > 1 and status[1] in ("429", "500", "502", "503", "504"):  # a failing service, not the path
+                return f"{host}:{port} answers every request {' '.join(status[1:])} (the service is failing)"
     except ConnectionRefusedError:
         return f"nothing listens on port {port} of {host} (is the server running, on that port?)"
     except socket.timeout:

@@ -223,3 +223,28 @@ def test_jax_platforms_naming_absent_hardware_is_one_line(tmp_path):
     assert done.returncode == 2
     assert "JAX_PLATFORMS='tpu' names hardware JAX cannot use on this machine" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_only_a_storage_clients_error_on_a_bucket_is_a_storage_failure(gcs):
+    """train/halt.py: an error a storage client raised (a refused connection, an aiohttp disconnect, a tensorstore
+    status) on a gs:// run is the one line with the URL; a bug (a plain ValueError), or any error on a local run
+    directory, is not (it keeps its traceback)."""
+    import aiohttp
+
+    from g2rl_jax.train.halt import storage_failure
+
+    def raised(err, cause):
+        try:
+            raise err from cause
+        except RuntimeError as caught:
+            return caught
+
+    url = gcs.url("halt/run")
+    for err in (ConnectionRefusedError(111, "Connection refused"),
+                raised(RuntimeError("save failed"), aiohttp.ServerDisconnectedError()),
+                ValueError("UNAVAILABLE: CURL error[7] Couldn't connect to server")):
+        line = storage_failure(err, url, 7)
+        assert line is not None and line.startswith("run.output_dir: the storage failed after step 7: "), err
+        assert url in line and f"{url}/checkpoints" in line and "run the same command again" in line, line
+    assert storage_failure(ValueError("shapes (3,) and (4,) do not match"), url, 7) is None
+    assert storage_failure(ConnectionRefusedError(111, "Connection refused"), "/tmp/run", 7) is None

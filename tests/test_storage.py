@@ -296,3 +296,42 @@ def test_the_trainer_with_half_set_emulator_variables_is_one_line(gcs):
                           timeout=300, cwd=root)
     line = _last_line(done)
     assert line.startswith("config error: ") and "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is not set" in line, line
+
+
+@pytest.fixture(params=["closed port", "silent server"])
+def dead_endpoint(request):
+    """(endpoint, what its one line must say) of a GCS server gone away: a port nothing listens on, or one that
+    accepts connections (the kernel's backlog) and never answers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        if request.param == "closed port":
+            s.close()
+            yield f"http://127.0.0.1:{port}", f"nothing listens on port {port} of 127.0.0.1"
+        else:
+            s.listen(64)
+            yield f"http://127.0.0.1:{port}", f"127.0.0.1:{port} accepts connections but does not answer"
+
+
+@pytest.mark.parametrize("command", ["export", "analyze"])
+def test_export_and_analyze_of_a_checkpoint_whose_server_went_away_are_one_line(command, dead_endpoint, gcs,
+                                                                                 tmp_path):
+    """`export` and `analyze --checkpoint gs://...` with the bucket's server gone: one line naming the URL and the
+    cause, within the bounded time (G2RL_JAX_STORAGE_TIMEOUT=10 here), before any model loads."""
+    import subprocess
+    import time
+
+    endpoint, cause = dead_endpoint
+    args = {"export": ["--out", str(tmp_path / "exported")],
+            "analyze": ["--dataset", "demo", "--out", str(tmp_path / "analysis")]}[command]
+    env = dict(_emulator_env(gcs, endpoint), G2RL_JAX_STORAGE_TIMEOUT="10")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", f"g2rl_jax.{command}", "--checkpoint", "gs://g2rl-test/runs/gone",
+                           *args], env=env, capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - t0
+    line = _last_line(done)
+    assert line.startswith(f"{command} error: --checkpoint: gcsfs cannot reach {endpoint} to read "
+                           "gs://g2rl-test/runs/gone: ") and cause in line, line
+    assert "Traceback" not in done.stderr and seconds < 60, (seconds, done.stderr[-3000:])

@@ -8,7 +8,9 @@
   host. Every change is conditional on the generation read (GCS: ifGenerationMatch on the create, the overwrite and
   the delete; locally the same under an flock, g2rl_jax.storage), so of any number of starters exactly one wins and a
   lock renewed meanwhile is never replaced. A holder whose renewal finds the lock changed has been taken over: it
-  prints one line and ends at once (exit LEASE_LOST_EXIT), writing nothing more.
+  prints one line and ends at once (exit LEASE_LOST_EXIT), writing nothing more; one whose renewals fail for a whole
+  lease (the store does not answer) ends the same way (exit halt.STORAGE_FAILED_EXIT). In a multi-host run every
+  process then stops with that line (train/halt.py), none stalls at the next collective.
 - `pin_revision`: a Hugging Face id's resolved commit in model.revision, kept by every resume.
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
   optim, seeds), listed old -> new; the trainer refuses them unless run.allow_config_change=true.
@@ -33,6 +35,7 @@ from typing import Any
 
 from g2rl_jax import storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, load_config, to_dict
+from g2rl_jax.train import halt
 
 LOCK_FILE = "run.lock"
 HISTORY_FILE = "config_history.jsonl"
@@ -122,31 +125,58 @@ class _Lease:
         self._thread.start()
 
     def _renew_forever(self) -> None:
-        failing = 0.0  # when renewals started failing (monotonic), 0 while they succeed
-        while not self._stop.wait(self.lease_s / 3):
-            try:
-                renewed = storage.replace_if_generation(self.path, self.record(), self.generation)
-            except Exception as err:  # noqa: BLE001 - a store that does not answer: retried at the next renewal
-                failing = failing or time.monotonic()
-                _warn(f"could not renew the lease on {self.path} for {time.monotonic() - failing:.0f} s "
-                      f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); retrying")
+        from g2rl_jax import storage_clients
+
+        renewed_at = time.monotonic()  # the last renewal that landed: the lease holds until a lease after it
+        failed = None  # the last renewal's error while renewals fail
+        while True:
+            left = renewed_at + self.lease_s - time.monotonic()
+            if self._stop.wait(self.lease_s / 3 if failed is None else min(self.lease_s / 3, max(left, 0.0))):
+                return
+            if failed is not None and time.monotonic() - renewed_at >= self.lease_s:  # at the lease's end, not later
+                self._unreachable(failed, time.monotonic() - renewed_at)
+            left = renewed_at + self.lease_s - time.monotonic()
+            try:  # given what the lease has left (a third of it at least: a thawed process learns whether it lost it)
+                renewed = storage_clients._within(max(left, self.lease_s / 3), "the renewal", self._renew_once)
+            except Exception as err:  # noqa: BLE001 - a store that does not answer: retried until the lease is over
+                if self._stop.is_set():
+                    return
+                failed = err
+                if time.monotonic() - renewed_at >= self.lease_s:
+                    self._unreachable(err, time.monotonic() - renewed_at)
+                _warn(f"could not renew the lease on {self.path} for {time.monotonic() - renewed_at:.0f} s "
+                      f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); retrying until the lease of "
+                      f"{self.lease_s:g} s is over")
                 continue
-            failing = 0.0
             if renewed is None:
                 if not self._stop.is_set():
                     self._lost()
                 return
-            self.generation = renewed
+            self.generation, renewed_at, failed = renewed, time.monotonic(), None
+
+    def _renew_once(self) -> str | None:
+        return storage.replace_if_generation(self.path, self.record(), self.generation)
+
+    def _unreachable(self, err: BaseException, seconds: float) -> None:
+        """The lease ran out while the store did not answer: another trainer may take the run over now, so this one
+        stops (every process of the run), with one line naming the URL and the likely cause."""
+        from g2rl_jax import storage_clients
+
+        halt.stop_everywhere(
+            f"train error: run.output_dir: could not renew the lease on {self.path} for {seconds:.0f} s, its whole "
+            f"lease ({storage_clients.explain(self.path, err, 'gcsfs')}); another trainer may take the run over now, "
+            "so this one stops, writing nothing more. Kept: the checkpoints already committed (a save in flight is "
+            "discarded at the next start); run the same command again once the storage answers: it resumes from "
+            "the newest committed checkpoint", halt.STORAGE_FAILED_EXIT)
 
     def _lost(self) -> None:
         try:
             holder = _parse(storage.read_versioned(self.path)[0])
         except Exception:  # noqa: BLE001 - only names the new holder in the line below
             holder = {}
-        print(f"run lock lost: {self.path} was taken over ({_who(holder) if holder else 'or deleted'}) because this "
-              f"trainer had not renewed its lease of {self.lease_s:g} s in time; stopping now, writing nothing more",
-              file=sys.stderr, flush=True)
-        os._exit(LEASE_LOST_EXIT)
+        halt.stop_everywhere(f"run lock lost: {self.path} was taken over ({_who(holder) if holder else 'or deleted'}) "
+                             f"because this trainer had not renewed its lease of {self.lease_s:g} s in time; stopping "
+                             "now, writing nothing more", LEASE_LOST_EXIT)
 
     def release(self) -> None:
         self._stop.set()
@@ -361,6 +391,7 @@ class StopSignal:
         self._previous = None
         self._wakeup = self._pipe = None
         self._thread = None
+        self._peers, self._quiet = halt.PeerWatch(), halt.StoreTracebacksOff()
 
     def begin_step(self) -> None:
         self.step_started = time.monotonic()
@@ -419,6 +450,8 @@ class StopSignal:
                        f"({measured}); abandoning it, the last checkpoint stands", timeout=deadline - now)
 
     def __enter__(self) -> StopSignal:
+        self._peers.__enter__()  # multi-host: another process that stops at once (train/halt.py) stops this one
+        self._quiet.__enter__()  # a storage failure's tracebacks left out of the clients' log records (halt.py)
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread (e.g. a notebook worker): no handler, nothing changes
@@ -432,6 +465,8 @@ class StopSignal:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._peers.__exit__()
+        self._quiet.__exit__()
         if self._previous is None:
             return
         signal.signal(signal.SIGTERM, self._previous)

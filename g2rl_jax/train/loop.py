@@ -40,7 +40,7 @@ from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
-from g2rl_jax.train import compiles, identity, passes, report, warmup
+from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.ahead import AheadSampler
@@ -424,6 +424,9 @@ class Trainer(SamplingRounds):
                 self.preempted = True
                 if self.step:
                     self.ckpt.save(self.step, self.state(), self.loader, force=True)
+            except Exception as err:  # a bucket that stopped answering: one line, every process stops (train/halt.py)
+                halt.exit_if_storage_failed(err, self.run_dir, self.step)
+                raise
             finally:
                 bar.close()
                 writer.close()

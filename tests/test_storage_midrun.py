@@ -1,0 +1,190 @@
+"""A bucket that fails in the middle of a run (a metrics flush, an asynchronous checkpoint save, the lease renewal,
+and a whole trainer), on a real GCS server on loopback (fake-gcs-server behind the strict
+proxy, tests/conftest.py's `gcs`): the proxy is told to drop every connection (a server gone away), to refuse every
+request (503), or to stop listening (a closed port) while a real trainer, or a real lock holder or checkpoint
+writer, is at work. Each ends in bounded time (G2RL_JAX_STORAGE_TIMEOUT=10 here) with one line naming the URL and the
+likely cause, no traceback, exit 75 (EX_TEMPFAIL); the checkpoints already committed stay, and the same command run
+again against the healthy server resumes from the newest of them."""
+import contextlib
+import subprocess
+import sys
+import time
+
+import pytest
+from test_train import _env, _train_cmd, assets  # noqa: F401 - assets is a fixture
+
+from g2rl_jax import storage
+from g2rl_jax.bench.gcs_proxy import Faults, GcsProxy
+from g2rl_jax.train.halt import STORAGE_FAILED_EXIT
+
+from _helpers import xla_flags
+
+TIMEOUT_S = "10"
+BOUND_S = 100  # 6 requests of 2 s and gcsfs's 31 s of backoff, the reachability check, and a loaded machine
+LEASE_S = 60  # run.lock_lease_seconds's default: the trainer stops within it, whatever its main thread waits on
+
+
+def _committed(out) -> list[int]:
+    ckpts = f"{out}/checkpoints"
+    return sorted(int(n) for n in storage.names(ckpts)
+                  if n.isdigit() and storage.exists(f"{ckpts}/{n}/commit_success.txt"))
+
+
+@contextlib.contextmanager
+def failing(gcs, how: str):
+    """Inside the block, the bucket's endpoint fails `how`: "drop" (every connection closed unanswered), "503"
+    (every request refused) or "closed" (nothing listens on the port any more); healthy again after it."""
+    proxy, healthy = gcs.proxy, gcs.proxy.faults
+    if how == "closed":  # kept-alive connections dropped at their next request, new ones refused
+        proxy.faults = Faults(rate_drop=1.0)
+        proxy.stop()
+    else:
+        proxy.faults = Faults(rate_drop=1.0) if how == "drop" else Faults(rate_503=1.0)
+    try:
+        yield
+    finally:
+        if how == "closed":  # a new proxy on the same port, sharing the old one's state
+            port = int(gcs.endpoint.rsplit(":", 1)[1])
+            fresh = GcsProxy(gcs.server, faults=healthy, port=port)
+            for shared in ("log", "fault_counts", "_last_update", "_uploads", "_rng", "_lock"):
+                setattr(fresh, shared, getattr(proxy, shared))
+            gcs.proxy = fresh.start()
+        else:
+            proxy.faults = healthy
+
+
+def _last_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith(("I1", "W1", "E1", "I0",
+                                                                                          "W0", "E0"))]
+    return lines[-1]
+
+
+def _env_for(tmp_path) -> dict:
+    return dict(_env(), XLA_FLAGS=xla_flags(8), G2RL_JAX_STORAGE_TIMEOUT=TIMEOUT_S, G2RL_JAX_FLUSH_SECONDS="1",
+                **{storage.CACHE_ENV: str(tmp_path / "cache")})
+
+
+def test_a_server_gone_mid_run_is_one_line_and_the_rerun_resumes(gcs, assets, tmp_path):  # noqa: F811
+    out = gcs.url("midrun/trainer")
+    env = _env_for(tmp_path)
+    log = tmp_path / "trainer.err"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(_train_cmd(assets, out, 1000), env=env, stdout=subprocess.DEVNULL, stderr=err)
+        while proc.poll() is None and not any(s >= 2 for s in _committed(out)):
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        with failing(gcs, "drop"):
+            t0 = time.monotonic()
+            try:
+                proc.wait(timeout=300)
+            finally:
+                proc.kill()
+            seconds = time.monotonic() - t0
+    stderr = log.read_text()
+    line = _last_line(stderr)
+    assert proc.returncode == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert line.startswith("train error: run.output_dir: ") and out in line, line
+    assert f"cannot reach {gcs.endpoint}" in line and "accepts connections and closes them without an answer" in line
+    assert "run the same command again" in line and "Traceback" not in stderr, stderr[-3000:]
+    assert seconds < LEASE_S + 15, seconds
+    print(f"the trainer stopped {seconds:.1f} s after its server went away", file=sys.stderr)
+    # the committed checkpoints stand; the same command against the healthy server resumes from the newest
+    newest = _committed(out)[-1]
+    assert newest >= 2
+    done = subprocess.run(_train_cmd(assets, out, newest + 1), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from the checkpoint of step {newest} " in done.stdout, done.stdout[-2000:]
+    assert _committed(out)[-1] == newest + 1
+
+
+def _holder(out: str, lease: float) -> str:
+    return ("import sys, time\nfrom g2rl_jax.train.lifecycle import RunLock\n"
+            f"RunLock({out!r}, lease_seconds={lease}).acquire(); print('held', flush=True); time.sleep(300)")
+
+
+@pytest.mark.parametrize("how", ["closed", "503"])
+def test_lease_renewals_that_fail_for_a_lease_stop_the_holder_with_one_line(gcs, tmp_path, how):
+    """The lease thread: a holder whose renewals do not land for a whole lease stops with one line (another
+    trainer may take the run over from then on), within the lease and one bounded request."""
+    out = gcs.url(f"midrun/lease_{how}")
+    lease = 12.0
+    proc = subprocess.Popen([sys.executable, "-c", _holder(out, lease)], env=_env_for(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held", proc.stderr.read()[-3000:]
+        with failing(gcs, how):
+            t0 = time.monotonic()
+            proc.wait(timeout=150)
+            seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read()
+    line = _last_line(stderr)
+    assert proc.returncode == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert line.startswith(f"train error: run.output_dir: could not renew the lease on {out}/run.lock"), line
+    assert "another trainer may take the run over now" in line and "Traceback" not in stderr, stderr[-3000:]
+    cause = "nothing listens on port" if how == "closed" else "answers every request 503"
+    assert cause in line, line
+    assert lease * 2 / 3 - 1 < seconds < lease + 15, seconds  # renewals every lease/3: the lapse is that late
+
+
+def _run_until_told(tmp_path, out: str, setup: str, then: str, step: int, how: str, gcs):
+    """A process that runs `setup`, prints "ready", waits for a line on stdin and runs `then` within the loop's frame
+    (halt.StoreTracebacksOff, and halt.exit_if_storage_failed around it, as the trainer's loop); `then` runs while
+    the endpoint fails `how`. Returns (seconds from the failure to the exit, exit code, stderr)."""
+    body = "\n".join("        " + line for line in then.splitlines())
+    code = (f"import sys\nfrom g2rl_jax.train import halt\n{setup}\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+            f"try:\n    with halt.StoreTracebacksOff():\n{body}\n"
+            f"except Exception as err:\n    halt.exit_if_storage_failed(err, {out!r}, {step})\n    raise\n"
+            "print('no error', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env_for(tmp_path), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
+        with failing(gcs, how):
+            t0 = time.monotonic()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            proc.wait(timeout=150)
+            seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+    return seconds, proc.returncode, proc.stderr.read()
+
+
+def test_a_metrics_flush_that_fails_is_one_line_and_keeps_what_was_flushed(gcs, tmp_path):
+    """The trainer's MetricsWriter (metrics.jsonl and the TensorBoard events through the buffered appends) flushing
+    into a bucket that refuses every request: one line, the records flushed before still whole."""
+    from g2rl_jax.train.metrics import read_metrics
+
+    out = gcs.url("midrun/metrics")
+    setup = ("from g2rl_jax.train.metrics import MetricsWriter\n"
+             f"writer = MetricsWriter({out!r}, start_step=0)\n"
+             "writer.write(1, {'loss': 1.0}); writer.flush()")
+    seconds, code, stderr = _run_until_told(tmp_path, out, setup, "writer.write(2, {'loss': 2.0})\nwriter.flush()", 2,
+                                            "503", gcs)
+    line = _last_line(stderr)
+    assert code == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
+    assert "answers every request 503" in line and "Traceback" not in stderr, stderr[-3000:]
+    assert seconds < BOUND_S, seconds
+    assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_an_async_save_that_fails_is_one_line_and_keeps_the_committed_checkpoint(gcs, tmp_path):
+    """Orbax's asynchronous save into a bucket whose server drops every connection: the error surfaces at the next
+    wait and becomes the one line, the committed checkpoint stays whole."""
+    out = gcs.url("midrun/save")
+    setup = ("import jax.numpy as jnp\nfrom g2rl_jax.train.checkpoint import Checkpointer\n"
+             "class It:\n    def get_state(self): return {'i': 0}\n    def set_state(self, s): pass\n"
+             f"ckpt = Checkpointer({out!r}, every=1, keep=3)\n"
+             "state = {'w': jnp.arange(4096.0)}\n"
+             "ckpt.save(1, state, It()); ckpt.wait()")
+    seconds, code, stderr = _run_until_told(tmp_path, out, setup, "ckpt.save(2, state, It())\nckpt.wait()", 2, "drop",
+                                            gcs)
+    line = _last_line(stderr)
+    assert code == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
+    assert "accepts connections and closes them without an answer" in line, line
+    assert "Traceback" not in stderr and seconds < BOUND_S, (seconds, stderr[-3000:])
+    assert _committed(out) == [1]
