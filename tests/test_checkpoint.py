@@ -263,3 +263,29 @@ def test_no_readable_checkpoint_names_the_directory(tmp_path):
                                               rf"\(step 2: .*; step 1: .*\); delete {tmp_path / 'checkpoints'}"):
         Checkpointer(tmp_path, every=1, keep=2).restore_newest(_abstract(_state(0)), _BytesIterator())
     assert Checkpointer(tmp_path / "fresh", every=1, keep=2).restore_newest({}, _BytesIterator()) == (None, None)
+
+
+def test_a_store_that_does_not_answer_is_not_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    """A restore that fails because the store cannot be reached (a partial outage of the bucket) stops the start
+    with one line and moves nothing: the checkpoint is good, and setting it aside would lose it."""
+    from g2rl_jax.train.checkpoint import CheckpointError
+
+    ckpt = Checkpointer(tmp_path, every=1, keep=3)
+    for step in (1, 2):
+        ckpt.save(step, _state(step), _BytesIterator(step))
+    ckpt.close()
+    reopened = Checkpointer(tmp_path, every=1, keep=3)
+    restore = reopened.restore
+
+    def failing_store(step, *args):
+        if step == 2:  # what tensorstore raises when its retries run out against a server that stopped answering
+            raise ValueError("UNAVAILABLE: CURL error Couldn't connect to server [source locations='tensorstore']")
+        return restore(step, *args)
+
+    monkeypatch.setattr(reopened, "restore", failing_store)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*2 could not be read, because the storage did not "
+                                              r"answer .*nothing was moved"):
+        reopened.restore_newest(_abstract(_state(0)), _BytesIterator())
+    assert not (tmp_path / "corrupt_checkpoints").exists()
+    assert reopened.all_steps() == [1, 2]
+    reopened.close()

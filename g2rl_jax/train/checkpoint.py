@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from g2rl_jax import storage
-from g2rl_jax.train import identity
+from g2rl_jax.train import halt, identity
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -261,6 +261,10 @@ class Checkpointer:
                 state = self.restore(step, abstract_state, data_iter)
             except Exception as err:  # noqa: BLE001 - reported, and re-raised below when nothing restores
                 reason = f"{type(err).__name__}: {str(err)[:500]}"
+                if halt.unreachable(err):  # the store failed, not the checkpoint: setting it aside would lose it
+                    raise CheckpointError(f"checkpoint {self._manager.directory / str(step)} could not be read, "
+                                          f"because the storage did not answer ({reason}); nothing was moved: run "
+                                          "the same command again when the storage answers") from err
                 failed.append((step, reason))
                 print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
                       "trying the previous one", file=sys.stderr, flush=True)

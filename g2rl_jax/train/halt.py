@@ -63,6 +63,14 @@ def _store_error(err: BaseException) -> bool:
     return _raised_in_a_client(err) or any(status in text for status in _STORE_STATUSES)
 
 
+def unreachable(err: BaseException) -> bool:
+    """Whether `err` (or an error it came from) says the store could not be reached or refused the request (a
+    connection, a timeout, a gRPC/tensorstore status such as UNAVAILABLE): not a damaged object, which reads as a
+    missing file or bad bytes."""
+    return any(isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError))
+               or any(status in str(e) for status in _STORE_STATUSES) for e in _chain(err))
+
+
 def storage_failure(err: BaseException, run_dir, step: int) -> str | None:
     """The one line for `err`, raised after step `step` (the last one finished) of the run in `run_dir`, when a
     storage client raised it and the run directory is a URL; None otherwise (a bug, a local disk: the traceback
