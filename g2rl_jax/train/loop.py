@@ -428,10 +428,7 @@ class Trainer(SamplingRounds):
                 halt.exit_if_storage_failed(err, self.run_dir, self.step)
                 raise
             finally:
-                bar.close()
-                writer.close()
-                self.ckpt.close()
-                self.close()
+                self._close_run(bar, writer)
         if self.step == cfg.total_steps and history and not self.preempted:
             summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
                                     steps=self.step, seconds=time.perf_counter() - self.started,
@@ -442,6 +439,18 @@ class Trainer(SamplingRounds):
                 print(json.dumps({k: summary[k] for k in keys}))
                 print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
         return history
+
+    def _close_run(self, bar: ProgressBar, writer: MetricsWriter) -> None:
+        """The last flushes, the last save and the lock's release; a bucket that stops answering here too ends the
+        run with one line (the checkpoints committed stand)."""
+        try:
+            bar.close()
+            writer.close()
+            self.ckpt.close()
+            self.close()
+        except Exception as err:
+            halt.exit_if_storage_failed(err, self.run_dir, self.step)
+            raise
 
     def _validate_step(self, writer: MetricsWriter, metrics: dict[str, float]) -> dict[str, float]:
         """The validation of a finished step; if it is interrupted (SIGTERM, Ctrl-C), the step's own metrics are
