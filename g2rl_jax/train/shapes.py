@@ -196,10 +196,11 @@ def prompt_shares(lengths, prompts_per_step: int) -> dict[int, float]:
     return {b: float(p - q) for b, p, q in zip(buckets, below, [0.0, *below[:-1]]) if p > q}
 
 
-def prompt_sets(shares: dict[int, float]) -> list[tuple[int, ...]]:
-    """Candidate prompt buckets of a run: the largest alone, then with each next smaller bucket steps fall in."""
+def prompt_sets(shares: dict[int, float], most: int = 0) -> list[tuple[int, ...]]:
+    """Candidate prompt buckets of a run: the largest alone, then with each next smaller bucket steps fall in, at
+    most `most` buckets (data.prompt_buckets; 0: no limit)."""
     buckets = sorted(shares, reverse=True)
-    return [tuple(sorted(buckets[:i])) for i in range(1, len(buckets) + 1)]
+    return [tuple(sorted(buckets[:i])) for i in range(1, min(len(buckets), most or len(buckets)) + 1)]
 
 
 def pad_prompt(bucket_: int, prompts: tuple[int, ...]) -> int:
@@ -247,19 +248,22 @@ class Choice:
 
 def choose(sets: dict[str, micro_lib.ShapeSet], loads: dict[int, dict[str, dict[str, float]]],
            shares: dict[int, float], prices: Prices, *, rollout: tuple[int, float], steps: int,
-           threads: int) -> Choice:
+           threads: int, most_prompts: int = 0, packed: bool = False) -> Choice:
     """The (micro-batch shape set, prompt buckets) of least estimated run time (module docstring); ties go to the
     fewer programs. loads: step_load at each prompt bucket; shares: prompt_shares; rollout: the programs and the
-    compile seconds of one prompt bucket's rollout (train/warmup.py measures them on the first rollout)."""
+    compile seconds of one prompt bucket's rollout (aot/bill.rollout_counts priced by rollout_price);
+    most_prompts: data.prompt_buckets; packed: the passes' programs are compiled once, not per prompt bucket
+    (algorithm.packing)."""
     kinds = prices.compile_s.keys()
     table = []
-    for prompts in prompt_sets(shares):
+    for prompts in prompt_sets(shares, most_prompts):
+        copies = 1 if packed else len(prompts)
         for name, shapes in sets.items():
             n = len(shapes.shapes)
-            compile_s = len(prompts) * (n * sum(prices.compile_s.values()) + rollout[1]) / max(threads, 1)
+            compile_s = (copies * n * sum(prices.compile_s.values()) + len(prompts) * rollout[1]) / max(threads, 1)
             step_s = sum(share * sum(loads[pad_prompt(b, prompts)][name]["gradient" if k == "gradient" else "score"]
                                      * prices.unit_s[k] for k in kinds) for b, share in shares.items())
-            programs = len(prompts) * (n * len(kinds) + rollout[0])
+            programs = copies * n * len(kinds) + len(prompts) * rollout[0]
             table.append(Estimate(name, prompts, n, programs, compile_s, step_s, compile_s + steps * step_s))
     best = min(table, key=lambda e: (e.run_s, e.programs))
     return Choice(sets[best.name], best.prompts, tuple(table))
@@ -282,4 +286,4 @@ def choose_for(cfg, model, device: Device, prompt_lengths, *, micro: int, min_ro
                               remat=cfg.model.remat != "none")
     threads = cfg.run.compile_threads or MODEL_THREADS.get(device.platform, MODEL_THREADS["tpu"])
     return choose(sets, loads, shares, prices, rollout=rollout_price(rollout, prices), steps=cfg.run.total_steps,
-                  threads=threads)
+                  threads=threads, most_prompts=cfg.data.prompt_buckets, packed=algo.packing)
