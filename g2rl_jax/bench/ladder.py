@@ -41,7 +41,7 @@ def _args(argv):
     p.add_argument("--growth", action="append", type=int, default=[], help="capacity rung factor (default 2, 4)")
     p.add_argument("--shrink", action="append", type=int, default=[], help="batch rung factor (default 2, 4)")
     p.add_argument("--first", action="append", type=int, default=[],
-                   help="rollout.first_capacity (default 128, 512; --measure: 16, 64)")
+                   help="rollout.first_capacity (default 128, 512)")
     p.add_argument("--draws", type=int, default=4, help="long-tailed steps the decode estimate averages")
     p.add_argument("--measure", action="store_true", help="the demo-size real case on this machine instead")
     p.add_argument("--rows", type=int, default=64, help="--measure: decode rows (prompts x 8 samples)")
@@ -137,7 +137,7 @@ def measure(a) -> int:
           f"programs | compile s | decode s | model decode MB | decode / first row's | model / first row's |\n"
           f"|{'---|' * 9}")
     base = None
-    for growth, shrink, first in itertools.product(a.growth or [2, 4], a.shrink or [2, 4], a.first or [16, 64]):
+    for growth, shrink, first in itertools.product(a.growth or [2, 4], a.shrink or [2, 4], a.first or [128, 512]):
         _set_ladder(growth, shrink)
         jax.clear_caches()
         prewarm.WARMED.clear()
