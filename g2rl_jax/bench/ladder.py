@@ -19,15 +19,16 @@ passes' seconds per step (aot/bill.passes_step_s) and the run's total (run.total
 measurement: it prices bytes, FLOPs and the measured compile seconds per kind.
 
 --measure runs the real thing at the demo size on this machine: the same rollout (random demo-size Qwen3, --rows
-rows, prompts of mixed lengths, lengths drawn long-tailed by forcing each sample's stop), once per ladder option,
-each in a fresh process: the programs the rollout compiled (a jax.monitoring listener), their seconds, and the
-decode's wall seconds after the compile, with the model's decode seconds beside it.
+rows, prompts of 16-100 tokens, long-tailed lengths: stop ids that a near-uniform policy draws about once in
+budget / 4 tokens) at each --option, first each from cold (jax's caches cleared): the programs it compiled (a
+jax.monitoring listener) and their seconds; then all options side by side, interleaved, --repeats rounds: the
+fastest wall seconds of each, with the byte model's decode bytes (decode weights and K/V, as aot/bill prices a
+step) beside it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 
 
@@ -44,6 +45,9 @@ def _args(argv):
                    help="rollout.first_capacity (default 128, 512)")
     p.add_argument("--draws", type=int, default=4, help="long-tailed steps the decode estimate averages")
     p.add_argument("--measure", action="store_true", help="the demo-size real case on this machine instead")
+    p.add_argument("--option", action="append", default=[], metavar="GROWTH,SHRINK,FIRST",
+                   help="--measure: a ladder option (repeatable; default 2,2,128 2,2,512 4,4,128)")
+    p.add_argument("--repeats", type=int, default=3, help="--measure: timed rounds (the fastest counts)")
     p.add_argument("--rows", type=int, default=64, help="--measure: decode rows (prompts x 8 samples)")
     p.add_argument("--budget", type=int, default=512, help="--measure: response budget")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
@@ -120,7 +124,7 @@ def measure(a) -> int:
     from g2rl_jax.aot.bill import rollout_keys
     from g2rl_jax.model.qwen3 import Qwen3
     from g2rl_jax.plan import demo_architecture
-    from g2rl_jax.rollout import engine, generate, prewarm
+    from g2rl_jax.rollout import engine, prewarm
     from g2rl_jax.train.compiles import CompileClock
 
     cfg = dataclasses.replace(demo_architecture(), max_position_embeddings=2 * a.budget)  # its context: 256
@@ -136,32 +140,46 @@ def measure(a) -> int:
           f"length ~{a.budget // 4}), 2 compile threads\n| capacity rungs | batch rungs | first capacity | "
           f"programs | compile s | decode s | model decode MB | decode / first row's | model / first row's |\n"
           f"|{'---|' * 9}")
-    base = None
-    for growth, shrink, first in itertools.product(a.growth or [2, 4], a.shrink or [2, 4], a.first or [128, 512]):
+    options = [tuple(map(int, o.split(","))) for o in a.option] or [(2, 2, 128), (2, 2, 512), (4, 4, 128)]
+    rows, found = len(prompts) * samples, []
+    for growth, shrink, first in options:  # each from cold: its programs and their compile seconds
         _set_ladder(growth, shrink)
         jax.clear_caches()
         prewarm.WARMED.clear()
         prewarm._ROWS.clear()
-        run = functools.partial(generate, model, prompts, max_new_tokens=a.budget, num_samples=samples,
-                                stop_token_ids=stops, seed=0, compile_threads=2, first_capacity=first)
         clock = CompileClock()
-        out = run()
-        seen = clock.take()
+        out = _rollout(model, prompts, samples, stops, a.budget, first)
+        found.append(clock.take())
         clock.close()
-        start = time.perf_counter()
-        out = run()
-        decode_s = time.perf_counter() - start
-        rows = len(prompts) * samples
+    runs = {o: [] for o in options}
+    for i in range(1 + a.repeats):  # then side by side, interleaved: the first round compiles again (not timed)
+        for growth, shrink, first in options:
+            _set_ladder(growth, shrink)
+            start = time.perf_counter()
+            out = _rollout(model, prompts, samples, stops, a.budget, first)
+            if i:
+                runs[(growth, shrink, first)].append(time.perf_counter() - start)
+    base = None
+    for (growth, shrink, first), seen in zip(options, found):
+        _set_ladder(growth, shrink)
         segs = engine.decode_segments(out.completion_lengths, rows, a.budget, 1, first)
         bytes_ = sum(n * (weights + ((len(prompts) if r == rows else r) * out.prompt_ids_BxS.shape[1] + r * c) * slot)
                      for r, c, n in segs)
         keys = rollout_keys(len(prompts), out.prompt_ids_BxS.shape[1], samples, a.budget, 1, None, first)
+        decode_s = min(runs[(growth, shrink, first)])
         base = base or (decode_s, bytes_)
         print(f"| {growth} | {shrink} | {first} | {seen.programs} ({len(keys) + 1} by the bill) | "
               f"{seen.seconds:.1f} | {decode_s:.2f} | {bytes_ / 1e6:,.0f} | {decode_s / base[0]:.2f} | "
               f"{bytes_ / base[1]:.2f} |", flush=True)
     _set_ladder(2, 2)
     return 0
+
+
+def _rollout(model, prompts, samples: int, stops, budget: int, first: int):
+    from g2rl_jax.rollout import generate
+
+    return generate(model, prompts, max_new_tokens=budget, num_samples=samples, stop_token_ids=stops, seed=0,
+                    compile_threads=2, first_capacity=first)
 
 
 def main(argv: list[str]) -> int:
