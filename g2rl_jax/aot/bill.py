@@ -257,7 +257,7 @@ def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bi
 
 
 def rollout_keys(prompts: int, prompt_len: int, samples: int, budget: int, shards: int, spec,
-                 first_capacity: int = engine.FIRST_CAPACITY) -> set[tuple]:
+                 first_capacity: int = 0) -> set[tuple]:
     """The programs one `generate` shape compiles (rollout/generate.py, rollout/prewarm.py), each as a key that
     another rollout with the same shapes shares: prefill and first token, a segment at each batch bucket x capacity
     of the engine's ladder (its buckets from the budget itself, the ladder from its bucket), a growth at each bucket,
