@@ -5,23 +5,25 @@ estimated run time (the last lines of `python -m g2rl_jax.plan --target SLICE --
     print("\n".join(b.lines()))
 
 A run compiles its whole set at its first step, on run.compile_threads threads (train/warmup.py,
-rollout/prewarm.py), and nothing after. The set, per prompt bucket: the rollout's prefill, first token and decode
-weights, a decode segment at each batch bucket x capacity, and the moves between them (a growth at each bucket and
-capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks and
-lengths); the score,
-reference and gradient programs at each micro-batch shape, with the small ones that move a micro-batch's rows in
-(twice: the step's batch, a mini-batch) and its results out (3, and 1 more with the reference pass); once per run:
-the optimizer's init and step, the advantages, and the method's own (`method_counts`: the EVOL embedder, a token
-rule and its moves); with run.eval_every the validation's rollout at its own sizes. The micro-batch shapes and the
-prompt buckets are those the trainer chooses on the target's device kind (train/shapes.choose_for: its price model,
-not the compile seconds measured here), from the training prompts' lengths when the tokenizer at model.path can
-encode them, else the worst case (every prompt in the bucket of data.max_prompt_tokens). Every program is priced at
-the seconds its kind's compiled program took here (the largest of each kind: an ESTIMATE for the smaller ones, which
-compile faster); the small moves at the cache growth's. The run: run.total_steps steps of long-tailed responses
-(shapes.long_tailed_lengths), each the score, reference and update passes over the chosen set's plans at
-ESTIMATE_MFU, and the decode loop's segments
-(engine.decode_segments) at the HBM bandwidth, every decode step reading the decode weights and the K/V of each
-row's prompt and capacity.
+rollout/prewarm.py), and nothing after. `program_counts` counts it without compiling (tests/test_program_count.py
+checks it against a jax.monitoring listener on a real run, for every method and with packed passes): the
+rollouts' programs (`rollout_keys`: per prompt bucket the prefill and first token, a decode segment at each batch
+bucket x capacity of the ladder from rollout.first_capacity, and the moves between them: a growth at each bucket
+and capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks
+and lengths; with run.eval_every validation's rollout too, each key once); the passes' (the score, reference and
+gradient programs at each micro-batch shape of each prompt bucket with the moves of a micro-batch's rows in and
+its results out, or with algorithm.packing a program per packed row count once, `packed_counts`); once per run the
+optimizer's init and step, the advantages and the method's own (`method_counts`); and the small ones by rule
+(`small_counts`). The micro-batch shapes and the prompt buckets (at most data.prompt_buckets) are those the trainer
+chooses on the target's device kind (train/shapes.choose_for: its price model, not the compile seconds measured
+here), from the training prompts' lengths when the tokenizer at model.path can encode them, else the worst case
+(every prompt in the bucket of data.max_prompt_tokens). Every program is priced at the seconds its kind's compiled
+program took here (the largest of each kind: an ESTIMATE for the smaller ones, which compile faster), a kind not
+compiled here by the price model (`model_seconds`), the small programs at a move's. The run: run.total_steps steps
+of long-tailed responses (shapes.long_tailed_lengths), each the score, reference and update passes at
+ESTIMATE_MFU (`passes_step_s`), and the decode loop's segments (engine.decode_segments) at the HBM bandwidth, every
+decode step reading the decode weights and the K/V of each row's capacity and of the prompts' prefix
+(`decode_step_s`). `python -m g2rl_jax.bench ladder` prices the rollout's options with the same functions.
 """
 from __future__ import annotations
 
