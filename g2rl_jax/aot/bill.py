@@ -131,7 +131,7 @@ class Bill:
             f"whole-run compile bill ({self.steps} steps, the first compiles the set on {self.threads} threads; "
             f"prompt buckets from {self.prompts_from}):",
             f"  the bounded set: {self.programs} programs ({kinds}; 'regroup': the cache moves and micro-batch row "
-            "moves, priced as a cache growth)",
+            "moves, 'small': the run's small programs, both priced as a cache growth)",
             f"  compile seconds: {self.lower_s + self.compile_s:,.0f} s one at a time (each priced at its kind's "
             f"largest program compiled above: an ESTIMATE for the rest), ~{self.wall_s:,.0f} s at the first step",
             f"  the run: {self.steps} x {self.step_s:,.1f} s (an ESTIMATE: score, reference and update "
