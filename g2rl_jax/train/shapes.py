@@ -15,7 +15,8 @@ padding computed, train/micro.py), fewer compile faster. The candidates cross
             r(w)/4 (long rows come few at a time, so they get fewer rows per micro-batch); "single" r(w) alone
 with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest,
 and each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket
-the training prompts reach alone, then with each smaller one in turn. `choose` takes the pair of least estimated
+the training prompts reach alone, then with each smaller one in turn, at most data.prompt_buckets (with
+algorithm.packing the passes' programs are one set for every bucket, the rollout's a copy per bucket). `choose` takes the pair of least estimated
 run time: the compile seconds of its programs spread over the compile threads, plus run.total_steps times the
 seconds a step computes, averaged over the buckets steps' longest prompts fall in (`prompt_shares`, from the
 training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost summed over the plans
