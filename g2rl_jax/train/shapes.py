@@ -13,15 +13,15 @@ padding computed, train/micro.py), fewer compile faster. The candidates cross
     rows:   "all" every halving of micro (micro.row_counts); "sparse" every other one (micro, micro/4, ...);
             "tokens" per width w one row count r(w), the most rows with r(w) x (S + w) <= micro x (S + T/8), and
             r(w)/4 (long rows come few at a time, so they get fewer rows per micro-batch); "single" r(w) alone
-with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest,
-and each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket
-the training prompts reach alone, then with each smaller one in turn, at most data.prompt_buckets (with
-algorithm.packing the passes' programs are one set for every bucket, the rollout's a copy per bucket). `choose` takes the pair of least estimated
-run time: the compile seconds of its programs spread over the compile threads, plus run.total_steps times the
-seconds a step computes, averaged over the buckets steps' longest prompts fall in (`prompt_shares`, from the
-training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost summed over the plans
-train/micro.py cuts) over response lengths drawn long-tailed (exponential with mean budget / 4, capped at the
-budget, the longest at it: `bench update --long-tail`'s), priced per unit.
+with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest, and
+each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket the
+training prompts reach alone, then with each smaller one in turn, at most data.prompt_buckets (with
+algorithm.packing the passes' programs are one set for every bucket, the rollout's a copy per bucket). `choose`
+takes the pair of least estimated run time: the compile seconds of its programs spread over the compile threads,
+plus run.total_steps times the seconds a step computes, averaged over the buckets steps' longest prompts fall in
+(`prompt_shares`, from the training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost
+summed over the plans train/micro.py cuts) over response lengths drawn long-tailed (exponential with mean budget /
+4, capped at the budget, the longest at it: `bench update --long-tail`'s), priced per unit.
 
 The prices come from a model, never from a clock, so two runs of one config on one kind of device choose the same
 set whatever else the machine is doing (`model_prices`): a pass's compute is its FLOPs (bench/update.train_flops)
