@@ -186,6 +186,10 @@ class DataConfig:
     prompt_template: Literal["chat", "plain"] = _f("chat", "prompt format around the question (paper: SimpleRL-Zoo)")
     prompts_per_step: int = _f(16, "prompts per RL step (paper: train batch size 16)")
     max_prompt_tokens: int = _f(1024, "longer prompts are dropped; paper silent, 1024 chosen (verl default)")
+    prompt_buckets: int = _f(0, "at most this many prompt lengths a step's prompts are padded to (the largest "
+                             "bucket the training prompts reach, then smaller ones as the price model chooses, "
+                             "train/shapes.py); each is a copy of the rollout's programs (and, without "
+                             "algorithm.packing, of the passes'); 0: no limit")
     eval_datasets: tuple[str, ...] = _f(("math500", "amc23", "aime24", "aime25"),
                                         "datasets evaluated every run.eval_every steps")
     eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: AIME25 mean@8)")
@@ -198,6 +202,8 @@ class DataConfig:
     def __post_init__(self):
         for name in ("prompts_per_step", "max_prompt_tokens", "eval_samples", "eval_max_new_tokens"):
             _check(getattr(self, name) > 0, f"data.{name}", f"must be > 0, got {getattr(self, name)}")
+        _check(self.prompt_buckets >= 0, "data.prompt_buckets", f"must be >= 0 (0: no limit), got "
+               f"{self.prompt_buckets}")
         _check(self.eval_temperature >= 0, "data.eval_temperature", f"must be >= 0, got {self.eval_temperature}")
         _check_seed(self.shuffle_seed, "data.shuffle_seed")
         for pair in self.fields:
@@ -218,12 +224,16 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature T, also the T of p_t = softmax(z_t/T) (paper: 1.0)")
     top_p: float = _f(1.0, "nucleus sampling mass, 0 < top_p <= 1; paper silent, 1.0 (off) chosen")
     top_k: Optional[int] = _f(None, "keep the top_k most likely tokens (null = off); paper silent, off chosen")
+    first_capacity: int = _f(128, "KV slots of a rollout's first decode segment; the cache then doubles up to the "
+                             "budget, each capacity a copy of the decode segments and moves to compile; higher: "
+                             "fewer programs, each early step reads more slots (`python -m g2rl_jax.bench ladder`)")
     max_staleness: int = _f(0, "policy versions a step's samples lag the update: 0 = on-policy (serial), 1 = "
                             "one-step-off, k = the rollout runs k steps ahead; > 0 needs mesh.rollout_devices and "
                             "algorithm.rollout_is_cap (docs/async.md)")
 
     def __post_init__(self):
         _check(self.num_samples >= 2, "rollout.num_samples", f"group size must be >= 2, got {self.num_samples}")
+        _check(self.first_capacity >= 1, "rollout.first_capacity", f"must be >= 1, got {self.first_capacity}")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0 for training, got {self.temperature}: "
                "greedy decoding gives a group identical responses, whose advantages are all zero (no signal)")

@@ -18,9 +18,9 @@ CASES = {
     "lora": (["--preset", "tiny", "--rank", "2", "--rows", "2", "--micro", "2", "--prompt-len", "4",
               "--response-len", "8", "--prompts", "1", "--samples", "2", "--new-tokens", "4", "--iters", "1"],
              ["s/update", "lora / full: time", "lora merged / base: tokens/s", "per-layer decode weights"]),
-    "ladder": (["--config", "configs/qwen3_1p7b_g2rl.yaml", "--preset", "qwen3-1.7b", "--target", "v5p-8", "--first",
-                "128", "--first", "512", "--steps", "2", "model.path=unused"],
-               ["decode roofline s per step", "| 128 | 2 | 12 |", "| 512 | 2 | 10 |"]),
+    "ladder": (["--config", "configs/qwen3_1p7b_g2rl.yaml", "--preset", "qwen3-1.7b", "--target", "v5p-8", "--buckets",
+                "1", "--growth", "2", "--shrink", "2", "--first", "128", "--first", "512", "--draws", "1",
+                "model.path=unused"], ["decode s per step", "| 1024 | 2 | 2 | 128 |", "| 1024 | 2 | 2 | 512 |"]),
 }
 
 

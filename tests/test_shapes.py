@@ -171,37 +171,58 @@ def paper_run():
     return cfg, model, programs_lib.step_shapes(cfg, mesh), largest
 
 
-def test_the_bill_counts_and_prices_the_bounded_set(paper_run):
+def test_the_bill_prices_what_program_counts_counts(paper_run):
+    """The bill's programs are program_counts' (the count tests/test_program_count.py checks against a run), each
+    priced at its kind's compiled program (the small ones as a move, a kind not compiled by the price model)."""
     cfg, model, s, largest = paper_run
     seconds = {p.kind: 3.0 + i for i, p in enumerate(largest)}
     results = [Result(p, seconds[p.kind], 0.0, lower_seconds=0.5) for p in largest]
     target = parse_target("v5p-8")
     b = bill_lib.bill(cfg, model, s, results, target, lengths=None)
-    n, prompts = len(b.choice.shapes.shapes), len(b.choice.prompts)
-    buckets, caps = len(s.buckets), len(s.capacities)
-    assert (buckets, caps) == (7, 7) and prompts == 1  # the worst case: every prompt at 1,024 tokens
+    # the worst case (every prompt at 1,024 tokens): one prompt bucket; the ladder from rollout.first_capacity=512
+    assert (len(s.buckets), s.capacities, b.choice.prompts) == (7, (512, 1024, 2048, 4096, 8192), (1024,))
+    want = bill_lib.program_counts(cfg, model, s.shards, b.choice, 1024, bill_lib.param_shapes(cfg, model))
+    assert b.counts == want
     eval_buckets = len(engine.batch_buckets(s.prompts * cfg.data.eval_samples, s.shards,
                                             cfg.data.eval_max_new_tokens))
-    want = {"segment": buckets * caps + eval_buckets * caps, "score": n, "reference": n, "gradient": n,
-            "prefill": 2, "start": 2, "decode_layers": 2, "init": 1, "advantages": 1, "apply": 1,
-            "embed": 0, "token_terms": 0,  # g2rl has no embedder and no token rule
-            "regroup": (buckets * (caps - 1) + (buckets - 1) * caps + (buckets - 1)) + 4 * n
-            + (eval_buckets * (caps - 1) + (eval_buckets - 1) * caps + (eval_buckets - 1))}
-    assert b.counts == want
-    compile_s = sum(k * (seconds[kind] - 0.5) for kind, k in want.items() if k)
-    lower_s = 0.5 * sum(want.values())
+    n = len(b.choice.shapes.shapes)
+    assert want["segment"] == (len(s.buckets) + eval_buckets) * len(s.capacities)
+    assert (want["score"], want["reference"], want["gradient"]) == (n, n, n)
+    price = {**bill_lib.model_seconds("tpu"), **seconds}
+    price["small"] = price["regroup"]
+    lower = {k: 0.5 for k in seconds}
+    compile_s = sum(k * (price[kind] - lower.get(kind, 0.0)) for kind, k in want.items())
+    lower_s = sum(k * lower.get(kind, 0.0) for kind, k in want.items())
     assert (b.compile_s, b.lower_s) == (pytest.approx(compile_s), pytest.approx(lower_s))
-    assert b.wall_s == pytest.approx(lower_s + max(max(seconds.values()) - 0.5, compile_s / 32))
+    longest = max(price[kind] - lower.get(kind, 0.0) for kind, k in want.items() if k)
+    assert b.wall_s == pytest.approx(lower_s + max(longest, compile_s / 32))
     assert b.share == pytest.approx(b.wall_s / (b.wall_s + 1000 * b.step_s)) and 0 < b.share < 1
-    # the passes priced by the FLOP model at ESTIMATE_MFU, as the trainer prices them by measurement
+    # the passes priced by the FLOP model at ESTIMATE_MFU, as the trainer prices them
     assert b.passes_s == pytest.approx(b.choice.chosen.step_s) and b.decode_s > 0
     assert ESTIMATE_MFU > 0 and any("compile share" in line for line in b.lines())
+
+
+def test_the_bill_prices_the_packed_passes_once(paper_run):
+    """With algorithm.packing the passes are a program per packed row count, once for every prompt bucket, and no
+    micro-batch moves: the rollouts' moves are the only ones."""
+    cfg, model, s, largest = paper_run
+    packed = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, packing=True))
+    results = [Result(p, 3.0, 0.0) for p in largest]
+    b = bill_lib.bill(packed, model, s, results, parse_target("v5p-8"), lengths=np.array([100, 300, 600, 900]))
+    rows = len(micro_lib.row_counts(cfg.algorithm.micro_batch_size, s.shards))
+    assert 1 <= len(b.choice.prompts) <= 2  # data.prompt_buckets=2 of the three buckets these prompts reach
+    assert (b.counts["score"], b.counts["reference"], b.counts["gradient"]) == (rows, rows, rows)
+    rollout = bill_lib.rollout_programs(packed, model, s.shards, b.choice.prompts, 1024)
+    assert b.counts["regroup"] == rollout["regroup"] and b.counts["segment"] == rollout["segment"]
+    assert b.programs < bill_lib.bill(cfg, model, s, results, parse_target("v5p-8"),
+                                      lengths=np.array([100, 300, 600, 900])).programs
 
 
 def test_the_decode_the_bill_prices_is_the_decode_loop(paper_run):
     cfg, _, s, _ = paper_run
     lengths = shapes_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, 0)
-    segments = engine.decode_segments(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards)
+    segments = engine.decode_segments(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards,
+                                      cfg.rollout.first_capacity)
     assert lengths.max() == cfg.rollout.max_new_tokens and sum(n for *_, n in segments) == lengths.max() - 1
     assert {(r, c) for r, c, _ in segments} <= {(r, c) for r in s.buckets for c in s.capacities}
     # every halving goes to the next bucket: the moves the set holds

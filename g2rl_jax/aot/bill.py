@@ -5,23 +5,25 @@ estimated run time (the last lines of `python -m g2rl_jax.plan --target SLICE --
     print("\n".join(b.lines()))
 
 A run compiles its whole set at its first step, on run.compile_threads threads (train/warmup.py,
-rollout/prewarm.py), and nothing after. The set, per prompt bucket: the rollout's prefill, first token and decode
-weights, a decode segment at each batch bucket x capacity, and the moves between them (a growth at each bucket and
-capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks and
-lengths); the score,
-reference and gradient programs at each micro-batch shape, with the small ones that move a micro-batch's rows in
-(twice: the step's batch, a mini-batch) and its results out (3, and 1 more with the reference pass); once per run:
-the optimizer's init and step, the advantages, and the method's own (`method_counts`: the EVOL embedder, a token
-rule and its moves); with run.eval_every the validation's rollout at its own sizes. The micro-batch shapes and the
-prompt buckets are those the trainer chooses on the target's device kind (train/shapes.choose_for: its price model,
-not the compile seconds measured here), from the training prompts' lengths when the tokenizer at model.path can
-encode them, else the worst case (every prompt in the bucket of data.max_prompt_tokens). Every program is priced at
-the seconds its kind's compiled program took here (the largest of each kind: an ESTIMATE for the smaller ones, which
-compile faster); the small moves at the cache growth's. The run: run.total_steps steps of long-tailed responses
-(shapes.long_tailed_lengths), each the score, reference and update passes over the chosen set's plans at
-ESTIMATE_MFU, and the decode loop's segments
-(engine.decode_segments) at the HBM bandwidth, every decode step reading the decode weights and the K/V of each
-row's prompt and capacity.
+rollout/prewarm.py), and nothing after. `program_counts` counts it without compiling (tests/test_program_count.py
+checks it against a jax.monitoring listener on a real run, for every method and with packed passes): the
+rollouts' programs (`rollout_keys`: per prompt bucket the prefill and first token, a decode segment at each batch
+bucket x capacity of the ladder from rollout.first_capacity, and the moves between them: a growth at each bucket
+and capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks
+and lengths; with run.eval_every validation's rollout too, each key once); the passes' (the score, reference and
+gradient programs at each micro-batch shape of each prompt bucket with the moves of a micro-batch's rows in and
+its results out, or with algorithm.packing a program per packed row count once, `packed_counts`); once per run the
+optimizer's init and step, the advantages and the method's own (`method_counts`); and the small ones by rule
+(`small_counts`). The micro-batch shapes and the prompt buckets (at most data.prompt_buckets) are those the trainer
+chooses on the target's device kind (train/shapes.choose_for: its price model, not the compile seconds measured
+here), from the training prompts' lengths when the tokenizer at model.path can encode them, else the worst case
+(every prompt in the bucket of data.max_prompt_tokens). Every program is priced at the seconds its kind's compiled
+program took here (the largest of each kind: an ESTIMATE for the smaller ones, which compile faster), a kind not
+compiled here by the price model (`model_seconds`), the small programs at a move's. The run: run.total_steps steps
+of long-tailed responses (shapes.long_tailed_lengths), each the score, reference and update passes at
+ESTIMATE_MFU (`passes_step_s`), and the decode loop's segments (engine.decode_segments) at the HBM bandwidth, every
+decode step reading the decode weights and the K/V of each row's capacity and of the prompts' prefix
+(`decode_step_s`). `python -m g2rl_jax.bench ladder` prices the rollout's options with the same functions.
 """
 from __future__ import annotations
 
@@ -59,6 +61,17 @@ def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
     return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 2)}
 
 
+def packed_counts(cfg: Config, shards: int, step_rows: int) -> dict[str, int]:
+    """Programs of the packed passes (algorithm.packing, train/packing.py), once per run whatever the prompt
+    buckets: the score, reference and gradient programs at each packed row count (micro, micro/2, ... down to the
+    batch shards); for a token rule, when a step has more than one update, the score program over a mini-batch's
+    rows too (the current policy's pass). No program moves rows in or out."""
+    algo = cfg.algorithm
+    n = len(micro_lib.row_counts(algo.micro_batch_size, shards))
+    rule = methods.get(algo.exploration).tokens is not None and algo.mini_batch_size != step_rows
+    return {"score": n * (1 + rule), "reference": n * (algo.kl_coef > 0), "gradient": n}
+
+
 def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> dict[str, int]:
     """Programs of the method's own (once per run): the EVOL embedder (Method.needs "embeddings"); for a token rule
     (Clip-Cov, KL-Cov, forking: methods.token_terms), the rule over a mini-batch and, when a step has more than one
@@ -67,7 +80,7 @@ def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> di
     algo = cfg.algorithm
     method = methods.get(algo.exploration)
     counts = {"embed": int("embeddings" in method.needs), "token_terms": int(method.tokens is not None)}
-    if method.tokens is not None and algo.mini_batch_size != step_rows:
+    if method.tokens is not None and algo.mini_batch_size != step_rows and not algo.packing:
         counts["regroup"] = len(shapes.shapes)
     return counts
 
@@ -118,7 +131,7 @@ class Bill:
             f"whole-run compile bill ({self.steps} steps, the first compiles the set on {self.threads} threads; "
             f"prompt buckets from {self.prompts_from}):",
             f"  the bounded set: {self.programs} programs ({kinds}; 'regroup': the cache moves and micro-batch row "
-            "moves, priced as a cache growth)",
+            "moves, 'small': the run's small programs, both priced as a cache growth)",
             f"  compile seconds: {self.lower_s + self.compile_s:,.0f} s one at a time (each priced at its kind's "
             f"largest program compiled above: an ESTIMATE for the rest), ~{self.wall_s:,.0f} s at the first step",
             f"  the run: {self.steps} x {self.step_s:,.1f} s (an ESTIMATE: score, reference and update "
@@ -139,9 +152,22 @@ def _by_kind(results) -> dict:
     return out
 
 
+def model_seconds(platform: str) -> dict[str, float]:
+    """Compile seconds of one program of each kind by train/shapes.py's price model, for a bill without compiling
+    (`bench ladder`): a score program's SCORE_COMPILE_S[platform], a gradient GRADIENT_COMPILE of it, every move
+    and small program MOVE_COMPILE of it, the rest (decode segments, prefill, ...) one."""
+    score = shapes_lib.SCORE_COMPILE_S.get(platform, shapes_lib.SCORE_COMPILE_S["tpu"])
+    out = {k: score for k in ("prefill", "start", "decode_layers", "segment", "score", "reference", "init",
+                              "advantages", "apply", "embed", "token_terms")}
+    out.update(gradient=shapes_lib.GRADIENT_COMPILE * score, regroup=shapes_lib.MOVE_COMPILE * score,
+               small=shapes_lib.MOVE_COMPILE * score)
+    return out
+
+
 def decode_seconds(cfg: Config, model, s: StepShapes, target, lengths_B, prompt_len: int) -> float:
     """Seconds of one rollout's decode loop at the HBM bandwidth: per decode step the decode weights (gathered over
-    fsdp) and each row's prompt and capacity of K/V, per chip."""
+    fsdp) and the K/V of each row's capacity and of the prompts' prefix (one per prompt until the first compaction
+    gives each row its own), per chip."""
     from g2rl_jax.memory import decode_weight_bytes, gathered_decode_weight_bytes, kv_token_bytes, resolve_mesh
     from g2rl_jax.memory import shards as mesh_shards
 
@@ -149,62 +175,97 @@ def decode_seconds(cfg: Config, model, s: StepShapes, target, lengths_B, prompt_
     weights = max(decode_weight_bytes(cfg, model, mesh), gathered_decode_weight_bytes(cfg, model, mesh))
     slot = model.num_hidden_layers * kv_token_bytes(cfg, model) / mesh_shards("kv_heads", mesh)
     total = 0.0
-    for rows, capacity, steps in engine.decode_segments(lengths_B, s.rows, cfg.rollout.max_new_tokens, s.shards):
-        total += steps * (weights + rows / s.shards * (prompt_len + capacity) * slot)
+    for rows, capacity, steps in engine.decode_segments(lengths_B, s.rows, cfg.rollout.max_new_tokens, s.shards,
+                                                        cfg.rollout.first_capacity):
+        prefixes = s.prompts if rows == s.rows else rows
+        total += steps * (weights + (prefixes * prompt_len + rows * capacity) / s.shards * slot)
     return total / (target.hbm_gbps * 1e9)
 
 
+def decode_step_s(cfg: Config, model, s: StepShapes, target, shares: dict[int, float], prompts: tuple[int, ...],
+                  draws: int = 1) -> float:
+    """Decode seconds of a long-tailed step (shapes.long_tailed_lengths, `draws` steps averaged), its prompts padded
+    to the smallest of the run's buckets `prompts` that holds the step's longest (`shares`: shapes.prompt_shares)."""
+    total = 0.0
+    for seed in range(draws):
+        lengths_B = shapes_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, seed)
+        total += sum(share * decode_seconds(cfg, model, s, target, lengths_B, shapes_lib.pad_prompt(b, prompts))
+                     for b, share in shares.items())
+    return total / draws
+
+
+def run_choice(cfg: Config, model, s: StepShapes, device: shapes_lib.Device, lengths) -> shapes_lib.Choice:
+    """The (micro-batch shape set, prompt buckets) the trainer chooses for `cfg` on `device` (train/warmup.py)."""
+    return shapes_lib.choose_for(cfg, model, device, lengths, micro=cfg.algorithm.micro_batch_size,
+                                 min_rows=s.shards, prompt_len=max(shapes_lib.prompt_shares(
+                                     lengths, cfg.data.prompts_per_step)), resp_len=s.new_tokens,
+                                 step_rows=s.step_rows, rollout=rollout_counts(s.buckets, s.capacities))
+
+
+def passes_step_s(cfg: Config, model, s: StepShapes, device: shapes_lib.Device, lengths,
+                  choice: shapes_lib.Choice) -> float:
+    """Seconds of a long-tailed step's score, reference and update passes: the chosen set's (train/shapes.py); the
+    packed passes pad neither prompts nor responses to a bucket, so they are priced as the finest candidate's (the
+    finest set at every prompt bucket, whatever data.prompt_buckets)."""
+    if cfg.algorithm.packing:
+        free = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prompt_buckets=0))
+        return min(e.step_s for e in run_choice(free, model, s, device, lengths).table)
+    return choice.chosen.step_s
+
+
+def param_shapes(cfg: Config, model) -> int:
+    """Distinct (shape, dtype) of the trainable parameters (the adapters' with LoRA), from an abstract policy."""
+    import jax
+    from flax import nnx
+
+    from g2rl_jax.aot.programs import lora_policy
+    from g2rl_jax.model import lora
+    from g2rl_jax.model.qwen3 import Qwen3
+    from g2rl_jax.train import setup
+
+    runtime = setup.runtime_config(cfg.model)
+    build = (lora_policy(model, runtime, None, cfg.model) if cfg.model.lora.rank
+             else lambda: Qwen3(model, runtime, rngs=nnx.Rngs(0), mesh=None))
+    state = nnx.state(nnx.eval_shape(build))
+    return len({(x.shape, str(x.dtype)) for x in jax.tree.leaves(lora.trainable(state))})
+
+
 def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bill:
-    """The bill of a run of `cfg` on `target` (module docstring), from the compiled programs' `results`
-    (report.Result; `--programs largest` suffices) and the training prompts' `lengths` (None: the worst case)."""
+    """The bill of a run of `cfg` on `target` (module docstring): the programs `program_counts` predicts (the same
+    count tests/test_program_count.py checks against a run), each priced at its kind's compiled program of
+    `results` (report.Result; `--programs largest` suffices; a kind not among them by `model_seconds`), and the
+    training prompts' `lengths` (None: the worst case)."""
     by_kind = _by_kind(results)
-    algo, kl = cfg.algorithm, cfg.algorithm.kl_coef > 0
     threads = cfg.run.compile_threads or HOST_THREADS
     prompts_from = "the training prompts' lengths" if lengths is not None else (
         f"the worst case, every prompt at data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if lengths is None:
         lengths = np.array([cfg.data.max_prompt_tokens])
     shares = shapes_lib.prompt_shares(lengths, cfg.data.prompts_per_step)
-    seconds = {k: r.seconds for k, r in by_kind.items()}
+    seconds = {**model_seconds(target.platform), **{k: r.seconds for k, r in by_kind.items()}}
+    seconds["small"] = seconds["regroup"]  # the small programs: priced as a move
     lower = {k: r.lower_seconds for k, r in by_kind.items()}
-    per_rollout = rollout_counts(s.buckets, s.capacities)
     device = shapes_lib.Device(target.platform, target.peak_tflops, target.chips)
-    choice = shapes_lib.choose_for(cfg, model, device, lengths, micro=algo.micro_batch_size, min_rows=s.shards,
-                                   prompt_len=max(shares), resp_len=s.new_tokens, step_rows=s.step_rows,
-                                   rollout=per_rollout)  # as the trainer chooses (train/warmup.py)
-    counts: dict[str, int] = {}
-    for part in [per_rollout, micro_counts(choice.shapes, kl)] * len(choice.prompts):
-        for k, n in part.items():
-            counts[k] = counts.get(k, 0) + n
-    for k, n in [(k, 1) for k in ("init", "advantages", "apply")] + list(method_counts(cfg, choice.shapes,
-                                                                                       s.step_rows).items()):
-        counts[k] = counts.get(k, 0) + n
-    if cfg.run.eval_every:
-        rows = s.prompts * cfg.data.eval_samples
-        budget = batching.new_tokens_bucket(cfg.data.eval_max_new_tokens)
-        evals = rollout_counts(engine.batch_buckets(rows, s.shards, cfg.data.eval_max_new_tokens),
-                               engine.capacity_ladder(budget))
-        for k, n in evals.items():
-            counts[k] = counts.get(k, 0) + n
+    choice = run_choice(cfg, model, s, device, lengths)
+    counts = program_counts(cfg, model, s.shards, choice, max(choice.prompts), param_shapes(cfg, model))
     compile_s = sum(n * (seconds.get(k, 0.0) - lower.get(k, 0.0)) for k, n in counts.items())
     lower_s = sum(n * lower.get(k, 0.0) for k, n in counts.items())
     longest = max((seconds.get(k, 0.0) - lower.get(k, 0.0) for k, n in counts.items() if n), default=0.0)
     wall = lower_s + max(longest, compile_s / threads)
-    chosen = choice.chosen
-    lengths_B = shapes_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, 0)
-    decode = sum(share * decode_seconds(cfg, model, s, target, lengths_B, shapes_lib.pad_prompt(b, choice.prompts))
-                 for b, share in shares.items())
+    passes = passes_step_s(cfg, model, s, device, lengths, choice)
+    decode = decode_step_s(cfg, model, s, target, shares, choice.prompts)
     return Bill(choice, counts, seconds, lower_s, compile_s, wall, threads, cfg.run.total_steps,
-                chosen.step_s + decode, chosen.step_s, decode, prompts_from)
+                passes + decode, passes, decode, prompts_from)
 
 
-def rollout_keys(prompts: int, prompt_len: int, samples: int, budget: int, shards: int, spec) -> set[tuple]:
+def rollout_keys(prompts: int, prompt_len: int, samples: int, budget: int, shards: int, spec,
+                 first_capacity: int = 0) -> set[tuple]:
     """The programs one `generate` shape compiles (rollout/generate.py, rollout/prewarm.py), each as a key that
     another rollout with the same shapes shares: prefill and first token, a segment at each batch bucket x capacity
     of the engine's ladder (its buckets from the budget itself, the ladder from its bucket), a growth at each bucket,
     and per compaction the live rows and a layer's prefix and suffix rows at each capacity."""
     T = batching.new_tokens_bucket(budget)
-    ladder, rows = engine.capacity_ladder(T), prompts * samples
+    ladder, rows = engine.capacity_ladder(T, first_capacity), prompts * samples
     buckets = engine.batch_buckets(rows, shards, budget)
     keys = {("prefill", prompts, prompt_len, samples, ladder[0]), ("start", prompts, samples, T, spec)}
     keys |= {("segment", r, c, prompt_len, rows, T, spec) for r in buckets for c in ladder}
@@ -215,6 +276,29 @@ def rollout_keys(prompts: int, prompt_len: int, samples: int, budget: int, shard
     return keys
 
 
+def rollout_programs(cfg: Config, model, shards: int, prompt_buckets: tuple[int, ...],
+                     eval_prompt_len: int) -> dict[str, int]:
+    """The rollouts' programs by kind ("regroup": the moves): training's at each prompt bucket and validation's,
+    shared where their keys are (rollout_keys), and the decode weights once."""
+    from g2rl_jax.rollout.sampling import spec_for
+
+    data, ro, vocab = cfg.data, cfg.rollout, model.vocab_size
+    prompts = -(-batching.bucket(data.prompts_per_step, 1) // shards) * shards
+    keys: set[tuple] = set()
+    train_spec = spec_for(ro.temperature, ro.top_p, ro.top_k or 0, vocab)
+    for prompt_len in prompt_buckets:
+        keys |= rollout_keys(prompts, prompt_len, ro.num_samples, ro.max_new_tokens, shards, train_spec,
+                             ro.first_capacity)
+    if cfg.run.eval_every and data.eval_datasets:
+        keys |= rollout_keys(prompts, eval_prompt_len, data.eval_samples, data.eval_max_new_tokens, shards,
+                             spec_for(data.eval_temperature, 1.0, 0, vocab), ro.first_capacity)
+    counts = {"decode_layers": 1}
+    for key in keys:
+        kind = "regroup" if key[0] in ("grow", "live_rows", "regroup") else key[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
 def small_counts(cfg: Config, step_rows: int, param_shapes: int) -> dict[str, int]:
     """The small programs a run compiles besides its set, by rule (the demo's, counted by a jax.monitoring listener,
     tests/test_program_count.py): set-up (the optimizer's count, the run's key and its placement, the KL reference's
@@ -223,40 +307,29 @@ def small_counts(cfg: Config, step_rows: int, param_shapes: int) -> dict[str, in
     mask), the update key (fold_in), the mini-batch row slices (one per dtype x shape of its fields, when a step has
     more than one), the step's and a mini-batch's response-token sums, the gradient accumulator's zeros (one per
     trainable shape, one more with a token rule's statistics), the learning rate, and the step's metrics (token sums,
-    two row-mean trees, the masked sums of a novelty method, the log-prob drift)."""
+    two row-mean trees, the masked sums of a novelty method, the log-prob drift); with packed passes and a token rule
+    over mini-batches, the zeros of the mini-batch score pass's per-token accumulators."""
     algo = cfg.algorithm
     method = methods.get(algo.exploration)
     kl_copy = int(algo.kl_coef > 0 and not cfg.model.lora.rank)
     minis = int(algo.mini_batch_size != step_rows)
     rule = int(method.tokens is not None)
     return {"small": (kl_copy + 3 + 4 + 1 + 2 + 3 + 2 + 2 + 4 * minis + 2 + param_shapes + rule + 1 + 1 + 2
-                      + int(method.novelty) + 1)}
+                      + int(method.novelty) + 1 + rule * minis * int(algo.packing))}
 
 
 def program_counts(cfg: Config, model, shards: int, choice: shapes_lib.Choice, eval_prompt_len: int,
                    param_shapes: int) -> dict[str, int]:
     """Every program a run of `cfg` compiles, by kind, without compiling any: the rollouts' (training, at each of
-    the choice's prompt buckets, and validation's, shared where their shapes are), the micro-batch set's at each
-    prompt bucket, the run's own (init, advantages, the optimizer step, the method's) and the small ones
-    (small_counts). shards: the batch shards of the mesh; param_shapes: distinct shapes of the trainable
-    parameters."""
-    from g2rl_jax.rollout.sampling import spec_for
-
-    data, ro, vocab = cfg.data, cfg.rollout, model.vocab_size
-    prompts = -(-batching.bucket(data.prompts_per_step, 1) // shards) * shards
-    step_rows = data.prompts_per_step * ro.num_samples
-    keys: set[tuple] = set()
-    train_spec = spec_for(ro.temperature, ro.top_p, ro.top_k or 0, vocab)
-    for prompt_len in choice.prompts:
-        keys |= rollout_keys(prompts, prompt_len, ro.num_samples, ro.max_new_tokens, shards, train_spec)
-    if cfg.run.eval_every and data.eval_datasets:
-        keys |= rollout_keys(prompts, eval_prompt_len, data.eval_samples, data.eval_max_new_tokens, shards,
-                             spec_for(data.eval_temperature, 1.0, 0, vocab))
-    counts = {"decode_layers": 1}
-    for key in keys:
-        kind = "regroup" if key[0] in ("grow", "live_rows", "regroup") else key[0]
-        counts[kind] = counts.get(kind, 0) + 1
-    for part in [micro_counts(choice.shapes, cfg.algorithm.kl_coef > 0)] * len(choice.prompts) + [
+    the choice's prompt buckets, and validation's, shared where their shapes are), the passes' (the micro-batch
+    set's at each prompt bucket, or with algorithm.packing the packed ones once), the run's own (init,
+    advantages, the optimizer step, the method's) and the small ones (small_counts). shards: the batch shards of
+    the mesh; param_shapes: distinct shapes of the trainable parameters."""
+    step_rows = cfg.data.prompts_per_step * cfg.rollout.num_samples
+    counts = rollout_programs(cfg, model, shards, choice.prompts, eval_prompt_len)
+    passes = ([packed_counts(cfg, shards, step_rows)] if cfg.algorithm.packing else
+              [micro_counts(choice.shapes, cfg.algorithm.kl_coef > 0)] * len(choice.prompts))
+    for part in passes + [
             {"init": 1, "advantages": 1, "apply": 1}, method_counts(cfg, choice.shapes, step_rows),
             small_counts(cfg, step_rows, param_shapes)]:
         for k, n in part.items():

@@ -164,7 +164,7 @@ def step_shapes(cfg: Config, mesh) -> StepShapes:
     return StepShapes(shards=shards, prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
                                                                   batching.MIN_PROMPT_BUCKET),
                       new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
-                      capacities=engine.capacity_ladder(t),
+                      capacities=engine.capacity_ladder(t, cfg.rollout.first_capacity),
                       buckets=engine.batch_buckets(prompts * m, shards, cfg.rollout.max_new_tokens),  # as generate
                       micro_rows=micro_lib.row_counts(cfg.algorithm.micro_batch_size, shards),
                       widths=micro_lib.width_ladder(t))

@@ -19,8 +19,10 @@ prompts can share a batch.
 The rungs are a trade: a rollout's bounded set is a segment per (batch bucket, capacity) and a move per step
 between neighbours, so the count falls with the square of the rung factor (at an 8k budget, 256 rows on 4 batch
 shards: rungs of 4 compile 4 x 4 segments and 27 moves instead of 7 x 7 and 90), while a step reads up to R x the
-slots its position needs and carries up to R x the live rows. At 1.7B on v5p-8 rungs of 4 cost +79% decode time
-by the HBM byte model (`bench ladder --rungs 2 --rungs 4`), far more than the compile they save, so both stay 2.
+slots its position needs and carries up to R x the live rows. At 1.7B on v5p-8, by the HBM byte model of `python
+-m g2rl_jax.bench ladder`, capacity rungs of 4 cost +30% decode time, batch rungs of 4 +33%, both +80%, far more
+than the compile they save, so both stay 2; a first capacity of 512 instead of 128 (rollout.first_capacity, the
+1.7B config's) cuts the ladder by two rungs for +0.7%.
 
 Per-sample determinism: token t of sample b (b = p*m + j in the global batch) is drawn with the key
 fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the draws do not depend on the batch
@@ -53,7 +55,7 @@ from g2rl_jax.rollout.batching import new_tokens_bucket
 from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
-FIRST_CAPACITY = 128  # suffix slots of the first segment (the budget's bucket when smaller)
+FIRST_CAPACITY = 128  # suffix slots of the first segment (the budget's bucket when smaller); rollout.first_capacity
 # A segment may end early to compact only while more than this many decode steps remain: a compaction (a gather per
 # layer, and one more segment executable per new batch bucket) cannot pay for itself over a few steps; short
 # budgets (the demo's 8 tokens) then decode in one segment, one batch bucket, one compiled shape.

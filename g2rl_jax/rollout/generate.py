@@ -84,7 +84,7 @@ def _active_mesh(mesh):
 
 def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, num_samples=1,
              stop_token_ids=(), seed=0, mesh=None, compile_threads: int = 0,
-             pad_to: tuple[int, int] | None = None) -> Rollout:
+             pad_to: tuple[int, int] | None = None, first_capacity: int = 0) -> Rollout:
     """Sample `num_samples` completions of each prompt (a list of token-id lists); see `Rollout`.
 
     temperature 0 is greedy; top_k 0 and top_p 1 are off. Raises ValueError on bad input (empty prompt,
@@ -93,6 +93,8 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     reach (rollout/prewarm.py), that many at a time (0: each when the loop first meets it); the samples are the same.
     pad_to=(P, S): at least P prompts (over all processes) of S tokens, and responses at the budget's full width
     (`batching.new_tokens_bucket(max_new_tokens)`), so that every call of a run has the same shapes.
+    first_capacity: KV slots of the first decode segment (engine.capacity_ladder; rollout.first_capacity; 0:
+    engine.FIRST_CAPACITY).
     """
     cfg = model.config
     prompts = batching.validate(
@@ -109,7 +111,7 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
         outs = _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=len(prompts),
                           num_samples=num_samples, temperature=temperature, top_p=top_p,
                           stop_token_ids=stop_token_ids, seed=seed, max_new_tokens=max_new_tokens,
-                          compile_threads=compile_threads)
+                          compile_threads=compile_threads, first_capacity=first_capacity)
     outs, decode_steps, segments = outs  # decode_steps: the longest completion over the global batch (every process)
     B = len(prompts) * num_samples
     rows = slice(0, B) if not _spans_processes(mesh) else parallel.process_rows(mesh, B)
@@ -125,7 +127,8 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
 
 
 def warm(model, *, num_prompts: int, prompt_len: int, max_new_tokens: int, temperature=1.0, top_p=1.0, top_k=0,
-         num_samples=1, stop_token_ids=(), mesh=None, compile_threads: int = 1) -> None:
+         num_samples=1, stop_token_ids=(), mesh=None, compile_threads: int = 1,
+         first_capacity: int = 0) -> None:
     """Compile what `generate(..., pad_to=(num_prompts, prompt_len))` with these settings runs (its prefill, first
     token and decode weights, run once on dummy prompts, and every program its decode loop can reach), without
     decoding anything: a run warms up a rollout it will only make later (validation, after a resume)."""
@@ -137,7 +140,8 @@ def warm(model, *, num_prompts: int, prompt_len: int, max_new_tokens: int, tempe
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         _on_device(model, mesh, ids_PxS, mask_PxS, sizes, spec, num_real_prompts=sizes.num_prompts,
                    num_samples=num_samples, temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids,
-                   seed=0, max_new_tokens=max_new_tokens, compile_threads=compile_threads, warm_only=True)
+                   seed=0, max_new_tokens=max_new_tokens, compile_threads=compile_threads, warm_only=True,
+                   first_capacity=first_capacity)
 
 
 def _spans_processes(mesh) -> bool:
@@ -160,7 +164,8 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
 
 
 def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *, num_real_prompts, num_samples,
-               temperature, top_p, stop_token_ids, seed, max_new_tokens, compile_threads, warm_only=False):
+               temperature, top_p, stop_token_ids, seed, max_new_tokens, compile_threads, warm_only=False,
+               first_capacity: int = 0):
     """Place parameters and prompts on `mesh`, prefill once, compile what the decode loop can reach
     (rollout/prewarm.py), decode segment by segment (see engine.py): (tokens [B, T], log-probs [B, T], lengths [B])
     as device arrays, the decode steps taken and the segments' (rows, capacity). warm_only: stop before the
@@ -171,7 +176,7 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     if mesh is not None:  # a no-op (zero-copy) when the parameters already sit on these shardings
         state = parallel.place(state, parallel.state_shardings(state, mesh))
         ids_PxS, mask_PxS = jax.device_put((ids_PxS, mask_PxS), engine.batch_sharding(mesh, 2))
-    ladder = engine.capacity_ladder(sizes.new_tokens)
+    ladder = engine.capacity_ladder(sizes.new_tokens, first_capacity)
     logits_PxV, prefix, suffix = engine.prefill_fn(mesh, G, L)(
         graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, capacity=ladder[0])
     key, temp, top_p, stops = (jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p),

@@ -73,7 +73,7 @@ class SamplingRounds:
                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                top_k=cfg.rollout.top_k or 0, num_samples=m, stop_token_ids=self.stop_ids,
                                seed=self._step_seed(step, round_, block), mesh=self.rollout_mesh,
-                               compile_threads=self.warmup.threads,
+                               compile_threads=self.warmup.threads, first_capacity=cfg.rollout.first_capacity,
                                pad_to=(cfg.data.prompts_per_step // blocks, self.warmup.prompt_len(longest)))
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -139,6 +139,7 @@ class SamplingRounds:
                                        temperature=cfg.eval_temperature, num_samples=cfg.eval_samples,
                                        stop_token_ids=self.stop_ids, seed=self.cfg.run.seed + start, mesh=self.mesh,
                                        compile_threads=self.warmup.threads,
+                                       first_capacity=self.cfg.rollout.first_capacity,
                                        pad_to=(cfg.prompts_per_step, self.eval_prompt_len))
                     texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
                     rows = [ex.as_row() for ex in local for _ in range(cfg.eval_samples)]
@@ -165,7 +166,8 @@ class SamplingRounds:
                          prompt_len=prompt_len,
                          max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k or 0, num_samples=cfg.rollout.num_samples,
-                         stop_token_ids=self.stop_ids, mesh=self.rollout_mesh, compile_threads=self.warmup.threads)
+                         stop_token_ids=self.stop_ids, mesh=self.rollout_mesh, compile_threads=self.warmup.threads,
+                         first_capacity=cfg.rollout.first_capacity)
 
     def warm_validation(self) -> None:
         """Compile the validation's rollout (generate.warm) without running it: a resumed run validates first after
@@ -175,7 +177,7 @@ class SamplingRounds:
             warm(self.model, num_prompts=cfg.prompts_per_step, prompt_len=self.eval_prompt_len,
                  max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature,
                  num_samples=cfg.eval_samples, stop_token_ids=self.stop_ids, mesh=self.mesh,
-                 compile_threads=self.warmup.threads)
+                 compile_threads=self.warmup.threads, first_capacity=self.cfg.rollout.first_capacity)
 
     def _stop_requested(self) -> bool:
         """Whether a SIGTERM asked to stop; every process agrees (any process's request stops them all)."""

@@ -13,14 +13,15 @@ padding computed, train/micro.py), fewer compile faster. The candidates cross
     rows:   "all" every halving of micro (micro.row_counts); "sparse" every other one (micro, micro/4, ...);
             "tokens" per width w one row count r(w), the most rows with r(w) x (S + w) <= micro x (S + T/8), and
             r(w)/4 (long rows come few at a time, so they get fewer rows per micro-batch); "single" r(w) alone
-with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest,
-and each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket
-the training prompts reach alone, then with each smaller one in turn. `choose` takes the pair of least estimated
-run time: the compile seconds of its programs spread over the compile threads, plus run.total_steps times the
-seconds a step computes, averaged over the buckets steps' longest prompts fall in (`prompt_shares`, from the
-training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost summed over the plans
-train/micro.py cuts) over response lengths drawn long-tailed (exponential with mean budget / 4, capped at the
-budget, the longest at it: `bench update --long-tail`'s), priced per unit.
+with the prompt buckets: a step's prompts are left-padded to a bucket (a power of two) that holds its longest, and
+each bucket is a copy of all of a step's programs, the rollout's too; the candidates are the largest bucket the
+training prompts reach alone, then with each smaller one in turn, at most data.prompt_buckets (with
+algorithm.packing the passes' programs are one set for every bucket, the rollout's a copy per bucket). `choose`
+takes the pair of least estimated run time: the compile seconds of its programs spread over the compile threads,
+plus run.total_steps times the seconds a step computes, averaged over the buckets steps' longest prompts fall in
+(`prompt_shares`, from the training prompts' lengths). A step's compute is each kind's cost units (micro.micro_cost
+summed over the plans train/micro.py cuts) over response lengths drawn long-tailed (exponential with mean budget /
+4, capped at the budget, the longest at it: `bench update --long-tail`'s), priced per unit.
 
 The prices come from a model, never from a clock, so two runs of one config on one kind of device choose the same
 set whatever else the machine is doing (`model_prices`): a pass's compute is its FLOPs (bench/update.train_flops)
@@ -196,10 +197,11 @@ def prompt_shares(lengths, prompts_per_step: int) -> dict[int, float]:
     return {b: float(p - q) for b, p, q in zip(buckets, below, [0.0, *below[:-1]]) if p > q}
 
 
-def prompt_sets(shares: dict[int, float]) -> list[tuple[int, ...]]:
-    """Candidate prompt buckets of a run: the largest alone, then with each next smaller bucket steps fall in."""
+def prompt_sets(shares: dict[int, float], most: int = 0) -> list[tuple[int, ...]]:
+    """Candidate prompt buckets of a run: the largest alone, then with each next smaller bucket steps fall in, at
+    most `most` buckets (data.prompt_buckets; 0: no limit)."""
     buckets = sorted(shares, reverse=True)
-    return [tuple(sorted(buckets[:i])) for i in range(1, len(buckets) + 1)]
+    return [tuple(sorted(buckets[:i])) for i in range(1, min(len(buckets), most or len(buckets)) + 1)]
 
 
 def pad_prompt(bucket_: int, prompts: tuple[int, ...]) -> int:
@@ -247,19 +249,22 @@ class Choice:
 
 def choose(sets: dict[str, micro_lib.ShapeSet], loads: dict[int, dict[str, dict[str, float]]],
            shares: dict[int, float], prices: Prices, *, rollout: tuple[int, float], steps: int,
-           threads: int) -> Choice:
+           threads: int, most_prompts: int = 0, packed: bool = False) -> Choice:
     """The (micro-batch shape set, prompt buckets) of least estimated run time (module docstring); ties go to the
     fewer programs. loads: step_load at each prompt bucket; shares: prompt_shares; rollout: the programs and the
-    compile seconds of one prompt bucket's rollout (train/warmup.py measures them on the first rollout)."""
+    compile seconds of one prompt bucket's rollout (aot/bill.rollout_counts priced by rollout_price);
+    most_prompts: data.prompt_buckets; packed: the passes' programs are compiled once, not per prompt bucket
+    (algorithm.packing)."""
     kinds = prices.compile_s.keys()
     table = []
-    for prompts in prompt_sets(shares):
+    for prompts in prompt_sets(shares, most_prompts):
+        copies = 1 if packed else len(prompts)
         for name, shapes in sets.items():
             n = len(shapes.shapes)
-            compile_s = len(prompts) * (n * sum(prices.compile_s.values()) + rollout[1]) / max(threads, 1)
+            compile_s = (copies * n * sum(prices.compile_s.values()) + len(prompts) * rollout[1]) / max(threads, 1)
             step_s = sum(share * sum(loads[pad_prompt(b, prompts)][name]["gradient" if k == "gradient" else "score"]
                                      * prices.unit_s[k] for k in kinds) for b, share in shares.items())
-            programs = len(prompts) * (n * len(kinds) + rollout[0])
+            programs = copies * n * len(kinds) + len(prompts) * rollout[0]
             table.append(Estimate(name, prompts, n, programs, compile_s, step_s, compile_s + steps * step_s))
     best = min(table, key=lambda e: (e.run_s, e.programs))
     return Choice(sets[best.name], best.prompts, tuple(table))
@@ -282,4 +287,4 @@ def choose_for(cfg, model, device: Device, prompt_lengths, *, micro: int, min_ro
                               remat=cfg.model.remat != "none")
     threads = cfg.run.compile_threads or MODEL_THREADS.get(device.platform, MODEL_THREADS["tpu"])
     return choose(sets, loads, shares, prices, rollout=rollout_price(rollout, prices), steps=cfg.run.total_steps,
-                  threads=threads)
+                  threads=threads, most_prompts=cfg.data.prompt_buckets, packed=algo.packing)
