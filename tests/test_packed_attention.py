@@ -1,0 +1,92 @@
+"""The blocked attention of packed rows (model/packed_attention.py) against a float64 NumPy transcription of masked
+segment attention: outputs at real tokens and the gradients of q, k and v, with rows of several sequences, tail
+padding, an empty row, a sequence spanning many blocks and a width that is not a multiple of the block."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from g2rl_jax.model import attention, packed_attention
+
+
+def _segments(rng, B: int, L: int):
+    """Packed rows [B, L]: contiguous runs of distinct ids >= 1 (one run of L/2 or more in row 0), a padded tail,
+    the last row empty."""
+    seg = np.zeros((B, L), np.int32)
+    next_id = 1
+    for b in range(B - 1):
+        col = 0
+        while True:
+            n = int(L * 0.6) if (b == 0 and col == 0) else int(rng.integers(1, L // 3))
+            if col + n > L - 2:
+                break
+            seg[b, col:col + n] = next_id
+            next_id, col = next_id + 1, col + n
+    return seg
+
+
+def _np_attention(q, k, v, seg, d_out):
+    """Float64 masked segment attention (query i sees key j iff j <= i and seg_j == seg_i != 0; rows of padding
+    queries give 0) and its gradients for the cotangent d_out: (out, dq, dk, dv)."""
+    q, k, v, d_out = (x.astype(np.float64) for x in (q, k, v, d_out))
+    B, L, H, K = q.shape
+    G = k.shape[2]
+    out, dq, dk, dv = np.zeros_like(q), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    causal = np.tril(np.ones((L, L), bool))
+    for b in range(B):
+        allowed = causal & (seg[b][:, None] == seg[b][None, :]) & (seg[b][:, None] > 0)
+        for h in range(H):
+            g = h // (H // G)
+            s = q[b, :, h] @ k[b, :, g].T / np.sqrt(K)
+            s = np.where(allowed, s, -np.inf)
+            m = np.max(s, axis=1, keepdims=True)
+            e = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
+            p = e / np.maximum(e.sum(axis=1, keepdims=True), 1e-300)
+            out[b, :, h] = p @ v[b, :, g]
+            dp = d_out[b, :, h] @ v[b, :, g].T
+            ds = p * (dp - np.sum(dp * p, axis=1, keepdims=True))
+            dq[b, :, h] = ds @ k[b, :, g] / np.sqrt(K)
+            dk[b, :, g] += ds.T @ q[b, :, h] / np.sqrt(K)
+            dv[b, :, g] += p.T @ d_out[b, :, h]
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("L,block", [(45, 8), (64, 16)])
+def test_blocked_attention_equals_a_float64_transcription(L, block):
+    rng = np.random.default_rng(L)
+    B, H, G, K = 4, 4, 2, 8
+    seg = _segments(rng, B, L)
+    q, k, v = (rng.standard_normal((B, L, n, K)).astype(np.float32) for n in (H, G, G))
+    d_out = rng.standard_normal((B, L, H, K)).astype(np.float32) * (seg > 0)[:, :, None, None]  # real queries only
+    want, dq, dk, dv = _np_attention(q, k, v, seg, d_out)
+
+    def loss(q, k, v):
+        out = attention.attention(q, k, v, jnp.asarray(seg), "xla", block=block)
+        return jnp.sum(out * d_out), out
+
+    (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    real = seg > 0
+    np.testing.assert_allclose(np.asarray(got)[real], want[real], atol=2e-5, rtol=2e-5)
+    assert np.all(np.isfinite(np.asarray(got)))
+    for name, g, w in zip("qkv", grads, (dq, dk, dv)):
+        np.testing.assert_allclose(np.asarray(g), w, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
+    dense = attention.xla(q, k, v, jnp.asarray(seg))  # the dense path agrees at real tokens
+    np.testing.assert_allclose(np.asarray(dense)[real], np.asarray(got)[real], atol=2e-5, rtol=2e-5)
+
+
+def test_windows_cover_each_query_blocks_band():
+    assert packed_attention.windows(1) == (1,)
+    assert packed_attention.windows(9) == (1, 2, 4, 8, 9)
+    assert packed_attention.windows(8) == (1, 2, 4, 8)
+    seg = np.array([[1] * 20 + [2] * 3 + [3] * 9 + [0] * 8])  # 40 columns, blocks of 8: 5 blocks
+    start = np.asarray(packed_attention.run_starts(jnp.asarray(seg)))[0]
+    assert start[19] == 0 and start[20] == 20 and start[23] == 23 and start[35] == 35  # padding starts its own
+    cls = np.asarray(packed_attention.window_class(jnp.asarray(start.reshape(5, 8)), 8, 5))
+    # block 2 (cols 16-23) reaches back to column 0: 3 blocks -> window 4; block 3 (24-31) to column 23 (run 3):
+    # 2 blocks; block 4 (32-39) is padding: itself
+    assert [packed_attention.windows(5)[c] for c in cls] == [1, 2, 4, 2, 1]
+    computed, needed = packed_attention.pair_counts(seg, 8)
+    assert computed == (1 + 2 + 4 + 2 + 1) * 64
+    assert needed == 20 * 21 // 2 + 3 * 4 // 2 + 9 * 10 // 2
