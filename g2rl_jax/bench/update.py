@@ -25,7 +25,8 @@ the dense segment mask (attention.xla); overhead= sets the plan's per-micro-batc
 "padding" (share of the positions computed that hold no token) and "attn work" (query-key pairs the attention
 scores over the pairs the response and prompt tokens need, causally within their own sequence; xla scores the full
 square of a row, the blocked path its windows).
---plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything.
+--plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything;
+--padding-only the packed layout's padding and attention work over 8 draws (bench/update_padding.py).
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
 tokens * L * heads * head_dim * layers (full-square attention, as `forward`): "MFU" counts every position of the
 padded [rows, L] batch, "resp MFU" only the response tokens (each over its whole sequence S + its length).
@@ -44,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import cli
+from g2rl_jax.bench import update_padding
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, packed_attention
 from g2rl_jax.train import micro as micro_lib
@@ -75,6 +77,12 @@ def _args(argv):
     p.add_argument("--plan-only", action="store_true",
                    help="print each variant's micro-batch widths and the FLOP model's figures; build and run nothing")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (e.g. 989: H100 bf16)")
+    p.add_argument("--padding-only", action="store_true",
+                   help="print the packed variants' padding, attention work and compute off the tokens over 8 "
+                        "long-tailed draws (bench/update_padding.py); build and run nothing")
+    p.add_argument("--prompts-up-to", type=int, default=0,
+                   help="--padding-only: prompts uniform in [P/2, P] in the --prompt-len bucket (0: P = --prompt-len)")
+    p.add_argument("--row-shards", type=int, default=1, help="--padding-only: the smallest packed row count")
     args = p.parse_args(argv)
     for text in args.variant:
         try:
@@ -250,6 +258,11 @@ def _name(v: dict) -> str:
 
 def _main(a: argparse.Namespace) -> int:
     cfg = PRESETS[a.preset] if a.preset else _small(a.hidden, a.layers, a.vocab)
+    if a.padding_only:
+        print("\n".join(update_padding.report(cfg, [parse_variant(t, a.rows) for t in a.variant], rows=a.rows,
+                                              prompt_len=a.prompt_len, prompt_up_to=a.prompts_up_to or a.prompt_len,
+                                              budget=a.response_len, row_shards=a.row_shards)))
+        return 0
     length = a.prompt_len + a.response_len
     batches = {"": np.full(a.rows, a.response_len)}
     if a.long_tail:
