@@ -10,8 +10,9 @@ tokens), one after the other into rows of W = (largest prompt bucket) + (respons
 longest first, at most `slots` sequences a row): every row has the same width whatever the step's lengths and
 prompt bucket, so a pass compiles once per row count of `PackShape.rows` (micro, micro/2, ... down to the row
 shards), and only a row's tail is padding. A token attends to the causal tokens of its own sequence only (segment
-ids, model.attention; on the xla backend block-sparse, PackShape.block: model/packed_attention.py) and sits at its position in its own sequence, so each sequence computes what it computes
-alone (tests/test_packing.py: equal to the unpacked pass within float tolerance).
+ids, model.attention; on the xla backend block-sparse, PackShape.block: model/packed_attention.py) and sits at its
+position in its own sequence, so each sequence computes what it computes alone (tests/test_packing.py: equal to the
+unpacked pass within float tolerance).
 
 Per-token results are gathered back to the [B, T] layout of a Batch on device (`unpack`), inside each pass's
 program: the losses, the advantages and every per-row sum then run on the usual layout, over the same tokens.
