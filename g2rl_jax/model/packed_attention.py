@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 BLOCK = 64  # query / key block of the packed path (columns)
 _NEG = -1e30  # finite "minus infinity", as attention.xla's
@@ -102,8 +103,6 @@ def blocked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segments_BxL, *, block: int = BLOCK
 def pair_counts(segments_BxL, block: int) -> tuple[int, int]:
     """(query-key pairs the blocked path scores, pairs a query of a real token needs: its own sequence's causal
     keys) of packed rows (host NumPy-compatible ints): how much of its attention work is spent off the sequences."""
-    import numpy as np
-
     seg = np.asarray(segments_BxL, np.int64)
     B, L = seg.shape
     n = -(-L // block)
