@@ -110,3 +110,18 @@ def test_padding_report_counts_the_packed_plan():
         assert f["positions"] % 272 == 0 and f["useful"] < f["total"]
     assert dense["computed"] == dense["positions"] * 272
     assert f["needed"] < blocked["computed"] < dense["computed"] / 2
+
+
+def test_blocked_attention_on_a_mesh_runs_per_shard():
+    """On a (data, fsdp, tensor) = (2, 2, 2) mesh of CPU devices the blocked path runs per shard (rows over data x
+    fsdp, heads over tensor) and gives the single-device result."""
+    from g2rl_jax.config import MeshConfig
+    from g2rl_jax.parallel import make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    rng = np.random.default_rng(7)
+    seg = _segments(rng, 4, 40)
+    q, k, v = (rng.standard_normal((4, 40, n, 8)).astype(np.float32) for n in (4, 2, 2))
+    want = attention.attention(q, k, v, jnp.asarray(seg), "xla", block=8)
+    got = jax.jit(lambda *a: attention.attention(*a, "xla", mesh, 8))(q, k, v, jnp.asarray(seg))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
