@@ -80,14 +80,14 @@ def test_packed_logprobs_equal_the_unpacked_pass(model):
                              group_size=4)
     (want_BxT,), () = train_step._ref_micro(graphdef, params, batch, temperature=0.7, chunk=8)
     want_BxT = np.asarray(want_BxT) * resp
-    for width in (24, 40, 96):
+    for width, block in ((24, 0), (40, 8), (96, 16), (96, 0)):  # dense attention (0) or blocked
         plan = packing.pack(p_B, r_B, width)
         p = packing.packed_inputs(ids, attn, resp, plan)
         assert plan.rows < 8 or width == 24, plan.rows  # several sequences per row
         logp_RxW = packing.packed_token_logprobs(graphdef, params, p.ids_RxW, p.segments_RxW, p.positions_RxW,
-                                                 p.targets_RxC, temperature=0.7, chunk=8)
+                                                 p.targets_RxC, temperature=0.7, chunk=8, block=block)
         got_BxT = np.asarray(packing.unpack(logp_RxW, p.source_BxT, p.valid_BxT))
-        np.testing.assert_allclose(got_BxT, want_BxT, atol=2e-5, rtol=2e-5, err_msg=f"width {width}")
+        np.testing.assert_allclose(got_BxT, want_BxT, atol=2e-5, rtol=2e-5, err_msg=f"width {width} block {block}")
         assert np.all(got_BxT[resp == 0] == 0) and np.all(got_BxT[resp > 0] < 0)
 
 
@@ -120,8 +120,9 @@ def test_packed_phi_equals_a_float64_transcription():
     np.testing.assert_allclose(np.asarray(phi), _np_phi(h, w, y, alpha, slots_RxW, K, 0.7), atol=1e-4, rtol=1e-4)
 
 
-SHAPES = (packing.PackShape(40, (4, 1), 3, head=16), packing.PackShape(24, (2,), 16))  # outputs at the response
-# positions only (head: at most T of them a row), or at all W; several sequences a row, or one or two
+SHAPES = (packing.PackShape(40, (4, 1), 3, head=16, block=8), packing.PackShape(24, (2,), 16, block=0))  # outputs
+# at the response positions only (head: at most T of them a row), or at all W; several sequences a row, or one or
+# two; the blocked attention (blocks of 8: five a row) or the dense mask
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def _device_batch(b=8, seed=0):
                             group_size=4)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["rows40", "rows24"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["rows40-blocked", "rows24-dense"])
 def test_packed_score_and_reference_equal_the_unpacked_passes(split, shape):
     """Log-probs, entropies and Φ of every response (Φ a per-response sum, accumulated per packed sequence) equal
     the unpacked scoring pass over the whole padded batch, and the reference log-probs its reference pass."""

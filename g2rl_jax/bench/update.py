@@ -12,15 +12,21 @@ term on. Without --long-tail every response token is real. With --long-tail the 
 (exponential with mean --response-len / 4, capped at --response-len, one row at the cap) and every variant also
 runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
 still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
-(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=) builds its own model and runs one
-compiling update per mini-batch, one untimed (the params that the first update returns compile once more), then
---iters timed ones, alternating between the long-tailed and the equal mini-batch; all variants run side by side in
-one process. layout=grouped (default) is the trainer's length-grouped micro-batches; layout=padded runs every
-micro-batch at the full width (before grouping); layout=packed packs whole sequences into rows of
-prompt + response width (train/packing.py, the trainer's algorithm.packing: micro-batches of micro, micro/2, ...
-packed rows; its widths column reads rows x packed width); overhead= sets the plan's per-micro-batch cost in rows
-(train.micro.OVERHEAD_ROWS) for that variant.
---plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything.
+(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=, block=) builds its own model; then
+every variant runs one compiling update per mini-batch, one untimed (the params that the first update returns
+compile once more), then --iters timed ones, round after round: each round runs every variant on every mini-batch,
+so machine load hits all variants alike; a row's time is the median of its rounds. layout=grouped (default) is the
+trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping);
+layout=packed packs whole sequences into rows of prompt + response width (train/packing.py, the trainer's
+algorithm.packing: micro-batches of micro, micro/2, ... packed rows; its widths column reads rows x packed width),
+with block=N the blocked packed attention of N-column blocks (model/packed_attention.py; the default) or block=0
+the dense segment mask (attention.xla); overhead= sets the plan's per-micro-batch cost in rows
+(train.micro.OVERHEAD_ROWS) for that variant. Columns "µs/resp token" (update seconds per response token trained),
+"padding" (share of the positions computed that hold no token) and "attn work" (query-key pairs the attention
+scores over the pairs the response and prompt tokens need, causally within their own sequence; xla scores the full
+square of a row, the blocked path its windows).
+--plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything;
+--padding-only the packed layout's padding and attention work over 8 draws (bench/update_padding.py).
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
 tokens * L * heads * head_dim * layers (full-square attention, as `forward`): "MFU" counts every position of the
 padded [rows, L] batch, "resp MFU" only the response tokens (each over its whole sequence S + its length).
@@ -39,14 +45,16 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import cli
+from g2rl_jax.bench import update_padding
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
-from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
+from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, packed_attention
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import packing, passes
 from g2rl_jax.train import step as train_step
 
-_KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float}
+_KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float,
+         "block": int}
 LAYOUTS = ("grouped", "padded", "packed")
 
 
@@ -69,6 +77,12 @@ def _args(argv):
     p.add_argument("--plan-only", action="store_true",
                    help="print each variant's micro-batch widths and the FLOP model's figures; build and run nothing")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (e.g. 989: H100 bf16)")
+    p.add_argument("--padding-only", action="store_true",
+                   help="print the packed variants' padding, attention work and compute off the tokens over 8 "
+                        "long-tailed draws (bench/update_padding.py); build and run nothing")
+    p.add_argument("--prompts-up-to", type=int, default=0,
+                   help="--padding-only: prompts uniform in [P/2, P] in the --prompt-len bucket (0: P = --prompt-len)")
+    p.add_argument("--row-shards", type=int, default=1, help="--padding-only: the smallest packed row count")
     args = p.parse_args(argv)
     for text in args.variant:
         try:
@@ -81,7 +95,7 @@ def _args(argv):
 def parse_variant(text: str, rows: int) -> dict:
     """'remat=dots,micro=8' -> {remat, micro, param_dtype, attention}, with defaults for what it leaves out."""
     out = {"remat": "full", "micro": max(1, rows // 2), "param_dtype": "float32", "attention": "xla",
-           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS)}
+           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS), "block": packed_attention.BLOCK}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in _KEYS:
@@ -139,28 +153,43 @@ def response_flops(cfg: Qwen3Config, prompt_len: int, lengths) -> float:
     return sum(train_flops(cfg, 1, prompt_len + int(r), tokens=int(r)) for r in lengths)
 
 
-def run_variant(cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch], iters: int) -> list[tuple[float, float]]:
-    """[(compile + first call seconds, median warm seconds)] of one optimizer update under variant v per mini-batch;
-    the timed updates alternate between the mini-batches, so machine noise hits all of them alike."""
-    rt = RuntimeConfig(param_dtype=v["param_dtype"], compute_dtype="bfloat16", remat=v["remat"],
-                       attention=v["attention"])
-    graphdef, params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
-    optimizer = train_optim.make_optimizer(OptimConfig(), total_updates=1000)
-    opt_state = train_optim.init_optimizer(optimizer, params)
-    settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
-    times = [[] for _ in minis]
-    for _ in range(iters + 2):  # round 1 compiles; round 2 recompiles once for the params apply_gradients returns
-        for mini, t in zip(minis, times):
-            start = time.perf_counter()
-            params, opt_state, info = passes.update(graphdef, params, opt_state, mini, optimizer=optimizer,
-                                                    settings=settings, micro=v["micro"], shapes=_layout(v, mini),
-                                                    padded=v["layout"] == "padded")
-            jax.block_until_ready(info["loss"])
-            t.append(time.perf_counter() - start)
-            assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
-    del params, opt_state
+class Runner:
+    """One variant's model, optimizer and mini-batches: each call runs one optimizer update on mini-batch k and
+    returns its seconds."""
+
+    def __init__(self, cfg: Qwen3Config, v: dict, minis: list[train_step.MiniBatch]):
+        rt = RuntimeConfig(param_dtype=v["param_dtype"], compute_dtype="bfloat16", remat=v["remat"],
+                           attention=v["attention"])
+        self.v, self.minis = v, minis
+        self.graphdef, self.params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
+        self.optimizer = train_optim.make_optimizer(OptimConfig(), total_updates=1000)
+        self.opt_state = train_optim.init_optimizer(self.optimizer, self.params)
+        self.settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
+
+    def __call__(self, k: int) -> float:
+        v, mini = self.v, self.minis[k]
+        micro_lib.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (main restores it)
+        start = time.perf_counter()
+        self.params, self.opt_state, info = passes.update(
+            self.graphdef, self.params, self.opt_state, mini, optimizer=self.optimizer, settings=self.settings,
+            micro=v["micro"], shapes=_layout(v, mini), padded=v["layout"] == "padded")
+        jax.block_until_ready(info["loss"])
+        seconds = time.perf_counter() - start
+        assert int(info["skipped"]) == 0 and np.isfinite(float(info["loss"])), info
+        return seconds
+
+
+def run_variants(runners: list[Runner], iters: int) -> list[list[tuple[float, float]]]:
+    """Per runner, per mini-batch: (compile + first call seconds, median warm seconds). Round 1 compiles, round 2
+    recompiles once for the params apply_gradients returns, then `iters` timed rounds; each round runs every runner
+    on every mini-batch in turn (interleaved, so machine noise hits all of them alike)."""
+    times = [[[] for _ in r.minis] for r in runners]
+    for _ in range(iters + 2):
+        for r, per_mini in zip(runners, times):
+            for k, t in enumerate(per_mini):
+                t.append(r(k))
     gc.collect()
-    return [(t[0], statistics.median(t[2:])) for t in times]
+    return [[(t[0], statistics.median(t[2:])) for t in per_mini] for per_mini in times]
 
 
 def _layout(v: dict, mini: train_step.MiniBatch):
@@ -169,7 +198,7 @@ def _layout(v: dict, mini: train_step.MiniBatch):
     if v["layout"] != "packed":
         return None
     t = mini.batch.response_mask.shape[1]
-    return packing.PackShape.of(v["micro"], 1, prompt_len=mini.batch.prompt_len, resp_len=t)
+    return packing.PackShape.of(v["micro"], 1, prompt_len=mini.batch.prompt_len, resp_len=t, block=v["block"])
 
 
 def _shapes(plan) -> str:
@@ -184,7 +213,7 @@ def _plan(v: dict, lengths, rows: int, prompt_len: int, response_len: int):
     mask = np.arange(response_len)[None] < lengths[:, None]
     attn = np.concatenate([np.ones((rows, prompt_len), bool), mask], axis=1)
     if v["layout"] == "packed":
-        shape = packing.PackShape.of(v["micro"], 1, prompt_len=prompt_len, resp_len=response_len)
+        shape = packing.PackShape.of(v["micro"], 1, prompt_len=prompt_len, resp_len=response_len, block=v["block"])
         return packing.plan_packed(np.ones_like(attn, np.int32), attn, mask, shape)
     return micro_lib.plan_micro(mask, v["micro"], attn, padded=v["layout"] == "padded")
 
@@ -195,11 +224,24 @@ def _plan_flops(cfg, plan, prompt_len: int) -> float:
     return sum(train_flops(cfg, len(rows), prompt_len + w) for rows, w in zip(plan.rows, plan.widths))
 
 
+def _attention_work(v: dict, plan, needed: int, prompt_len: int) -> float:
+    """Query-key pairs the variant's attention scores over the pairs the tokens need (`needed`): the full square of
+    each row (xla, dense segment mask), or the blocked path's windows."""
+    if not isinstance(plan, packing.PackedPlan):
+        computed = sum(len(rows) * (prompt_len + w) ** 2 for rows, w in zip(plan.rows, plan.widths))
+    elif v["block"]:
+        computed = sum(packed_attention.pair_counts(m.segments_RxW, v["block"])[0] for m in plan.micros)
+    else:
+        computed = sum(m.ids_RxW.shape[0] * m.ids_RxW.shape[1] ** 2 for m in plan.micros)
+    return computed / needed
+
+
 def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_flops: float, resp_tokens: int,
-         peak: float, ratio: str = "") -> str:
+         peak: float, extra: str, ratio: str = "") -> str:
     mfu = (lambda f: f"{f / warm / 1e12 / peak:.1%}") if peak else (lambda f: "-")  # noqa: E731
-    return (f"| {name} | {widths} | {first:.1f} | {warm:.3f} | {resp_tokens / warm:,.0f} | {flops / warm / 1e12:.2f} "
-            f"| {mfu(flops)} | {mfu(resp_flops)} |{ratio}")
+    return (f"| {name} | {widths} | {first:.1f} | {warm:.3f} | {resp_tokens / warm:,.0f} "
+            f"| {warm / resp_tokens * 1e6:.0f} | {extra} | {flops / warm / 1e12:.2f} | {mfu(flops)} "
+            f"| {mfu(resp_flops)} |{ratio}")
 
 
 def main(argv: list[str]) -> int:
@@ -210,8 +252,17 @@ def main(argv: list[str]) -> int:
         micro_lib.OVERHEAD_ROWS = default_overhead
 
 
+def _name(v: dict) -> str:
+    return ",".join(f"{k}={v[k]}" for k in _KEYS if k != "block" or v["layout"] == "packed")
+
+
 def _main(a: argparse.Namespace) -> int:
     cfg = PRESETS[a.preset] if a.preset else _small(a.hidden, a.layers, a.vocab)
+    if a.padding_only:
+        print("\n".join(update_padding.report(cfg, [parse_variant(t, a.rows) for t in a.variant], rows=a.rows,
+                                              prompt_len=a.prompt_len, prompt_up_to=a.prompts_up_to or a.prompt_len,
+                                              budget=a.response_len, row_shards=a.row_shards)))
+        return 0
     length = a.prompt_len + a.response_len
     batches = {"": np.full(a.rows, a.response_len)}
     if a.long_tail:
@@ -224,35 +275,39 @@ def _main(a: argparse.Namespace) -> int:
     flops = train_flops(cfg, a.rows, length)
     print(f"model {cfg.num_params() / 1e6:.1f}M params; {a.rows} rows x ({a.prompt_len} + {a.response_len}) tokens "
           f"per update; {flops / 1e12:.1f} model TFLOP; jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    columns = 9 if a.long_tail else 8
-    if not a.plan_only:
-        print("| variant | micro-batches (rows x width) | compile+first s | update s | resp tokens/s | TFLOP/s | MFU "
-              "| resp MFU |"
-              + (" long-tailed / equal: time (FLOP model; time / model) |" if a.long_tail else "")
-              + "\n|" + "---|" * columns)
+    variants, plans, flops_by = [], [], []
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
-        name = ",".join(f"{k}={v[k]}" for k in _KEYS)
-        micro_lib.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (restored below)
-        plans = {label: _plan(v, lengths, a.rows, a.prompt_len, a.response_len) for label, lengths in batches.items()}
-        flops_by = {label: _plan_flops(cfg, plan, a.prompt_len) for label, plan in plans.items()}
+        micro_lib.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (main restores it)
+        variants.append(v)
+        plans.append({label: _plan(v, lengths, a.rows, a.prompt_len, a.response_len)
+                      for label, lengths in batches.items()})
+        flops_by.append({label: _plan_flops(cfg, plan, a.prompt_len) for label, plan in plans[-1].items()})
         if a.plan_only:
-            for label, plan in plans.items():
-                model = f"; FLOP model long-tailed / equal {flops_by['long-tailed'] / flops_by['equal']:.2f}" \
+            for label, plan in plans[-1].items():
+                model = f"; FLOP model long-tailed / equal {flops_by[-1]['long-tailed'] / flops_by[-1]['equal']:.2f}" \
                     if label == "equal" else ""
-                print(f"{name} {label}: rows x widths {_shapes(plan)}, "
-                      f"{flops_by[label] / 1e12:.3f} model TFLOP{model}".strip())
-            continue
-        minis = [_mini_batch(cfg, a.rows, a.prompt_len, a.response_len, lengths) for lengths in batches.values()]
-        results = dict(zip(batches, run_variant(cfg, v, minis, a.iters)))
-        warm_by = {label: warm for label, (_, warm) in results.items()}
-        for label, lengths in batches.items():
-            plan, first = plans[label], results[label][0]
+                print(f"{_name(v)} {label}: rows x widths {_shapes(plan)}, "
+                      f"{flops_by[-1][label] / 1e12:.3f} model TFLOP{model}".strip())
+    if a.plan_only:
+        return 0
+    minis = [_mini_batch(cfg, a.rows, a.prompt_len, a.response_len, lengths) for lengths in batches.values()]
+    results = run_variants([Runner(cfg, v, minis) for v in variants], a.iters)
+    columns = 12 if a.long_tail else 11
+    print("| variant | micro-batches (rows x width) | compile+first s | update s | resp tokens/s | µs/resp token "
+          "| padding | attn work | TFLOP/s | MFU | resp MFU |"
+          + (" long-tailed / equal: time (FLOP model; time / model) |" if a.long_tail else "")
+          + "\n|" + "---|" * columns)
+    for v, plan_by, flop_by, result in zip(variants, plans, flops_by, results):
+        warm_by = {label: warm for label, (_, warm) in zip(batches, result)}
+        for (label, lengths), (first, warm) in zip(batches.items(), result):
+            plan = plan_by[label]
+            needed = int(sum((a.prompt_len + n) * (a.prompt_len + n + 1) // 2 for n in lengths))
+            extra = f"{plan.padding / plan.positions:.1%} | {_attention_work(v, plan, needed, a.prompt_len):.2f}"
             ratio = " |" if a.long_tail else ""
             if label == "equal":
-                measured, model = warm_by["long-tailed"] / warm_by["equal"], flops_by["long-tailed"] / flops_by["equal"]
+                measured, model = warm_by["long-tailed"] / warm_by["equal"], flop_by["long-tailed"] / flop_by["equal"]
                 ratio = f" **{measured:.2f}** ({model:.2f}; {measured / model:.2f}) |"
-            print(_row(f"{name} {label}".strip(), _shapes(plan), first, warm_by[label],
-                       flops_by[label], response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()),
-                       a.peak_tflops, ratio))
+            print(_row(f"{_name(v)} {label}".strip(), _shapes(plan), first, warm, flop_by[label],
+                       response_flops(cfg, a.prompt_len, lengths), int(lengths.sum()), a.peak_tflops, extra, ratio))
     return 0

@@ -8,6 +8,8 @@ sees the causal keys of its own segment (a 0/1 mask is one segment per row). Bac
   "xla"    plain einsum + float32 softmax; runs everywhere and is the reference for the others.
   "cudnn"  `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
   "splash" the Pallas TPU splash-attention kernel (causal mask + segment ids = padding mask).
+Packed rows on the "xla" backend with `block` > 0 take model.packed_attention's blocked path instead, which skips the
+key blocks of other sequences (the fused kernels ignore `block`: their masks are dense or causal-only).
 "auto" picks the platform's fused kernel; "cudnn" / "splash" fall back to "xla" with one logged warning when the
 platform is not gpu / tpu (all decided by model.config.resolve_attention). The platform is that of the `mesh`'s
 devices (the host's default backend without a mesh): a CPU host compiling for TPU devices gets splash.
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from g2rl_jax.model import packed_attention
 from g2rl_jax.model.config import resolve_attention
 from g2rl_jax.parallel import DEFAULT_RULES
 
@@ -41,14 +44,18 @@ def mesh_platform(mesh) -> str | None:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla", mesh=None):
+def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla", mesh=None, block: int = 0):
     """Causal GQA self-attention with a key padding mask; returns [B, L, H, K] in q's dtype. `mesh`: where the
-    arrays live (rows over data x fsdp, heads over tensor); its devices' platform decides "auto"."""
+    arrays live (rows over data x fsdp, heads over tensor); its devices' platform decides "auto". `block` > 0:
+    packed rows (segment ids, each sequence one contiguous run), computed block-sparse on the xla backend."""
     backend = resolve_attention(backend, q_BxLxHxK.dtype, mesh_platform(mesh))
     if backend == "cudnn":
         return fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
     if backend == "splash":
         return splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, mesh=mesh)
+    if block:
+        kernel = functools.partial(packed_attention.blocked, block=block)
+        return per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, mesh)
     return xla(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
 
 
@@ -94,6 +101,12 @@ def splash(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, mesh=None, interpret: b
     `interpret=True` runs the Pallas kernel in the interpreter (CPU tests).
     """
     kernel = functools.partial(_splash_local, interpret=interpret, block=block)
+    return per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, mesh)
+
+
+def per_shard(kernel, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, mesh):
+    """kernel(q, k, v, mask) on each device's rows and heads under `jax.shard_map` (rows over data x fsdp, heads
+    over tensor, as the model shards them); called whole without a mesh of several devices."""
     if mesh is None or mesh.empty or mesh.size == 1:
         return kernel(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
     B, _, H, _ = q_BxLxHxK.shape

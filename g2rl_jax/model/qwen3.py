@@ -213,12 +213,12 @@ class Qwen3(nnx.Module):
         W_VxD = self.lm_head_weight().astype(h_BxLxD.dtype)
         return jnp.einsum("bld,vd->blv", h_BxLxD, W_VxD, preferred_element_type=jnp.float32)
 
-    def hidden_states(self, input_ids, attention_mask=None, positions=None) -> jax.Array:
+    def hidden_states(self, input_ids, attention_mask=None, positions=None, block: int = 0) -> jax.Array:
         """Final-norm hidden states [B, L, D] in the compute dtype, of ids [B, L] and mask [B, L] (as __call__).
         Packed rows (several sequences per row): `attention_mask` holds segment ids (0 padding, a sequence >= 1;
         model.attention) and `positions` [B, L] each token's position in its own sequence (default
-        positions_from_mask)."""
-        h_BxLxD, _ = self._forward(input_ids, attention_mask, keep_kv=False, positions_BxL=positions)
+        positions_from_mask); `block` > 0 lets the xla attention skip other sequences' key blocks of that size."""
+        h_BxLxD, _ = self._forward(input_ids, attention_mask, keep_kv=False, positions_BxL=positions, block=block)
         return h_BxLxD
 
     def _rows_sharded(self, x_Bx___):
@@ -230,7 +230,7 @@ class Qwen3(nnx.Module):
         spec = DEFAULT_RULES.spec(("batch",) + (None,) * (x_Bx___.ndim - 1))
         return jax.lax.with_sharding_constraint(x_Bx___, jax.sharding.NamedSharding(self.mesh, spec))
 
-    def _forward(self, input_ids_BxL, mask_BxL, keep_kv: bool, positions_BxL=None):
+    def _forward(self, input_ids_BxL, mask_BxL, keep_kv: bool, positions_BxL=None, block: int = 0):
         cfg, rt = self.config, self.runtime
         if mask_BxL is None:
             mask_BxL = jnp.ones(input_ids_BxL.shape, jnp.bool_)
@@ -240,7 +240,7 @@ class Qwen3(nnx.Module):
 
         def body(x_BxLxD, p):
             q, k, v = _qkv(x_BxLxD, p, positions_BxL, cfg)
-            a = attn.attention(q, k, v, mask_BxL, rt.attention, self.mesh)
+            a = attn.attention(q, k, v, mask_BxL, rt.attention, self.mesh, block)
             kv = (k.astype(rt.kv_cache_jnp), v.astype(rt.kv_cache_jnp)) if keep_kv else None
             return self._rows_sharded(_out_and_mlp(x_BxLxD, a, p, cfg)), kv
 

@@ -10,8 +10,9 @@ tokens), one after the other into rows of W = (largest prompt bucket) + (respons
 longest first, at most `slots` sequences a row): every row has the same width whatever the step's lengths and
 prompt bucket, so a pass compiles once per row count of `PackShape.rows` (micro, micro/2, ... down to the row
 shards), and only a row's tail is padding. A token attends to the causal tokens of its own sequence only (segment
-ids, model.attention) and sits at its position in its own sequence, so each sequence computes what it computes
-alone (tests/test_packing.py: equal to the unpacked pass within float tolerance).
+ids, model.attention; on the xla backend block-sparse, PackShape.block: model/packed_attention.py) and sits at its
+position in its own sequence, so each sequence computes what it computes alone (tests/test_packing.py: equal to the
+unpacked pass within float tolerance).
 
 Per-token results are gathered back to the [B, T] layout of a Batch on device (`unpack`), inside each pass's
 program: the losses, the advantages and every per-row sum then run on the usual layout, over the same tokens.
@@ -29,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import g2rl
+from g2rl_jax.model import packed_attention
 from g2rl_jax.train import micro as micro_lib
 
 SLOTS = 16  # K: sequences one packed row holds at most (Φ's per-sequence sums carry a [R, K, V] accumulator)
@@ -43,14 +45,16 @@ class PackShape:
     rows: tuple[int, ...]
     slots: int = SLOTS
     head: int = 0  # C: positions of a row whose next-token outputs the passes compute (0: all W)
+    block: int = packed_attention.BLOCK  # attention block of the xla path (model.packed_attention); 0: dense mask
 
     @classmethod
-    def of(cls, micro: int, min_rows: int, *, prompt_len: int, resp_len: int) -> "PackShape":
+    def of(cls, micro: int, min_rows: int, *, prompt_len: int, resp_len: int,
+           block: int = packed_attention.BLOCK) -> "PackShape":
         """Rows of prompt_len + resp_len (the longest sequence fits), row counts micro, micro/2, ... down to
         min_rows, the batch's row shards (micro.row_counts): the token budget of a micro-batch is that of the
         unpacked pass's largest, micro x (S + T), and a pass's last micro-batch leaves fewer than min_rows rows
         empty."""
-        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows), head=resp_len)
+        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows), head=resp_len, block=block)
 
     @property
     def name(self) -> str:
@@ -250,12 +254,12 @@ def unpack(x_RxW, source_BxT, valid_BxT):
     return jnp.where(valid_BxT, x_RxW.reshape(-1)[source_BxT], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "block"))
 def packed_token_logprobs(graphdef, params, ids_RxW, segments_RxW, positions_RxW, targets_RxC, *,
-                          temperature: float, chunk: int = g2rl.DEFAULT_CHUNK):
+                          temperature: float, chunk: int = g2rl.DEFAULT_CHUNK, block: int = 0):
     """log p(next token) [R, W] at every packed position (eq. token log-prob of the reference / behaviour pass);
     positions whose target is not a response token hold values `unpack` drops."""
     model = nnx.merge(graphdef, params)
-    h_RxWxD = model.hidden_states(ids_RxW, segments_RxW, positions=positions_RxW)
+    h_RxWxD = model.hidden_states(ids_RxW, segments_RxW, positions=positions_RxW, block=block)
     head = model.lm_head_weight().astype(h_RxWxD.dtype)
     return g2rl.token_logprobs(h_RxWxD, head, targets_RxC, temperature=temperature, chunk_size=chunk)

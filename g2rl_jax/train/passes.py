@@ -125,19 +125,21 @@ def plan_for(batch: train_step.Batch, micro: int, *, shapes, in_loss: bool = Fal
     return micro_lib.plan_for(batch, micro, shapes=shapes)
 
 
-def _hidden(model, m: PackedMicro):
-    """The final hidden states at the output columns [R, C, D] (those that predict response tokens), and the head."""
-    h_RxWxD = model.hidden_states(m.ids_RxW, m.segments_RxW, positions=m.positions_RxW)
+def _hidden(model, m: PackedMicro, block: int):
+    """The final hidden states at the output columns [R, C, D] (those that predict response tokens), and the head;
+    block: the packed attention's (PackShape.block)."""
+    h_RxWxD = model.hidden_states(m.ids_RxW, m.segments_RxW, positions=m.positions_RxW, block=block)
     h_RxCxD = jnp.take_along_axis(h_RxWxD, m.predict_RxC[..., None], axis=1)
     return h_RxCxD, model.lm_head_weight().astype(h_RxWxD.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "slots"), donate_argnames=("acc",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "slots", "block"),
+                   donate_argnames=("acc",))
 def score_micro(graphdef, params, acc, m: PackedMicro, response_mask_BxT, *, temperature: float, chunk: int,
-                slots: int):
+                slots: int, block: int = 0):
     """acc + one packed micro-batch's (log-probs [B, T], entropies [B, T], Φ [B, D]) of its sequences (eq.
     seq-feature: α̃ over each response's own tokens, response_mask_BxT)."""
-    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m)
+    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m, block)
     mask_BxT = response_mask_BxT.astype(jnp.float32)
     alpha_BxT = mask_BxT / (jnp.sum(mask_BxT, axis=-1, keepdims=True) + g2rl.EPS)  # eq. seq-feature
     alpha_RxC = packing.to_packed(alpha_BxT, m.source_BxT, m.valid_BxT, m.targets_RxC.shape)
@@ -149,10 +151,10 @@ def score_micro(graphdef, params, acc, m: PackedMicro, response_mask_BxT, *, tem
             ent_acc + packing.unpack(ent, m.source_BxT, m.valid_BxT), phi_acc + phi_BxD)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"), donate_argnames=("acc",))
-def ref_micro(graphdef, params, acc, m: PackedMicro, *, temperature: float, chunk: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "block"), donate_argnames=("acc",))
+def ref_micro(graphdef, params, acc, m: PackedMicro, *, temperature: float, chunk: int, block: int = 0):
     """acc + one packed micro-batch's log-probs [B, T] of its sequences' response tokens."""
-    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m)
+    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m, block)
     logp = g2rl.token_logprobs(h_RxCxD, head, m.targets_RxC, temperature=temperature, chunk_size=chunk)
     return acc + packing.unpack(logp, m.source_BxT, m.valid_BxT)
 
@@ -164,7 +166,7 @@ def _scores(graphdef, params, batch: train_step.Batch, shape: PackShape, *, temp
            train_step._zeros_rows(batch.rewards, (b, graphdef_hidden(graphdef, params))))
     for p in plan(batch, shape, in_loss).micros:
         acc = score_micro(graphdef, params, acc, on_device(p, batch.rewards), batch.response_mask,
-                          temperature=temperature, chunk=chunk, slots=shape.slots)
+                          temperature=temperature, chunk=chunk, slots=shape.slots, block=shape.block)
         train_step._serialize_across_processes(acc)
     return acc
 
@@ -197,16 +199,17 @@ def ref_logprobs(graphdef, params, batch: train_step.Batch, *, temperature: floa
                                        shapes=shapes)
     acc = train_step._zeros_rows(batch.rewards, batch.response_mask.shape)
     for p in plan(batch, shapes).micros:
-        acc = ref_micro(graphdef, params, acc, on_device(p, batch.rewards), temperature=temperature, chunk=chunk)
+        acc = ref_micro(graphdef, params, acc, on_device(p, batch.rewards), temperature=temperature, chunk=chunk,
+                        block=shapes.block)
         train_step._serialize_across_processes(acc)
     return acc
 
 
-def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings):
+def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings, block: int = 0):
     """step.policy_loss on a packed micro-batch: the forward over the packed rows, its per-token log-probs (and
     entropies, for the bonus) gathered to the mini-batch's [X, T] layout, the loss over this micro-batch's tokens."""
     m = pm.micro
-    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m)
+    h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m, block)
     ent = None
     if s.entropy_coef:
         logp, ent, _ = g2rl.token_stats(h_RxCxD, head, m.targets_RxC, jnp.ones_like(m.targets_RxC),
@@ -222,12 +225,12 @@ def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings):
     return loss, dict(diag, **{train_step.TOKENS: jnp.sum(mask_XxT)})
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows"), donate_argnames=("acc",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows", "block"), donate_argnames=("acc",))
 def accumulate(graphdef, params, acc, pm: PackedMini, total_tokens, *, settings: train_step.LossSettings,
-               total_rows: int):
+               total_rows: int, block: int = 0):
     """acc + this packed micro-batch's share of the mini-batch's (loss, gradients, diagnostics): step.accumulate's
     weights (step.add_micro) over its tokens of the [X, T] layout. One program per packed row count."""
-    (loss, diag), grads = train_step.trainable_grad(policy_loss, params, graphdef, pm, settings)
+    (loss, diag), grads = train_step.trainable_grad(policy_loss, params, graphdef, pm, settings, block)
     mask_XxT = pm.response_mask_BxT * pm.micro.in_B[:, None]
     return train_step.add_micro(acc, grads, loss, diag, mask_XxT, settings.agg, total_tokens, total_rows)
 
@@ -241,7 +244,8 @@ def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_s
     total_tokens = jnp.sum(mini.batch.response_mask)
     for p in plan(mini.batch, shape, in_loss=True).micros:
         pm = PackedMini.of(on_device(p, mini.batch.rewards), mini)
-        acc = accumulate(graphdef, params, acc, pm, total_tokens, settings=settings, total_rows=rows)
+        acc = accumulate(graphdef, params, acc, pm, total_tokens, settings=settings, total_rows=rows,
+                         block=shape.block)
         train_step._serialize_across_processes(acc)
     return acc
 

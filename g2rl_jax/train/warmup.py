@@ -245,10 +245,10 @@ class RunWarmup:
             m = passes.template(shape, rows, b, t, batch.rewards)
             lowers.append(functools.partial(passes.score_micro.lower, graphdef, params, acc, m,
                                             _template(batch.response_mask), temperature=temperature, chunk=chunk,
-                                            slots=shape.slots))
+                                            slots=shape.slots, block=shape.block))
             if reference is not None:
                 lowers.append(functools.partial(passes.ref_micro.lower, *reference, acc[0], m,
-                                                temperature=temperature, chunk=chunk))
+                                                temperature=temperature, chunk=chunk, block=shape.block))
         self._compile(lowers)
 
     def _packed_update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings):
@@ -262,7 +262,7 @@ class RunWarmup:
             acc = acc or train_step.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
                                                      mini.batch.rewards)
             lowers.append(functools.partial(passes.accumulate.lower, graphdef, params, acc, pm, total_tokens,
-                                            settings=settings, total_rows=rows))
+                                            settings=settings, total_rows=rows, block=shape.block))
         self._compile(lowers)
         if methods.get(self.cfg.algorithm.exploration).tokens is not None:
             self._packed_score(graphdef, params, None, mini.batch, temperature=settings.temperature,
