@@ -97,6 +97,26 @@ def split_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh | None]:
     return make_mesh(dataclasses.replace(config, rollout_devices=0), train), rollout_mesh
 
 
+def side_meshes(config: MeshConfig, rollout_processes: int, devices=None) -> tuple[Mesh, Mesh]:
+    """(training mesh, rollout mesh) with one process set per side: every device of the last `rollout_processes`
+    processes forms the rollout mesh (data = its devices / rollout_tensor, fsdp 1, tensor = rollout_tensor), and
+    data/fsdp/tensor shape the training mesh on every device of the other processes. A process runs only its
+    side's programs; the weights cross with train/weight_sync.SideSync."""
+    devices = jax.devices() if devices is None else list(devices)
+    processes = sorted({d.process_index for d in devices})
+    if not 0 < rollout_processes < len(processes):
+        raise ConfigError(f"{rollout_processes} rollout processes of {len(processes)}: each side needs at least "
+                          f"one process; give the rollout between 1 and {len(processes) - 1}")
+    rollout_set = set(processes[-rollout_processes:])
+    rollout = [d for d in devices if d.process_index in rollout_set]
+    train = [d for d in devices if d.process_index not in rollout_set]
+    if len(rollout) % config.rollout_tensor:
+        raise ConfigError(f"mesh.rollout_tensor={config.rollout_tensor} must divide the {len(rollout)} devices of "
+                          "the rollout processes")
+    shape = {"data": len(rollout) // config.rollout_tensor, "fsdp": 1, "tensor": config.rollout_tensor}
+    return make_mesh(dataclasses.replace(config, rollout_devices=0), train), make_mesh(MeshConfig(**shape), rollout)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """The logical-axis -> mesh-axes table; `None` means replicated along that dimension."""
