@@ -8,6 +8,7 @@ to float32 precision; each push moves the params' bytes once.
 """
 import argparse
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -22,13 +23,8 @@ def test_weights_cross_to_a_rollout_mesh_on_other_processes():
     rows = async_sides.launch(a, timeout=300)
     assert sorted(r["process"] for r in rows) == [1, 2]  # the rollout processes report, the trainer does not
     params = nnx.state(nnx.eval_shape(lambda: Qwen3(PRESETS["tiny"], rngs=nnx.Rngs(0))), nnx.Param)
-    want_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax_leaves(params))  # float32
+    want_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(params))  # float32
     for r in rows:
         assert r["bytes_per_push"] == want_bytes
         assert r["max_logit_diff"] < 1e-4, r
 
-
-def jax_leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree)
