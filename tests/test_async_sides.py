@@ -18,7 +18,7 @@ from g2rl_jax.model.config import PRESETS
 
 
 def test_weights_cross_to_a_rollout_mesh_on_other_processes():
-    a = argparse.Namespace(processes=3, rollout_processes=2, devices=1, rollout_tensor=2, model="tiny", pushes=2,
+    a = argparse.Namespace(processes=3, rollout_processes=2, devices=1, rollout_tensor=2, model="tiny", pushes=2, dtype="float32",
                            pin=False)
     rows = async_sides.launch(a, timeout=300)
     assert sorted(r["process"] for r in rows) == [1, 2]  # the rollout processes report, the trainer does not

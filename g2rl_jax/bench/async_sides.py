@@ -1,7 +1,7 @@
 """One process per side: the weight sync from a training mesh to a rollout mesh held by other processes, measured.
 
     python -m g2rl_jax.bench async_sides [--processes 2] [--rollout-processes 1] [--devices 1] [--model demo]
-        [--pushes 5] [--pin]
+        [--dtype float32] [--pushes 5] [--pin]
 
 launches that many processes on localhost, joined by jax.distributed (CPU, gloo collectives, JAX's socket
 transfers across hosts), each with `--devices` fake CPU devices. The last `--rollout-processes` processes hold
@@ -27,6 +27,7 @@ import sys
 import time
 
 BATCH = (4, 16)  # rows, tokens of the checked forward pass
+WAIT_MS = 3_600_000  # a hang guard only
 
 
 def parse_args(argv):
@@ -36,6 +37,7 @@ def parse_args(argv):
     p.add_argument("--devices", type=int, default=1, help="fake CPU devices per process")
     p.add_argument("--rollout-tensor", type=int, default=1, help="mesh.rollout_tensor of the rollout mesh")
     p.add_argument("--model", default="demo", help="demo (the demo's architecture), tiny, or a preset name")
+    p.add_argument("--dtype", default="float32", help="the params' dtype (model.param_dtype)")
     p.add_argument("--pushes", type=int, default=5)
     p.add_argument("--pin", action="store_true", help="pin process i to CPU core i (os.sched_setaffinity)")
     p.add_argument("--worker", type=int, nargs=2, metavar=("PROCESS_ID", "PORT"), help=argparse.SUPPRESS)
@@ -82,7 +84,7 @@ def worker(a) -> None:
     train_mesh, rollout_mesh = parallel.side_meshes(config, a.rollout_processes)
     training = process_id in {d.process_index for d in train_mesh.devices.flat}
     cfg = _qwen3_config(a.model)
-    rt = RuntimeConfig(param_dtype="float32", compute_dtype="float32", remat="none", attention="xla")
+    rt = RuntimeConfig(param_dtype=a.dtype, compute_dtype="float32", remat="none", attention="xla")
     mesh = train_mesh if training else rollout_mesh
     make = lambda: Qwen3(cfg, rt, rngs=nnx.Rngs(0), mesh=mesh)  # noqa: E731
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
@@ -103,15 +105,15 @@ def worker(a) -> None:
                 parallel.process_rows(train_mesh, BATCH[0])], BATCH[0])))
             if process_id == 0:
                 client.key_value_set_bytes(f"sides/logits/{v}", pickle.dumps(logits))
-        client.wait_at_barrier(f"sides/push/{v}", 60_000)  # both sides meet: the push's seconds start here
+        client.wait_at_barrier(f"sides/push/{v}", WAIT_MS)  # both sides meet: the push's seconds start here
         received = sync.push(params if training else abstract)
         if not training:
             x = jax.device_put(ids, parallel.batch_sharding(rollout_mesh))
             got = forward(nnx.merge(graphdef, received), x)
-            want = pickle.loads(client.blocking_key_value_get_bytes(f"sides/logits/{v}", 60_000))  # noqa: S301
+            want = pickle.loads(client.blocking_key_value_get_bytes(f"sides/logits/{v}", WAIT_MS))  # noqa: S301
             diff = max(float(np.max(np.abs(np.asarray(s.data) - want[s.index]))) for s in got.addressable_shards)
             figures.append((sync.seconds, diff))
-    client.wait_at_barrier("sides/done", 60_000)
+    client.wait_at_barrier("sides/done", WAIT_MS)
     if not training:
         seconds = [s for s, _ in figures[1:]] or [figures[0][0]]  # the first push compiles the rollout side's copy
         print(json.dumps({"process": process_id, "bytes_per_push": sync.bytes, "pushes": a.pushes,
@@ -126,7 +128,8 @@ def launch(a, timeout: float = 600.0) -> list[dict]:
     flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices} {flags}".strip()
     args = ["--processes", str(a.processes), "--rollout-processes", str(a.rollout_processes), "--devices",
-            str(a.devices), "--rollout-tensor", str(a.rollout_tensor), "--model", a.model, "--pushes", str(a.pushes)]
+            str(a.devices), "--rollout-tensor", str(a.rollout_tensor), "--model", a.model, "--pushes", str(a.pushes),
+            "--dtype", a.dtype]
     args += ["--pin"] if a.pin else []
     procs = [subprocess.Popen([sys.executable, "-m", "g2rl_jax.bench.async_sides", *args, "--worker", str(i),
                                str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
