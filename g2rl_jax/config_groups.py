@@ -226,8 +226,8 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling mass, 0 < top_p <= 1; paper silent, 1.0 (off) chosen")
     top_k: Optional[int] = _f(None, "keep the top_k most likely tokens (null = off); paper silent, off chosen")
     max_staleness: int = _f(0, "policy versions a step's samples lag the update: 0 = on-policy (serial), 1 = "
-                            "one-step-off, k = the rollout runs k steps ahead; > 0 needs mesh.rollout_devices and "
-                            "algorithm.rollout_is_cap (docs/async.md)")
+                            "one-step-off, k = the rollout runs k steps ahead; > 0 needs mesh.rollout_devices (or "
+                            "mesh.rollout_processes) and algorithm.rollout_is_cap (docs/async.md)")
 
     def __post_init__(self):
         _check(self.num_samples >= 2, "rollout.num_samples", f"group size must be >= 2, got {self.num_samples}")

@@ -18,8 +18,8 @@ from g2rl_jax.model.config import PRESETS
 
 
 def test_weights_cross_to_a_rollout_mesh_on_other_processes():
-    a = argparse.Namespace(processes=3, rollout_processes=2, devices=1, rollout_tensor=2, model="tiny", pushes=2, dtype="float32",
-                           pin=False)
+    a = argparse.Namespace(processes=3, rollout_processes=2, devices=1, rollout_tensor=2, model="tiny", pushes=2,
+                           dtype="float32", pin=False)
     rows = async_sides.launch(a, timeout=300)
     assert sorted(r["process"] for r in rows) == [1, 2]  # the rollout processes report, the trainer does not
     params = nnx.state(nnx.eval_shape(lambda: Qwen3(PRESETS["tiny"], rngs=nnx.Rngs(0))), nnx.Param)

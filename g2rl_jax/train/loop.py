@@ -44,8 +44,6 @@ from g2rl_jax.train import compiles, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.ahead import AheadSampler
-from g2rl_jax.train.sides import RemoteSampler, run_rollout_process
-from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
 from g2rl_jax.train.lifecycle import (
     PREEMPTED_EXIT,
@@ -74,7 +72,9 @@ from g2rl_jax.train.setup import (
     stop_token_ids,
     usable_examples,
 )
+from g2rl_jax.train.sides import RemoteSampler, run_rollout_process
 from g2rl_jax.train.stages import stage
+from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 
 
 @dataclasses.dataclass

@@ -151,7 +151,6 @@ class RolloutSide(SamplingRounds):
 
         from g2rl_jax.data import make_prompt_loader
         from g2rl_jax.rewards.custom import resolve_spec
-        from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET  # noqa: F401 - the warm-up's buckets
         from g2rl_jax.train import warmup
         from g2rl_jax.train.setup import load_model, on_mesh, prompt_lengths, stop_token_ids, usable_examples
 
