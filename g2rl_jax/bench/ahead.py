@@ -81,6 +81,8 @@ def parse_args(argv):
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
     p.add_argument("--random-model", action="store_true", help="a random demo-size Qwen3: long-tailed responses")
     p.add_argument("--budget", type=int, default=128, help="rollout.max_new_tokens with --random-model")
+    p.add_argument("--quick", action="store_true", help="a smoke test: 3 steps of 4 prompts x 4 samples of the "
+                   "random model with a budget of 16 tokens, no validation (checks the variants run, measures nothing)")
     p.add_argument("overrides", nargs="*", help="config key=value overrides for every variant (run.eval_every=0: no "
                    "validation)")
     return p.parse_intermixed_args(argv)
@@ -155,6 +157,11 @@ def _run(name: str, a, shared: dict, tmp: Path) -> dict:
 def main(argv=None) -> None:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     from g2rl_jax.config import load_config
+
+    if a.quick:
+        a.random_model, a.budget, a.steps = True, 16, 3
+        a.overrides = ["run.eval_every=0", "data.prompts_per_step=4", "rollout.num_samples=4",
+                       "algorithm.mini_batch_size=16", "algorithm.micro_batch_size=16", *a.overrides]
 
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]

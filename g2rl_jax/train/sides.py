@@ -71,6 +71,7 @@ class RemoteSampler:
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
         self._drawn: dict[int, Drawn] = {}  # samples restored from the checkpoint, or fetched, not yet taken
         self._before: dict[int, object] = {}  # step -> data-iterator position before its draw
+        self._idle: dict[int, float] = {}  # step -> seconds the rollout process waited for a version before it
         self._first = self._taken = None
 
     def model(self):
@@ -90,9 +91,9 @@ class RemoteSampler:
 
     def _fetch(self, step: int) -> Drawn:
         if step not in self._drawn:
-            sample, version, seconds, before, after = _get(f"sample/{step}")
+            sample, version, seconds, before, after, idle = _get(f"sample/{step}")
             self._drawn[step] = Drawn(sample, version, seconds)
-            self._before[step], self._before[step + 1] = before, after
+            self._before[step], self._before[step + 1], self._idle[step] = before, after, idle
         return self._drawn[step]
 
     def take(self, step: int) -> tuple[tuple, dict[str, float]]:
@@ -107,7 +108,7 @@ class RemoteSampler:
         examples, rollout, texts, scored, _, sampled_correct = drawn.sample
         figures = {"staleness_mean": float(step - drawn.version), "staleness_max": float(step - drawn.version),
                    "policy_version": float(drawn.version), "update_idle_seconds": waited,
-                   "rollout_draw_seconds": drawn.seconds}
+                   "rollout_idle_seconds": self._idle.pop(step, 0.0), "rollout_draw_seconds": drawn.seconds}
         return (examples, rollout, texts, scored, waited, sampled_correct), figures
 
     def sync_figures(self) -> dict[str, float]:
@@ -206,12 +207,14 @@ class RolloutSide(SamplingRounds):
 
         for step in range(max(pending, default=first - 1) + 1, total):
             version = max(floor, step - k)
+            t0 = time.perf_counter()
             announce_through(max(version, first + 1) if step > first else version)  # later steps: after the first
+            idle = time.perf_counter() - t0  # waiting for the trainer's version (and its transfer)
             self._current = versions[version]
             before = self.loader.get_state()
             t0 = time.perf_counter()
             sample = _host(self._sample(step))
-            _set(f"sample/{step}", (sample, version, time.perf_counter() - t0, before, self.loader.get_state()))
+            _set(f"sample/{step}", (sample, version, time.perf_counter() - t0, before, self.loader.get_state(), idle))
             for v in [v for v in versions if v < max(floor, step + 1 - k)]:
                 del versions[v]
         self.sync.wait()
