@@ -114,7 +114,7 @@ def summarize(run: dict, samples_per_step: int) -> dict[str, float]:
     if val:
         out["val_mean_after"] = history[-1][val[0]]
     for key in ("update_idle_seconds", "rollout_idle_seconds", "weight_sync_seconds", "weight_sync_bytes",
-                "rollout_is_capped_frac", "staleness_mean"):
+                "rollout_is_capped_frac", "staleness_mean", "truncated_fraction"):
         if later and key in later[0]:
             out[key] = sum(h[key] for h in later) / len(later)
     if later and "staleness_max" in later[0]:
@@ -185,11 +185,33 @@ def main(argv=None) -> None:
         for name in names:
             rows[name] = summarize(_run(name, a, shared, tmp), per_step)
             print(f"{name:10s} " + "  ".join(f"{k} {v:.4g}" for k, v in rows[name].items()), flush=True)
-    base = rows.get("colocated", {}).get("tokens_trained_per_s")
-    if base:
-        print("tokens trained/s vs colocated: " + ", ".join(
-            f"{n} {r['tokens_trained_per_s'] / base:.2f}x" for n, r in rows.items() if n != "colocated"))
+    print(table(rows))
     print(json.dumps(rows))
+
+
+COLUMNS = (("tok/s", "tokens_trained_per_s", "{:.0f}"), ("val mean@k", "val_mean_after", "{:.3f}"),
+           ("train acc", "accuracy_last_quarter", "{:.3f}"), ("sync s", "weight_sync_seconds", "{:.4f}"),
+           ("sync MB", "weight_sync_bytes", "{:.2f}"), ("stale mean", "staleness_mean", "{:.2f}"),
+           ("stale max", "staleness_max", "{:.0f}"), ("IS capped", "rollout_is_capped_frac", "{:.3f}"),
+           ("truncated", "truncated_fraction", "{:.3f}"), ("update idle s", "update_idle_seconds", "{:.3f}"),
+           ("rollout idle s", "rollout_idle_seconds", "{:.3f}"))
+
+
+def table(rows: dict[str, dict[str, float]]) -> str:
+    """The variants side by side (per step means after the first step; sync MB = bytes / 1e6; '-' = not measured
+    for that variant), with tokens trained per second against the colocated run's."""
+    base = rows.get("colocated", {}).get("tokens_trained_per_s")
+    head = ["variant", "tok/s", "vs colocated", *[c for c, _, _ in COLUMNS[1:]]]
+    lines = []
+    for name, r in rows.items():
+        cells = [name, COLUMNS[0][2].format(r["tokens_trained_per_s"]),
+                 f"{r['tokens_trained_per_s'] / base:.2f}x" if base else "-"]
+        for _, key, fmt in COLUMNS[1:]:
+            value = r.get(key)
+            cells.append("-" if value is None else fmt.format(value / 1e6 if key == "weight_sync_bytes" else value))
+        lines.append(cells)
+    widths = [max(len(x) for x in col) for col in zip(head, *lines)]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head, *lines])
 
 
 if __name__ == "__main__":
