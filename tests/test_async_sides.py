@@ -4,15 +4,19 @@ hosts), one fake device each. The rollout mesh spans its two processes (tensor 2
 
 Checks (g2rl_jax/bench/async_sides.py runs the processes): each push of the changed params arrives on both rollout
 processes, whose forward pass over their mesh gives the training side's logits (sent through the key-value store)
-to float32 precision; each push moves the params' bytes once.
+to float32 precision; each push moves the params' bytes once. And the settings of one process per side fail in
+one line when they cannot work.
 """
 import argparse
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
+from g2rl_jax import parallel
 from g2rl_jax.bench import async_sides
+from g2rl_jax.config import ConfigError, MeshConfig
 from g2rl_jax.model import Qwen3
 from g2rl_jax.model.config import PRESETS
 
@@ -28,3 +32,13 @@ def test_weights_cross_to_a_rollout_mesh_on_other_processes():
         assert r["bytes_per_push"] == want_bytes
         assert r["max_logit_diff"] < 1e-4, r
 
+
+
+def test_one_process_per_side_settings():
+    with pytest.raises(ConfigError, match="leave mesh.rollout_devices at 0"):
+        MeshConfig(rollout_processes=1, rollout_devices=2)
+    with pytest.raises(ConfigError, match=r"2 processes, mesh.rollout_processes=1"):  # this test is one process
+        parallel.set_sides(MeshConfig(rollout_processes=1))
+    assert parallel.side_processes() is None and parallel.host_count() == jax.process_count()
+    with pytest.raises(ConfigError, match="each side needs at least one process"):
+        parallel.side_meshes(MeshConfig(), 1)
