@@ -148,28 +148,45 @@ class SideSync:
         self.bytes = 0  # the payload of one push (once, not per rollout process)
         self.seconds = 0.0  # the last push's wall time on this process (a rollout process: until arrival)
         self.pushes = 0
-        self._held = None  # the sender's last push: its buffers must live until every rollout process has them
+        self._held: dict[int, list] = {}  # the sender's pushes in flight: buffers live until every rollout has them
 
     @staticmethod
     def _ack_key(push: int, process: int) -> str:
         return f"g2rl_side_sync/{push}/{process}"
 
-    def wait(self) -> None:
-        """Until every rollout process has the last push (the sender then frees its buffers). A rollout process
-        acknowledges each push when it arrives, through jax.distributed's key-value store."""
-        if self._held is None:
-            return
+    def _arrived(self, push: int, block: bool) -> bool:
+        """Whether every rollout process has acknowledged push `push` (waiting for it with `block`)."""
         from jax._src import distributed
 
+        client = distributed.global_state.client
         for process in self.dst_processes:
-            distributed.global_state.client.blocking_key_value_get(self._ack_key(self.pushes, process), 3_600_000)
-        self._held = None
+            key = self._ack_key(push, process)
+            if block:
+                client.blocking_key_value_get(key, 3_600_000)
+                continue
+            try:
+                client.key_value_try_get(key)
+            except jax.errors.JaxRuntimeError:  # not acknowledged yet
+                return False
+        return True
+
+    def _release(self, block: bool) -> None:
+        """Free the buffers of the pushes every rollout process has (all of them, waiting, with `block`). A rollout
+        process acknowledges each push when it arrives, through jax.distributed's key-value store."""
+        for push in sorted(self._held):
+            if not self._arrived(push, block):
+                return
+            del self._held[push]
+
+    def wait(self) -> None:
+        """Until every rollout process has every push so far."""
+        self._release(block=True)
 
     def push(self, tree):
         """On a training process, `tree` holds the arrays (on the training mesh); elsewhere anything with the
         same tree structure, shapes and dtypes (jax.ShapeDtypeStruct). Returns the tree on the rollout shardings
         on a rollout process, None on a training process."""
-        self.wait()  # the previous push has arrived everywhere
+        self._release(block=False)  # the sender does not wait for the rollout to take a version
         t0 = time.perf_counter()
         me = jax.process_index()
         leaves, treedef = jax.tree.flatten(tree)
@@ -189,7 +206,8 @@ class SideSync:
                 arrived = moved
         self.bytes = nbytes(leaves)
         if arrived is None:
-            self._held = sent if me == self.sender else None
+            if me == self.sender:
+                self._held[self.pushes] = sent
             self.seconds = time.perf_counter() - t0
             return None
         local = [x.addressable_shards[0].data for x in arrived]
