@@ -116,7 +116,9 @@ class RemoteSampler:
         return {"weight_sync_seconds": self.sync.seconds, "weight_sync_bytes": float(self.sync.bytes)}
 
     def close(self) -> None:
-        self.sync.wait() if self._first is not None else None
+        """Wait until the rollout process has every version pushed (the trainer holds their buffers until then)."""
+        if self._first is not None:
+            self.sync.wait()
 
     def __iter__(self):
         return self
