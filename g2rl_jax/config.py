@@ -70,9 +70,9 @@ class Config:
         _check(responses % self.algorithm.mini_batch_size == 0, "algorithm.mini_batch_size",
                f"must divide data.prompts_per_step*rollout.num_samples = {responses}, "
                f"got {self.algorithm.mini_batch_size}")
-        _check(self.rollout.max_staleness == 0 or self.mesh.rollout_devices > 0, "rollout.max_staleness",
-               f"={self.rollout.max_staleness} runs the rollout beside the update, on devices of its own: set "
-               "mesh.rollout_devices too (or max_staleness=0)")
+        _check(self.rollout.max_staleness == 0 or self.mesh.rollout_devices + self.mesh.rollout_processes > 0,
+               "rollout.max_staleness", f"={self.rollout.max_staleness} runs the rollout beside the update, on "
+               "devices of its own: set mesh.rollout_devices or mesh.rollout_processes too (or max_staleness=0)")
         _check(self.rollout.max_staleness == 0 or self.algorithm.rollout_is_cap is not None, "rollout.max_staleness",
                f"={self.rollout.max_staleness} trains on samples of an older policy: set algorithm.rollout_is_cap "
                "(e.g. 2.0), the truncated importance weight that corrects for it")

@@ -165,10 +165,17 @@ class MeshConfig:
                               "both); data/fsdp/tensor then shape the training mesh on the rest (docs/async.md)")
     rollout_tensor: int = _f(1, "tensor-parallel axis of the rollout mesh; its data axis takes the rest of its "
                              "devices (weights replicated over it, as decoding wants)")
+    rollout_processes: int = _f(0, "one process per side: every device of the last N processes forms the rollout "
+                                "mesh, data/fsdp/tensor shape the training mesh on the other processes' devices "
+                                "(0 = off; excludes rollout_devices; docs/async.md)")
 
     def __post_init__(self):
         _check(self.rollout_devices >= 0, "mesh.rollout_devices", f"must be >= 0, got {self.rollout_devices}")
         _check(self.rollout_tensor >= 1, "mesh.rollout_tensor", f"must be >= 1, got {self.rollout_tensor}")
+        _check(self.rollout_processes >= 0, "mesh.rollout_processes", f"must be >= 0, got {self.rollout_processes}")
+        _check(self.rollout_processes == 0 or self.rollout_devices == 0, "mesh.rollout_processes",
+               f"={self.rollout_processes} gives the rollout whole processes: leave mesh.rollout_devices at 0 "
+               f"(got {self.rollout_devices})")
         _check(self.rollout_devices == 0 or self.rollout_devices % self.rollout_tensor == 0, "mesh.rollout_tensor",
                f"must divide mesh.rollout_devices={self.rollout_devices}, got {self.rollout_tensor}")
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
@@ -228,8 +235,8 @@ class RolloutConfig:
                              "budget, each capacity a copy of the decode segments and moves to compile; higher: "
                              "fewer programs, each early step reads more slots (`python -m g2rl_jax.bench ladder`)")
     max_staleness: int = _f(0, "policy versions a step's samples lag the update: 0 = on-policy (serial), 1 = "
-                            "one-step-off, k = the rollout runs k steps ahead; > 0 needs mesh.rollout_devices and "
-                            "algorithm.rollout_is_cap (docs/async.md)")
+                            "one-step-off, k = the rollout runs k steps ahead; > 0 needs mesh.rollout_devices (or "
+                            "mesh.rollout_processes) and algorithm.rollout_is_cap (docs/async.md)")
 
     def __post_init__(self):
         _check(self.num_samples >= 2, "rollout.num_samples", f"group size must be >= 2, got {self.num_samples}")
@@ -411,6 +418,9 @@ class DistributedConfig:
     coordinator_address: Optional[str] = _f(None, "host:port of process 0 for jax.distributed (null = auto)")
     num_processes: Optional[int] = _f(None, "number of processes (hosts) in the job (null = auto)")
     process_id: Optional[int] = _f(None, "this process's index, 0 <= process_id < num_processes (null = auto)")
+    transfer_address: Optional[str] = _f(None, "host:port where this process serves JAX's socket transfers "
+                                         "across processes: needed on CPU and GPU with mesh.rollout_processes "
+                                         "(null = off; the TPU runtime moves arrays across hosts itself)")
 
     def __post_init__(self):
         _check(self.num_processes is None or self.num_processes > 0, "distributed.num_processes",

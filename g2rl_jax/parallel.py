@@ -73,14 +73,51 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
         return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
+_SIDE: frozenset[int] | None = None  # one process per side: the processes of this process's side (else None)
+
+
+def side_processes() -> frozenset[int] | None:
+    """The processes of this process's side when each side has processes of its own (mesh.rollout_processes; set
+    by split_meshes), else None: every process runs the same programs."""
+    return _SIDE
+
+
+def host_count() -> int:
+    """How many processes run this process's programs and host collectives: all, or those of its side."""
+    return jax.process_count() if _SIDE is None else len(_SIDE)
+
+
+def is_rollout_process(config: MeshConfig) -> bool:
+    """Whether this process holds only rollout devices (mesh.rollout_processes: the last N processes)."""
+    return config.rollout_processes > 0 and jax.process_index() >= jax.process_count() - config.rollout_processes
+
+
+def set_sides(config: MeshConfig) -> None:
+    """With mesh.rollout_processes, record this process's side (side_processes) before any host collective: the
+    trainer runs one process per side, one each, for now."""
+    global _SIDE
+    if config.rollout_processes == 0:
+        return
+    if jax.process_count() != 2 or config.rollout_processes != 1:
+        raise ConfigError(f"mesh.rollout_processes={config.rollout_processes} of {jax.process_count()} processes: "
+                          "the trainer runs one process per side, one each, for now (2 processes, "
+                          "mesh.rollout_processes=1)")
+    _SIDE = frozenset({jax.process_index()})
+
+
 def split_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh | None]:
-    """(training mesh, rollout mesh): with config.rollout_devices = R > 0, data/fsdp/tensor shape the training mesh
-    on all but the last R devices of each process, and this process's last R devices form its rollout mesh (data =
+    """(training mesh, rollout mesh): with config.rollout_processes = N > 0, side_meshes (one process set per
+    side; one process each for now: each side's host collectives then need no other process); with
+    config.rollout_devices = R > 0, data/fsdp/tensor shape the training mesh on all but the last R devices of each
+    process, and this process's last R devices form its rollout mesh (data =
     R / rollout_tensor, fsdp 1, tensor = rollout_tensor); with R = 0, one mesh (make_mesh) and None. With several
     processes each samples its own block of the prompts on its own rollout mesh: the rollout side then runs no
     collective across processes, which a driver thread beside the trainer's could not order safely (the trainer's
     collectives span the processes too); weight sync copies within a process (train/weight_sync.py)."""
     devices = jax.devices() if devices is None else list(devices)
+    if config.rollout_processes:
+        set_sides(config)
+        return side_meshes(config, config.rollout_processes, devices)
     if config.rollout_devices == 0:
         return make_mesh(config, devices), None
     by_process: dict[int, list] = {}
@@ -96,6 +133,26 @@ def split_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh | None]:
     shape = {"data": r // config.rollout_tensor, "fsdp": 1, "tensor": config.rollout_tensor}
     rollout_mesh = make_mesh(MeshConfig(**shape), rollout)
     return make_mesh(dataclasses.replace(config, rollout_devices=0), train), rollout_mesh
+
+
+def side_meshes(config: MeshConfig, rollout_processes: int, devices=None) -> tuple[Mesh, Mesh]:
+    """(training mesh, rollout mesh) with one process set per side: every device of the last `rollout_processes`
+    processes forms the rollout mesh (data = its devices / rollout_tensor, fsdp 1, tensor = rollout_tensor), and
+    data/fsdp/tensor shape the training mesh on every device of the other processes. A process runs only its
+    side's programs; the weights cross with train/weight_sync.SideSync."""
+    devices = jax.devices() if devices is None else list(devices)
+    processes = sorted({d.process_index for d in devices})
+    if not 0 < rollout_processes < len(processes):
+        raise ConfigError(f"{rollout_processes} rollout processes of {len(processes)}: each side needs at least "
+                          f"one process; give the rollout between 1 and {len(processes) - 1}")
+    rollout_set = set(processes[-rollout_processes:])
+    rollout = [d for d in devices if d.process_index in rollout_set]
+    train = [d for d in devices if d.process_index not in rollout_set]
+    if len(rollout) % config.rollout_tensor:
+        raise ConfigError(f"mesh.rollout_tensor={config.rollout_tensor} must divide the {len(rollout)} devices of "
+                          "the rollout processes")
+    shape = {"data": len(rollout) // config.rollout_tensor, "fsdp": 1, "tensor": config.rollout_tensor}
+    return make_mesh(dataclasses.replace(config, rollout_devices=0), train), make_mesh(MeshConfig(**shape), rollout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +326,8 @@ def global_rows(mesh: Mesh, local, num_rows: int, rules: ShardingRules = DEFAULT
 def gather_blocks(mesh: Mesh, local) -> np.ndarray:
     """Every process block's rows `local` concatenated in block order (each block once), on every process: the
     inverse of each process taking rows `process_rows(mesh, n)`. Every process passes an array of one shape."""
+    if host_count() == 1:  # this side is one process: its rows are all of them
+        return np.asarray(local)
     block, _ = batch_block(mesh)
     blocks_A = np.asarray(multihost_utils.process_allgather(np.int32(block))).reshape(-1).tolist()
     every = np.asarray(multihost_utils.process_allgather(np.asarray(local))).reshape(len(blocks_A), *np.shape(local))

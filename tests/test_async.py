@@ -80,7 +80,8 @@ def test_split_meshes_on_eight_devices():
 
 
 @pytest.mark.parametrize("overrides_, match", [
-    ({"rollout.max_staleness": 1, "algorithm.rollout_is_cap": CAP}, "set mesh.rollout_devices too"),
+    ({"rollout.max_staleness": 1, "algorithm.rollout_is_cap": CAP},
+     "set mesh.rollout_devices or mesh.rollout_processes too"),
     ({**SPLIT, "rollout.max_staleness": 1}, "set algorithm.rollout_is_cap"),
     ({"rollout.max_staleness": -1}, "rollout.max_staleness: must be >= 0"),
     ({"mesh.rollout_devices": 4, "mesh.rollout_tensor": 3}, "must divide mesh.rollout_devices=4"),

@@ -21,4 +21,5 @@ BENCHMARKS = {
     "tune-shapes": "g2rl_jax.bench.tune_shapes",  # measured shape tuning: a shape file run.shapes_file pins
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
     "async": "g2rl_jax.bench.ahead",       # rollout ahead of the update (k = 0, 1, 2) vs colocated, side by side
+    "async_sides": "g2rl_jax.bench.async_sides",  # one process per side: the weight sync's seconds and bytes
 }

@@ -45,10 +45,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from g2rl_jax import storage
+from g2rl_jax import parallel, storage
 from g2rl_jax.train import halt, identity
 
 CHECKPOINT_DIR = "checkpoints"
@@ -189,7 +190,7 @@ def _remove_unfinished(directory: epath.Path) -> None:
     if jax.process_index() == 0:
         for unfinished in ocp.path.step.all_temporary_paths(directory):
             storage.rmtree(unfinished.get())
-    if jax.process_count() > 1:
+    if parallel.host_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("g2rl_jax: unfinished checkpoints removed")
@@ -211,8 +212,13 @@ class Checkpointer:
         self._every, self._model = every, model
         directory = _absolute(checkpoint_dir(run_dir))
         _remove_unfinished(directory)  # first, not in Orbax's background thread while it lists the steps
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=False,
-                                               enable_async_checkpointing=True)
+        side = parallel.side_processes()  # one process per side: only the training process saves
+        processes = ocp.options.MultiprocessingOptions(primary_host=0 if side is None else min(side),
+                                                       active_processes=side)
+        if side is not None:  # Orbax creates the root itself only when every process runs the manager
+            directory.mkdir(parents=True, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=False, create=side is None,
+                                               enable_async_checkpointing=True, multiprocessing_options=processes)
         self._manager = ocp.CheckpointManager(directory, options=options, handler_registry=_handlers())
 
     def latest_step(self) -> int | None:
@@ -230,6 +236,8 @@ class Checkpointer:
         if not (force or step % self._every == 0) or step in self._manager.all_steps():
             return False  # not due, or already saved (e.g. the final forced save on an interval step)
         _reject_typed_keys(state)
+        if parallel.side_processes() is not None:  # one process per side: Orbax refuses a process's own arrays
+            state = jax.tree.map(np.asarray, state)  # when there are several processes; it saves host copies
         items = {STATE_ITEM: ocp.args.PyTreeSave(state),
                  DATA_ITEM: IteratorStateSave(_encode_state(data_iter.get_state()))}
         if self._model is not None:
@@ -284,7 +292,7 @@ class Checkpointer:
             return
         from jax.experimental import multihost_utils
 
-        if jax.process_count() > 1:
+        if parallel.host_count() > 1:
             multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback")
         if jax.process_index() == 0:
             aside = storage.path(self._manager.directory).parent / CORRUPT_DIR
@@ -293,7 +301,7 @@ class Checkpointer:
                 target = aside / str(step)
                 storage.move(storage.path(self._manager.directory) / str(step), target)
                 print(f"warning: moved the unreadable checkpoint of step {step} to {target}", file=sys.stderr)
-        if jax.process_count() > 1:
+        if parallel.host_count() > 1:
             multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback done")
         self._manager.reload()
 

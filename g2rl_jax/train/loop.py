@@ -72,7 +72,9 @@ from g2rl_jax.train.setup import (
     stop_token_ids,
     usable_examples,
 )
+from g2rl_jax.train.sides import RemoteSampler, run_rollout_process
 from g2rl_jax.train.stages import stage
+from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 
 
 @dataclasses.dataclass
@@ -166,8 +168,9 @@ class Trainer(SamplingRounds):
             except (OSError, ValueError) as err:
                 raise ConfigError(f"model.lora.init_from: {err}") from None
         self.graphdef, self.params = nnx.split(model)
-        if rollout_mesh is not None:
-            self.ahead = AheadSampler(self, self.loader, cfg.rollout.max_staleness)
+        if rollout_mesh is not None:  # one process per side: the draws come from the rollout process (train/sides.py)
+            sampler = RemoteSampler if cfg.mesh.rollout_processes else AheadSampler
+            self.ahead = sampler(self, self.loader, cfg.rollout.max_staleness)
             self.loader = self.ahead  # it draws the prompts, and checkpoints the samples drawn ahead
         self.ref_graphdef, self.ref_params = self.graphdef, None  # the KL reference (kl_coef > 0), see _reference
         if cfg.algorithm.kl_coef > 0 and lora_on:  # the same params with the adapters off: no copy
@@ -484,10 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         print(format_help())
         return 0
     try:
+        if cfg.distributed.transfer_address:  # before the backend starts
+            enable_cross_host_transfers(cfg.distributed.transfer_address)
         parallel.initialize_distributed(cfg.distributed)  # before anything touches the devices
         check_platforms()
+        parallel.set_sides(cfg.mesh)  # one process per side: before any host collective
     except ValueError as err:
         return cli.fail("config", err)
+    if parallel.is_rollout_process(cfg.mesh):  # one process per side: this one draws the samples
+        return run_rollout_process(cfg)
     try:
         trainer = Trainer(cfg)
     except cli.USER_ERRORS as err:

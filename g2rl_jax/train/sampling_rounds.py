@@ -44,7 +44,7 @@ class SamplingRounds:
         """(i, n): the rollout mesh samples block i of the n blocks of the step's prompts by itself. (0, 1) when it
         spans every process (one mesh for both sides, or one process); with several processes and
         mesh.rollout_devices, each process's rollout devices sample its own block (parallel.split_meshes)."""
-        if self.ahead is None or jax.process_count() == 1:
+        if self.ahead is None or parallel.host_count() == 1:
             return 0, 1
         return parallel.batch_block(self.mesh)
 
@@ -65,7 +65,7 @@ class SamplingRounds:
         block, blocks = self._rollout_share()  # the prompts this process's rollout mesh samples: all, or its block
         if blocks > 1:  # the bucket of the global batch's longest prompt, the same on every process
             longest = int(np.max(self.ahead.exchange(f"longest/{step}/{round_}", np.int32(longest), block)))
-        elif jax.process_count() > 1:
+        elif parallel.host_count() > 1:
             longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
         t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
@@ -158,6 +158,8 @@ class SamplingRounds:
         """Compile the rollout at every prompt bucket of the run (train/warmup.py chose them on the first step,
         whose rollout compiled the largest), without running it."""
         cfg = self.cfg
+        if jax.process_index() not in {d.process_index for d in self.rollout_mesh.devices.flat}:
+            return  # one process per side: the rollout process compiles its own
         for prompt_len in self.warmup.prompts:
             if prompt_len not in self._warmed_prompts:
                 self._warmed_prompts.add(prompt_len)
@@ -182,6 +184,6 @@ class SamplingRounds:
     def _stop_requested(self) -> bool:
         """Whether a SIGTERM asked to stop; every process agrees (any process's request stops them all)."""
         flag = self.stop.requested
-        if jax.process_count() > 1:
+        if parallel.host_count() > 1:
             flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
         return flag

@@ -50,7 +50,7 @@ def check_shared_output_dir(output_dir: str) -> None:
     """A multi-process run's run.output_dir must be one directory for all: a URL is; a local path is checked by
     process 0 writing a file there that every process must read back (an NFS mount passes, each VM's own disk does
     not). Raises ConfigError (every process, the same line)."""
-    if jax.process_count() == 1 or storage.is_url(output_dir):
+    if parallel.host_count() == 1 or storage.is_url(output_dir):
         return
     token = int(multihost_utils.broadcast_one_to_all(np.int64(np.random.SeedSequence().entropy % 2**62)))
     probe = storage.path(output_dir) / f".shared_check.{token}"

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rl_jax import methods, storage
+from g2rl_jax import methods, parallel, storage
 from g2rl_jax.compile_pool import MAX_AUTO_THREADS, Timing, compile_all, resolve_threads
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import passes
@@ -159,7 +159,7 @@ class RunWarmup:
                                            step_rows=batch.rewards.shape[0], rollout=self.rollout)
             picked, source, self.choice = (choice.shapes.name, choice.prompts), "model", choice
         index, mask = names.index(picked[0]), np.array([b in picked[1] for b in buckets])
-        if jax.process_count() > 1:  # process 0 decides, so every process runs the same programs
+        if parallel.host_count() > 1:  # process 0 decides, so every process runs the same programs
             from jax.experimental import multihost_utils
 
             index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))

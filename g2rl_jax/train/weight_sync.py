@@ -13,18 +13,27 @@ NamedShardings copies each shard device to device. Across processes, parallel.sp
 training devices and a rollout mesh of its own, so the move stays inside each process: the training mesh first
 all-gathers each array (a collective over the training devices only, in the trainer's thread), then every
 process copies its local whole array onto its own rollout mesh (`jax.make_array_from_callback`). No Pathways,
-no server, no host round trip. JAX's cross-host device_put (different process sets, equal HLO shardings; TPU
-runtime, or CPU with jax_cross_host_transfer_socket_address) would serve a layout with one process per side,
-which split_meshes does not build (docs/async.md).
+no server, no host round trip.
+
+One process per side (parallel.side_meshes: the training and the rollout devices on disjoint process sets):
+`SideSync` moves the params with JAX's cross-host `jax.device_put` (multi-controller JAX, no Pathways): the
+training mesh all-gathers each array (its own collective), the training process holding the mesh's first device
+sends the whole array from that device to the first rollout device of each rollout process, device to device
+(on CPU over the DCN socket transfer that `enable_cross_host_transfers` switches on; the TPU runtime moves it
+natively), and each rollout process copies it onto its part of the rollout shardings. JAX 0.10 moves an array
+across process sets only between shardings of equal device count and HLO sharding, hence the one-device hop:
+the wire carries each array once per rollout process, whatever the two meshes' shapes.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from g2rl_jax import parallel
 from g2rl_jax.model import lora
@@ -49,7 +58,7 @@ def _replicated(x: jax.Array) -> jax.Array:
     sharding = x.sharding
     if x.is_fully_replicated:
         return x
-    return jax.jit(lambda a: a, out_shardings=NamedSharding(sharding.mesh, PartitionSpec()))(x)
+    return _gather_to(NamedSharding(sharding.mesh, PartitionSpec()))(x)
 
 
 def move(x: jax.Array, target: NamedSharding) -> jax.Array:
@@ -91,3 +100,123 @@ class WeightSync:
         jax.block_until_ready(moved)
         self.seconds = time.perf_counter() - t0
         return nnx.merge_state(moved, self._frozen)
+
+
+# ------------------------------------------------------------------------------------ one process per side
+@functools.cache
+def _gather_to(sharding: NamedSharding):
+    """One jitted copy onto `sharding` (cached: one program per shape, not per call)."""
+    return jax.jit(jnp.copy, out_shardings=sharding)
+
+
+def _whole_copy(x: jax.Array) -> jax.Array:
+    """A new buffer of all of x on every device of its mesh (an all-gather of x's mesh when x is sharded)."""
+    return _gather_to(NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+
+
+def enable_cross_host_transfers(address: str) -> None:
+    """Switch on JAX's socket transfers between processes (`address` = this host's "ip:port" for them), before
+    the backend starts: CPU needs it for a device_put across process sets; the TPU runtime does not."""
+    jax.config.update("jax_cross_host_transfer_socket_address", address)
+
+
+def _first_devices(mesh) -> list:
+    """The first device of each process of `mesh`, in process order (the hops of SideSync)."""
+    first: dict[int, object] = {}
+    for d in mesh.devices.flat:
+        first.setdefault(d.process_index, d)
+    return [first[p] for p in sorted(first)]
+
+
+def _placeholder(like, sharding):
+    """An array of `like`'s shape and dtype on `sharding`'s devices, none of which this process holds: the
+    handle a process passes to a device_put whose source (or result) lives on other processes."""
+    return jax.make_array_from_single_device_arrays(like.shape, sharding, [], dtype=like.dtype)
+
+
+class SideSync:
+    """Moves the trainable params from the training mesh to a rollout mesh on other processes (see the module
+    docstring). Every process of both sides calls `push` for each version, in the same order."""
+
+    def __init__(self, train_mesh, rollout_shardings: list[NamedSharding]):
+        self.src = SingleDeviceSharding(_first_devices(train_mesh)[0])
+        self.dst = [SingleDeviceSharding(d) for d in _first_devices(rollout_shardings[0].mesh)]
+        self.dst_processes = [d.process_index for d in _first_devices(rollout_shardings[0].mesh)]
+        self.sender = _first_devices(train_mesh)[0].process_index
+        self.train_processes = {d.process_index for d in train_mesh.devices.flat}
+        self.shardings = rollout_shardings
+        self.bytes = 0  # the payload of one push (once, not per rollout process)
+        self.seconds = 0.0  # the last push's wall time on this process (a rollout process: until arrival)
+        self.pushes = 0
+        self._held: dict[int, list] = {}  # the sender's pushes in flight: buffers live until every rollout has them
+
+    @staticmethod
+    def _ack_key(push: int, process: int) -> str:
+        return f"g2rl_side_sync/{push}/{process}"
+
+    def _arrived(self, push: int, block: bool) -> bool:
+        """Whether every rollout process has acknowledged push `push` (waiting for it with `block`)."""
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        for process in self.dst_processes:
+            key = self._ack_key(push, process)
+            if block:
+                client.blocking_key_value_get(key, 3_600_000)
+                continue
+            try:
+                client.key_value_try_get(key)
+            except jax.errors.JaxRuntimeError:  # not acknowledged yet
+                return False
+        return True
+
+    def _release(self, block: bool) -> None:
+        """Free the buffers of the pushes every rollout process has (all of them, waiting, with `block`). A rollout
+        process acknowledges each push when it arrives, through jax.distributed's key-value store."""
+        for push in sorted(self._held):
+            if not self._arrived(push, block):
+                return
+            del self._held[push]
+
+    def wait(self) -> None:
+        """Until every rollout process has every push so far."""
+        self._release(block=True)
+
+    def push(self, tree):
+        """On a training process, `tree` holds the arrays (on the training mesh); elsewhere anything with the
+        same tree structure, shapes and dtypes (jax.ShapeDtypeStruct). Returns the tree on the rollout shardings
+        on a rollout process, None on a training process."""
+        self._release(block=False)  # the sender does not wait for the rollout to take a version
+        t0 = time.perf_counter()
+        me = jax.process_index()
+        leaves, treedef = jax.tree.flatten(tree)
+        self.pushes += 1
+        if me in self.train_processes:  # the all-gather: a collective of the training mesh only
+            # fresh buffers (a replicated leaf too): the trainer may donate its params before the transfer ends
+            wholes = [_whole_copy(x) for x in leaves]
+            hop = self.src.device_set
+            sent = [next((s.data for s in w.addressable_shards if s.device in hop), None) for w in wholes]
+            sent = [x if x is not None else _placeholder(w, self.src) for x, w in zip(sent, wholes, strict=True)]
+        else:
+            sent = [_placeholder(x, self.src) for x in leaves]
+        arrived = None
+        for dst, process in zip(self.dst, self.dst_processes, strict=True):  # one batched device_put each
+            moved = jax.device_put(sent, [dst] * len(sent))
+            if process == me:
+                arrived = moved
+        self.bytes = nbytes(leaves)
+        if arrived is None:
+            if me == self.sender:
+                self._held[self.pushes] = sent
+            self.seconds = time.perf_counter() - t0
+            return None
+        local = [x.addressable_shards[0].data for x in arrived]
+        out = [jax.device_put(x, s) if s.is_fully_addressable
+               else jax.make_array_from_callback(x.shape, s, lambda index, x=x: x[index])
+               for x, s in zip(local, self.shardings, strict=True)]
+        jax.block_until_ready(out)
+        from jax._src import distributed
+
+        distributed.global_state.client.key_value_set(self._ack_key(self.pushes, me), "1")
+        self.seconds = time.perf_counter() - t0
+        return jax.tree.unflatten(treedef, out)
