@@ -132,7 +132,7 @@ def test_tensorboard_events_in_the_bucket_are_whole(killed_run):
 
 
 def test_second_trainer_is_refused_and_a_stale_lock_taken_over(gcs, assets, bucket, capsys):  # noqa: F811
-    from g2rl_jax.train.loop import main
+    from g2rl_jax.train.command import main
 
     out = gcs.url("runs/locked")
     with lock_held_elsewhere(out, _env()) as holder:
@@ -260,7 +260,7 @@ def test_gs_path_without_the_gcs_extra_is_one_line(assets, tmp_path):  # noqa: F
     """As if `pip install -e .` had left out the gcs extra: one line naming it, before any model loads."""
     cmd = _train_cmd(assets, "gs://my-bucket/runs/demo", steps=1)
     code = ("import sys; sys.modules['gcsfs'] = None\n"
-            "from g2rl_jax.train.loop import main\n"
+            "from g2rl_jax.train.command import main\n"
             f"sys.exit(main({cmd[cmd.index('--config'):]!r}))\n")
     done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)

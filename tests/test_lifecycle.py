@@ -16,8 +16,8 @@ import pytest
 from test_train import ROOT, _env, _train_cmd, assets, config, overrides  # noqa: F401 - assets is a fixture
 
 from g2rl_jax.config import ConfigError
+from g2rl_jax.train.command import main
 from g2rl_jax.train.lifecycle import HISTORY_FILE, LOCK_FILE, PREEMPTED_EXIT, RunLock, config_changes
-from g2rl_jax.train.loop import main
 from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import lock_held_elsewhere, xla_flags

@@ -27,7 +27,8 @@ from g2rl_jax.export import export
 from g2rl_jax.model import lora, peft_io
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.checkpoint import load_policy
-from g2rl_jax.train.loop import Trainer, main
+from g2rl_jax.train.command import main
+from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import placed_on_mesh_and_one_device

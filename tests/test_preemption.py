@@ -152,7 +152,7 @@ def test_of_racing_starters_on_a_stale_lock_exactly_one_wins(run_dir, tmp_path):
 # ------------------------------------------------------------------------------------------ a preemption, end to end
 @needs_hosts
 def test_preempted_vm_is_replaced_without_a_manual_step(gcs, assets, bucket, reference, tmp_path, capsys):  # noqa: F811
-    from g2rl_jax.train.loop import main
+    from g2rl_jax.train.command import main
 
     out = gcs.url("runs/preempted")
     env = dict(_env(), XLA_FLAGS=xla_flags(8), **{storage.CACHE_ENV: str(tmp_path / "cache")})
@@ -257,7 +257,7 @@ def test_a_storage_error_opening_the_run_is_not_called_a_config_error(assets, tm
     """A file the trainer does not find while it opens the run (here the policy's weights, missing from a model
     directory whose config.json is there, so every check passed) is one line labelled a storage error and naming the
     error's type (the storage client's message may be only an object's path), and the run lock is released."""
-    from g2rl_jax.train.loop import main
+    from g2rl_jax.train.command import main
 
     model, out = tmp_path / "policy", tmp_path / "run"
     shutil.copytree(assets["policy"], model, ignore=shutil.ignore_patterns("*.safetensors*"))

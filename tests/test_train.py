@@ -21,7 +21,8 @@ from g2rl_jax.config import ConfigError, load_config
 from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
-from g2rl_jax.train.loop import Trainer, main
+from g2rl_jax.train.command import main
+from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import HANG_S, kill_when, placed_on_mesh_and_one_device, tail, xla_flags

@@ -51,7 +51,7 @@ from g2rl_jax.config import load_config
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 cfg = load_config(config, overrides)
-if cfg.distributed.transfer_address:  # one process per side: what train/loop.py main does first
+if cfg.distributed.transfer_address:  # one process per side: what train/command.py main does first
     enable_cross_host_transfers(cfg.distributed.transfer_address)
     parallel.initialize_distributed(cfg.distributed)
     parallel.set_sides(cfg.mesh)

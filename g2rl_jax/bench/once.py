@@ -78,7 +78,7 @@ def watch():
         time.sleep(0.05)
 thread = threading.Thread(target=watch, daemon=True)
 thread.start()
-from g2rl_jax.train.loop import main
+from g2rl_jax.train.command import main
 code = main(argv)
 time.sleep(0.3)
 stop.append(1)

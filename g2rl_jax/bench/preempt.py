@@ -57,7 +57,7 @@ def _model_dir(root: Path) -> str:
 # the trainer, printing the traceback of an error it reports in one line (a loop that finds one should say where)
 TRAIN = ("import sys, traceback\nimport g2rl_jax.cli as cli\none_line = cli.fail\n"
          "def fail(command, err):\n    traceback.print_exception(err)\n    return one_line(command, err)\n"
-         "cli.fail = fail\nfrom g2rl_jax.train.loop import main\nsys.exit(main(sys.argv[1:]))\n")
+         "cli.fail = fail\nfrom g2rl_jax.train.command import main\nsys.exit(main(sys.argv[1:]))\n")
 
 
 def _cmd(model: str, out: str, steps: int, lease: float) -> list[str]:

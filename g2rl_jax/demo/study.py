@@ -11,7 +11,7 @@ zero, the published alternatives of docs/peers.md at their papers' settings, and
 the first study's diagnosis) with seeds 0 .. --seeds−1, seeds interleaved (seed 0 of every variant first); then, for
 whichever of g2rl_shaped and g2rl_zero has the higher mean held-out pass@1 (ties: shaped, the paper's equations),
 λ ∈ LAMBDAS besides the config's 0.5 with seeds 0 .. --lambda-seeds−1. A run is the real training command
-(`g2rl_jax.train.loop.main` with the task's config and the run's overrides: run.seed = data.shuffle_seed = seed)
+(`g2rl_jax.train.command.main` with the task's config and the run's overrides: run.seed = data.shuffle_seed = seed)
 followed by its held-out evaluation (`evaluate`: n samples per problem at temperature 1 from the final checkpoint,
 judged by the task's own checker; pass@k, distinct@k, maj@k per problem; the pairwise cosines of Φ of the first
 `--geometry-samples` responses per problem, as `g2rl_jax.analyze` takes them). The warm start is built (once,
@@ -253,7 +253,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _train(run: Run, run_dir: Path, args) -> int:
-    from g2rl_jax.train.loop import main as train_main
+    from g2rl_jax.train.command import main as train_main
 
     return train_main(["--config", str(args.config), *run.overrides, f"run.seed={run.seed}",
                        f"data.shuffle_seed={run.seed}", *args.overrides, f"run.output_dir={run_dir}"])

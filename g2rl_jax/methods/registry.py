@@ -13,8 +13,8 @@ and a few flags (`needs`: extra inputs of `rewards`; `ppo_clip`: whether the los
     register(Method("my_method", "one line: the paper and what it changes", rewards=my_rewards))
     get("my_method").rewards(group, algo)
 
-`train/step.py` (advantages, LossSettings, update), `token_terms` below and `train/loop.py` (keep_rows) dispatch
-through `get`;
+`train/step.py` (advantages, LossSettings, update), `token_terms` below and `train/update_rounds.py` (keep_rows)
+dispatch through `get`;
 `algorithm.exploration` accepts exactly the registered names (`NAMES`). A new method is one file in this package,
 imported by `g2rl_jax/methods/__init__.py`, plus its knobs (if any) in `AlgorithmConfig`.
 """

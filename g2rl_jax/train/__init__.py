@@ -7,7 +7,8 @@
   metrics.py     MetricsWriter (run.loggers: jsonl + TensorBoard / W&B, process 0 only, truncated on resume),
                  ProgressBar
   dynamic.py     DAPO dynamic sampling: which groups a step keeps over rollout rounds, merging the rounds
-  loop.py        the Trainer and `python -m g2rl_jax.train`; its rollout rounds and validation: sampling_rounds.py;
+  loop.py        the Trainer; command.py: `python -m g2rl_jax.train`; its rollout rounds and validation:
+                 sampling_rounds.py; its update (rows kept, mini-batches, PPO epochs): update_rounds.py;
                  stages.py: the `stage` context that names a failing stage and its input shapes
   step.py        one RL step's stages as pure functions (batch, score, reference, advantages, update); optim.py:
                  the optimizer and its sharded state; micro.py: length-grouped micro-batches

@@ -1,4 +1,4 @@
-"""`python -m g2rl_jax.train --config FILE [key=value ...]`: see g2rl_jax/train/loop.py."""
-from g2rl_jax.train.loop import main
+"""`python -m g2rl_jax.train --config FILE [key=value ...]`: see g2rl_jax/train/command.py."""
+from g2rl_jax.train.command import main
 
 raise SystemExit(main())

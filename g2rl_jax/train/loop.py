@@ -1,4 +1,4 @@
-"""The training loop: `python -m g2rl_jax.train --config FILE [key=value ...]`.
+"""The training loop (the command `python -m g2rl_jax.train --config FILE [key=value ...]` is train/command.py).
 
     trainer = Trainer(cfg)         # checks everything cheap first, then loads models, data, optimizer
     trainer.resume()               # from the newest checkpoint of run.output_dir, if any
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import sys
 import time
 from typing import Any
 
@@ -32,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from g2rl_jax import cli, methods, parallel, storage
-from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, save_resolved, to_dict
-from g2rl_jax.data import DataError, make_prompt_loader
+from g2rl_jax import methods, parallel, storage
+from g2rl_jax.config import Config, ConfigError, save_resolved, to_dict
+from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
@@ -44,9 +43,8 @@ from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.ahead import AheadSampler
-from g2rl_jax.train.checkpoint import Checkpointer, CheckpointError, check_model, checkpoint_dir, latest_step
+from g2rl_jax.train.checkpoint import Checkpointer, check_model, latest_step
 from g2rl_jax.train.lifecycle import (
-    PREEMPTED_EXIT,
     Preempted,
     RunLock,
     StopSignal,
@@ -57,7 +55,6 @@ from g2rl_jax.train.lifecycle import (
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, step_metrics
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
-    check_platforms,
     check_shared_output_dir,
     compilation_cache,
     embed_texts,
@@ -72,9 +69,9 @@ from g2rl_jax.train.setup import (
     stop_token_ids,
     usable_examples,
 )
-from g2rl_jax.train.sides import RemoteSampler, run_rollout_process
+from g2rl_jax.train.sides import RemoteSampler
 from g2rl_jax.train.stages import stage
-from g2rl_jax.train.weight_sync import enable_cross_host_transfers
+from g2rl_jax.train.update_rounds import UpdateRounds
 
 
 @dataclasses.dataclass
@@ -97,7 +94,7 @@ def _copy_tree(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-class Trainer(SamplingRounds):
+class Trainer(SamplingRounds, UpdateRounds):
     """Holds the run: mesh, policy (graphdef, params), reference params, optimizer, data iterator, checkpoints."""
 
     def __init__(self, cfg: Config):
@@ -311,70 +308,6 @@ class Trainer(SamplingRounds):
         metrics |= ahead
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 
-    def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B,
-                sampler_logp=None, entropy=None, step: int = 0) -> dict[str, float]:
-        algo = self.cfg.algorithm
-        keep_B = np.ones(adv_B.shape[0], bool)
-        if algo.filter_equal_groups:
-            keep_B = train_step.group_keep_mask(parallel.gather(batch.correct), batch.group_size)
-        groups_kept = float(keep_B.reshape(-1, batch.group_size)[:, 0].mean())
-        keep_B = keep_B & parallel.gather(in_loss_B).astype(bool)  # reward.truncated=mask
-        if self.method.keep_rows is not None:  # the method's own choice of rows (nsr: the wrong responses)
-            keep_B = keep_B & np.asarray(self.method.keep_rows(parallel.gather(batch.correct)))
-        # dropped responses stay in the batch (static shapes) with their response mask zeroed
-        keep_Bx1 = jnp.asarray(keep_B.astype(np.float32)[:, None])  # placed, nothing to compile
-        masked = lambda b: dataclasses.replace(b, response_mask=b.response_mask * keep_Bx1)  # noqa: E731
-        batch = masked(batch)
-        n, mb = adv_B.shape[0], algo.mini_batch_size
-        rules = self.method.tokens is not None  # Clip-Cov, KL-Cov, forking tokens: decided in each update
-        key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), step)
-
-        def minis_of(batch: train_step.Batch) -> list[train_step.MiniBatch]:
-            step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
-                                             sampler_logp)
-            if rules:
-                step_rows = train_step.with_token_fields(step_rows, algo)
-            return [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
-
-        minis, infos, plans = minis_of(batch), [], []
-        self.warmup.update(self.graphdef, self.params, minis[0], settings=self.settings, opt_state=self.opt_state,
-                           optimizer=self.optimizer,
-                           mini_like=lambda s: minis_of(masked(self._batch_like(batch, s)))[0])
-        for epoch in range(algo.ppo_epochs):
-            for i, rows in enumerate(minis):
-                plans.append(passes.plan_for(rows.batch, algo.micro_batch_size, shapes=self.warmup.layout,
-                                             in_loss=True))
-                rule = None
-                if rules:  # the step's first update starts from the behaviour policy: its scores are π_θ's
-                    first = epoch == 0 and i == 0
-                    current = (rows.old_logp_BxT, entropy[i * mb:(i + 1) * mb]) if first else None
-                    rule = train_step.TokenRule(algo, jax.random.fold_in(key, epoch * len(minis) + i), current)
-                    if not first:
-                        plans.append(plans[-1])  # the current policy's forward pass over the same micro-batches
-                self.params, self.opt_state, info = passes.update(
-                    self.graphdef, self.params, self.opt_state, rows, optimizer=self.optimizer,
-                    settings=self.settings, micro=algo.micro_batch_size, shapes=self.warmup.layout, rule=rule)
-                infos.append(info)
-        infos = jax.device_get(infos)
-        stepped = [i for i in infos if not int(i["empty"])] or infos  # empty mini-batches took no step
-        out = {k: float(np.mean([i[k] for i in stepped])) for k in infos[0] if k not in ("skipped", "empty")}
-        out["skipped_updates"] = int(sum(int(i["skipped"]) for i in infos))
-        out["groups_kept"] = groups_kept
-        out["update_tokens"] = algo.ppo_epochs * float(jnp.sum(batch.response_mask))  # response tokens trained
-        out["positions"] = sum(p.positions for p in plans)
-        out["padding"] = sum(p.padding for p in plans)
-        return out
-
-    def _batch_like(self, batch: train_step.Batch, prompt_len: int) -> train_step.Batch:
-        """A batch of zeros placed as `batch`, with prompts of `prompt_len` tokens (the warm-up's template for the
-        programs of another prompt bucket)."""
-        _, blocks = parallel.batch_block(self.mesh)
-        rows, t = batch.response_mask.shape[0] // blocks, batch.response_mask.shape[1]
-        zeros = lambda width: np.zeros((rows, width), np.int32)  # noqa: E731
-        like = train_step.build_batch(zeros(prompt_len), zeros(prompt_len) + 1, zeros(t), zeros(t),
-                                      np.zeros(rows, np.float32), np.zeros(rows, bool), batch.group_size)
-        return shard_rows(like, self.mesh)
-
     # ------------------------------------------------------------------------------------------- the loop
     def run(self, stop_after: int | None = None) -> list[dict[str, float]]:
         """Train until run.total_steps (or, for tests and notebooks, until step `stop_after`). With
@@ -464,60 +397,3 @@ class Trainer(SamplingRounds):
             writer.write(self.step, metrics)
             self.ckpt.save(self.step, self.state(), self.loader, force=True)
             raise
-
-
-def _setup_failure(err: BaseException) -> int:
-    """The one line of a Trainer that could not open the run: a check's error (config, data, a path given that is
-    not usable) is a config error; a file or object that a read or write did not find, or was refused, is a storage
-    error, named with its type (a storage client's message may be only the object's path)."""
-    if isinstance(err, (ConfigError, DataError)):
-        return cli.fail("config", err)
-    return cli.fail("storage", f"{type(err).__name__}: {err}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from g2rl_jax.config import format_help, parse_cli
-
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        cfg = parse_cli(argv)
-    except ConfigError as err:
-        return cli.fail("config", err)
-    if cfg is None:  # --help
-        print(format_help())
-        return 0
-    try:
-        if cfg.distributed.transfer_address:  # before the backend starts
-            enable_cross_host_transfers(cfg.distributed.transfer_address)
-        parallel.initialize_distributed(cfg.distributed)  # before anything touches the devices
-        check_platforms()
-        parallel.set_sides(cfg.mesh)  # one process per side: before any host collective
-    except ValueError as err:
-        return cli.fail("config", err)
-    if parallel.is_rollout_process(cfg.mesh):  # one process per side: this one draws the samples
-        return run_rollout_process(cfg)
-    try:
-        trainer = Trainer(cfg)
-    except cli.USER_ERRORS as err:
-        return _setup_failure(err)
-    except CheckpointError as err:
-        return cli.fail("checkpoint", err)
-    try:
-        start = trainer.resume()
-    except CheckpointError as err:
-        trainer.close()
-        return cli.fail("checkpoint", err)
-    if start and jax.process_index() == 0:
-        print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
-    trainer.run()
-    if trainer.preempted:
-        saved = (f"the checkpoint of step {trainer.step} is in {checkpoint_dir(trainer.run_dir)}" if trainer.step
-                 else "no step had finished, so there is no checkpoint")
-        print(f"stopped by SIGTERM after step {trainer.step}: {saved}. Resume with the same command, or "
-              f"`python -m g2rl_jax.train --config {trainer.run_dir / RESOLVED_NAME}`", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """One process per side (mesh.rollout_processes): the rollout process's loop, and the trainer's sampler that reads it.
 
     process 0 (training devices):   Trainer(cfg).run()   with   trainer.ahead = RemoteSampler(...)
-    process 1 (rollout devices):    RolloutSide(cfg).run()      (train/loop.py main picks it by process)
+    process 1 (rollout devices):    RolloutSide(cfg).run()      (train/command.py main picks it by process)
 
 The schedule is train/ahead.py's: step s is drawn with policy version max(first, s − k) (k = rollout.max_staleness),
 the launch's first step alone, later ones once the trainer has finished that first step; the lag is exactly
@@ -223,7 +223,7 @@ class RolloutSide(SamplingRounds):
 
 
 def run_rollout_process(cfg) -> int:
-    """train/loop.py main's branch for a rollout process (mesh.rollout_processes)."""
+    """train/command.py main's branch for a rollout process (mesh.rollout_processes)."""
     from g2rl_jax.train.setup import resolve_model_paths
 
     RolloutSide(resolve_model_paths(cfg)).run()

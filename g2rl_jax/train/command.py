@@ -1,0 +1,75 @@
+"""`python -m g2rl_jax.train --config FILE [key=value ...]`: parse the config, start jax.distributed, open the run
+(train/loop.py's Trainer), resume it and train; every failure a user can fix is one line and an exit code (2 for
+bad input, lifecycle.PREEMPTED_EXIT after SIGTERM; see docs/running.md)."""
+from __future__ import annotations
+
+import sys
+
+import jax
+
+from g2rl_jax import cli, parallel
+from g2rl_jax.config import RESOLVED_NAME, ConfigError
+from g2rl_jax.data import DataError
+from g2rl_jax.train.checkpoint import CheckpointError, checkpoint_dir
+from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
+from g2rl_jax.train.loop import Trainer
+from g2rl_jax.train.setup import check_platforms
+from g2rl_jax.train.sides import run_rollout_process
+from g2rl_jax.train.weight_sync import enable_cross_host_transfers
+
+
+def _setup_failure(err: BaseException) -> int:
+    """The one line of a Trainer that could not open the run: a check's error (config, data, a path given that is
+    not usable) is a config error; a file or object that a read or write did not find, or was refused, is a storage
+    error, named with its type (a storage client's message may be only the object's path)."""
+    if isinstance(err, (ConfigError, DataError)):
+        return cli.fail("config", err)
+    return cli.fail("storage", f"{type(err).__name__}: {err}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from g2rl_jax.config import format_help, parse_cli
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_cli(argv)
+    except ConfigError as err:
+        return cli.fail("config", err)
+    if cfg is None:  # --help
+        print(format_help())
+        return 0
+    try:
+        if cfg.distributed.transfer_address:  # before the backend starts
+            enable_cross_host_transfers(cfg.distributed.transfer_address)
+        parallel.initialize_distributed(cfg.distributed)  # before anything touches the devices
+        check_platforms()
+        parallel.set_sides(cfg.mesh)  # one process per side: before any host collective
+    except ValueError as err:
+        return cli.fail("config", err)
+    if parallel.is_rollout_process(cfg.mesh):  # one process per side: this one draws the samples
+        return run_rollout_process(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except cli.USER_ERRORS as err:
+        return _setup_failure(err)
+    except CheckpointError as err:
+        return cli.fail("checkpoint", err)
+    try:
+        start = trainer.resume()
+    except CheckpointError as err:
+        trainer.close()
+        return cli.fail("checkpoint", err)
+    if start and jax.process_index() == 0:
+        print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
+    trainer.run()
+    if trainer.preempted:
+        saved = (f"the checkpoint of step {trainer.step} is in {checkpoint_dir(trainer.run_dir)}" if trainer.step
+                 else "no step had finished, so there is no checkpoint")
+        print(f"stopped by SIGTERM after step {trainer.step}: {saved}. Resume with the same command, or "
+              f"`python -m g2rl_jax.train --config {trainer.run_dir / RESOLVED_NAME}`", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
