@@ -65,8 +65,8 @@ print("RESULT " + json.dumps(out))
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory, request):
     """Runs the cases the session selected (all by default; `-k` picks fewer)."""
-    picked = [item.callspec.params["case"] for item in request.session.items
-              if "case" in getattr(getattr(item, "callspec", None), "params", {})]
+    picked = [item.callspec.params["case"] for item in request.session.items  # this module's cases only
+              if item.path == request.path and "case" in getattr(getattr(item, "callspec", None), "params", {})]
     from test_train import assets as make_assets
 
     root = tmp_path_factory.mktemp("program_count")
