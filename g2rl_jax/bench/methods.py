@@ -101,19 +101,22 @@ def main(argv) -> int:
         model_path, _ = resolve_demo_paths(cfg.model.path, None)
         cfg = load_config(args.config, [*common, f"model.path={model_path}", "run.total_steps=3"])
         trainer = Trainer(cfg)
-        print(f"config {args.config} {' '.join(args.overrides)}; devices: {jax.device_count()} x "
-              f"{jax.devices()[0].device_kind}; model {trainer.model.config.num_params() / 1e6:.2f}M params")
-        trainer.step_stages(0)  # compiles the shared stages
-        result = trainer.step_stages(1)  # the batch every method is timed on, and the rest of a step's time
-        rest = sum(result.metrics[k] for k in ("rollout_seconds", "reward_seconds", "score_seconds"))
-        algos = {n: dataclasses.replace(cfg.algorithm, exploration=n, **KNOBS.get(n, {})) for n in names}
-        for n in names:  # compile each method's programs
-            time_method(trainer, result, algos[n], 2)
-        order = np.random.default_rng(0)
-        rounds = []
-        for r in range(args.repeats):  # every round in its own order: the machine's load drifts within a round
-            timed = {n: time_method(trainer, result, algos[n], 3 + r) for n in order.permutation(names)}
-            rounds.append(timed)
+        try:  # closed before the directory goes: its run lock's lease thread would find the lock gone
+            print(f"config {args.config} {' '.join(args.overrides)}; devices: {jax.device_count()} x "
+                  f"{jax.devices()[0].device_kind}; model {trainer.model.config.num_params() / 1e6:.2f}M params")
+            trainer.step_stages(0)  # compiles the shared stages
+            result = trainer.step_stages(1)  # the batch every method is timed on, and the rest of a step's time
+            rest = sum(result.metrics[k] for k in ("rollout_seconds", "reward_seconds", "score_seconds"))
+            algos = {n: dataclasses.replace(cfg.algorithm, exploration=n, **KNOBS.get(n, {})) for n in names}
+            for n in names:  # compile each method's programs
+                time_method(trainer, result, algos[n], 2)
+            order = np.random.default_rng(0)
+            rounds = []
+            for r in range(args.repeats):  # every round in its own order: the machine's load drifts within a round
+                timed = {n: time_method(trainer, result, algos[n], 3 + r) for n in order.permutation(names)}
+                rounds.append(timed)
+        finally:
+            trainer.close()
         print(f"batch {tuple(result.batch.input_ids.shape)}; rollout + rewards + scoring of the step: {rest:.3f} s")
     med = {n: {part: float(np.median([r[n][part] for r in rounds])) for part in ("advantages", "tokens", "update")}
            for n in names}

@@ -106,6 +106,7 @@ def main(argv) -> int:
                   "more --steps, or prompts of one length bucket, for compile-free figures.")
         runs = [r.metrics for r in results]
         shapes = [tuple(r.batch.input_ids.shape) for r in results]
+        trainer.close()  # before the directory goes: its run lock's lease thread would find the lock gone
         print(f"batches [rows, prompt + response positions]: {shapes} "
               f"(response {results[-1].batch.response_mask.shape[1]})")
     means = {name: float(np.mean([m[key] for m in runs])) for name, key in STAGES}
