@@ -92,21 +92,23 @@ def main(argv) -> int:
                                         "run.eval_every=0", *args.overrides, f"model.path={model_path}",
                                         f"run.total_steps={args.steps + 1}"])
         trainer = Trainer(cfg)
-        print(f"config {args.config} {' '.join(args.overrides)}; devices: {jax.device_count()} x "
-              f"{jax.devices()[0].device_kind}; model {trainer.model.config.num_params() / 1e6:.2f}M params")
-        compiled = compile_clock()
-        warm = trainer.step_stages(0)
-        print(f"warm-up step (compiles): {sum(warm.metrics[k] for _, k in STAGES):.2f} s, "
-              f"batch {tuple(warm.batch.input_ids.shape)}")
-        compiled[0] = 0.0
-        results = [trainer.step_stages(step) for step in range(1, args.steps + 1)]
-        if compiled[0] > 0:
-            print(f"WARNING: XLA compiled for {compiled[0]:.1f} s inside the timed steps (a prompt or response "
-                  "length bucket the warm-up step did not see); the stage times below include it. Rerun with "
-                  "more --steps, or prompts of one length bucket, for compile-free figures.")
-        runs = [r.metrics for r in results]
-        shapes = [tuple(r.batch.input_ids.shape) for r in results]
-        trainer.close()  # before the directory goes: its run lock's lease thread would find the lock gone
+        try:  # closed before the directory goes, also on an error: its run lock's lease thread would find the lock gone
+            print(f"config {args.config} {' '.join(args.overrides)}; devices: {jax.device_count()} x "
+                  f"{jax.devices()[0].device_kind}; model {trainer.model.config.num_params() / 1e6:.2f}M params")
+            compiled = compile_clock()
+            warm = trainer.step_stages(0)
+            print(f"warm-up step (compiles): {sum(warm.metrics[k] for _, k in STAGES):.2f} s, "
+                  f"batch {tuple(warm.batch.input_ids.shape)}")
+            compiled[0] = 0.0
+            results = [trainer.step_stages(step) for step in range(1, args.steps + 1)]
+            if compiled[0] > 0:
+                print(f"WARNING: XLA compiled for {compiled[0]:.1f} s inside the timed steps (a prompt or response "
+                      "length bucket the warm-up step did not see); the stage times below include it. Rerun with "
+                      "more --steps, or prompts of one length bucket, for compile-free figures.")
+            runs = [r.metrics for r in results]
+            shapes = [tuple(r.batch.input_ids.shape) for r in results]
+        finally:
+            trainer.close()
         print(f"batches [rows, prompt + response positions]: {shapes} "
               f"(response {results[-1].batch.response_mask.shape[1]})")
     means = {name: float(np.mean([m[key] for m in runs])) for name, key in STAGES}
