@@ -29,7 +29,7 @@ LORA_CONFIG = "configs/qwen3_1p7b_g2rl_lora.yaml"
 LORA_MODEL = "Qwen/Qwen3-1.7B-Base"  # a Hugging Face id; downloaded on first use (about 3.4 GB)
 LORA_PEAK_GIB = 10.33  # the planner's per-chip peak of LORA_CONFIG (compiled: 10.28 on v5e, T4 and L4)
 USABLE_FRACTION = 0.90  # share of a chip's memory a run may use, as g2rl_jax.plan.USABLE_FRACTION
-FUSED_ATTENTION_CC = (8, 0)  # cuDNN's fused attention needs Ampere (sm_80) or newer
+FUSED_ATTENTION_CC = (8, 0)  # model.config.FUSED_ATTENTION_CC (which a run's `auto` follows); this module loads no jax
 # a small step for the notebook's stage-by-stage cells on the demo model (one CPU core runs it in seconds)
 DEMO_STEP = ("data.prompts_per_step=4", "rollout.num_samples=8", "algorithm.mini_batch_size=32",
              "algorithm.micro_batch_size=32")

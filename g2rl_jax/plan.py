@@ -84,6 +84,7 @@ class Accelerator:
     chips: tuple[int, ...]  # slice sizes tried, smallest first
     slice_name: str  # format of the slice name, {n} = chips, {n2} = TensorCores
     platform: str = "tpu"  # decides model.attention=auto (splash on tpu, cudnn on gpu)
+    compute_capability: tuple[int, int] | None = None  # a GPU's; below sm_80 no cuDNN fused attention (xla)
 
     def label(self, n: int) -> str:
         return self.slice_name.format(n=n, n2=2 * n)
@@ -98,7 +99,7 @@ ACCELERATORS = (
     Accelerator("H200", 141, tuple(c for c in _POW2 if c <= 1024), "{n} x H200", "gpu"),
     Accelerator("A100", 80, tuple(c for c in _POW2 if c <= 1024), "{n} x A100 80GB", "gpu"),
     # a 16 GB GPU (Colab's T4, V100-16GB, ...): 16e9 bytes less CUDA's own reserve, 15 GiB as nvidia-smi shows
-    Accelerator("16GB", 15, (1, 2, 4, 8), "{n} x 16 GB GPU", "gpu"),
+    Accelerator("16GB", 15, (1, 2, 4, 8), "{n} x 16 GB GPU", "gpu", (7, 5)),
 )
 
 
@@ -134,9 +135,11 @@ class Plan:
         return self.persistent + max(self.rollout_phase, self.update_phase)
 
 
-def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -> Plan:
+def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu",
+         compute_capability: tuple[int, int] | None = None) -> Plan:
     """The per-device memory plan of `cfg` with architecture `model` on `devices` devices of `platform` ("tpu" or
-    "gpu": it decides the attention kernel, as model.config.resolve_attention does for a run)."""
+    "gpu", with its `compute_capability`: they decide the attention kernel, as model.config.resolve_attention does
+    for a run)."""
     mesh = resolve_mesh(cfg, devices)
     check_divisible(model, mesh)
     lora_on = cfg.model.lora.rank > 0
@@ -144,7 +147,7 @@ def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu") -
     runtime = RuntimeConfig(param_dtype=base_dtype, compute_dtype=cfg.model.compute_dtype,
                             remat=cfg.model.remat,
                             attention=resolve_attention(cfg.model.attention, DTYPES[cfg.model.compute_dtype],
-                                                        platform),
+                                                        platform, compute_capability),
                             kv_cache_dtype=cfg.model.kv_cache_dtype)
     n_local = param_elements(model, runtime, mesh)
     pbytes = n_local * nbytes(base_dtype)
@@ -219,7 +222,7 @@ def fits(cfg: Config, model: Qwen3Config) -> list[tuple[Accelerator, int | None,
             fitting = []
             for candidate in slice_meshes(cfg, chips):
                 try:
-                    p = plan(candidate, model, chips, acc.platform)
+                    p = plan(candidate, model, chips, acc.platform, acc.compute_capability)
                 except PlanError:
                     continue
                 if p.peak <= USABLE_FRACTION * acc.hbm_gib * GiB:
@@ -272,7 +275,7 @@ def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform:
     from g2rl_jax.aot import sides
 
     split, cfg = cfg, sides.colocated(cfg)
-    p = plan(cfg, model, devices, platform)
+    p = plan(cfg, model, devices, platform, target.compute_capability if target else None)
     rows = [("params", p.params), ("optimizer (AdamW mu, nu)", p.optimizer),
             ("gradients (f32 acc + micro)", p.gradients), ("reference model", p.reference),
             ("rollout KV cache", p.kv_cache), ("rollout temporaries", p.rollout_tmp),

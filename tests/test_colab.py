@@ -165,6 +165,19 @@ def test_one_account_of_the_t4(path):
     assert "T4" in text and "model.attention=xla" in text, path
 
 
+def test_auto_attention_on_the_colab_gpus_compile_devices():
+    """A T4 (sm_75) has no cuDNN fused attention: `auto` resolves to xla on its devices, cudnn on an L4's (sm_89)."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from g2rl_jax.aot import parse_target
+    from g2rl_jax.model.attention import mesh_kernel
+
+    kernels = {name: mesh_kernel("auto", jnp.bfloat16, Mesh(parse_target(name).devices(), ("data",)))
+               for name in ("t4", "l4")}
+    assert kernels == {"t4": "xla", "l4": "cudnn"}
+
+
 def test_colab_gpus_are_compile_targets():
     """`plan --target t4 / l4` (the fits docs/lora.md quotes): one card each, the memory CUDA reports for it."""
     from g2rl_jax.aot import parse_target

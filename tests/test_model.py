@@ -351,6 +351,19 @@ def test_resolve_attention_decides_every_case(requested, dtype, platform, kernel
     assert resolve_attention(requested, dtype, platform) == kernel
 
 
+@pytest.mark.parametrize("requested, cc, kernel", [
+    ("auto", (7, 5), "xla"), ("auto", (7, 0), "xla"), ("cudnn", (7, 5), "xla"),   # T4, V100: no fused kernel
+    ("auto", (8, 0), "cudnn"), ("auto", (9, 0), "cudnn"), ("cudnn", (8, 9), "cudnn"), ("auto", None, "cudnn"),
+])
+def test_resolve_attention_follows_the_gpus_compute_capability(requested, cc, kernel):
+    assert resolve_attention(requested, jnp.bfloat16, "gpu", cc) == kernel
+
+
+def test_colab_and_the_model_agree_on_the_fused_kernels_gpus():
+    from g2rl_jax import colab
+    assert colab.FUSED_ATTENTION_CC == model_config.FUSED_ATTENTION_CC
+
+
 def test_resolve_attention_rejects_cudnn_without_bfloat16_everywhere():
     for platform in ("cpu", "gpu", "tpu"):
         with pytest.raises(ValueError, match="needs compute_dtype='bfloat16'"):

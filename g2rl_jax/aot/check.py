@@ -23,11 +23,11 @@ from g2rl_jax.memory import PlanError, check_divisible, resolve_mesh
 
 
 def _plan_fits(cfg: Config, model, chips: int, limit: float, phase: str | None = None, *,
-               platform: str = "tpu") -> bool:
+               platform: str = "tpu", compute_capability: tuple[int, int] | None = None) -> bool:
     from g2rl_jax.plan import plan
 
     try:
-        p = plan(cfg, model, chips, platform)
+        p = plan(cfg, model, chips, platform, compute_capability)
     except (PlanError, ConfigError):
         return False
     peak = {"rollout": p.persistent + p.rollout_phase, "update": p.persistent + p.update_phase}.get(phase, p.peak)
@@ -40,7 +40,7 @@ def _replace(cfg: Config, group: str, **values) -> Config:
 
 def suggestions(cfg: Config, model, target: Target, phase: str, limit: float) -> list[str]:
     """Changes the planner says would fit this phase on this slice, then the smallest slice that fits as is."""
-    fits = functools.partial(_plan_fits, platform=target.platform)
+    fits = functools.partial(_plan_fits, platform=target.platform, compute_capability=target.compute_capability)
     out = []
     if phase in ("update", "score"):
         micro = cfg.algorithm.micro_batch_size
@@ -142,7 +142,8 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
     passes_s, decode_s = report_lib.step_time_estimate(cfg, model, shapes, target)
     lines = [header, "", *report_lib.table(results, target), "",
              "planner vs compiler, peak per chip by phase (program + state resident beside it):",
-             *report_lib.planner_rows(plan(cfg, model, target.chips, target.platform), results), "",
+             *report_lib.planner_rows(plan(cfg, model, target.chips, target.platform, target.compute_capability),
+                                      results), "",
              f"total compile time: {total:.1f} s for {len(progs)} programs on {threads} thread(s), {cpu:.1f} s of CPU "
              f"(rollout {sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s)",
              *bill_lib.bill(cfg, model, shapes, results, target, bill_lib.prompt_lengths(cfg)).lines(),

@@ -38,14 +38,15 @@ class Card:
     spec_file: str  # GpuTargetConfigProto text in gpu_targets/
     peak_tflops: float  # dense bfloat16, NVIDIA's data sheets (time estimates only)
     hbm_gbps: float  # memory bandwidth, as in the spec file (time estimates only)
+    compute_capability: tuple[int, int]  # as in the spec file; below sm_80 no cuDNN fused attention
 
 
 CARDS = {
-    "h100": Card("h100", "h100_sxm_80gb.txtpb", 989, 3352),
-    "h200": Card("h200", "h200_sxm_141gb.txtpb", 989, 4800),
-    "a100": Card("a100", "a100_sxm_80gb.txtpb", 312, 2039),
-    "l4": Card("l4", "l4_pcie.txtpb", 121, 300),  # Colab's L4 runtime (24 GB, sm_89)
-    "t4": Card("t4", "t4_pcie.txtpb", 65, 320),  # Colab's T4 runtime (16 GB, sm_75: no cuDNN fused attention)
+    "h100": Card("h100", "h100_sxm_80gb.txtpb", 989, 3352, (9, 0)),
+    "h200": Card("h200", "h200_sxm_141gb.txtpb", 989, 4800, (9, 0)),
+    "a100": Card("a100", "a100_sxm_80gb.txtpb", 312, 2039, (8, 0)),
+    "l4": Card("l4", "l4_pcie.txtpb", 121, 300, (8, 9)),  # Colab's L4 runtime (24 GB)
+    "t4": Card("t4", "t4_pcie.txtpb", 65, 320, (7, 5)),  # Colab's T4 runtime (16 GB: no cuDNN fused attention)
 }
 
 
@@ -95,7 +96,7 @@ def gpu_target(card_key: str, hosts: int, per_host: int, name: str | None = None
     label = name or gpu_name(card_key, hosts, per_host)
     return Target(name=label, platform="gpu", chips=hosts * per_host, hosts=hosts,
                   hbm_bytes=device_memory_bytes(card), topology=f"{card.key}:{topology(hosts, per_host)}",
-                  kind=card.key,
+                  kind=card.key, compute_capability=card.compute_capability,
                   peak_tflops=card.peak_tflops, hbm_gbps=card.hbm_gbps,
                   make_devices=lambda: gpu_devices(card, hosts, per_host), kernel_name="cudnn",
                   kernel_mark=CUDNN_MARK, caveat=WORKSPACE_CAVEAT, resize=lambda n: gpu_name(card_key, *hosts_of(n)))

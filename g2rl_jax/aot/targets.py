@@ -40,6 +40,7 @@ class Target:
     peak_tflops: float  # dense bfloat16 peak per chip (for time estimates only)
     hbm_gbps: float  # HBM bandwidth per chip, GB/s (for time estimates only)
     make_devices: Callable[[], Sequence] = dataclasses.field(repr=False, compare=False)
+    compute_capability: tuple[int, int] | None = None  # a GPU's; below sm_80 `auto` attention is xla
     kernel_name: str = "pallas"  # the platform's fused attention kernel, as the report's column names it
     kernel_mark: str = "tpu_custom_call"  # how that kernel appears in compiled HLO
     caveat: str = ""  # what the compiler's figures leave out on this platform, printed once under the report

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from g2rl_jax.model import packed_attention
-from g2rl_jax.model.config import resolve_attention
+from g2rl_jax.model.config import device_compute_capability, resolve_attention
 from g2rl_jax.parallel import DEFAULT_RULES
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows (padding queries) stay NaN-free
@@ -44,11 +44,17 @@ def mesh_platform(mesh) -> str | None:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+def mesh_kernel(requested: str, dtype, mesh=None) -> str:
+    """The kernel `requested` resolves to on `mesh`'s devices (their platform and, on GPU, compute capability)."""
+    cc = None if mesh is None or mesh.empty else device_compute_capability(mesh.devices.flat[0])
+    return resolve_attention(requested, dtype, mesh_platform(mesh), cc)
+
+
 def attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, backend: str = "xla", mesh=None, block: int = 0):
     """Causal GQA self-attention with a key padding mask; returns [B, L, H, K] in q's dtype. `mesh`: where the
     arrays live (rows over data x fsdp, heads over tensor); its devices' platform decides "auto". `block` > 0:
     packed rows (segment ids, each sequence one contiguous run), computed block-sparse on the xla backend."""
-    backend = resolve_attention(backend, q_BxLxHxK.dtype, mesh_platform(mesh))
+    backend = mesh_kernel(backend, q_BxLxHxK.dtype, mesh)
     if backend == "cudnn":
         return fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL)
     if backend == "splash":

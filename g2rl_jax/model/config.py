@@ -22,6 +22,7 @@ HF_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
 _LOG = logging.getLogger(__name__)
 _HARDWARE = {"cudnn": "gpu", "splash": "tpu"}  # the platform each fused kernel needs
 _FUSED = {hw: kernel for kernel, hw in _HARDWARE.items()}  # "auto"'s pick on that platform
+FUSED_ATTENTION_CC = (8, 0)  # cuDNN's fused attention needs Ampere (sm_80) or newer: not a T4 (7.5) or V100 (7.0)
 _warned: set[str] = set()
 
 
@@ -41,23 +42,37 @@ def check_attention(requested: str, compute_dtype) -> None:
                          f"has no float32 kernel), got {jnp.dtype(compute_dtype).name!r}")
 
 
-def resolve_attention(requested: str, compute_dtype, platform: str | None = None) -> str:
+def device_compute_capability(device) -> tuple[int, int] | None:
+    """A GPU device's (major, minor) CUDA compute capability (also a compile-only topology device's); None off GPU."""
+    text = getattr(device, "compute_capability", None)  # a CUDA device's attribute, e.g. "9.0"
+    if device.platform != "gpu" or not text:
+        return None
+    major, _, minor = str(text).partition(".")
+    return int(major), int(minor or 0)
+
+
+def resolve_attention(requested: str, compute_dtype, platform: str | None = None,
+                      compute_capability: tuple[int, int] | None = None) -> str:
     """The attention kernel that runs for `requested` ("auto" | "xla" | "cudnn" | "splash") with this compute
-    dtype on `platform` (default: jax's backend). The one place that decides it:
+    dtype on `platform` (default: jax's backend, and then its GPU's compute capability). The one place that decides:
       auto      splash on TPU, cudnn on GPU with bfloat16 compute, xla otherwise;
       cudnn     needs bfloat16 compute (ValueError otherwise);
-      a fused kernel whose hardware is absent falls back to xla, with one logged warning per kernel."""
+      a fused kernel whose hardware is absent (cudnn on a GPU older than FUSED_ATTENTION_CC) falls back to xla,
+      with one logged warning per kernel."""
     check_attention(requested, compute_dtype)
-    platform = jax.default_backend() if platform is None else platform
+    if platform is None:
+        platform, compute_capability = jax.default_backend(), device_compute_capability(jax.devices()[0])
+    old_gpu = platform == "gpu" and compute_capability is not None and compute_capability < FUSED_ATTENTION_CC
     if requested == "auto":
         fused = _FUSED.get(platform, "xla")
-        return "xla" if fused == "cudnn" and jnp.dtype(compute_dtype) != jnp.bfloat16 else fused
-    if requested == "xla" or platform == _HARDWARE[requested]:
+        return "xla" if fused == "cudnn" and (old_gpu or jnp.dtype(compute_dtype) != jnp.bfloat16) else fused
+    if requested == "xla" or (platform == _HARDWARE[requested] and not old_gpu):
         return requested
     if requested not in _warned:
         _warned.add(requested)
-        _LOG.warning("attention backend %r needs a %s but jax runs on %s; using 'xla' instead",
-                     requested, _HARDWARE[requested], platform)
+        where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}" if old_gpu else platform)
+        _LOG.warning("attention backend %r needs a %s%s but jax runs on %s; using 'xla' instead", requested,
+                     _HARDWARE[requested], " of sm_80 or newer" if old_gpu else "", where)
     return "xla"
 
 
