@@ -32,6 +32,7 @@ key-value store lives in the trainer process, so a relaunch of both starts from 
 """
 from __future__ import annotations
 
+import contextlib
 import pickle
 import signal
 import sys
@@ -94,6 +95,23 @@ def _get(key: str, ended=lambda: None):
             if value is None:
                 raise TrainerEnded(code)
             return value
+
+
+def end_rollout(step: int, code: int) -> None:
+    """Tell the rollout process that the trainer ends after step `step` with exit code `code`: it ends too."""
+    _client().key_value_set_bytes(f"{PREFIX}/stop", pickle.dumps((step, code)), allow_overwrite=True)
+
+
+@contextlib.contextmanager
+def told_if_failed(mesh_cfg):
+    """Around the trainer's setup: with mesh.rollout_processes, a setup that fails tells the rollout process, which
+    would otherwise wait for the trainer's start."""
+    try:
+        yield
+    except BaseException:
+        if mesh_cfg.rollout_processes:
+            end_rollout(0, ENDED_EARLY_EXIT)
+        raise
 
 
 def _trainer_ended():
@@ -213,7 +231,7 @@ class RemoteSampler:
         from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 
         code = 0 if self.trainer.step >= self.total else PREEMPTED_EXIT if self.trainer.preempted else ENDED_EARLY_EXIT
-        _set("stop", (self.trainer.step, code))
+        end_rollout(self.trainer.step, code)
         if self._first is not None:
             self.sync.wait()
 
