@@ -58,7 +58,7 @@ ENDED_EARLY_EXIT = 1  # the rollout process, when the trainer ended before run.t
 
 
 class TrainerEnded(Exception):
-    """The trainer set `g2rl_sides/stop` while the rollout process waited for it (its exit code)."""
+    """The trainer set `g2rl_sides/stop` while the rollout process waited for it: (its last step, exit code)."""
 
 
 def _client():
@@ -115,7 +115,7 @@ def told_if_failed(mesh_cfg):
 
 
 def _trainer_ended():
-    """The trainer's exit code once it has ended (it sets `stop`), else None."""
+    """(the trainer's last step, its exit code) once it has ended (it sets `stop`), else None."""
     return _try("stop")
 
 
@@ -129,7 +129,10 @@ class Lease:
     def renew(self) -> Lease:
         def renew_forever():
             while not self._done.wait(self.seconds / 3):
-                _client().key_value_increment(f"{PREFIX}/alive", 1)
+                try:
+                    _client().key_value_increment(f"{PREFIX}/alive", 1)
+                except jax.errors.JaxRuntimeError:  # the trainer (and the store with it) is gone: JAX ends us
+                    return
 
         _client().key_value_increment(f"{PREFIX}/alive", 1)
         threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
@@ -302,8 +305,8 @@ class RolloutSide(SamplingRounds):
             self._draw_all()
         except TrainerEnded as ended:
             step, code = ended.args[0]
-            print(f"the trainer ended after step {step} of {self.cfg.run.total_steps}: this rollout process ends "
-                  "too (relaunch both processes with the same command to resume)", file=sys.stderr, flush=True)
+            print(f"the trainer ended after step {step} of {self.cfg.run.total_steps} (its log says why): this "
+                  "rollout process ends too; relaunch both processes together", file=sys.stderr, flush=True)
             return code
         return 0
 
