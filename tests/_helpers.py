@@ -10,7 +10,9 @@
 Multi-host on localhost: `run_processes` starts several processes at once, joined by jax.distributed (CPU, gloo
 collectives) through a coordinator on a free port, each with `devices` fake CPU devices (the suite's XLA flags,
 `xla_flags`) and tests/ on its PYTHONPATH; it waits for all of them (killing what still runs `timeout` seconds after
-the start, a hang guard) and fails the test, with the end of its log, when one hung or exited non-zero.
+the start, a hang guard) and fails the test, with the end of its log, when one hung or exited non-zero. It is
+g2rl_jax/localhost.py's launcher (the benches' too), with these checks; tests that signal one of the processes use
+`localhost.Processes` directly.
 """
 from __future__ import annotations
 

@@ -118,8 +118,10 @@ def test_sigterm_to_the_trainer_stops_both_with_a_checkpoint(stopped):
 def test_a_killed_trainer_ends_the_rollout_process_at_once(stopped):
     codes, logs, seconds = stopped["stops"]["trainer_killed"]
     assert codes[TRAINER] == -signal.SIGKILL
-    assert codes[ROLLOUT] not in (0, None), logs[ROLLOUT][-3000:]  # JAX's coordination client ends it
-    assert "JAX distributed service detected fatal errors" in logs[ROLLOUT], logs[ROLLOUT][-3000:]
+    # JAX's coordination client ends it (SIGABRT), or it notices first and ends in its own line
+    assert codes[ROLLOUT] in (-signal.SIGABRT, PEER_LOST_EXIT), logs[ROLLOUT][-3000:]
+    assert ("JAX distributed service detected fatal errors" in logs[ROLLOUT]
+            or "the trainer process is gone" in logs[ROLLOUT]), logs[ROLLOUT][-3000:]
     assert seconds < 60, seconds
 
 

@@ -33,6 +33,7 @@ key-value store lives in the trainer process, so a relaunch of both starts from 
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
 import sys
@@ -358,6 +359,11 @@ def run_rollout_process(cfg) -> int:
         with halt.PeerWatch():  # the trainer's halt.stop_everywhere (a lost run lock, a storage failure) ends it too
             return RolloutSide(resolve_model_paths(cfg)).run()
     except Exception as err:  # noqa: BLE001 - its traceback, then one line that ends the trainer too
+        if isinstance(err, jax.errors.JaxRuntimeError) and "UNAVAILABLE" in str(err):
+            # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
+            print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
+                  "process ends; relaunch both processes together", file=sys.stderr, flush=True)
+            os._exit(PEER_LOST_EXIT)
         traceback.print_exc()
         halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)
     finally:
