@@ -76,7 +76,9 @@ class RunConfig:
                                    "seconds; a lock not renewed this long is stale from any host, so a preempted "
                                    "run's relaunch (another VM) takes the run over after at most this wait; >= 9 "
                                    "(GCS takes about one update per second per object: renewals every 3 s or more "
-                                   "leave room for a takeover or a release)")
+                                   "leave room for a takeover or a release); with mesh.rollout_processes the "
+                                   "rollout process renews a lease as often, and a trainer that sees no renewal "
+                                   "this long stops in one line (docs/async.md)")
 
     def __post_init__(self):
         _check(self.output_dir.strip() != "", "run.output_dir",

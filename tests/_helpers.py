@@ -10,19 +10,18 @@
 Multi-host on localhost: `run_processes` starts several processes at once, joined by jax.distributed (CPU, gloo
 collectives) through a coordinator on a free port, each with `devices` fake CPU devices (the suite's XLA flags,
 `xla_flags`) and tests/ on its PYTHONPATH; it waits for all of them (killing what still runs `timeout` seconds after
-the start, a hang guard) and fails the test, with the end of its log, when one hung or exited non-zero.
+the start, a hang guard) and fails the test, with the end of its log, when one hung or exited non-zero. It is
+g2rl_jax/localhost.py's launcher (the benches' too), with these checks; tests that signal one of the processes use
+`localhost.Processes` directly.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import pathlib
-import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -30,6 +29,7 @@ import jax
 import pytest
 from flax import nnx
 
+from g2rl_jax import localhost
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.parallel import DEFAULT_RULES, state_shardings
 
@@ -39,8 +39,7 @@ from hf_tiny import make_tiny_qwen3_dir
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a test's subprocess with `devices` fake CPU devices: the suite's flags (conftest.py) with that
     device count. (g2rl_jax, imported first there, sizes XLA:CPU's pool for that count.)"""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+ ?", "", os.environ.get("XLA_FLAGS", ""))
-    return f"--xla_force_host_platform_device_count={devices} {flags}".strip()
+    return localhost.cpu_env(devices)["XLA_FLAGS"]
 
 
 # The demo command's overrides in the suite (tests/conftest.py `demo_run`): four steps, a checkpoint and an evaluation
@@ -134,53 +133,28 @@ def placed_on_mesh_and_one_device(trainer, batch):
 
 # ------------------------------------------------------------------------------------------- multi-host
 TESTS = pathlib.Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = localhost.free_port
 
 
 def process_env(devices: int) -> dict[str, str]:
     """The environment of one process: JAX on CPU with `devices` fake devices, tests/ importable."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
+    env = localhost.cpu_env(devices)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     return env
 
 
-def trainer_args(process_id: int, port: int, num_processes: int = 2) -> list[str]:
-    """The `distributed.*` overrides that make a trainer process `process_id` of `num_processes`."""
-    return [f"distributed.coordinator_address=127.0.0.1:{port}", f"distributed.num_processes={num_processes}",
-            f"distributed.process_id={process_id}"]
+def trainer_args(process_id: int, port: int, num_processes: int = 2, *, transfers: bool = False) -> list[str]:
+    """The `distributed.*` overrides that make a trainer process `process_id` of `num_processes` (with
+    `transfers`, JAX's socket transfers too: one process per side)."""
+    return localhost.distributed_args(process_id, port, num_processes, transfers=transfers)
 
 
 def run_processes(command: Callable[[int, int], list[str]], *, timeout: float, processes: int = 2,
                   devices: int = 4) -> list[str]:
     """Start `command(process_id, port)` for every process id at once, wait for all; their logs (stdout and stderr),
-    after asserting that each exited 0."""
-    port, deadline = free_port(), time.monotonic() + timeout
-    with contextlib.ExitStack() as stack:
-        files = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(processes)]
-        procs = []  # each writes to a file, not a pipe: a full pipe would stall its process while the other waits
-        try:
-            for i, log in enumerate(files):
-                procs.append(subprocess.Popen(command(i, port), env=process_env(devices), stdout=log,
-                                              stderr=subprocess.STDOUT))
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):  # reported below, with its log
-                    p.wait(timeout=max(deadline - time.monotonic(), 0))
-            hung = [i for i, p in enumerate(procs) if p.poll() is None]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        logs = []
-        for log in files:
-            log.seek(0)
-            logs.append(log.read().decode(errors="replace"))
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert i not in hung, f"process {i} was still running after {timeout} s (a hang?), killed:\n{log[-4000:]}"
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-4000:]}"
-    return logs
+    after asserting that each exited 0 (g2rl_jax/localhost.py runs them)."""
+    ran = localhost.run(command, timeout=timeout, processes=processes, devices=devices, env=process_env(devices))
+    for i, (code, log) in enumerate(ran):
+        assert code is not None, f"process {i} was still running after {timeout} s (a hang?), killed:\n{log[-4000:]}"
+        assert code == 0, f"process {i} exited {code}:\n{log[-4000:]}"
+    return [log for _, log in ran]

@@ -10,10 +10,12 @@ steps differ by the lag only, and their importance weights are finite; both proc
 """
 import numpy as np
 import pytest
-from test_multihost import _cmd, _env, _free_port, assets  # noqa: F401 - assets is a fixture
+from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import storage
 from g2rl_jax.train.metrics import read_metrics
+
+from _helpers import run_processes, trainer_args
 
 STEPS = 3
 HANG_S = 900  # a hang guard only (a hang is what this test exists to rule out)
@@ -21,29 +23,10 @@ AHEAD = ("mesh.rollout_devices=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1"
          "algorithm.rollout_is_cap=2.0", "run.eval_every=0")
 
 
-def _run_two_processes(assets, out, steps, extra=()):  # noqa: F811
-    import subprocess
-
-    port = _free_port()
-    procs = [subprocess.Popen(
-        _cmd(assets, out, steps, [*extra, f"distributed.coordinator_address=127.0.0.1:{port}",
-                                  "distributed.num_processes=2", f"distributed.process_id={i}"]),
-        env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=HANG_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-4000:]}"
-
-
 @pytest.fixture(scope="module")
 def one_step_off(assets, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("async_multihost") / "run"
-    _run_two_processes(assets, out, STEPS, AHEAD)
+    run_processes(lambda i, port: _cmd(assets, out, STEPS, [*AHEAD, *trainer_args(i, port)]), timeout=HANG_S)
     return out
 
 

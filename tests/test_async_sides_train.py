@@ -1,54 +1,78 @@
 """One process per side in the trainer (mesh.rollout_processes=1, train/sides.py): two `python -m g2rl_jax.train`
 processes on localhost joined by jax.distributed (CPU, gloo, JAX's socket transfers), one fake device each;
 process 0 holds the training mesh, process 1 the rollout mesh. The weights cross by cross-host jax.device_put,
-the samples by jax.distributed's key-value store.
+the samples by jax.distributed's key-value store. Launched by g2rl_jax/localhost.py.
 
 Checks: one-step-off (k = 1) gives the metrics of the same run on one process with its two devices split 1 + 1
 (mesh.rollout_devices=1), and the lag metrics say version max(0, s - 1) drew step s; k = 0 gives the colocated
-run's metrics (one process, one device).
+run's metrics (one process, one device). Stops and resumes, all in one run directory, one launch after the other:
+SIGTERM to the trainer (both processes stop, the trainer with a checkpoint of its step), kill -9 of the trainer
+(JAX ends the rollout process at once), kill -9 of the rollout process (the trainer stops with one line within its
+lease), each followed by a relaunch of both; the finished run's metrics equal the uninterrupted run's, every field
+but the timings and the compile counts.
+
+Costs: 6 two-process launches and 2 one-process runs of the tiny model (each mostly its first step's compiles).
 """
-import subprocess
+import pathlib
+import signal
+import time
 
 import pytest
 from test_async import _same
-from test_multihost import _cmd, _env, _free_port, assets  # noqa: F401 - assets is a fixture
+from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
+from g2rl_jax import localhost
+from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.sides import PEER_LOST_EXIT
 
-STEPS = 3
-HANG_S = 300  # a hang guard only
-ONE = ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "run.eval_every=0")
+from _helpers import process_env, run_processes, trainer_args
+
+STEPS = 10  # steps after the first take milliseconds: enough of them that each stop below lands mid-run
+HANG_S = 600  # a hang guard only
+LEASE_S = 9  # run.lock_lease_seconds (its smallest): a trainer hears of a dead rollout process within it
+ONE = ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "run.eval_every=0", f"run.lock_lease_seconds={LEASE_S}")
 K1 = ("rollout.max_staleness=1", "algorithm.rollout_is_cap=2.0")
+TRAINER, ROLLOUT = 0, 1
 
 
-def _launch(cmds, devices):
-    procs = [subprocess.Popen(c, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    try:
-        logs = [p.communicate(timeout=HANG_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [f"process {i} exited {p.returncode}:\n{log[-3000:]}" for i, (p, log) in enumerate(zip(procs, logs))
-              if p.returncode != 0]
-    assert not failed, "\n".join(failed)
+def _sides_cmd(assets, out, extra):  # noqa: F811
+    return lambda i, port: _cmd(assets, out, STEPS, [*ONE, *extra, "mesh.rollout_processes=1",
+                                                     *trainer_args(i, port, transfers=True)])
 
 
 def _sides(assets, out, extra):  # noqa: F811
-    port = _free_port()
-    _launch([_cmd(assets, out, STEPS, [*ONE, *extra, "mesh.rollout_processes=1",
-                                       f"distributed.coordinator_address=127.0.0.1:{port}",
-                                       "distributed.num_processes=2", f"distributed.process_id={i}",
-                                       f"distributed.transfer_address=127.0.0.1:{_free_port()}"])
-             for i in range(2)], devices=1)
+    run_processes(_sides_cmd(assets, out, extra), timeout=HANG_S, devices=1)
     return read_metrics(out)
 
 
 def _one_process(assets, out, extra, devices):  # noqa: F811
-    _launch([_cmd(assets, out, STEPS, [*ONE, *extra])], devices=devices)
+    run_processes(lambda i, port: _cmd(assets, out, STEPS, [*ONE, *extra]), timeout=HANG_S, processes=1,
+                  devices=devices)
     return read_metrics(out)
+
+
+def _committed(out: pathlib.Path, step: int) -> bool:
+    ckpts = out / "checkpoints"
+    return ckpts.is_dir() and any(p.name == str(step) for p in ckpts.iterdir())
+
+
+def _stop_at(assets, out, victim: int, sig: int, step: int) -> tuple[list[int | None], list[str], float]:  # noqa: F811
+    """Launch both processes, send `sig` to process `victim` the moment step `step`'s checkpoint is committed, and
+    wait for both (at most HANG_S): their exit codes, logs, and the survivor's seconds from the signal to its end."""
+    with localhost.Processes(_sides_cmd(assets, out, K1), devices=1, env=process_env(1)) as procs:
+        t0 = time.monotonic()
+        while not _committed(out, step):
+            codes = [p.poll() for p in procs.procs]
+            assert codes == [None, None] and time.monotonic() - t0 < HANG_S, (codes, procs.log(0)[-3000:],
+                                                                     procs.log(1)[-3000:])
+            time.sleep(0.005)
+        assert procs.procs[victim].poll() is None, f"process {victim} ended before step {step}'s checkpoint"
+        procs.procs[victim].send_signal(sig)
+        t_signal = time.monotonic()
+        procs.wait(HANG_S, which=[victim])
+        codes = procs.wait(HANG_S)
+        return codes, [procs.log(0), procs.log(1)], time.monotonic() - t_signal
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +84,62 @@ def runs(assets, tmp_path_factory):  # noqa: F811
             "colocated": _one_process(assets, tmp / "colocated", (), devices=1)}
 
 
+@pytest.fixture(scope="module")
+def stopped(assets, tmp_path_factory):  # noqa: F811
+    """One run directory, four launches: SIGTERM to the trainer after step 1's checkpoint, kill -9 of the trainer
+    after step 3's, kill -9 of the rollout process after step 5's, then a launch that finishes the run."""
+    out = tmp_path_factory.mktemp("async_sides_stopped") / "run"
+    stops = {"sigterm": _stop_at(assets, out, TRAINER, signal.SIGTERM, 1),
+             "trainer_killed": _stop_at(assets, out, TRAINER, signal.SIGKILL, 3),
+             "rollout_killed": _stop_at(assets, out, ROLLOUT, signal.SIGKILL, 5)}
+    run_processes(_sides_cmd(assets, out, K1), timeout=HANG_S, devices=1)
+    return {"stops": stops, "records": read_metrics(out)}
+
+
 def test_one_process_per_side_one_step_off_equals_the_one_process_split(runs):
     got = runs["sides_k1"]
-    assert [r["policy_version"] for r in got] == [0.0, 0.0, 1.0]
-    assert [r["staleness_max"] for r in got] == [0.0, 1.0, 1.0]
+    assert [r["policy_version"] for r in got] == [0.0, *range(STEPS - 1)]
+    assert [r["staleness_max"] for r in got] == [0.0, *[1.0] * (STEPS - 1)]
     assert all(r["weight_sync_bytes"] > 0 for r in got)
     _same(got, runs["split_k1"])
 
 
 def test_one_process_per_side_serial_equals_colocated(runs):
     _same(runs["sides_k0"], runs["colocated"])
+
+
+def test_sigterm_to_the_trainer_stops_both_with_a_checkpoint(stopped):
+    codes, logs, _ = stopped["stops"]["sigterm"]
+    assert codes == [PREEMPTED_EXIT, PREEMPTED_EXIT], logs
+    assert "stopped by SIGTERM after step" in logs[TRAINER], logs[TRAINER][-3000:]
+    assert "the trainer ended after step" in logs[ROLLOUT], logs[ROLLOUT][-3000:]
+
+
+def test_a_killed_trainer_ends_the_rollout_process_at_once(stopped):
+    codes, logs, seconds = stopped["stops"]["trainer_killed"]
+    assert codes[TRAINER] == -signal.SIGKILL
+    # JAX's coordination client ends it (SIGABRT), or it notices first and ends in its own line
+    assert codes[ROLLOUT] in (-signal.SIGABRT, PEER_LOST_EXIT), logs[ROLLOUT][-3000:]
+    assert ("JAX distributed service detected fatal errors" in logs[ROLLOUT]
+            or "the trainer process is gone" in logs[ROLLOUT]), logs[ROLLOUT][-3000:]
+    assert seconds < 60, seconds
+
+
+def test_a_killed_rollout_process_ends_the_trainer_in_one_line_within_its_lease(stopped):
+    codes, logs, seconds = stopped["stops"]["rollout_killed"]
+    assert codes == [PEER_LOST_EXIT, -signal.SIGKILL], logs[TRAINER][-3000:]
+    assert "the rollout process (mesh.rollout_processes) has not renewed its lease" in logs[TRAINER]
+    assert "Traceback" not in logs[TRAINER], logs[TRAINER][-3000:]
+    assert seconds < LEASE_S + 30, seconds  # the lease, the other processes' 5 s to take the line, a loaded machine
+
+
+def test_stops_and_relaunches_give_the_uninterrupted_run(runs, stopped):
+    """Every field of every step equal, but the timings and the compile counts (a relaunch compiles anew)."""
+    got, want = stopped["records"], runs["sides_k1"]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+
+    def kept(record):
+        return {k: v for k, v in record.items() if "second" not in k and k != "programs_compiled"}
+
+    for rg, rw in zip(got, want, strict=True):
+        assert kept(rg) == kept(rw), rw["step"]

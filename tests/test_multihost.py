@@ -25,7 +25,7 @@ from g2rl_jax.config import DistributedConfig, MeshConfig
 from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train.metrics import read_metrics
 
-from _helpers import free_port, process_env, run_processes, trainer_args
+from _helpers import process_env, run_processes, trainer_args
 from hf_tiny import make_tiny_qwen3_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,7 +65,6 @@ def _cmd(assets, out, steps, extra=()):
             *[f"{k}={v}" for k, v in ov.items()], *extra]
 
 
-_env, _free_port = process_env, free_port  # tests/test_async_multihost.py imports these two from here
 
 
 def _run_two_processes(assets, out, steps, extra=()):

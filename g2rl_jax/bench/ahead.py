@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -122,12 +121,6 @@ def summarize(run: dict, samples_per_step: int) -> dict[str, float]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(name: str, a, shared: dict, tmp: Path) -> dict:
     variant = {**variant_overrides(name, a.rollout_devices), "run.output_dir": str(tmp / name)}
     sides = name.startswith("sides_")
@@ -142,13 +135,12 @@ def _run(name: str, a, shared: dict, tmp: Path) -> dict:
         if done.returncode:
             raise SystemExit(f"{name}: the run failed:\n{done.stderr[-3000:]}")
         return json.loads(out.read_text())
-    port = _free_port()
-    procs = [subprocess.Popen([*cmd, f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-                               f"distributed.process_id={i}", f"distributed.transfer_address=127.0.0.1:{_free_port()}"],
-                              env=dict(env, G2RL_BENCH_PIN=str(i % (os.cpu_count() or 1))), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
-    errors = [p.communicate()[1] for p in procs]
-    failed = [f"process {i}:\n{e[-2000:]}" for i, (p, e) in enumerate(zip(procs, errors)) if p.returncode]
+    from g2rl_jax import localhost
+
+    ran = localhost.run(lambda i, port: [*cmd, *localhost.distributed_args(i, port, 2, transfers=True)],
+                        timeout=86400.0, devices=1,
+                        env=lambda i: dict(env, G2RL_BENCH_PIN=str(i % (os.cpu_count() or 1))))
+    failed = [f"process {i}:\n{log[-2000:]}" for i, (code, log) in enumerate(ran) if code != 0]
     if failed:
         raise SystemExit(f"{name}: the run failed:\n" + "\n".join(failed))
     return json.loads(out.read_text())

@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import pickle
-import socket
-import subprocess
 import sys
 import time
 
@@ -42,12 +40,6 @@ def parse_args(argv):
     p.add_argument("--pin", action="store_true", help="pin process i to CPU core i (os.sched_setaffinity)")
     p.add_argument("--worker", type=int, nargs=2, metavar=("PROCESS_ID", "PORT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _qwen3_config(name: str):
@@ -123,29 +115,19 @@ def worker(a) -> None:
 
 def launch(a, timeout: float = 600.0) -> list[dict]:
     """Run the processes; the rollout processes' JSON lines."""
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices} {flags}".strip()
+    from g2rl_jax import localhost
+
     args = ["--processes", str(a.processes), "--rollout-processes", str(a.rollout_processes), "--devices",
             str(a.devices), "--rollout-tensor", str(a.rollout_tensor), "--model", a.model, "--pushes", str(a.pushes),
             "--dtype", a.dtype]
     args += ["--pin"] if a.pin else []
-    procs = [subprocess.Popen([sys.executable, "-m", "g2rl_jax.bench.async_sides", *args, "--worker", str(i),
-                               str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(a.processes)]
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [f"process {i} exited {p.returncode}:\n{log[-3000:]}" for i, (p, log) in enumerate(zip(procs, logs))
-              if p.returncode != 0]
+    ran = localhost.run(lambda i, port: [sys.executable, "-m", "g2rl_jax.bench.async_sides", *args, "--worker", str(i),
+                                         str(port)], timeout=timeout, processes=a.processes, devices=a.devices)
+    failed = [f"process {i} {'hung' if code is None else f'exited {code}'}:\n{log[-3000:]}"
+              for i, (code, log) in enumerate(ran) if code != 0]
     if failed:
         raise RuntimeError("\n".join(failed))
-    return [json.loads(line) for log in logs for line in log.splitlines() if line.startswith('{"process"')]
+    return [json.loads(line) for _, log in ran for line in log.splitlines() if line.startswith('{"process"')]
 
 
 def main(argv=None) -> None:

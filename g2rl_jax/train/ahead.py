@@ -58,6 +58,31 @@ class Drawn:
     seconds: float
 
 
+def lag_figures(step: int, drawn: Drawn, waited: float, rollout_idle: float) -> tuple[tuple, dict[str, float]]:
+    """What `take(step)` returns (this sampler's and train/sides.py's): the step's samples, with the seconds the
+    trainer waited in place of the rollout's own, and the step's lag and wait figures."""
+    examples, rollout, texts, scored, _, sampled_correct = drawn.sample
+    lag = float(step - drawn.version)
+    figures = {"staleness_mean": lag, "staleness_max": lag, "policy_version": float(drawn.version),
+               "update_idle_seconds": waited, "rollout_idle_seconds": rollout_idle,
+               "rollout_draw_seconds": drawn.seconds}
+    return (examples, rollout, texts, scored, waited, sampled_correct), figures
+
+
+def saved(position, pending: dict[int, Drawn]) -> dict[str, str]:
+    """What `get_state` saves: the data-iterator position and the samples drawn ahead by step."""
+    return {"ahead": _encode((position, {s: (d.sample, d.version, d.seconds) for s, d in pending.items()}))}
+
+
+def restored(state) -> tuple[Any, dict[int, Drawn]]:
+    """(data-iterator position, samples drawn ahead by step) of what `get_state` saved; a plain iterator state,
+    from a run without a sampler ahead, is taken as the position."""
+    if isinstance(state, dict) and set(state) == {"ahead"}:
+        position, pending = _decode(state["ahead"])
+        return position, {s: Drawn(*v) for s, v in pending.items()}
+    return state, {}
+
+
 class AheadSampler:
     """The rollout driver (see the module docstring); also the data iterator the trainer reads and checkpoints."""
 
@@ -191,12 +216,7 @@ class AheadSampler:
             drawn = self._drawn.pop(step)
             rollout_idle, self._rollout_idle = self._rollout_idle, 0.0
             self._taken = step + 1
-        waited = time.perf_counter() - t0
-        examples, rollout, texts, scored, _, sampled_correct = drawn.sample
-        figures = {"staleness_mean": float(step - drawn.version), "staleness_max": float(step - drawn.version),
-                   "policy_version": float(drawn.version), "update_idle_seconds": waited,
-                   "rollout_idle_seconds": rollout_idle, "rollout_draw_seconds": drawn.seconds}
-        return (examples, rollout, texts, scored, waited, sampled_correct), figures
+        return lag_figures(step, drawn, time.perf_counter() - t0, rollout_idle)
 
     def sync_figures(self) -> dict[str, float]:
         """The last push's seconds and bytes (the trainable params: the adapters with LoRA)."""
@@ -222,24 +242,19 @@ class AheadSampler:
         older than the current params (waited for), and the iterator position before the first draw of a later
         version (see the module docstring)."""
         if self._taken is None:
-            return {"ahead": _encode((self.loader.get_state(), {}))}
+            return saved(self.loader.get_state(), {})
         stop = min(self._taken + self.k, self.total)
         with self._cond:
             self._wait(lambda: all(s in self._drawn for s in range(self._taken, stop)))
-            pending = {s: (self._drawn[s].sample, self._drawn[s].version, self._drawn[s].seconds)
-                       for s in range(self._taken, stop)}
+            pending = {s: self._drawn[s] for s in range(self._taken, stop)}
             position = self._before.get(stop)
         if position is None:  # nothing drawn this launch yet
             position = self.loader.get_state()
-        return {"ahead": _encode((position, pending))}
+        return saved(position, pending)
 
     def set_state(self, state) -> None:
         """Restore what get_state saved (a plain iterator state, from a run without the sampler, is taken as is)."""
-        if isinstance(state, dict) and set(state) == {"ahead"}:
-            position, pending = _decode(state["ahead"])
-            self._drawn = {s: Drawn(*v) for s, v in pending.items()}
-        else:
-            position, self._drawn = state, {}
+        position, self._drawn = restored(state)
         self.loader.set_state(position)
 
 

@@ -14,7 +14,7 @@ from g2rl_jax.train.checkpoint import CheckpointError, checkpoint_dir
 from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.setup import check_platforms
-from g2rl_jax.train.sides import run_rollout_process
+from g2rl_jax.train.sides import run_rollout_process, told_if_failed
 from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 
 
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if parallel.is_rollout_process(cfg.mesh):  # one process per side: this one draws the samples
         return run_rollout_process(cfg)
     try:
-        trainer = Trainer(cfg)
+        with told_if_failed(cfg.mesh):  # one process per side: the rollout process ends too
+            trainer = Trainer(cfg)
     except cli.USER_ERRORS as err:
         return _setup_failure(err)
     except CheckpointError as err:

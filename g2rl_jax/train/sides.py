@@ -20,10 +20,24 @@ min(s, k) whatever the timing, so the run equals the one-process split run. What
 Each side's host collectives (checkpoint barriers, the stop flag, gathers) then involve its own process only
 (parallel.side_processes), and neither runs a program of the other's devices: the device_put of each version is
 the one operation both call.
+
+When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
+process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
+finished run, else ENDED_EARLY_EXIT), so both leave jax.distributed cleanly. The rollout process renews a lease
+(`g2rl_sides/alive`, every run.lock_lease_seconds / 3); a trainer that sees no renewal for a whole lease stops with
+one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's coordinator with it,
+and JAX ends the rollout process at once ("the JAX distributed service detected fatal errors"). A rollout process
+that fails stops both with its error's line (halt.stop_everywhere; the trainer's halt.PeerWatch ends it). The
+key-value store lives in the trainer process, so a relaunch of both starts from a store without the old keys.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import signal
+import sys
+import threading
 import time
 
 import jax
@@ -33,21 +47,119 @@ from jax._src import distributed
 
 from g2rl_jax import parallel
 from g2rl_jax.model import lora
-from g2rl_jax.train.ahead import Drawn, _decode, _encode
+from g2rl_jax.train import halt
+from g2rl_jax.train.ahead import Drawn, lag_figures, restored, saved
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.weight_sync import SideSync, shardings_on
 
 PREFIX = "g2rl_sides"
-WAIT_MS = 3_600_000  # a hang guard only
+POLL_MS = 1000  # a wait for the other side's key, between looks at whether that side has ended
+PEER_LOST_EXIT = 76  # EX_PROTOCOL (sysexits.h): the other side's process is gone; relaunch both to resume
+ENDED_EARLY_EXIT = 1  # the rollout process, when the trainer ended before run.total_steps
+
+
+class TrainerEnded(Exception):
+    """The trainer set `g2rl_sides/stop` while the rollout process waited for it: (its last step, exit code)."""
+
+
+def _client():
+    return distributed.global_state.client
 
 
 def _set(key: str, value) -> None:
-    distributed.global_state.client.key_value_set_bytes(f"{PREFIX}/{key}", pickle.dumps(value))
+    _client().key_value_set_bytes(f"{PREFIX}/{key}", pickle.dumps(value))
 
 
-def _get(key: str):
-    raw = distributed.global_state.client.blocking_key_value_get_bytes(f"{PREFIX}/{key}", WAIT_MS)
-    return pickle.loads(raw)  # noqa: S301 - this run's own processes
+def _try(key: str):
+    """The value of `key`, None while nobody has set it."""
+    try:
+        return pickle.loads(_client().key_value_try_get_bytes(f"{PREFIX}/{key}"))  # noqa: S301 - this run's own
+    except jax.errors.JaxRuntimeError as err:
+        if "NOT_FOUND" not in str(err):
+            raise
+        return None
+
+
+def _get(key: str, ended=lambda: None):
+    """The value of `key` once the other side has set it; TrainerEnded when `ended()` gives an exit code first (a
+    key set before the trainer ended is still taken)."""
+    while True:
+        try:
+            raw = _client().blocking_key_value_get_bytes(f"{PREFIX}/{key}", POLL_MS)
+            return pickle.loads(raw)  # noqa: S301 - this run's own processes
+        except jax.errors.JaxRuntimeError as err:
+            if "DEADLINE_EXCEEDED" not in str(err):
+                raise
+        code = ended()
+        if code is not None:
+            value = _try(key)  # set just before the stop
+            if value is None:
+                raise TrainerEnded(code)
+            return value
+
+
+def end_rollout(step: int, code: int) -> None:
+    """Tell the rollout process that the trainer ends after step `step` with exit code `code`: it ends too."""
+    _client().key_value_set_bytes(f"{PREFIX}/stop", pickle.dumps((step, code)), allow_overwrite=True)
+
+
+@contextlib.contextmanager
+def told_if_failed(mesh_cfg):
+    """Around the trainer's setup: with mesh.rollout_processes, a setup that fails tells the rollout process, which
+    would otherwise wait for the trainer's start."""
+    try:
+        yield
+    except BaseException:
+        if mesh_cfg.rollout_processes:
+            end_rollout(0, ENDED_EARLY_EXIT)
+        raise
+
+
+def _trainer_ended():
+    """(the trainer's last step, its exit code) once it has ended (it sets `stop`), else None."""
+    return _try("stop")
+
+
+class Lease:
+    """The rollout process renews `g2rl_sides/alive` every `seconds` / 3 from a daemon thread; the trainer's
+    `watch` thread ends the run with one line when no renewal comes for `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self._done = seconds, threading.Event()
+
+    def renew(self) -> Lease:
+        def renew_forever():
+            while not self._done.wait(self.seconds / 3):
+                try:
+                    _client().key_value_increment(f"{PREFIX}/alive", 1)
+                except jax.errors.JaxRuntimeError:  # the trainer (and the store with it) is gone: JAX ends us
+                    return
+
+        _client().key_value_increment(f"{PREFIX}/alive", 1)
+        threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
+        return self
+
+    def watch(self) -> Lease:
+        def watch_forever():
+            seen, since = None, time.monotonic()
+            while not self._done.wait(min(1.0, self.seconds / 9)):
+                try:
+                    now = _client().key_value_increment(f"{PREFIX}/alive", 0)
+                except jax.errors.JaxRuntimeError:  # jax.distributed is shutting down: nothing left to watch
+                    return
+                if now != seen:
+                    seen, since = now, time.monotonic()
+                elif time.monotonic() - since >= self.seconds and not self._done.is_set():
+                    halt.stop_everywhere(f"the rollout process (mesh.rollout_processes) has not renewed its lease for "
+                                         f"{self.seconds:g} s (run.lock_lease_seconds): it died or hangs. The "
+                                         "checkpoints committed stand: end it if it still runs, and relaunch both "
+                                         "processes with the same command to resume", PEER_LOST_EXIT)
+
+        threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 def _needed(version: int, first: int, k: int, total: int) -> bool:
@@ -69,6 +181,8 @@ class RemoteSampler:
         self.total = trainer.cfg.run.total_steps
         trainable = lora.trainable(trainer.params)
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
+        self.lease = Lease(trainer.cfg.run.lock_lease_seconds).watch()
+        self._closed = False
         self._drawn: dict[int, Drawn] = {}  # samples restored from the checkpoint, or fetched, not yet taken
         self._before: dict[int, object] = {}  # step -> data-iterator position before its draw
         self._idle: dict[int, float] = {}  # step -> seconds the rollout process waited for a version before it
@@ -92,6 +206,7 @@ class RemoteSampler:
     def _fetch(self, step: int) -> Drawn:
         if step not in self._drawn:
             sample, version, seconds, before, after, idle = _get(f"sample/{step}")
+            _client().key_value_delete(f"{PREFIX}/sample/{step}")  # the store holds each step's samples once
             self._drawn[step] = Drawn(sample, version, seconds)
             self._before[step], self._before[step + 1], self._idle[step] = before, after, idle
         return self._drawn[step]
@@ -104,19 +219,23 @@ class RemoteSampler:
         drawn = self._fetch(step)
         del self._drawn[step]
         self._taken = step + 1
-        waited = time.perf_counter() - t0
-        examples, rollout, texts, scored, _, sampled_correct = drawn.sample
-        figures = {"staleness_mean": float(step - drawn.version), "staleness_max": float(step - drawn.version),
-                   "policy_version": float(drawn.version), "update_idle_seconds": waited,
-                   "rollout_idle_seconds": self._idle.pop(step, 0.0), "rollout_draw_seconds": drawn.seconds}
-        return (examples, rollout, texts, scored, waited, sampled_correct), figures
+        return lag_figures(step, drawn, time.perf_counter() - t0, self._idle.pop(step, 0.0))
 
     def sync_figures(self) -> dict[str, float]:
         """The last push's seconds on the trainer (dispatch; the transfer itself overlaps) and bytes."""
         return {"weight_sync_seconds": self.sync.seconds, "weight_sync_bytes": float(self.sync.bytes)}
 
     def close(self) -> None:
-        """Wait until the rollout process has every version pushed (the trainer holds their buffers until then)."""
+        """Tell the rollout process that the trainer ends (after which step, and with which exit code), then wait
+        until it has every version pushed (the trainer holds their buffers until then)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.lease.stop()
+        from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
+
+        code = 0 if self.trainer.step >= self.total else PREEMPTED_EXIT if self.trainer.preempted else ENDED_EARLY_EXIT
+        end_rollout(self.trainer.step, code)
         if self._first is not None:
             self.sync.wait()
 
@@ -130,19 +249,13 @@ class RemoteSampler:
         """As AheadSampler.get_state: the samples of steps taken … taken + k − 1 (fetched) and the position
         before the next draw."""
         if self._taken is None:
-            return {"ahead": _encode((self.loader.get_state(), {}))}
+            return saved(self.loader.get_state(), {})
         stop = min(self._taken + self.k, self.total)
-        pending = {s: (d.sample, d.version, d.seconds) for s in range(self._taken, stop)
-                   for d in [self._fetch(s)]}
-        position = self._before.get(stop, self.loader.get_state())
-        return {"ahead": _encode((position, pending))}
+        pending = {s: self._fetch(s) for s in range(self._taken, stop)}
+        return saved(self._before.get(stop, self.loader.get_state()), pending)
 
     def set_state(self, state) -> None:
-        if isinstance(state, dict) and set(state) == {"ahead"}:
-            position, pending = _decode(state["ahead"])
-            self._drawn = {s: Drawn(*v) for s, v in pending.items()}
-        else:
-            position, self._drawn = state, {}
+        position, self._drawn = restored(state)
         self.loader.set_state(position)
 
 
@@ -187,10 +300,20 @@ class RolloutSide(SamplingRounds):
     def rollout_model(self):
         return nnx.merge(self.graphdef, self._current)
 
-    def run(self) -> None:
-        """Draw every step from the trainer's start to run.total_steps, then return."""
+    def run(self) -> int:
+        """Draw every step from the trainer's start to run.total_steps; the exit code (see the module docstring)."""
+        try:
+            self._draw_all()
+        except TrainerEnded as ended:
+            step, code = ended.args[0]
+            print(f"the trainer ended after step {step} of {self.cfg.run.total_steps} (its log says why): this "
+                  "rollout process ends too; relaunch both processes together", file=sys.stderr, flush=True)
+            return code
+        return 0
+
+    def _draw_all(self) -> None:
         k, total = self.cfg.rollout.max_staleness, self.cfg.run.total_steps
-        first, position, pending = _get("start")
+        first, position, pending = _get("start", _trainer_ended)
         self.loader.set_state(position)
         floor = first if not pending else 0
         versions: dict[int, nnx.State] = {}
@@ -200,7 +323,7 @@ class RolloutSide(SamplingRounds):
             nonlocal arrived
             while arrived < version:
                 arrived += 1
-                needed, prompts = _get(f"version/{arrived}")
+                needed, prompts = _get(f"version/{arrived}", _trainer_ended)
                 if prompts is not None:
                     self.warmup.prompts = prompts
                 if needed:
@@ -223,8 +346,25 @@ class RolloutSide(SamplingRounds):
 
 
 def run_rollout_process(cfg) -> int:
-    """train/command.py main's branch for a rollout process (mesh.rollout_processes)."""
+    """train/command.py main's branch for a rollout process (mesh.rollout_processes): its exit code. SIGTERM does not
+    end it: the trainer, told too, finishes its step and checkpoints, and its stop then ends this process."""
+    import traceback
+
     from g2rl_jax.train.setup import resolve_model_paths
 
-    RolloutSide(resolve_model_paths(cfg)).run()
-    return 0
+    signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM: the rollout process goes on until the trainer ends",
+                                                  file=sys.stderr, flush=True))
+    lease = Lease(cfg.run.lock_lease_seconds).renew()
+    try:
+        with halt.PeerWatch():  # the trainer's halt.stop_everywhere (a lost run lock, a storage failure) ends it too
+            return RolloutSide(resolve_model_paths(cfg)).run()
+    except Exception as err:  # noqa: BLE001 - its traceback, then one line that ends the trainer too
+        if isinstance(err, jax.errors.JaxRuntimeError) and "UNAVAILABLE" in str(err):
+            # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
+            print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
+                  "process ends; relaunch both processes together", file=sys.stderr, flush=True)
+            os._exit(PEER_LOST_EXIT)
+        traceback.print_exc()
+        halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)
+    finally:
+        lease.stop()

@@ -173,10 +173,14 @@ class SideSync:
     def _release(self, block: bool) -> None:
         """Free the buffers of the pushes every rollout process has (all of them, waiting, with `block`). A rollout
         process acknowledges each push when it arrives, through jax.distributed's key-value store."""
+        from jax._src import distributed
+
         for push in sorted(self._held):
             if not self._arrived(push, block):
                 return
             del self._held[push]
+            for process in self.dst_processes:  # read once: the store need not keep them
+                distributed.global_state.client.key_value_delete(self._ack_key(push, process))
 
     def wait(self) -> None:
         """Until every rollout process has every push so far."""
