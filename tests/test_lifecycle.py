@@ -17,8 +17,9 @@ from test_train import ROOT, _env, _train_cmd, assets, config, overrides  # noqa
 
 from g2rl_jax.config import ConfigError
 from g2rl_jax.train.command import main
-from g2rl_jax.train.lifecycle import HISTORY_FILE, LOCK_FILE, PREEMPTED_EXIT, RunLock, config_changes
+from g2rl_jax.train.lifecycle import HISTORY_FILE, PREEMPTED_EXIT, config_changes
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.runlock import LOCK_FILE, RunLock
 
 from _helpers import lock_held_elsewhere, xla_flags
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from g2rl_jax import storage
-from g2rl_jax.train.lifecycle import LEASE_LOST_EXIT, LOCK_FILE
+from g2rl_jax.train.runlock import LEASE_LOST_EXIT, LOCK_FILE
 
 from _helpers import xla_flags
 

@@ -14,8 +14,9 @@ import time
 import pytest
 from test_train import ROOT, _env, _train_cmd, assets  # noqa: F401 - assets is a fixture
 
-from g2rl_jax.train.lifecycle import LOCK_FILE, PREEMPTED_EXIT, step_fits
+from g2rl_jax.train.lifecycle import PREEMPTED_EXIT, step_fits
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.runlock import LOCK_FILE
 from g2rl_jax.train.setup import unshared_message
 
 from _helpers import xla_flags

@@ -1,4 +1,4 @@
-"""A preempted run comes back by itself: the run lock is a lease (train/lifecycle.py) between real processes, each
+"""A preempted run comes back by itself: the run lock is a lease (train/runlock.py) between real processes, each
 as its own host (`unshare -u` gives a process its own hostname), on local disk and on a real GCS server on loopback
 (fake-gcs-server). A live holder on another host is refused in one line; racing starters on a stale lock: exactly one
 wins; a holder frozen past its lease (SIGSTOP) is taken over, and once thawed stops at once, writing nothing more.
@@ -27,14 +27,15 @@ from test_train import STEPS, _assert_same_metrics, _env, _train_cmd, assets, re
 from g2rl_jax import storage
 from g2rl_jax.config import ConfigError
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
-from g2rl_jax.train.lifecycle import HISTORY_FILE, LEASE_LOST_EXIT, LOCK_FILE, RunLock
+from g2rl_jax.train.lifecycle import HISTORY_FILE
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.runlock import LEASE_LOST_EXIT, LOCK_FILE, RunLock
 
 from _helpers import HANG_S, kill_when, xla_flags
 
 LEASE = 9.0  # the smallest run.lock_lease_seconds: renewed every 3 s (a bucket's 1 update/s leaves others room)
 HOLD = ("import sys, time\n"
-        "from g2rl_jax.train.lifecycle import RunLock\n"
+        "from g2rl_jax.train.runlock import RunLock\n"
         "if len(sys.argv) > 3:\n"  # a racer: ready, then go at once when the go file appears
         "    print('ready', flush=True)\n"
         "    import os\n"

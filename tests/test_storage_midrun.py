@@ -98,7 +98,7 @@ def test_a_server_gone_mid_run_is_one_line_and_the_rerun_resumes(gcs, assets, tm
 
 
 def _holder(out: str, lease: float) -> str:
-    return ("import sys, time\nfrom g2rl_jax.train.lifecycle import RunLock\n"
+    return ("import sys, time\nfrom g2rl_jax.train.runlock import RunLock\n"
             f"RunLock({out!r}, lease_seconds={lease}).acquire(); print('held', flush=True); time.sleep(300)")
 
 

@@ -46,13 +46,13 @@ from g2rl_jax.train.ahead import AheadSampler
 from g2rl_jax.train.checkpoint import Checkpointer, check_model, latest_step
 from g2rl_jax.train.lifecycle import (
     Preempted,
-    RunLock,
     StopSignal,
     append_history,
     check_resume_config,
     pin_revision,
 )
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, step_metrics
+from g2rl_jax.train.runlock import RunLock
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_shared_output_dir,
