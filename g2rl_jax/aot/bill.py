@@ -66,8 +66,8 @@ def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> 
     """Programs of the packed passes (algorithm.packing, train/packing.py), once per run whatever the prompt
     buckets: the score, reference and gradient programs at each packed (rows, width) of PackShape.of (rows of the
     largest prompt bucket `prompt_len` + the budget at micro, micro/2, ... down to the batch shards, and the
-    shards' rows at each narrower width); for a token rule, when a step has more than one update, the score program over a mini-batch's
-    rows too (the current policy's pass). No program moves rows in or out."""
+    shards' rows at each narrower width); for a token rule, when a step has more than one update, the score program
+    over a mini-batch's rows too (the current policy's pass). No program moves rows in or out."""
     algo = cfg.algorithm
     n = len(PackShape.of(algo.micro_batch_size, shards, prompt_len=prompt_len,
                          resp_len=cfg.rollout.max_new_tokens).micros)

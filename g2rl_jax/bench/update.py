@@ -19,8 +19,8 @@ so machine load hits all variants alike; a row's time is the median of its round
 trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping);
 layout=packed packs whole sequences into rows of prompt + response width (train/packing.py, the trainer's
 algorithm.packing: micro-batches of micro, micro/2, ... packed rows and narrower rows for the last tokens; narrow=0
-keeps the full-width rows only; its widths column reads rows x packed width), with block=N the blocked packed attention of N-column blocks (model/packed_attention.py; the default) or block=0
-the dense segment mask (attention.xla); overhead= sets the plan's per-micro-batch cost in rows
+keeps the full-width rows only; its widths column reads rows x packed width), with block=N the blocked packed
+attention of N-column blocks (model/packed_attention.py; the default) or block=0 the dense segment mask (attention.xla); overhead= sets the plan's per-micro-batch cost in rows
 (train.micro.OVERHEAD_ROWS) for that variant. Columns "µs/resp token" (update seconds per response token trained),
 "padding" (share of the positions computed that hold no token) and "attn work" (query-key pairs the attention
 scores over the pairs the response and prompt tokens need, causally within their own sequence; xla scores the full
@@ -95,7 +95,8 @@ def _args(argv):
 def parse_variant(text: str, rows: int) -> dict:
     """'remat=dots,micro=8' -> {remat, micro, param_dtype, attention}, with defaults for what it leaves out."""
     out = {"remat": "full", "micro": max(1, rows // 2), "param_dtype": "float32", "attention": "xla",
-           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS), "block": packed_attention.BLOCK, "narrow": 1}
+           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS), "block": packed_attention.BLOCK,
+           "narrow": 1}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in _KEYS:

@@ -75,6 +75,7 @@ def report(cfg: Qwen3Config, variants: list[dict], *, rows: int, prompt_len: int
         figs = [packed_figures(cfg, *draw(rows, prompt_up_to, budget, seed), shape) for seed in range(DRAWS)]
         tot = {k: sum(f[k] for f in figs) for k in figs[0]}
         lines.append(f"| micro={v['micro']},block={v['block']},narrow={v['narrow']} (width {shape.width}) | {rows} "
-                     f"| {len(shape.micros)} | {tot['micros'] / DRAWS:.1f} | {tot['padding'] / tot['positions']:.1%} | {tot['computed'] / tot['needed']:.2f} "
+                     f"| {len(shape.micros)} | {tot['micros'] / DRAWS:.1f} | {tot['padding'] / tot['positions']:.1%} "
+                     f"| {tot['computed'] / tot['needed']:.2f} "
                      f"| {1 - tot['useful'] / tot['total']:.1%} |")
     return lines
