@@ -21,8 +21,8 @@ layout=packed packs whole sequences into rows of prompt + response width (train/
 algorithm.packing: micro-batches of micro, micro/2, ... packed rows and narrower rows for the last tokens; narrow=0
 keeps the full-width rows only; its widths column reads rows x packed width), with block=N the blocked packed
 attention of N-column blocks (model/packed_attention.py; the default) or block=0 the dense segment mask
-(attention.xla); overhead= sets the plan's per-micro-batch cost in rows (train.micro.OVERHEAD_ROWS) for that variant. Columns "µs/resp token" (update seconds per response token trained),
-"padding" (share of the positions computed that hold no token) and "attn work" (query-key pairs the attention
+(attention.xla); overhead= sets the plan's per-micro-batch cost in rows (train.micro.OVERHEAD_ROWS) for that
+variant. Columns "µs/resp token" (update seconds per response token trained), "padding" (share of the positions computed that hold no token) and "attn work" (query-key pairs the attention
 scores over the pairs the response and prompt tokens need, causally within their own sequence; xla scores the full
 square of a row, the blocked path its windows).
 --plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything;
