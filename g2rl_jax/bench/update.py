@@ -12,7 +12,7 @@ term on. Without --long-tail every response token is real. With --long-tail the 
 (exponential with mean --response-len / 4, capped at --response-len, one row at the cap) and every variant also
 runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
 still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
-(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=, block=) builds its own model; then
+(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=, block=, narrow=) builds its own model; then
 every variant runs one compiling update per mini-batch, one untimed (the params that the first update returns
 compile once more), then --iters timed ones, round after round: each round runs every variant on every mini-batch,
 so machine load hits all variants alike; a row's time is the median of its rounds. layout=grouped (default) is the
@@ -22,9 +22,10 @@ algorithm.packing: micro-batches of micro, micro/2, ... packed rows and narrower
 keeps the full-width rows only; its widths column reads rows x packed width), with block=N the blocked packed
 attention of N-column blocks (model/packed_attention.py; the default) or block=0 the dense segment mask
 (attention.xla); overhead= sets the plan's per-micro-batch cost in rows (train.micro.OVERHEAD_ROWS) for that
-variant. Columns "µs/resp token" (update seconds per response token trained), "padding" (share of the positions computed that hold no token) and "attn work" (query-key pairs the attention
-scores over the pairs the response and prompt tokens need, causally within their own sequence; xla scores the full
-square of a row, the blocked path its windows).
+variant. Columns "µs/resp token" (update seconds per response token trained), "padding" (share of the positions
+computed that hold no token) and "attn work" (query-key pairs the attention scores over the pairs the response and
+prompt tokens need, causally within their own sequence; xla scores the full square of a row, the blocked path its
+windows).
 --plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything;
 --padding-only the packed layout's padding and attention work over 8 draws (bench/update_padding.py).
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
