@@ -12,8 +12,8 @@ term on. Without --long-tail every response token is real. With --long-tail the 
 (exponential with mean --response-len / 4, capped at --response-len, one row at the cap) and every variant also
 runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
 still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
-(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=, block=, narrow=) builds its own model; then
-every variant runs one compiling update per mini-batch, one untimed (the params that the first update returns
+(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=, block=, narrow=) builds its own model;
+then every variant runs one compiling update per mini-batch, one untimed (the params that the first update returns
 compile once more), then --iters timed ones, round after round: each round runs every variant on every mini-batch,
 so machine load hits all variants alike; a row's time is the median of its rounds. layout=grouped (default) is the
 trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping);
