@@ -97,7 +97,7 @@ def first_fit(n_B, r_B, width: int, rows: int = 0, slots: int = 0, head: int = 0
         r = next((i for i, u in enumerate(used) if u + n <= width and (not slots or count[i] < slots)
                   and (not head or answers[i] + r_ <= head)), len(used))
         if r == len(used):
-            if (rows and r == rows) or n > width:
+            if (rows and r == rows) or n > width or (head and r_ > head):
                 continue
             used.append(0)
             count.append(0)
@@ -154,10 +154,11 @@ def plan_micros(n_B, r_B, shape: PackShape) -> list[tuple[int, int, np.ndarray, 
         return placed, (rows, width, left[placed], PackPlan(row[placed], off[placed], width, rows, slot[placed]))
 
     def best(left, depth):
-        need, top = int(n_B[left].sum()), int(n_B[left].max())
-        fits = [m for m in shape.micros if m[1] >= top]
+        need, top = int(n_B[left].sum()), left[0]  # the longest sequence left
+        fits = [m for m in shape.micros if m[1] >= n_B[top] and shape.outputs(m[1]) >= r_B[top]]
         if not fits:
-            raise ValueError(f"a sequence of {top} tokens does not fit a packed row of {shape.width}; raise the width")
+            raise ValueError(f"a sequence of {n_B[top]} tokens does not fit a packed row of {shape.width}; raise the "
+                             "width")
         out = None
         for rows, width in sorted((m for m in fits if m[0] * m[1] >= need), key=lambda m: micro_lib.micro_cost(*m)):
             placed, micro = fill(left, rows, width)
