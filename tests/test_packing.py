@@ -69,8 +69,8 @@ def test_plan_micros_cover_the_sequences_with_little_padding():
     from g2rl_jax.train.shapes import long_tailed_lengths
 
     shape = packing.PackShape.of(16, 4, prompt_len=1024, resp_len=8192)
-    assert shape.micros[:3] == ((16, 9216), (8, 9216), (4, 9216)) and len(shape.micros) == 15
-    assert all(r == 4 and w % 8 == 0 for r, w in shape.micros[3:]) and shape.micros[-1] == (4, 576)
+    assert shape.micros[:3] == ((16, 9216), (8, 9216), (4, 9216)) and len(shape.micros) == 12
+    assert all(r == 4 and w % 8 == 0 for r, w in shape.micros[3:]) and shape.micros[-1] == (4, 1152)
     full = dataclasses.replace(shape, micros=shape.micros[:3])
     pads = {}
     for layout in (shape, full):

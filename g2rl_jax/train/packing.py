@@ -8,8 +8,8 @@ Length-grouped micro-batches (train/micro.py) need one program per (rows, respon
 and pad each row to its shape's width. Packing puts whole sequences, unpadded (prompt tokens then response
 tokens), one after the other into rows (first fit, longest first, at most `slots` sequences a row). The shapes
 (`PackShape.micros`) do not depend on the step's lengths or prompt bucket: rows of W = (largest prompt bucket) +
-(response budget) at micro, micro/2, ... rows down to the row shards, and the row shards' count of rows at 12
-narrower widths (3 per octave down to W/16), so a pass compiles once per shape and a pass's last micro-batches
+(response budget) at micro, micro/2, ... rows down to the row shards, and the row shards' count of rows at 9
+narrower widths (3 per octave down to W/8), so a pass compiles once per shape and a pass's last micro-batches
 hold about the tokens left (`plan_micros`: the cover of least cost): padding is a row's tail and the rounding of
 the last micro-batch to the nearest narrower width. A token attends to the causal tokens of its own sequence only
 (segment ids, model.attention; on the xla backend block-sparse, PackShape.block: model/packed_attention.py) and
@@ -38,11 +38,11 @@ from g2rl_jax.train import micro as micro_lib
 SLOTS = 16  # K: sequences one packed row holds at most (Φ's per-sequence sums carry a [R, K, V] accumulator)
 
 
-NARROW_STEPS, NARROW_OCTAVES = 3, 4  # narrower rows: widths 3 per octave over the 4 octaves below the full width
+NARROW_STEPS, NARROW_OCTAVES = 3, 3  # narrower rows: widths 3 per octave over the 3 octaves below the full width
 
 
 def narrow_widths(width: int) -> tuple[int, ...]:
-    """The narrower rows' widths below `width`, descending: width x 2^(-k/3) for k = 1..12 (down to width / 16),
+    """The narrower rows' widths below `width`, descending: width x 2^(-k/3) for k = 1..9 (down to width / 8),
     each rounded up to a multiple of 8."""
     ks = range(1, NARROW_STEPS * NARROW_OCTAVES + 1)
     return tuple(sorted({-(-int(np.ceil(width * 2 ** (-k / NARROW_STEPS))) // 8) * 8 for k in ks} - {width},
