@@ -70,7 +70,7 @@ def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> 
     over a mini-batch's rows too (the current policy's pass). No program moves rows in or out."""
     algo = cfg.algorithm
     n = len(PackShape.of(algo.micro_batch_size, shards, prompt_len=prompt_len,
-                         resp_len=cfg.rollout.max_new_tokens).micros)
+                         resp_len=batching.new_tokens_bucket(cfg.rollout.max_new_tokens)).micros)
     rule = methods.get(algo.exploration).tokens is not None and algo.mini_batch_size != step_rows
     return {"score": n * (1 + rule), "reference": n * (algo.kl_coef > 0), "gradient": n}
 
