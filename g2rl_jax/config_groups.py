@@ -339,10 +339,10 @@ class AlgorithmConfig:
                               "see docs/paper.md)")
     micro_batch_size: int = _f(16, "responses per forward/backward, global over devices (paper: "
                                "'micro-batch size 2', read as 2 per GPU x 8 GPUs)")
-    packing: bool = _f(False, "pack whole (prompt + response) sequences into rows of one width (largest prompt "
-                       "bucket + response budget) for the score, reference and gradient passes: one program per "
-                       "packed row count; false: length-grouped micro-batches, one program per (rows, width) shape "
-                       "and prompt bucket (docs/performance.md)")
+    packing: bool = _f(False, "pack whole (prompt + response) sequences into rows (largest prompt bucket + response "
+                       "budget wide, and 9 narrower widths for a pass's last tokens) for the score, reference and "
+                       "gradient passes: one program per packed (rows, width); false: length-grouped micro-batches, "
+                       "one program per (rows, width) shape and prompt bucket (docs/performance.md)")
 
     def __post_init__(self):
         _check(self.lam >= 0, "algorithm.lam", f"must be >= 0, got {self.lam}")

@@ -60,7 +60,8 @@ def _cmd(assets, out, steps, extra=()):
           "algorithm.exploration": "g2rl", "optim.learning_rate": 1e-3, "mesh.data": 2, "mesh.fsdp": 2,
           "mesh.tensor": 2, "data.eval_datasets": assets["eval"], "data.eval_samples": 2,
           "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0,
-          "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0}  # a constant LR: total_steps changes nothing
+          "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0,  # a constant LR: total_steps changes nothing
+          "algorithm.packing": False}  # as before the config packed: the grouped passes
     return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
             *[f"{k}={v}" for k, v in ov.items()], *extra]
 

@@ -76,19 +76,19 @@ def test_blocked_attention_equals_a_float64_transcription(L, block):
     np.testing.assert_allclose(np.asarray(dense)[real], np.asarray(got)[real], atol=2e-5, rtol=2e-5)
 
 
-def test_windows_cover_each_query_blocks_band():
-    assert packed_attention.windows(1) == (1,)
-    assert packed_attention.windows(9) == (1, 2, 4, 8, 9)
-    assert packed_attention.windows(8) == (1, 2, 4, 8)
+def test_parts_cover_each_query_blocks_band_exactly():
+    assert packed_attention.parts(1) == (1,)
+    assert packed_attention.parts(9) == (8, 4, 2, 1)
+    assert packed_attention.parts(8) == (8, 4, 2, 1)
     seg = np.array([[1] * 20 + [2] * 3 + [3] * 9 + [0] * 8])  # 40 columns, blocks of 8: 5 blocks
     start = np.asarray(packed_attention.run_starts(jnp.asarray(seg)))[0]
     assert start[19] == 0 and start[20] == 20 and start[23] == 23 and start[35] == 35  # padding starts its own
-    cls = np.asarray(packed_attention.window_class(jnp.asarray(start.reshape(5, 8)), 8, 5))
-    # block 2 (cols 16-23) reaches back to column 0: 3 blocks -> window 4; block 3 (24-31) to column 23 (run 3):
+    need = np.asarray(packed_attention.band_blocks(jnp.asarray(start.reshape(5, 8)), 8))
+    # block 2 (cols 16-23) reaches back to column 0: 3 blocks (parts 2 + 1); block 3 (24-31) to column 23 (run 3):
     # 2 blocks; block 4 (32-39) is padding: itself
-    assert [packed_attention.windows(5)[c] for c in cls] == [1, 2, 4, 2, 1]
+    assert list(need) == [1, 2, 3, 2, 1]
     computed, needed = packed_attention.pair_counts(seg, 8)
-    assert computed == (1 + 2 + 4 + 2 + 1) * 64
+    assert computed == (1 + 2 + 3 + 2 + 1) * 64
     assert needed == 20 * 21 // 2 + 3 * 4 // 2 + 9 * 10 // 2
 
 

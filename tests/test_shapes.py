@@ -19,6 +19,7 @@ from g2rl_jax.plan import model_config
 from g2rl_jax.rollout import engine
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import shapes as shapes_lib
+from g2rl_jax.train.packing import PackShape
 
 
 # ------------------------------------------------------------------------------------------------ the candidates
@@ -164,7 +165,8 @@ def test_the_choice_is_a_function_of_the_config_device_and_prompts(monkeypatch):
 @pytest.fixture(scope="module")
 def paper_run():
     """The 1.7B config for v5p-8 (fsdp 4) on 4 CPU devices: config, model, shapes, the largest programs."""
-    cfg = load_config("configs/qwen3_1p7b_g2rl.yaml", ["model.path=unused", "run.total_steps=1000"])
+    cfg = load_config("configs/qwen3_1p7b_g2rl.yaml", ["model.path=unused", "run.total_steps=1000",
+                                                      "algorithm.packing=false"])
     model, _ = model_config(cfg, "qwen3-1.7b")
     mesh = parallel.make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4])
     largest = programs_lib.step_programs(cfg, model, mesh, scope="largest")
@@ -203,13 +205,15 @@ def test_the_bill_prices_what_program_counts_counts(paper_run):
 
 
 def test_the_bill_prices_the_packed_passes_once(paper_run):
-    """With algorithm.packing the passes are a program per packed row count, once for every prompt bucket, and no
-    micro-batch moves: the rollouts' moves are the only ones."""
+    """With algorithm.packing the passes are a program per packed (rows, width), once for every prompt bucket, and
+    no micro-batch moves: the rollouts' moves are the only ones."""
     cfg, model, s, largest = paper_run
     packed = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, packing=True))
     results = [Result(p, 3.0, 0.0) for p in largest]
     b = bill_lib.bill(packed, model, s, results, parse_target("v5p-8"), lengths=np.array([100, 300, 600, 900]))
-    rows = len(micro_lib.row_counts(cfg.algorithm.micro_batch_size, s.shards))
+    rows = len(PackShape.of(cfg.algorithm.micro_batch_size, s.shards, prompt_len=max(b.choice.prompts),
+                            resp_len=cfg.rollout.max_new_tokens).micros)
+    assert rows == 3 + 9  # micro 16, 8, 4 rows of the full width and 4 rows of 9 narrower widths
     assert 1 <= len(b.choice.prompts) <= 2  # data.prompt_buckets=2 of the three buckets these prompts reach
     assert (b.counts["score"], b.counts["reference"], b.counts["gradient"]) == (rows, rows, rows)
     rollout = bill_lib.rollout_programs(packed, model, s.shards, b.choice.prompts, 1024)

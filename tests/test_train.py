@@ -65,7 +65,7 @@ def overrides(assets, out, mode="g2rl", steps=2, **extra):
           "data.prompt_template": "plain", "data.prompts_per_step": 2, "rollout.num_samples": 4,
           "rollout.max_new_tokens": 8, "algorithm.mini_batch_size": 4, "algorithm.micro_batch_size": 2,
           "algorithm.exploration": mode, "optim.learning_rate": 1e-3, "mesh.data": 2, "mesh.fsdp": 2,
-          "mesh.tensor": 2}
+          "mesh.tensor": 2, "algorithm.packing": False}  # the config packs; these tests cover the grouped passes
     if mode == "entropy_bonus":
         ov["algorithm.entropy_coef"] = 0.01
     if mode == "evol":

@@ -12,7 +12,7 @@ bucket x capacity of the ladder from rollout.first_capacity, and the moves betwe
 and capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks
 and lengths; with run.eval_every validation's rollout too, each key once); the passes' (the score, reference and
 gradient programs at each micro-batch shape of each prompt bucket with the moves of a micro-batch's rows in and
-its results out, or with algorithm.packing a program per packed row count once, `packed_counts`); once per run the
+its results out, or with algorithm.packing a program per packed shape once, `packed_counts`); once per run the
 optimizer's init and step, the advantages and the method's own (`method_counts`); and the small ones by rule
 (`small_counts`). The micro-batch shapes and the prompt buckets (at most data.prompt_buckets) are those the trainer
 chooses on the target's device kind (train/shapes.choose_for: its price model, not the compile seconds measured
@@ -39,6 +39,7 @@ from g2rl_jax.rollout import batching, engine
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import warmup
+from g2rl_jax.train.packing import PackShape
 
 HOST_THREADS = warmup.MAX_AUTO_THREADS  # run.compile_threads=0 on a TPU VM: one per core, at most this many
 
@@ -61,13 +62,15 @@ def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
     return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 2)}
 
 
-def packed_counts(cfg: Config, shards: int, step_rows: int) -> dict[str, int]:
+def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> dict[str, int]:
     """Programs of the packed passes (algorithm.packing, train/packing.py), once per run whatever the prompt
-    buckets: the score, reference and gradient programs at each packed row count (micro, micro/2, ... down to the
-    batch shards); for a token rule, when a step has more than one update, the score program over a mini-batch's
-    rows too (the current policy's pass). No program moves rows in or out."""
+    buckets: the score, reference and gradient programs at each packed (rows, width) of PackShape.of (rows of the
+    largest prompt bucket `prompt_len` + the budget at micro, micro/2, ... down to the batch shards, and the
+    shards' rows at each narrower width); for a token rule, when a step has more than one update, the score program
+    over a mini-batch's rows too (the current policy's pass). No program moves rows in or out."""
     algo = cfg.algorithm
-    n = len(micro_lib.row_counts(algo.micro_batch_size, shards))
+    n = len(PackShape.of(algo.micro_batch_size, shards, prompt_len=prompt_len,
+                         resp_len=batching.new_tokens_bucket(cfg.rollout.max_new_tokens)).micros)
     rule = methods.get(algo.exploration).tokens is not None and algo.mini_batch_size != step_rows
     return {"score": n * (1 + rule), "reference": n * (algo.kl_coef > 0), "gradient": n}
 
@@ -327,7 +330,7 @@ def program_counts(cfg: Config, model, shards: int, choice: shapes_lib.Choice, e
     the mesh; param_shapes: distinct shapes of the trainable parameters."""
     step_rows = cfg.data.prompts_per_step * cfg.rollout.num_samples
     counts = rollout_programs(cfg, model, shards, choice.prompts, eval_prompt_len)
-    passes = ([packed_counts(cfg, shards, step_rows)] if cfg.algorithm.packing else
+    passes = ([packed_counts(cfg, shards, step_rows, max(choice.prompts))] if cfg.algorithm.packing else
               [micro_counts(choice.shapes, cfg.algorithm.kl_coef > 0)] * len(choice.prompts))
     for part in passes + [
             {"init": 1, "advantages": 1, "apply": 1}, method_counts(cfg, choice.shapes, step_rows),

@@ -12,19 +12,20 @@ term on. Without --long-tail every response token is real. With --long-tail the 
 (exponential with mean --response-len / 4, capped at --response-len, one row at the cap) and every variant also
 runs an equal-length mini-batch with the same total response tokens: the ratio of the two times is what padding
 still costs (about max/mean when every micro-batch is padded to the longest response). Each --variant
-(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=, block=) builds its own model; then
-every variant runs one compiling update per mini-batch, one untimed (the params that the first update returns
+(comma-separated remat=, micro=, param_dtype=, attention=, layout=, overhead=, block=, narrow=) builds its own model;
+then every variant runs one compiling update per mini-batch, one untimed (the params that the first update returns
 compile once more), then --iters timed ones, round after round: each round runs every variant on every mini-batch,
 so machine load hits all variants alike; a row's time is the median of its rounds. layout=grouped (default) is the
 trainer's length-grouped micro-batches; layout=padded runs every micro-batch at the full width (before grouping);
 layout=packed packs whole sequences into rows of prompt + response width (train/packing.py, the trainer's
-algorithm.packing: micro-batches of micro, micro/2, ... packed rows; its widths column reads rows x packed width),
-with block=N the blocked packed attention of N-column blocks (model/packed_attention.py; the default) or block=0
-the dense segment mask (attention.xla); overhead= sets the plan's per-micro-batch cost in rows
-(train.micro.OVERHEAD_ROWS) for that variant. Columns "µs/resp token" (update seconds per response token trained),
-"padding" (share of the positions computed that hold no token) and "attn work" (query-key pairs the attention
-scores over the pairs the response and prompt tokens need, causally within their own sequence; xla scores the full
-square of a row, the blocked path its windows).
+algorithm.packing: micro-batches of micro, micro/2, ... packed rows and narrower rows for the last tokens; narrow=0
+keeps the full-width rows only; its widths column reads rows x packed width), with block=N the blocked packed
+attention of N-column blocks (model/packed_attention.py; the default) or block=0 the dense segment mask
+(attention.xla); overhead= sets the plan's per-micro-batch cost in rows (train.micro.OVERHEAD_ROWS) for that
+variant. Columns "µs/resp token" (update seconds per response token trained), "padding" (share of the positions
+computed that hold no token) and "attn work" (query-key pairs the attention scores over the pairs the response and
+prompt tokens need, causally within their own sequence; xla scores the full square of a row, the blocked path its
+windows).
 --plan-only prints the micro-batch widths and the FLOP model's long-tailed / equal ratio without running anything;
 --padding-only the packed layout's padding and attention work over 8 draws (bench/update_padding.py).
 Model FLOPs, forward + backward (remat's recomputation is not counted), 6 * matmul params * tokens + 3 * 4 *
@@ -54,7 +55,7 @@ from g2rl_jax.train import packing, passes
 from g2rl_jax.train import step as train_step
 
 _KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float,
-         "block": int}
+         "block": int, "narrow": int}
 LAYOUTS = ("grouped", "padded", "packed")
 
 
@@ -95,7 +96,8 @@ def _args(argv):
 def parse_variant(text: str, rows: int) -> dict:
     """'remat=dots,micro=8' -> {remat, micro, param_dtype, attention}, with defaults for what it leaves out."""
     out = {"remat": "full", "micro": max(1, rows // 2), "param_dtype": "float32", "attention": "xla",
-           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS), "block": packed_attention.BLOCK}
+           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS), "block": packed_attention.BLOCK,
+           "narrow": 1}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in _KEYS:
@@ -197,8 +199,8 @@ def _layout(v: dict, mini: train_step.MiniBatch):
     shape of the length-grouped plan)."""
     if v["layout"] != "packed":
         return None
-    t = mini.batch.response_mask.shape[1]
-    return packing.PackShape.of(v["micro"], 1, prompt_len=mini.batch.prompt_len, resp_len=t, block=v["block"])
+    return update_padding.packed_shape(v, 1, mini.batch.prompt_len, mini.batch.response_mask.shape[1])
+
 
 
 def _shapes(plan) -> str:
@@ -213,8 +215,8 @@ def _plan(v: dict, lengths, rows: int, prompt_len: int, response_len: int):
     mask = np.arange(response_len)[None] < lengths[:, None]
     attn = np.concatenate([np.ones((rows, prompt_len), bool), mask], axis=1)
     if v["layout"] == "packed":
-        shape = packing.PackShape.of(v["micro"], 1, prompt_len=prompt_len, resp_len=response_len, block=v["block"])
-        return packing.plan_packed(np.ones_like(attn, np.int32), attn, mask, shape)
+        return packing.plan_packed(np.ones_like(attn, np.int32), attn, mask,
+                                   update_padding.packed_shape(v, 1, prompt_len, response_len))
     return micro_lib.plan_micro(mask, v["micro"], attn, padded=v["layout"] == "padded")
 
 
@@ -253,7 +255,7 @@ def main(argv: list[str]) -> int:
 
 
 def _name(v: dict) -> str:
-    return ",".join(f"{k}={v[k]}" for k in _KEYS if k != "block" or v["layout"] == "packed")
+    return ",".join(f"{k}={v[k]}" for k in _KEYS if k not in ("block", "narrow") or v["layout"] == "packed")
 
 
 def _main(a: argparse.Namespace) -> int:

@@ -1,18 +1,20 @@
-"""Packed micro-batches: several (prompt + response) sequences per row, one fixed width for every pass of a run.
+"""Packed micro-batches: several (prompt + response) sequences per row, a few fixed row shapes for every pass of a run.
 
-    shape = PackShape.of(micro, min_rows, prompt_len=S_max, resp_len=T)   # rows of W = S_max + T, few row counts
+    shape = PackShape.of(micro, min_rows, prompt_len=S_max, resp_len=T)   # rows of W = S_max + T and narrower ones
     plan = plan_packed(ids_BxL, attn_BxL, resp_BxT, shape)               # host: which sequence goes where
     for m in plan.micros: ...  m.ids_RxW, m.segments_RxW, m.positions_RxW, m.targets_RxC, m.source_BxT, m.in_B
 
 Length-grouped micro-batches (train/micro.py) need one program per (rows, response width) shape and prompt bucket,
 and pad each row to its shape's width. Packing puts whole sequences, unpadded (prompt tokens then response
-tokens), one after the other into rows of W = (largest prompt bucket) + (response budget) tokens (first fit,
-longest first, at most `slots` sequences a row): every row has the same width whatever the step's lengths and
-prompt bucket, so a pass compiles once per row count of `PackShape.rows` (micro, micro/2, ... down to the row
-shards), and only a row's tail is padding. A token attends to the causal tokens of its own sequence only (segment
-ids, model.attention; on the xla backend block-sparse, PackShape.block: model/packed_attention.py) and sits at its
-position in its own sequence, so each sequence computes what it computes alone (tests/test_packing.py: equal to the
-unpacked pass within float tolerance).
+tokens), one after the other into rows (first fit, longest first, at most `slots` sequences a row). The shapes
+(`PackShape.micros`) do not depend on the step's lengths or prompt bucket: rows of W = (largest prompt bucket) +
+(response budget) at micro, micro/2, ... rows down to the row shards, and the row shards' count of rows at 9
+narrower widths (3 per octave down to W/8), so a pass compiles once per shape and a pass's last micro-batches
+hold about the tokens left (`plan_micros`: the cover of least cost): padding is a row's tail and the rounding of
+the last micro-batch to the nearest narrower width. A token attends to the causal tokens of its own sequence only
+(segment ids, model.attention; on the xla backend block-sparse, PackShape.block: model/packed_attention.py) and
+sits at its position in its own sequence, so each sequence computes what it computes alone (tests/test_packing.py:
+equal to the unpacked pass within float tolerance).
 
 Per-token results are gathered back to the [B, T] layout of a Batch on device (`unpack`), inside each pass's
 program: the losses, the advantages and every per-row sum then run on the usual layout, over the same tokens.
@@ -36,42 +38,75 @@ from g2rl_jax.train import micro as micro_lib
 SLOTS = 16  # K: sequences one packed row holds at most (Φ's per-sequence sums carry a [R, K, V] accumulator)
 
 
+NARROW_STEPS, NARROW_OCTAVES = 3, 3  # narrower rows: widths 3 per octave over the 3 octaves below the full width
+
+
+def narrow_widths(width: int) -> tuple[int, ...]:
+    """The narrower rows' widths below `width`, descending: width x 2^(-k/3) for k = 1..9 (down to width / 8),
+    each rounded up to a multiple of 8."""
+    ks = range(1, NARROW_STEPS * NARROW_OCTAVES + 1)
+    return tuple(sorted({-(-int(np.ceil(width * 2 ** (-k / NARROW_STEPS))) // 8) * 8 for k in ks} - {width},
+                        reverse=True))
+
+
 @dataclasses.dataclass(frozen=True)
 class PackShape:
-    """The packed layout of a run: rows of `width` positions, `slots` sequences each at most; a micro-batch holds
-    one of `rows` (descending) packed rows, so each pass compiles len(rows) programs."""
+    """The packed layout of a run: micro-batches at one of the (rows, row width) `micros`, the widest rows `width`
+    positions, at most `slots` sequences a row; each pass compiles one program per entry of micros."""
 
     width: int
-    rows: tuple[int, ...]
+    micros: tuple[tuple[int, int], ...]
     slots: int = SLOTS
-    head: int = 0  # C: positions of a row whose next-token outputs the passes compute (0: all W)
+    head: int = 0  # a row's output columns (those whose next-token outputs the passes compute): min(head, its width)
     block: int = packed_attention.BLOCK  # attention block of the xla path (model.packed_attention); 0: dense mask
 
     @classmethod
     def of(cls, micro: int, min_rows: int, *, prompt_len: int, resp_len: int,
            block: int = packed_attention.BLOCK) -> "PackShape":
-        """Rows of prompt_len + resp_len (the longest sequence fits), row counts micro, micro/2, ... down to
-        min_rows, the batch's row shards (micro.row_counts): the token budget of a micro-batch is that of the
-        unpacked pass's largest, micro x (S + T), and a pass's last micro-batch leaves fewer than min_rows rows
-        empty."""
-        return cls(prompt_len + resp_len, micro_lib.row_counts(micro, min_rows), head=resp_len, block=block)
+        """Rows of W = prompt_len + resp_len (the longest sequence fits) at micro, micro/2, ... down to min_rows, the
+        batch's row shards (micro.row_counts: a micro-batch's token budget is the unpacked pass's largest, micro x
+        (S + T)), and min_rows rows at each narrower width (narrow_widths), so that a pass's last micro-batches hold
+        about the tokens left (plan_micros). A row's output columns: as many as its width (a row of W positions
+        holding few sequences has more than T response tokens; limiting them to T left a quarter of the rows' tails
+        empty at Qwen3-1.7B's lengths, bench update --padding-only), gathered to the front of the row."""
+        width = prompt_len + resp_len
+        full = tuple((r, width) for r in micro_lib.row_counts(micro, min_rows))
+        narrow = tuple((full[-1][0], w) for w in narrow_widths(width))
+        return cls(width, full + narrow, head=width, block=block)
+
+    def outputs(self, width: int) -> int:
+        """C: the output columns of a row of `width`."""
+        return min(self.head, width) if self.head else width
 
     @property
     def name(self) -> str:
-        return f"packed {'/'.join(map(str, self.rows))} x {self.width}"
+        full = [r for r, w in self.micros if w == self.width]
+        narrow = [w for _, w in self.micros if w < self.width]
+        extra = f" and {self.micros[-1][0]} x {narrow[0]}..{narrow[-1]} ({len(narrow)} widths)" if narrow else ""
+        return f"packed {'/'.join(map(str, full))} x {self.width}{extra}"
 
 
-def cut_rows(n: int, counts: tuple[int, ...], width: int) -> list[int]:
-    """Row counts (descending) of the micro-batches that hold n packed rows at least total micro.micro_cost (each
-    at one of `counts`; the smallest count may leave some rows empty)."""
-    best = [(0, ())] + [None] * n  # best[i]: least cost of i rows and its counts
-    for i in range(1, n + 1):
-        for r in counts:
-            prev = best[max(i - r, 0)]
-            cost = prev[0] + micro_lib.micro_cost(r, width)
-            if best[i] is None or cost < best[i][0]:
-                best[i] = (cost, prev[1] + (r,))
-    return sorted(best[n][1], reverse=True)
+def first_fit(n_B, r_B, width: int, rows: int = 0, slots: int = 0, head: int = 0):
+    """First fit of sequences of n_B tokens (r_B of them response tokens), in the order given, into rows of `width`:
+    each into the first row with room (and fewer than `slots` sequences, slots > 0, and at most `head` response
+    tokens, head > 0); a new row when none has, up to `rows` (0: no limit). (row_B, offset_B, slot_B, rows used);
+    row -1: not placed."""
+    row_B, offset_B, slot_B = np.full(len(n_B), -1), np.zeros(len(n_B), int), np.zeros(len(n_B), int)
+    used, count, answers = [], [], []
+    for b, (n, r_) in enumerate(zip(n_B, r_B)):
+        r = next((i for i, u in enumerate(used) if u + n <= width and (not slots or count[i] < slots)
+                  and (not head or answers[i] + r_ <= head)), len(used))
+        if r == len(used):
+            if (rows and r == rows) or n > width or (head and r_ > head):
+                continue
+            used.append(0)
+            count.append(0)
+            answers.append(0)
+        row_B[b], offset_B[b], slot_B[b] = r, used[r], count[r]
+        used[r] += n
+        count[r] += 1
+        answers[r] += r_
+    return row_B, offset_B, slot_B, len(used)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,30 +123,63 @@ class PackPlan:
 
 def pack(prompt_lengths_B, response_lengths_B, width: int, rows: int = 0, slots: int = 0, head: int = 0) -> PackPlan:
     """First-fit decreasing: sequences of prompt + response tokens, longest first, each into the first row with room
-    (and fewer than `slots` sequences, when slots > 0, and at most `head` response tokens, when head > 0; a new row
-    when none has). `rows`: at least this many rows (a
-    fixed shape); raises ValueError when a sequence is longer than `width` or the sequences need more than `rows`
-    rows (rows > 0)."""
+    (first_fit's limits). `rows`: at least this many rows (a fixed shape); raises ValueError when a sequence is
+    longer than `width` or the sequences need more than `rows` rows (rows > 0)."""
     r_B = np.asarray(response_lengths_B, int)
     n_B = np.asarray(prompt_lengths_B, int) + r_B
     if n_B.size and n_B.max() > width:
         raise ValueError(f"a sequence of {n_B.max()} tokens does not fit a packed row of {width}; raise the width")
+    order = np.argsort(-n_B, kind="stable")
     row_B, offset_B, slot_B = (np.zeros(len(n_B), int) for _ in range(3))
-    used, count, answers = [], [], []
-    for b in np.argsort(-n_B, kind="stable"):
-        r = next((i for i, u in enumerate(used) if u + n_B[b] <= width and (not slots or count[i] < slots)
-                  and (not head or answers[i] + r_B[b] <= head)), len(used))
-        if r == len(used):
-            used.append(0)
-            count.append(0)
-            answers.append(0)
-        row_B[b], offset_B[b], slot_B[b] = r, used[r], count[r]
-        used[r] += n_B[b]
-        count[r] += 1
-        answers[r] += r_B[b]
-    if rows and len(used) > rows:
-        raise ValueError(f"{len(n_B)} sequences need {len(used)} packed rows of {width} tokens, more than {rows}")
-    return PackPlan(row_B, offset_B, width, max(rows, len(used)), slot_B)
+    row_B[order], offset_B[order], slot_B[order], used = first_fit(n_B[order], r_B[order], width, 0, slots, head)
+    if rows and used > rows:
+        raise ValueError(f"{len(n_B)} sequences need {used} packed rows of {width} tokens, more than {rows}")
+    return PackPlan(row_B, offset_B, width, max(rows, used), slot_B)
+
+
+BEAM, BEAM_DEPTH = 2, 6  # plan_micros: shapes tried per filled micro-batch, and over how many micro-batches
+
+
+def plan_micros(n_B, r_B, shape: PackShape) -> list[tuple[int, int, np.ndarray, PackPlan]]:
+    """Micro-batches of sequences of n_B tokens (r_B response tokens) at shape.micros, of least total
+    micro.micro_cost: (rows, width, the sequences' indices, their PackPlan) each. A search over chains: each link
+    either holds all the sequences left (the cheapest shape that does, first fit decreasing) or fills one of the
+    BEAM largest shapes of at most the tokens left (first fit decreasing, longest first: they need the widest rows)
+    and leaves the rest to the next link; every micro-batch's rows as wide as its longest sequence."""
+    n_B, r_B = np.asarray(n_B, int), np.asarray(r_B, int)
+
+    def fill(left, rows, width):
+        row, off, slot, _ = first_fit(n_B[left], r_B[left], width, rows, shape.slots, shape.outputs(width))
+        placed = row >= 0
+        return placed, (rows, width, left[placed], PackPlan(row[placed], off[placed], width, rows, slot[placed]))
+
+    def best(left, depth):
+        need, top = int(n_B[left].sum()), left[0]  # the longest sequence left
+        fits = [m for m in shape.micros if m[1] >= n_B[top] and shape.outputs(m[1]) >= r_B[top]]
+        if not fits:
+            raise ValueError(f"a sequence of {n_B[top]} tokens does not fit a packed row of {shape.width}; raise the "
+                             "width")
+        out = None
+        for rows, width in sorted((m for m in fits if m[0] * m[1] >= need), key=lambda m: micro_lib.micro_cost(*m)):
+            placed, micro = fill(left, rows, width)
+            if placed.all():
+                out = (micro_lib.micro_cost(rows, width), [micro])
+                break
+        below = sorted((m for m in fits if m[0] * m[1] < need), key=lambda m: (-m[0] * m[1], -m[1]))
+        for rows, width in below[:BEAM if depth < BEAM_DEPTH else int(out is None)]:
+            placed, micro = fill(left, rows, width)
+            sub = best(left[~placed], depth + 1) if not placed.all() else (0, [])
+            cost = micro_lib.micro_cost(rows, width) + sub[0]
+            if out is None or cost < out[0]:
+                out = (cost, [micro] + sub[1])
+        if out is None:  # nothing below the tokens left and no cover: the largest shape, again
+            rows, width = max(fits, key=lambda m: m[0] * m[1])
+            placed, micro = fill(left, rows, width)
+            sub = best(left[~placed], depth + 1) if not placed.all() else (0, [])
+            out = (micro_lib.micro_cost(rows, width) + sub[0], [micro] + sub[1])
+        return out
+
+    return best(np.argsort(-n_B, kind="stable"), 0)[1] if len(n_B) else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,24 +263,21 @@ class PackedPlan:
 
 
 def plan_packed(input_ids_BxL, attention_mask_BxL, response_mask_BxT, shape: PackShape, keep_B=None) -> PackedPlan:
-    """Pack the rows keep_B (default all) of a Batch's host arrays into micro-batches of `shape`: sequences into
-    rows (pack), the rows cut into micro-batches at shape.rows (cut_rows), each micro-batch's arrays on its own."""
+    """Pack the rows keep_B (default all) of a Batch's host arrays into micro-batches of `shape` (plan_micros), each
+    micro-batch's arrays on its own."""
     t = np.shape(response_mask_BxT)[1]
     prompt_B, resp_B = sequence_lengths(attention_mask_BxL, t)
     keep_B = np.ones(len(prompt_B), bool) if keep_B is None else np.asarray(keep_B, bool)
     rows_B = np.flatnonzero(keep_B)
-    plan = pack(prompt_B[rows_B], resp_B[rows_B], shape.width, slots=shape.slots, head=shape.head)
-    counts = cut_rows(plan.rows if len(rows_B) else 0, shape.rows, shape.width)
-    micros, start = [], 0
-    for r in counts:
-        in_rows = (plan.row_B >= start) & (plan.row_B < start + r)
-        sub = PackPlan(plan.row_B[in_rows] - start, plan.offset_B[in_rows], shape.width, r, plan.slot_B[in_rows])
+    micros, positions = [], 0
+    for rows, width, idx, sub in plan_micros((prompt_B + resp_B)[rows_B], resp_B[rows_B], shape):
+        order = np.argsort(rows_B[idx])  # packed_inputs takes the plan in the batch's row order
+        sub = PackPlan(sub.row_B[order], sub.offset_B[order], width, rows, sub.slot_B[order])
         keep = np.zeros(len(keep_B), bool)
-        keep[rows_B[in_rows]] = True
+        keep[rows_B[idx]] = True
         micros.append(packed_inputs(input_ids_BxL, attention_mask_BxL, response_mask_BxT, sub, keep, shape.slots,
-                                    shape.head))
-        start += r
-    positions = sum(counts) * shape.width
+                                    shape.outputs(width) if shape.head else 0))
+        positions += rows * width
     return PackedPlan(tuple(micros), positions, positions - int((prompt_B + resp_B)[rows_B].sum()))
 
 

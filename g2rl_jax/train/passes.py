@@ -10,7 +10,7 @@ packing.PackShape (algorithm.packing) or step.py's length-grouped ones for a mic
 A packed pass packs the rows on the host (plan_packed), places each micro-batch's [R, W] arrays with the batch's row
 sharding and runs one program per micro-batch; each program gathers its per-token results back to the [B, T]
 layout itself (packing.unpack) and adds them to the pass's accumulators (donated), so no program moves rows in or
-out and a pass compiles one program per row count of the shape, whatever the prompt bucket. The gradient program
+out and a pass compiles one program per (rows, width) of the shape, whatever the prompt bucket. The gradient program
 computes the policy loss of step.loss_from_logprobs on that [X, T] layout (X the mini-batch's rows, those of other
 micro-batches masked out), so every aggregation mode, the sequence-level ratio and the token rules see the tokens
 the unpacked loss sees; each micro-batch's share of the mini-batch mean is step.add_micro's.
@@ -97,13 +97,14 @@ def on_device(p: packing.Packed, like_B) -> PackedMicro:
                          for f in dataclasses.fields(PackedMicro)))
 
 
-def template(shape: PackShape, rows: int, batch_rows: int, resp_len: int, like_B) -> PackedMicro:
-    """The abstract packed micro-batch (shapes, dtypes, placements of on_device's) with `rows` packed rows, for
-    batches of batch_rows x resp_len: what the warm-up lowers the programs over."""
+def template(shape: PackShape, micro: tuple[int, int], batch_rows: int, resp_len: int, like_B) -> PackedMicro:
+    """The abstract packed micro-batch (shapes, dtypes, placements of on_device's) of one of shape.micros, (rows,
+    row width), for batches of batch_rows x resp_len: what the warm-up lowers the programs over."""
     def spec(*dims, dtype=jnp.int32):
         return jax.ShapeDtypeStruct(dims, dtype, sharding=_sharding(dims[0], like_B))
 
-    w, c = shape.width, shape.head or shape.width
+    rows, w = micro
+    c = shape.outputs(w)
     return PackedMicro(spec(rows, w), spec(rows, w), spec(rows, w), spec(rows, c), spec(rows, c),
                        spec(batch_rows, resp_len), spec(batch_rows, resp_len, dtype=jnp.bool_),
                        spec(batch_rows, dtype=jnp.bool_), spec(batch_rows), spec(rows, c))
@@ -229,7 +230,7 @@ def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings, bl
 def accumulate(graphdef, params, acc, pm: PackedMini, total_tokens, *, settings: train_step.LossSettings,
                total_rows: int, block: int = 0):
     """acc + this packed micro-batch's share of the mini-batch's (loss, gradients, diagnostics): step.accumulate's
-    weights (step.add_micro) over its tokens of the [X, T] layout. One program per packed row count."""
+    weights (step.add_micro) over its tokens of the [X, T] layout. One program per packed (rows, width)."""
     (loss, diag), grads = train_step.trainable_grad(policy_loss, params, graphdef, pm, settings, block)
     mask_XxT = pm.response_mask_BxT * pm.micro.in_B[:, None]
     return train_step.add_micro(acc, grads, loss, diag, mask_XxT, settings.agg, total_tokens, total_rows)
@@ -239,7 +240,7 @@ def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_s
     """(grads f32, loss, diagnostics) of a mini-batch over packed micro-batches of its rows with a token in the loss
     (the others add nothing): equal to step.gradients's within float rounding."""
     rows, t = mini.batch.response_mask.shape
-    like = PackedMini.of(template(shape, shape.rows[-1], rows, t, mini.batch.rewards), mini)
+    like = PackedMini.of(template(shape, shape.micros[-1], rows, t, mini.batch.rewards), mini)
     acc = train_step.zero_accumulator(policy_loss, graphdef, params, (like,), settings, mini.batch.rewards)
     total_tokens = jnp.sum(mini.batch.response_mask)
     for p in plan(mini.batch, shape, in_loss=True).micros:

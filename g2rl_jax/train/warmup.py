@@ -232,7 +232,7 @@ class RunWarmup:
 
     def _packed_score(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, chunk: int,
                       key: str = "packed score") -> None:
-        """The packed score (and reference) programs at every row count of the layout, for batches like `batch`."""
+        """The packed score (and reference) programs at every (rows, width) of the layout, for batches like `batch`."""
         if (key, batch.response_mask.shape) in self._done:
             return
         self._done.add((key, batch.response_mask.shape))
@@ -241,8 +241,8 @@ class RunWarmup:
         d = passes.graphdef_hidden(graphdef, params)
         acc = tuple(_template(train_step._zeros_rows(batch.rewards, s)) for s in ((b, t), (b, t), (b, d)))
         lowers = []
-        for rows in shape.rows:
-            m = passes.template(shape, rows, b, t, batch.rewards)
+        for micro in shape.micros:
+            m = passes.template(shape, micro, b, t, batch.rewards)
             lowers.append(functools.partial(passes.score_micro.lower, graphdef, params, acc, m,
                                             _template(batch.response_mask), temperature=temperature, chunk=chunk,
                                             slots=shape.slots, block=shape.block))
@@ -252,13 +252,13 @@ class RunWarmup:
         self._compile(lowers)
 
     def _packed_update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings):
-        """The packed gradient programs at every row count (and, for a method with a token rule, the packed score
+        """The packed gradient programs at every (rows, width) (and, for a method with a token rule, the packed score
         programs over a mini-batch's rows, its current policy's pass); the accumulator spec of the first."""
         rows, t = mini.batch.response_mask.shape
         shape, acc, lowers = self.layout, None, []
         total_tokens = jnp.sum(mini.batch.response_mask)  # as `passes.gradients` computes it
-        for r in shape.rows:
-            pm = passes.PackedMini.of(passes.template(shape, r, rows, t, mini.batch.rewards), mini)
+        for micro in shape.micros:
+            pm = passes.PackedMini.of(passes.template(shape, micro, rows, t, mini.batch.rewards), mini)
             acc = acc or train_step.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
                                                      mini.batch.rewards)
             lowers.append(functools.partial(passes.accumulate.lower, graphdef, params, acc, pm, total_tokens,
