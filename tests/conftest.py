@@ -49,7 +49,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # order. Costs: the fresh-clone run's `--durations` (worker seconds, 2026-11-27). `--durations=0` shows them all.
 GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
 SLOW_FIRST = ("test_multihost.py", "test_gcs.py", "test_bench.py", "test_preemption.py", "test_program_count.py",
-              "test_storage.py", "test_demo_run.py", "test_storage_midrun.py", "test_micro.py",
+              "test_storage.py", "test_demo_run.py", "test_async_sides_train.py", "test_storage_midrun.py",
+              "test_micro.py",
               "test_tensorstore_timeouts.py", "test_train.py", "test_tpu_watch.py",
               "test_warmup.py", "test_lifecycle.py", "test_rollout_segments.py", "test_async.py",
               "test_lora_train.py", "test_async_multihost.py", "test_micro_multihost.py", "test_preempt.py",
