@@ -18,7 +18,8 @@ compiled on `threads` threads (g2rl_jax/compile_pool.py), each lowered over argu
 shardings the step's own call passes: real arrays, or abstract ones copied from the compiled outputs that feed
 them. A jitted function keeps what `fn.lower(args).compile()` compiled, so the step's later call runs that
 executable without lowering or compiling again (jax's lowering cache; tests/test_warmup.py counts the compiles).
-It changes when programs compile, nothing they compute.
+It changes when programs compile, nothing they compute. The packed passes' lowerings (packed_score_lowers,
+packed_update_lowers) take abstract batches too: `plan --compile` lowers the same programs (aot/packed.py).
 """
 from __future__ import annotations
 
