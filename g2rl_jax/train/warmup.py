@@ -41,8 +41,8 @@ from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.packing import PackShape
 
-__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "RunWarmup", "Timing", "choice_key", "choice_record", "compile_all",
-           "resolve_threads"]
+__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "Lowers", "RunWarmup", "Timing", "choice_key", "choice_record",
+           "compile_all", "packed_accumulators", "packed_score_lowers", "packed_update_lowers", "resolve_threads"]
 CHOICE_FILE = "micro_shapes.json"  # in the run directory: the set the run uses, for its resumes
 
 
