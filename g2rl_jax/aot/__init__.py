@@ -6,6 +6,7 @@
                  parse_target(name); TPU names as gcloud's accelerator types (v4-8, v5litepod-16, v5p-8, v6e-8)
     programs.py  the programs of one step (rollout, score, reference, gradient, optimizer, advantages, embedder),
                  lowered from the project's own jitted functions over abstract sharded inputs
+    packed.py    with algorithm.packing, the packed score, reference and gradient programs the warm-up compiles
     report.py    compile each one, per-chip bytes from the compiler, the table, planner vs compiler
     bill.py      the whole run's compile bill: the bounded set a run compiles at its first step, its seconds, and
                  their share of the estimated run time

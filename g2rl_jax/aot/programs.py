@@ -14,7 +14,8 @@ largest prompt bucket, every response reaching the budget. What a step compiles:
                           compaction can reach (engine.batch_buckets); growing the cache one layer at a time
     score / reference     one program per (micro-batch rows, response width) of the finest candidate set of
                           train/shapes.py (every row count x the 4-per-octave width ladder), which holds every
-                          shape any run of the config can take
+                          shape any run of the config can take; with algorithm.packing, one per packed (rows,
+                          width) of the run's PackShape instead, the warm-up's own programs (aot/packed.py)
     update                the gradient of a micro-batch at the same shapes; the optimizer step
     advantages            novelty, shaping and group advantages (one program); the EVOL embedder when configured
 
@@ -63,6 +64,7 @@ class Program:
     phase: str  # one of PHASES
     lower: Callable[[], Any] = dataclasses.field(repr=False)  # () -> jax.stages.Lowered
     resident: int = 0  # per-chip bytes of run state alive beside it, not among its arguments
+    shape: tuple[int, ...] = ()  # a micro-batch program's (rows, width): response tokens, or packed positions
 
 
 def per_chip_bytes(tree) -> int:
@@ -289,31 +291,22 @@ def _in_mesh(mesh, lower):
 
 def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params, opt_state, optimizer,
                       state_bytes: int, scope: str) -> list[Program]:
-    """Score and reference passes and the gradient at every micro-batch shape; the optimizer step; advantages and
-    the EVOL embedder."""
+    """Score and reference passes and the gradient at every micro-batch shape (or, with algorithm.packing, at every
+    packed shape: aot/packed.py); the optimizer step; advantages and the EVOL embedder."""
     algo, m, S, T = cfg.algorithm, s.samples, s.prompt_len, s.new_tokens
     temp = train_step.LossSettings.from_config(algo, cfg.rollout.temperature).temperature
-    settings = train_step.LossSettings.from_config(algo, cfg.rollout.temperature)
     step_batch = a.batch(s.step_rows, S, T, m)
     step_arrays = per_chip_bytes(step_batch) + 3 * per_chip_bytes(a.rows((s.step_rows, T), jnp.float32))
-    shapes = [(x, w) for x in s.micro_rows for w in s.widths]
-    if scope == "largest":
-        shapes = [(s.micro_rows[0], T)]
-    grads = a.like(lora.trainable(params), jnp.float32)
-    terms = methods.token_fields(algo)  # the method's per-token loss terms (weight, |log ρ| coefficient)
-    mini = a.mini(algo.mini_batch_size, S, T, m, algo.rollout_is_cap is not None, terms)
     ref_graphdef = lora.reference_graphdef(graphdef, params) if lora.has_adapters(params) else graphdef
-    progs = []
-    for label, fn, kind, gd in (("score", train_step._score_micro, "score", graphdef),
-                                ("reference", train_step._ref_micro, "reference", ref_graphdef)):
-        if kind == "reference" and algo.kl_coef == 0:
-            continue
-        for rows, width in shapes:
-            mb = a.batch(rows, S, width, m)
-            lower = functools.partial(fn.lower, gd, params, mb, temperature=temp, chunk=train_step.g2rl.
-                                      DEFAULT_CHUNK)
-            progs.append(Program(f"{label} {rows} rows x {width} tokens", kind, "score", lower,
-                                 state_bytes - per_chip_bytes(params) + step_arrays))
+    resident = state_bytes - per_chip_bytes(params) + step_arrays
+    if algo.packing:  # the packed passes' programs, as the warm-up compiles them
+        from g2rl_jax.aot.packed import packed_programs
+
+        progs, update, acc = packed_programs(cfg, a, s, graphdef, params, ref_graphdef, resident, scope)
+    else:
+        shapes = [(x, w) for x in s.micro_rows for w in s.widths] if scope == "all" else [(s.micro_rows[0], T)]
+        progs = _grouped_scores(cfg, a, s, graphdef, ref_graphdef, params, shapes, resident)
+        update, acc = _grouped_gradients(cfg, a, s, graphdef, params, shapes, resident)
     phi = jax.eval_shape(functools.partial(train_step._score_micro, graphdef, temperature=temp,
                                            chunk=train_step.g2rl.DEFAULT_CHUNK), params, step_batch)[1][0]
     phi = a.rows(phi.shape, phi.dtype)
@@ -333,6 +326,42 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
                                   mini_batch_size=algo.mini_batch_size)
         progs.append(Program(f"token rule {algo.mini_batch_size} rows x {T} tokens", "token_terms", "update", lower,
                              state_bytes + step_arrays))
+    progs += update
+    grads = a.like(lora.trainable(params), jnp.float32)
+    diag = {k: a.scalar(v.dtype, v.shape) for k, v in acc[2].items()}
+    lower = functools.partial(train_step.apply_gradients.lower, params, opt_state, grads, a.scalar(jnp.float32), diag,
+                              optimizer=optimizer)
+    ref_bytes = state_bytes - per_chip_bytes(params) - per_chip_bytes(opt_state)
+    progs.append(Program("optimizer step", "apply", "update", lower, ref_bytes + step_arrays))
+    return progs
+
+
+def _grouped_scores(cfg: Config, a: Abstract, s: StepShapes, graphdef, ref_graphdef, params, shapes,
+                    resident: int) -> list[Program]:
+    """The length-grouped score and reference programs at each (rows, response width) of `shapes`."""
+    temp = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature).temperature
+    progs = []
+    for label, fn, gd in (("score", train_step._score_micro, graphdef), ("reference", train_step._ref_micro,
+                                                                         ref_graphdef)):
+        if label == "reference" and cfg.algorithm.kl_coef == 0:
+            continue
+        for rows, width in shapes:
+            lower = functools.partial(fn.lower, gd, params, a.batch(rows, s.prompt_len, width, s.samples),
+                                      temperature=temp, chunk=train_step.g2rl.DEFAULT_CHUNK)
+            progs.append(Program(f"{label} {rows} rows x {width} tokens", label, "score", lower, resident,
+                                 (rows, width)))
+    return progs
+
+
+def _grouped_gradients(cfg: Config, a: Abstract, s: StepShapes, graphdef, params, shapes,
+                       resident: int) -> tuple[list[Program], tuple]:
+    """The length-grouped gradient programs at each (rows, response width) of `shapes`; the accumulator's spec."""
+    algo, S, m = cfg.algorithm, s.prompt_len, s.samples
+    settings = train_step.LossSettings.from_config(algo, cfg.rollout.temperature)
+    terms = methods.token_fields(algo)  # the method's per-token loss terms (weight, |log ρ| coefficient)
+    mini = a.mini(algo.mini_batch_size, S, s.new_tokens, m, algo.rollout_is_cap is not None, terms)
+    grads = a.like(lora.trainable(params), jnp.float32)
+    progs, acc = [], None
     for rows, width in shapes:
         mb = a.mini(rows, S, width, m, algo.rollout_is_cap is not None, terms)
         diag = jax.eval_shape(lambda p, b: train_step.policy_loss(p, graphdef, b, settings)[1], params, mb)
@@ -340,13 +369,8 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
         lower = functools.partial(train_step.accumulate.lower, graphdef, params, acc, mb, a.scalar(jnp.float32),
                                   settings=settings, total_rows=algo.mini_batch_size)
         progs.append(Program(f"gradient {rows} rows x {width} tokens", "gradient", "update", lower,
-                             state_bytes - per_chip_bytes(params) + step_arrays + per_chip_bytes(mini)))
-    diag = {k: a.scalar(v.dtype, v.shape) for k, v in acc[2].items()}
-    lower = functools.partial(train_step.apply_gradients.lower, params, opt_state, grads, a.scalar(jnp.float32), diag,
-                              optimizer=optimizer)
-    ref_bytes = state_bytes - per_chip_bytes(params) - per_chip_bytes(opt_state)
-    progs.append(Program("optimizer step", "apply", "update", lower, ref_bytes + step_arrays))
-    return progs
+                             resident + per_chip_bytes(mini), (rows, width)))
+    return progs, acc
 
 
 def _embed_width(cfg: Config) -> int:

@@ -18,7 +18,8 @@ compiled on `threads` threads (g2rl_jax/compile_pool.py), each lowered over argu
 shardings the step's own call passes: real arrays, or abstract ones copied from the compiled outputs that feed
 them. A jitted function keeps what `fn.lower(args).compile()` compiled, so the step's later call runs that
 executable without lowering or compiling again (jax's lowering cache; tests/test_warmup.py counts the compiles).
-It changes when programs compile, nothing they compute.
+It changes when programs compile, nothing they compute. The packed passes' lowerings (packed_score_lowers,
+packed_update_lowers) take abstract batches too: `plan --compile` lowers the same programs (aot/packed.py).
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.packing import PackShape
 
-__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "RunWarmup", "Timing", "choice_key", "choice_record", "compile_all",
-           "resolve_threads"]
+__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "Lowers", "RunWarmup", "Timing", "choice_key", "choice_record",
+           "compile_all", "packed_accumulators", "packed_score_lowers", "packed_update_lowers", "resolve_threads"]
 CHOICE_FILE = "micro_shapes.json"  # in the run directory: the set the run uses, for its resumes
 
 
@@ -236,34 +237,16 @@ class RunWarmup:
         if (key, batch.response_mask.shape) in self._done:
             return
         self._done.add((key, batch.response_mask.shape))
-        b, t = batch.response_mask.shape
-        shape = self.layout
-        d = passes.graphdef_hidden(graphdef, params)
-        acc = tuple(_template(train_step._zeros_rows(batch.rewards, s)) for s in ((b, t), (b, t), (b, d)))
-        lowers = []
-        for micro in shape.micros:
-            m = passes.template(shape, micro, b, t, batch.rewards)
-            lowers.append(functools.partial(passes.score_micro.lower, graphdef, params, acc, m,
-                                            _template(batch.response_mask), temperature=temperature, chunk=chunk,
-                                            slots=shape.slots, block=shape.block))
-            if reference is not None:
-                lowers.append(functools.partial(passes.ref_micro.lower, *reference, acc[0], m,
-                                                temperature=temperature, chunk=chunk, block=shape.block))
-        self._compile(lowers)
+        acc = packed_accumulators(batch, passes.graphdef_hidden(graphdef, params))
+        self._compile([lower for _, _, lower in packed_score_lowers(self.layout, graphdef, params, reference, acc,
+                                                                    batch, temperature=temperature, chunk=chunk)])
 
     def _packed_update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings):
         """The packed gradient programs at every (rows, width) (and, for a method with a token rule, the packed score
         programs over a mini-batch's rows, its current policy's pass); the accumulator spec of the first."""
-        rows, t = mini.batch.response_mask.shape
-        shape, acc, lowers = self.layout, None, []
         total_tokens = jnp.sum(mini.batch.response_mask)  # as `passes.gradients` computes it
-        for micro in shape.micros:
-            pm = passes.PackedMini.of(passes.template(shape, micro, rows, t, mini.batch.rewards), mini)
-            acc = acc or train_step.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
-                                                     mini.batch.rewards)
-            lowers.append(functools.partial(passes.accumulate.lower, graphdef, params, acc, pm, total_tokens,
-                                            settings=settings, total_rows=rows, block=shape.block))
-        self._compile(lowers)
+        acc, lowers = packed_update_lowers(self.layout, graphdef, params, mini, total_tokens, settings=settings)
+        self._compile([lower for _, _, lower in lowers])
         if methods.get(self.cfg.algorithm.exploration).tokens is not None:
             self._packed_score(graphdef, params, None, mini.batch, temperature=settings.temperature,
                                chunk=settings.chunk)
@@ -324,3 +307,58 @@ class RunWarmup:
             lowers.append(functools.partial(train_step.apply_gradients.lower, params, opt_state, *acc,
                                             optimizer=optimizer))
         self._compile(lowers)
+
+
+# ------------------------------------------------------------------------------------------- packed programs
+# What the warm-up compiles for packed passes, over real or abstract (jax.ShapeDtypeStruct) batches alike, so that
+# `python -m g2rl_jax.plan --compile` (aot/programs.py) lowers the very programs a run compiles.
+Lowers = list[tuple[str, tuple[int, int], Callable[[], Any]]]  # (kind, packed (rows, width), () -> Lowered)
+
+
+def _rows_spec(like_B, shape) -> jax.ShapeDtypeStruct:
+    """What train_step._zeros_rows(like_B, shape) places, without allocating it: rows split like like_B's."""
+    sharding = like_B.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        rows = sharding.spec[0] if len(sharding.spec) else None
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(rows))
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+
+
+def packed_accumulators(batch: train_step.Batch, hidden: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The packed score pass's accumulators (log-probs [B, T], entropies [B, T], Φ [B, D]) for batches like `batch`."""
+    b, t = batch.response_mask.shape
+    return tuple(_rows_spec(batch.rewards, s) for s in ((b, t), (b, t), (b, hidden)))
+
+
+def packed_score_lowers(shape: PackShape, graphdef, params, reference, acc, batch: train_step.Batch, *,
+                        temperature: float, chunk: int) -> Lowers:
+    """The packed score programs (passes.score_micro) and, with `reference` ((graphdef, params) of the KL
+    reference), the reference ones (passes.ref_micro) at each of shape.micros, for batches like `batch`."""
+    b, t = batch.response_mask.shape
+    out: Lowers = []
+    for micro in shape.micros:
+        m = passes.template(shape, micro, b, t, batch.rewards)
+        out.append(("score", micro, functools.partial(
+            passes.score_micro.lower, graphdef, params, acc, m, _template(batch.response_mask),
+            temperature=temperature, chunk=chunk, slots=shape.slots, block=shape.block)))
+        if reference is not None:
+            out.append(("reference", micro, functools.partial(
+                passes.ref_micro.lower, *reference, acc[0], m, temperature=temperature, chunk=chunk,
+                block=shape.block)))
+    return out
+
+
+def packed_update_lowers(shape: PackShape, graphdef, params, mini: train_step.MiniBatch, total_tokens, *,
+                         settings: train_step.LossSettings) -> tuple[Any, Lowers]:
+    """(the gradient accumulator's spec, the packed gradient programs (passes.accumulate) at each of shape.micros)
+    for mini-batches like `mini`; total_tokens: its response-token count, as `passes.gradients` passes it."""
+    rows, t = mini.batch.response_mask.shape
+    acc, out = None, []
+    for micro in shape.micros:
+        pm = passes.PackedMini.of(passes.template(shape, micro, rows, t, mini.batch.rewards), mini)
+        acc = acc or train_step.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
+                                                 mini.batch.rewards)
+        out.append(("gradient", micro, functools.partial(
+            passes.accumulate.lower, graphdef, params, acc, pm, total_tokens, settings=settings, total_rows=rows,
+            block=shape.block)))
+    return acc, out
