@@ -2,7 +2,7 @@
 
     python -m g2rl_jax.bench compile --config configs/demo.yaml --threads 1 --threads 2      # this machine's CPU
     python -m g2rl_jax.bench compile --config configs/qwen3_1p7b_g2rl.yaml --preset qwen3-1.7b --target v5p-8 \\
-        --match "gradient 16 rows x 8192" --match "decode segment 256 rows x 128 slots"       # for a TPU slice
+        --match "packed gradient 16 rows x 9216" --match "decode segment 256 rows x 128 slots"       # for a TPU slice
 
 The programs are those of `python -m g2rl_jax.plan --compile --programs all` (g2rl_jax/aot/programs.py), picked
 by --match (a substring of the program's name; repeatable; default: every program). Without --target they compile
