@@ -13,7 +13,7 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
                  (model.lora.rank > 0) the frozen base in model.lora.base_dtype plus the adapters in model.param_dtype
     optimizer    AdamW's mu and nu (optax keeps them in the parameters' dtype), sharded like the parameters; with
                  LoRA the adapters' only
-    gradients    the float32 accumulator of train.step.update plus one micro-batch's gradients (param dtype), of
+    gradients    the float32 accumulator of train.update.update plus one micro-batch's gradients (param dtype), of
                  the trained parameters (LoRA: the adapters)
     reference    a frozen copy of the parameters when algorithm.kl_coef > 0 (none with LoRA: the reference is the
                  base, the same weights with the adapters off)
@@ -41,7 +41,7 @@ tries TPU v5e/v5p/v6e and H100/H200 slices, fsdp filling each, with tensor-paral
 leaves mesh.tensor at 1 (its data size and other tensor sizes kept), and reports the smallest slice that
 holds the peak within USABLE_FRACTION of each chip's memory. The byte counts are in g2rl_jax.memory.
 tests/test_plan.py checks the update-phase estimate against XLA's compiled memory analysis of the real
-`train.step.update`, and the rollout phase against the sampler's compiled prefill and decode, on CPU for small
+`train.update.update`, and the rollout phase against the sampler's compiled prefill and decode, on CPU for small
 configs (within 25%).
 At 1.7B (8k) and 4B (12k) on v5p and v6e slices each phase is within 10% of the TPU compiler's per-chip peak
 (`python -m g2rl_jax.plan --target SLICE --compile`, figures in docs/tpu.md).

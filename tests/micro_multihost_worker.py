@@ -23,6 +23,7 @@ def main(process_id: int, port: int, out: str) -> None:
     from g2rl_jax.model import Qwen3
     from g2rl_jax.train import micro as micro_lib
     from g2rl_jax.train import step as train_step
+    from g2rl_jax.train import update as train_update
 
     from _helpers import create_sharded
 
@@ -38,7 +39,7 @@ def main(process_id: int, port: int, out: str) -> None:
     mini = to_global(_mini(host, jnp.asarray(result["logp"])))
     result["update_rows"] = np.asarray([len(r) for r in micro_lib.plan_for(batch, 8).rows])
     for agg in AGGS:
-        grads, loss, _ = train_step.gradients(graphdef, params, mini, settings=_settings(agg), micro=8)
+        grads, loss, _ = train_update.gradients(graphdef, params, mini, settings=_settings(agg), micro=8)
         result[f"{agg}/loss"] = np.asarray(loss)
         for i, g in enumerate(jax.tree.leaves(grads)):
             result[f"{agg}/grad{i}"] = parallel.gather(g)

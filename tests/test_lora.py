@@ -22,7 +22,7 @@ from g2rl_jax import plan as P
 from g2rl_jax.config import ConfigError, MeshConfig, load_config
 from g2rl_jax.model import PRESETS, load_pretrained, lora, peft_io
 from g2rl_jax.model.qwen3 import LORA_A, LORA_B, project
-from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 
 from hf_tiny import make_tiny_qwen3_dir
 
@@ -132,7 +132,7 @@ def test_gradients_and_split_cover_the_adapters_only(base_dir, adapted):
     assert set(trainable.keys()) == {"adapters"} and "adapters" not in frozen
     assert len(jax.tree.leaves(trainable)) == 2 * len(SPEC.targets)
     loss = lambda params, ids: (jnp.mean(nnx.merge(graphdef, params)(ids) ** 2), {})  # noqa: E731
-    (_, _), grads = train_step.trainable_grad(loss, state, jnp.asarray(IDS))
+    (_, _), grads = train_update.trainable_grad(loss, state, jnp.asarray(IDS))
     assert jax.tree.structure(grads) == jax.tree.structure(trainable)
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
     # full fine-tuning: every parameter is trainable, nothing is frozen

@@ -26,6 +26,7 @@ from g2rl_jax.config import ConfigError
 from g2rl_jax.export import export
 from g2rl_jax.model import lora, peft_io
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train.checkpoint import load_policy
 from g2rl_jax.train.command import main
 from g2rl_jax.train.loop import Trainer
@@ -164,7 +165,7 @@ def test_eight_devices_equal_one_device(lora_run):
                                       micro=2)
         mini = train_step.MiniBatch(batch, old_logp_BxT=scores.logp_BxT, ref_logp_BxT=ref,
                                     advantages_B=jnp.asarray(np.asarray(result.signal["advantages"])))
-        new_params, _, info = train_step.update(graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+        new_params, _, info = train_update.update(graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
                                                 settings=trainer.settings, micro=2)
         outs.append((scores, ref, new_params, info))
     (s8, r8, p8, i8), (s1, r1, p1, i1) = outs

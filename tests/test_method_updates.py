@@ -19,6 +19,7 @@ from g2rl_jax.config import AlgorithmConfig
 from g2rl_jax.model import Qwen3, lora
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 
 X, S, T, MICRO = 8, 5, 24, 4  # rows of a mini-batch, prompt and response positions, rows of a micro-batch
 OPT = optax.adamw(1e-2, weight_decay=0.1)
@@ -83,7 +84,7 @@ def rows_mini(graphdef, params, name, correct, seed):
                              batch.rewards, batch.correct, batch.group_size)
     noise = 0.05 * np.random.default_rng(seed).standard_normal((X, T))
     mini = train_step.MiniBatch(batch, scores.logp_BxT + noise, scores.logp_BxT, adv)
-    return mini, train_step.LossSettings.from_config(algo, 1.0)
+    return mini, train_update.LossSettings.from_config(algo, 1.0)
 
 
 @pytest.mark.parametrize("name", ["nsr", "w_reinforce"])
@@ -101,7 +102,7 @@ def test_negative_reinforcement_loss_over_the_rows_it_keeps(model, name):
     np.testing.assert_allclose(np.asarray(mini.advantages_B)[keep], adv[keep], rtol=1e-7)  # λ in float32
     want = np_ppo_loss(logp, np.float64(mini.old_logp_BxT), adv, mask)
     params, opt_state = start(params0)
-    _, _, info = train_step.update(graphdef, params, opt_state, mini, optimizer=OPT, settings=settings, micro=MICRO,
+    _, _, info = train_update.update(graphdef, params, opt_state, mini, optimizer=OPT, settings=settings, micro=MICRO,
                                    shapes=SHAPES)
     assert int(info["empty"]) == 0 and int(info["skipped"]) == 0
     np.testing.assert_allclose(float(info["loss"]), want, rtol=2e-5)
@@ -116,11 +117,11 @@ def test_nsr_all_correct_mini_batch_takes_no_optimizer_step(model):
     right, _ = rows_mini(graphdef, params0, "nsr", [1] * X, seed=5)
     assert float(jnp.sum(right.batch.response_mask)) == 0
     params, opt_state = start(params0)
-    params, opt_state, info = train_step.update(graphdef, params, opt_state, mixed, optimizer=OPT, settings=settings,
+    params, opt_state, info = train_update.update(graphdef, params, opt_state, mixed, optimizer=OPT, settings=settings,
                                                 micro=MICRO, shapes=SHAPES)
     assert int(info["empty"]) == 0 and not trees_equal(params, params0)
     before = copy((params, opt_state))
-    params, opt_state, info = train_step.update(graphdef, params, opt_state, right, optimizer=OPT, settings=settings,
+    params, opt_state, info = train_update.update(graphdef, params, opt_state, right, optimizer=OPT, settings=settings,
                                                 micro=MICRO, shapes=SHAPES)
     assert int(info["empty"]) == 1 and int(info["skipped"]) == 0
     assert trees_equal((params, opt_state), before)
@@ -161,20 +162,20 @@ def test_token_rules_choose_on_each_mini_batchs_current_policy(model, name):
     NumPy loss with them."""
     graphdef, params0 = model
     algo = AlgorithmConfig(exploration=name, kl_coef=0.0, clip_low=0.05, clip_high=0.05, **ALGO[name])
-    settings = train_step.LossSettings.from_config(algo, 1.0)
+    settings = train_update.LossSettings.from_config(algo, 1.0)
     rng = np.random.default_rng(7)
     minis = []
     for seed in (8, 9):
         batch = batch_of(seed, rng.random(X) < 0.5)
         logp0, _ = scores64(graphdef, params0, batch)
         old = logp0 + 0.05 * rng.standard_normal((X, T))  # the behaviour policy, a little off π_θ
-        minis.append(train_step.with_token_fields(train_step.MiniBatch(
+        minis.append(train_update.with_token_fields(train_step.MiniBatch(
             batch, jnp.asarray(old, jnp.float32), jnp.asarray(old, jnp.float32),
             jnp.asarray(rng.normal(size=X) * 2, jnp.float32)), algo))
     keys = [jax.random.key(11), jax.random.key(12)]
     params, opt_state = start(params0)
-    params, opt_state, _ = train_step.update(graphdef, params, opt_state, minis[0], optimizer=OPT, settings=settings,
-                                             micro=MICRO, shapes=SHAPES, rule=train_step.TokenRule(algo, keys[0]))
+    params, opt_state, _ = train_update.update(graphdef, params, opt_state, minis[0], optimizer=OPT, settings=settings,
+                                             micro=MICRO, shapes=SHAPES, rule=train_update.TokenRule(algo, keys[0]))
     mini = minis[1]
     mask, adv, old = (np.float64(x) for x in (mini.batch.response_mask, mini.advantages_B, mini.old_logp_BxT))
     logp1, ent1 = scores64(graphdef, params, mini.batch)  # the current policy of the second update
@@ -183,11 +184,11 @@ def test_token_rules_choose_on_each_mini_batchs_current_policy(model, name):
     stale = np_rule(name, algo, logp0, ent0, old, adv, mask, keys[1])
     chosen, stale_chosen = (w if w is not None else c for w, c in ((weight, coef), stale))
     assert not np.array_equal(chosen, stale_chosen), "a weak test: the first update must change the choice"
-    decided = train_step.decide_tokens(graphdef, params, mini, train_step.TokenRule(algo, keys[1]),
+    decided = train_update.decide_tokens(graphdef, params, mini, train_update.TokenRule(algo, keys[1]),
                                        settings=settings, micro=MICRO, shapes=SHAPES)
     got = decided.token_weight_BxT if weight is not None else decided.abs_log_ratio_coef_BxT
     np.testing.assert_allclose(np.asarray(got) * mask, chosen * mask, rtol=1e-6)
     want = np_ppo_loss(logp1, old, adv, mask, clip=0.05, clipped=methods.get(name).ppo_clip, weight=weight, coef=coef)
-    _, _, info = train_step.update(graphdef, params, opt_state, mini, optimizer=OPT, settings=settings, micro=MICRO,
-                                   shapes=SHAPES, rule=train_step.TokenRule(algo, keys[1]))
+    _, _, info = train_update.update(graphdef, params, opt_state, mini, optimizer=OPT, settings=settings, micro=MICRO,
+                                   shapes=SHAPES, rule=train_update.TokenRule(algo, keys[1]))
     np.testing.assert_allclose(float(info["loss"]), want, rtol=2e-5)

@@ -19,6 +19,7 @@ from g2rl_jax.config import AlgorithmConfig, MeshConfig
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 
 from _helpers import create_sharded
 
@@ -49,10 +50,10 @@ def _mini(batch, scores_logp, seed=1) -> train_step.MiniBatch:
                                 advantages_B=jnp.asarray(rng.standard_normal(B), jnp.float32))
 
 
-def _settings(agg: str) -> train_step.LossSettings:
+def _settings(agg: str) -> train_update.LossSettings:
     algo = dataclasses.replace(AlgorithmConfig(), loss_agg=agg, kl_coef=0.05, exploration="entropy_bonus",
                                entropy_coef=0.01, dual_clip=1.5)
-    return train_step.LossSettings.from_config(algo, 0.9)
+    return train_update.LossSettings.from_config(algo, 0.9)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def unpacked_pass(graphdef, params, batch, old_logp_BxT=None) -> dict:
     mini = _mini(batch, logp if old_logp_BxT is None else jnp.asarray(old_logp_BxT))
     grads = {}
     for agg in AGGS:
-        fn = jax.jit(jax.value_and_grad(train_step.policy_loss, has_aux=True), static_argnums=(1, 3))
+        fn = jax.jit(jax.value_and_grad(train_update.policy_loss, has_aux=True), static_argnums=(1, 3))
         grads[agg] = fn(params, graphdef, mini, _settings(agg))
     return {"batch": batch, "scores": (logp, ent, phi), "ref": ref, "mini": mini, "grads": grads}
 
@@ -186,7 +187,7 @@ def test_loss_and_gradients_equal_one_unpacked_pass(model, unpacked, agg, micro)
     graphdef, params = model
     (loss0, diag0), grads0 = unpacked["grads"][agg]
     assert len({len(r) for r in train_step._plan(unpacked["batch"], micro, "update").rows}) > 1  # uneven micro-batches
-    grads, loss, diag = train_step.gradients(graphdef, params, unpacked["mini"], settings=_settings(agg), micro=micro)
+    grads, loss, diag = train_update.gradients(graphdef, params, unpacked["mini"], settings=_settings(agg), micro=micro)
     assert abs(float(loss) / float(loss0) - 1) <= 1e-6, (float(loss), float(loss0))
     assert _rel(grads, grads0) <= 1e-6
     for key in diag0:
@@ -205,7 +206,7 @@ def test_on_the_8_device_mesh(unpacked):
     _assert_same_scores(scores, unpacked["scores"], unpacked["batch"].response_mask)
     assert scores.logp_BxT.sharding.is_equivalent_to(batch.response_mask.sharding, 2)
     (loss0, _), grads0 = unpacked["grads"]["seq-mean-token-mean"]
-    grads, loss, _ = train_step.gradients(graphdef, params, put(unpacked["mini"]),
+    grads, loss, _ = train_update.gradients(graphdef, params, put(unpacked["mini"]),
                                           settings=_settings("seq-mean-token-mean"), micro=4)
     assert abs(float(loss) / float(loss0) - 1) <= 1e-6
     assert _rel(grads, grads0) <= 1e-6
@@ -220,16 +221,16 @@ def test_compiled_shapes_are_bounded_by_the_width_ladder(model):
     graphdef, params = model
     settings = _settings("token-mean")
     score_before = train_step._score_micro._cache_size()
-    grads_before = train_step.accumulate._cache_size()
+    grads_before = train_update.accumulate._cache_size()
     shapes = set()
     for seed in range(8):
         batch = _long_tailed_batch(100 + seed)
         plan = micro_lib.plan_for(batch, 4)
         shapes |= {(len(rows), w) for rows, w in zip(plan.rows, plan.widths)}
         scores = train_step.score(graphdef, params, batch, temperature=0.9, micro=4)
-        train_step.gradients(graphdef, params, _mini(batch, scores.logp_BxT), settings=settings, micro=4)
+        train_update.gradients(graphdef, params, _mini(batch, scores.logp_BxT), settings=settings, micro=4)
     ladder = {min(micro_lib.width_bucket(n), T) for n in range(T + 1)}
     assert len(ladder) == 3  # 16, 32 and the full width 40
     assert shapes <= {(r, w) for r in micro_lib.row_counts(4) for w in ladder} and len(shapes) > 3
     assert train_step._score_micro._cache_size() - score_before <= len(shapes)
-    assert train_step.accumulate._cache_size() - grads_before <= len(shapes)
+    assert train_update.accumulate._cache_size() - grads_before <= len(shapes)

@@ -19,6 +19,7 @@ from g2rl_jax.config import AlgorithmConfig
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
 from g2rl_jax.train import packing, passes
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +194,8 @@ def test_packed_gradients_equal_the_unpacked_ones(split, agg, ratio_level):
     mini = train_step.MiniBatch(batch, old, old + 0.1, jnp.asarray(rng.standard_normal(8), jnp.float32))
     algo = dataclasses.replace(AlgorithmConfig(), kl_coef=0.01, entropy_coef=0.01, loss_agg=agg,
                                ratio_level=ratio_level, exploration="entropy_bonus")
-    settings = dataclasses.replace(train_step.LossSettings.from_config(algo, 0.7), chunk=8)
-    want_g, want_loss, want_diag = train_step.gradients(graphdef, params, mini, settings=settings, micro=8,
+    settings = dataclasses.replace(train_update.LossSettings.from_config(algo, 0.7), chunk=8)
+    want_g, want_loss, want_diag = train_update.gradients(graphdef, params, mini, settings=settings, micro=8,
                                                         padded=True)
     for shape in SHAPES:
         got_g, got_loss, got_diag = passes.gradients(graphdef, params, mini, settings=settings, shape=shape)

@@ -1,5 +1,5 @@
 """g2rl_jax.plan: the analytic memory plan against hand counts, XLA's compiled memory analysis of the real
-`train.step.update` on CPU (within 25%), the mesh errors, and the CLI."""
+`train.update.update` on CPU (within 25%), the mesh errors, and the CLI."""
 import json
 import pathlib
 
@@ -17,6 +17,7 @@ from g2rl_jax.model.config import PRESETS, Qwen3Config
 from g2rl_jax.model.qwen3 import Qwen3
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train.setup import runtime_config
 
 from _helpers import create_sharded
@@ -166,16 +167,16 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
                              correct=put((rows,), jnp.bool_), group_size=cfg.rollout.num_samples)
     mini = train_step.MiniBatch(batch, old_logp_BxT=put((rows, t), jnp.float32),
                                 ref_logp_BxT=put((rows, t), jnp.float32), advantages_B=put((rows,), jnp.float32))
-    settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
+    settings = train_update.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
     micro = cfg.algorithm.micro_batch_size
     mb = jax.tree.map(lambda x: x[:micro], mini)  # the widest micro-batch: the whole response width T
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
                          lora.trainable(params))
-    diag = jax.eval_shape(lambda: train_step.policy_loss(params, graphdef, mb, settings)[1])
+    diag = jax.eval_shape(lambda: train_update.policy_loss(params, graphdef, mb, settings)[1])
     loss = jax.ShapeDtypeStruct((), jnp.float32)
-    accumulate = train_step.accumulate.lower(graphdef, params, (grads, loss, diag), mb, jnp.float32(1.0),
+    accumulate = train_update.accumulate.lower(graphdef, params, (grads, loss, diag), mb, jnp.float32(1.0),
                                              settings=settings, total_rows=rows).compile()
-    apply = train_step.apply_gradients.lower(params, opt_state, grads, loss, diag, optimizer=optimizer).compile()
+    apply = train_update.apply_gradients.lower(params, opt_state, grads, loss, diag, optimizer=optimizer).compile()
 
     def used(compiled) -> int:
         st = compiled.memory_analysis()

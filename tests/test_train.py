@@ -21,6 +21,7 @@ from g2rl_jax.config import ConfigError, load_config
 from g2rl_jax.demo.tokenizer import make_tokenizer
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train.command import main
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
@@ -249,7 +250,7 @@ def test_nan_step_is_skipped_and_params_unchanged(step_parts):
     opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
     before = jax.tree.map(np.asarray, params)
     opt_before = jax.tree.map(np.asarray, opt_state)
-    new_params, new_opt_state, info = train_step.update(trainer.graphdef, params, opt_state, mini,
+    new_params, new_opt_state, info = train_update.update(trainer.graphdef, params, opt_state, mini,
                                                         optimizer=trainer.optimizer, settings=trainer.settings, micro=2)
     assert int(info["skipped"]) == 1
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), a), before, new_params)
@@ -264,7 +265,7 @@ def test_update_that_makes_params_non_finite_is_skipped(step_parts):
     params = jax.tree.map(jnp.copy, trainer.params)
     sgd = optax.sgd(float("inf"))
     before = jax.tree.map(np.asarray, params)
-    new_params, _, info = train_step.update(trainer.graphdef, params, sgd.init(params), _mini(result), optimizer=sgd,
+    new_params, _, info = train_update.update(trainer.graphdef, params, sgd.init(params), _mini(result), optimizer=sgd,
                                    settings=trainer.settings, micro=2)
     assert np.isfinite(float(info["loss"])) and np.isfinite(float(info["grad_norm"]))
     assert int(info["skipped"]) == 1
@@ -277,7 +278,7 @@ def test_micro_batch_accumulation_equals_one_batch(step_parts):
     for micro in (8, 2):
         params = jax.tree.map(jnp.copy, trainer.params)
         opt_state = jax.tree.map(jnp.copy, trainer.opt_state)
-        outs.append(train_step.update(trainer.graphdef, params, opt_state, _mini(result), optimizer=trainer.optimizer,
+        outs.append(train_update.update(trainer.graphdef, params, opt_state, _mini(result), optimizer=trainer.optimizer,
                                       settings=trainer.settings, micro=micro))
     (p8, _, i8), (p2, _, i2) = outs
     np.testing.assert_allclose(float(i2["loss"]), float(i8["loss"]), rtol=1e-5, atol=1e-7)
@@ -293,7 +294,7 @@ def test_sharded_step_equals_unsharded(step_parts):
         scores = train_step.score(graphdef, params, batch, temperature=1.0, micro=2)
         mini = train_step.MiniBatch(batch, old_logp_BxT=scores.logp_BxT, ref_logp_BxT=scores.logp_BxT,
                                     advantages_B=jnp.asarray(np.asarray(result.signal["advantages"])))
-        new_params, _, info = train_step.update(graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+        new_params, _, info = train_update.update(graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
                                                 settings=trainer.settings, micro=2)
         outs.append((scores, new_params, info))
     (s8, p8, i8), (s1, p1, i1) = outs
@@ -363,7 +364,7 @@ def test_masked_rows_do_not_move_the_params(step_parts):
         mini = _mini(result, advantages_B=jnp.where(drop_B, adv_dropped, result.signal["advantages"]),
                      batch=dataclasses.replace(result.batch, response_mask=kept_BxT))
         params, opt_state = jax.tree.map(jnp.copy, trainer.params), jax.tree.map(jnp.copy, trainer.opt_state)
-        outs.append(train_step.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
+        outs.append(train_update.update(trainer.graphdef, params, opt_state, mini, optimizer=trainer.optimizer,
                                       settings=trainer.settings, micro=2)[0])
         # one CI run aborted here: XLA:CPU's collective termination timeout on a starved machine (tests/conftest.py)
         jax.block_until_ready(outs[-1])

@@ -21,7 +21,7 @@ from flax import nnx
 from g2rl_jax import methods
 from g2rl_jax.aot.programs import Abstract, Program, StepShapes, per_chip_bytes
 from g2rl_jax.config import Config
-from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train import warmup
 from g2rl_jax.train.packing import PackShape
 
@@ -52,7 +52,7 @@ def packed_programs(cfg: Config, a: Abstract, s: StepShapes, graphdef, params, r
     diagnostics)). resident: per-chip bytes of the run state and the step's arrays alive beside the passes, less
     the params (arguments of each)."""
     algo, m, S, T = cfg.algorithm, s.samples, s.prompt_len, s.new_tokens
-    settings = train_step.LossSettings.from_config(algo, cfg.rollout.temperature)
+    settings = train_update.LossSettings.from_config(algo, cfg.rollout.temperature)
     shape = pack_shape(cfg, s)
     keep = None if scope == "all" else {shape.micros[0]}
     hidden = _hidden(graphdef, params)

@@ -52,6 +52,7 @@ from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import setup
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 
 PHASES = ("setup", "rollout", "score", "update")
 SCOPES = ("all", "largest")
@@ -294,7 +295,7 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
     """Score and reference passes and the gradient at every micro-batch shape (or, with algorithm.packing, at every
     packed shape: aot/packed.py); the optimizer step; advantages and the EVOL embedder."""
     algo, m, S, T = cfg.algorithm, s.samples, s.prompt_len, s.new_tokens
-    temp = train_step.LossSettings.from_config(algo, cfg.rollout.temperature).temperature
+    temp = train_update.LossSettings.from_config(algo, cfg.rollout.temperature).temperature
     step_batch = a.batch(s.step_rows, S, T, m)
     step_arrays = per_chip_bytes(step_batch) + 3 * per_chip_bytes(a.rows((s.step_rows, T), jnp.float32))
     ref_graphdef = lora.reference_graphdef(graphdef, params) if lora.has_adapters(params) else graphdef
@@ -329,7 +330,7 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
     progs += update
     grads = a.like(lora.trainable(params), jnp.float32)
     diag = {k: a.scalar(v.dtype, v.shape) for k, v in acc[2].items()}
-    lower = functools.partial(train_step.apply_gradients.lower, params, opt_state, grads, a.scalar(jnp.float32), diag,
+    lower = functools.partial(train_update.apply_gradients.lower, params, opt_state, grads, a.scalar(jnp.float32), diag,
                               optimizer=optimizer)
     ref_bytes = state_bytes - per_chip_bytes(params) - per_chip_bytes(opt_state)
     progs.append(Program("optimizer step", "apply", "update", lower, ref_bytes + step_arrays))
@@ -339,7 +340,7 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
 def _grouped_scores(cfg: Config, a: Abstract, s: StepShapes, graphdef, ref_graphdef, params, shapes,
                     resident: int) -> list[Program]:
     """The length-grouped score and reference programs at each (rows, response width) of `shapes`."""
-    temp = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature).temperature
+    temp = train_update.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature).temperature
     progs = []
     for label, fn, gd in (("score", train_step._score_micro, graphdef), ("reference", train_step._ref_micro,
                                                                          ref_graphdef)):
@@ -357,16 +358,16 @@ def _grouped_gradients(cfg: Config, a: Abstract, s: StepShapes, graphdef, params
                        resident: int) -> tuple[list[Program], tuple]:
     """The length-grouped gradient programs at each (rows, response width) of `shapes`; the accumulator's spec."""
     algo, S, m = cfg.algorithm, s.prompt_len, s.samples
-    settings = train_step.LossSettings.from_config(algo, cfg.rollout.temperature)
+    settings = train_update.LossSettings.from_config(algo, cfg.rollout.temperature)
     terms = methods.token_fields(algo)  # the method's per-token loss terms (weight, |log ρ| coefficient)
     mini = a.mini(algo.mini_batch_size, S, s.new_tokens, m, algo.rollout_is_cap is not None, terms)
     grads = a.like(lora.trainable(params), jnp.float32)
     progs, acc = [], None
     for rows, width in shapes:
         mb = a.mini(rows, S, width, m, algo.rollout_is_cap is not None, terms)
-        diag = jax.eval_shape(lambda p, b: train_step.policy_loss(p, graphdef, b, settings)[1], params, mb)
+        diag = jax.eval_shape(lambda p, b: train_update.policy_loss(p, graphdef, b, settings)[1], params, mb)
         acc = (grads, a.scalar(jnp.float32), {k: a.scalar(d.dtype, d.shape) for k, d in diag.items()})
-        lower = functools.partial(train_step.accumulate.lower, graphdef, params, acc, mb, a.scalar(jnp.float32),
+        lower = functools.partial(train_update.accumulate.lower, graphdef, params, acc, mb, a.scalar(jnp.float32),
                                   settings=settings, total_rows=algo.mini_batch_size)
         progs.append(Program(f"gradient {rows} rows x {width} tokens", "gradient", "update", lower,
                              resident + per_chip_bytes(mini), (rows, width)))

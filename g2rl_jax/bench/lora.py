@@ -4,7 +4,7 @@
     python -m g2rl_jax.bench lora --preset qwen3-1.7b --dtype bfloat16 --rows 16 --response-len 1024 ...  # a GPU
 
 Printed, each pair measured alternately in one process (these machines are noisy):
-  * update: seconds per optimizer update (`train.step.update`: AdamW, KL term on, micro-batches of --micro rows)
+  * update: seconds per optimizer update (`train.update.update`: AdamW, KL term on, micro-batches of --micro rows)
     of the full model against the same model with rank --rank adapters on every projection, and XLA's per-device
     bytes of the compiled update (arguments + outputs - donated aliases + temporaries; the optimizer state is an
     argument): what LoRA saves in gradients and AdamW moments;
@@ -30,6 +30,7 @@ from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, lora
 from g2rl_jax.rollout import generate
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 
 
 def _args(argv):
@@ -92,7 +93,7 @@ class _Update:
         self.graphdef, self.params = nnx.split(model)
         self.optimizer = train_optim.make_optimizer(OptimConfig(learning_rate=1e-4), 1000)
         self.opt_state = jax.jit(self.optimizer.init)(lora.trainable(self.params))
-        self.settings = train_step.LossSettings.from_config(AlgorithmConfig(kl_coef=0.001), 1.0)
+        self.settings = train_update.LossSettings.from_config(AlgorithmConfig(kl_coef=0.001), 1.0)
         self.mini, self.micro = mini, a.micro
         self.trained = sum(x.size for x in jax.tree.leaves(lora.trainable(self.params)))
         self.bytes = self._compiled_bytes()
@@ -100,11 +101,11 @@ class _Update:
     def _compiled_bytes(self) -> int:
         mb = jax.tree.map(lambda x: x[:self.micro], self.mini)
         grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), lora.trainable(self.params))
-        diag = jax.eval_shape(lambda: train_step.policy_loss(self.params, self.graphdef, mb, self.settings)[1])
+        diag = jax.eval_shape(lambda: train_update.policy_loss(self.params, self.graphdef, mb, self.settings)[1])
         loss = jax.ShapeDtypeStruct((), jnp.float32)
-        acc = train_step.accumulate.lower(self.graphdef, self.params, (grads, loss, diag), mb, jnp.float32(1.0),
+        acc = train_update.accumulate.lower(self.graphdef, self.params, (grads, loss, diag), mb, jnp.float32(1.0),
                                           settings=self.settings, total_rows=self.mini.batch.rewards.shape[0])
-        apply = train_step.apply_gradients.lower(self.params, self.opt_state, grads, loss, diag,
+        apply = train_update.apply_gradients.lower(self.params, self.opt_state, grads, loss, diag,
                                                  optimizer=self.optimizer)
 
         def used(compiled) -> int:
@@ -116,7 +117,7 @@ class _Update:
 
     def run(self) -> float:
         start = time.perf_counter()
-        self.params, self.opt_state, info = train_step.update(
+        self.params, self.opt_state, info = train_update.update(
             self.graphdef, self.params, self.opt_state, self.mini, optimizer=self.optimizer,
             settings=self.settings, micro=self.micro)
         jax.block_until_ready((self.params, info))

@@ -51,6 +51,7 @@ def time_method(trainer, result, algo, step: int) -> dict[str, float]:
 
     from g2rl_jax import methods
     from g2rl_jax.train import step as train_step
+    from g2rl_jax.train import update as train_update
 
     method = methods.get(algo.exploration)
     batch, scores = result.batch, result.scores
@@ -66,7 +67,7 @@ def time_method(trainer, result, algo, step: int) -> dict[str, float]:
     saved = (trainer.cfg, trainer.method, trainer.settings, trainer.params, trainer.opt_state)
     trainer.cfg = dataclasses.replace(trainer.cfg, algorithm=algo)
     trainer.method = method
-    trainer.settings = train_step.LossSettings.from_config(algo, trainer.cfg.rollout.temperature)
+    trainer.settings = train_update.LossSettings.from_config(algo, trainer.cfg.rollout.temperature)
     trainer.params, trainer.opt_state = _copy(saved[3]), _copy(saved[4])
     in_loss = np.ones(batch.rewards.shape[0], np.float32)
     jax.block_until_ready(trainer.params)

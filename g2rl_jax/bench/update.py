@@ -1,4 +1,4 @@
-"""`python -m g2rl_jax.bench update`: the PPO update alone (`train.step.update`), time and MFU per setting.
+"""`python -m g2rl_jax.bench update`: the PPO update alone (`train.update.update`), time and MFU per setting.
 
     python -m g2rl_jax.bench update                       # CPU: a small random model, 8 rows of 32 + 64 tokens
     python -m g2rl_jax.bench update --hidden 512 --layers 4 --vocab 8192 ...   # another small random model
@@ -53,6 +53,7 @@ from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import packing, passes
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 
 _KEYS = {"remat": str, "micro": int, "param_dtype": str, "attention": str, "layout": str, "overhead": float,
          "block": int, "narrow": int}
@@ -166,7 +167,7 @@ class Runner:
         self.graphdef, self.params = nnx.split(Qwen3(cfg, rt, rngs=nnx.Rngs(0)))
         self.optimizer = train_optim.make_optimizer(OptimConfig(), total_updates=1000)
         self.opt_state = train_optim.init_optimizer(self.optimizer, self.params)
-        self.settings = train_step.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
+        self.settings = train_update.LossSettings.from_config(dataclasses.replace(AlgorithmConfig(), kl_coef=1e-3), 1.0)
 
     def __call__(self, k: int) -> float:
         v, mini = self.v, self.minis[k]

@@ -12,8 +12,9 @@
   loop.py        the Trainer; command.py: `python -m g2rl_jax.train`; its rollout rounds and validation:
                  sampling_rounds.py; its update (rows kept, mini-batches, PPO epochs): update_rounds.py;
                  stages.py: the `stage` context that names a failing stage and its input shapes
-  step.py        one RL step's stages as pure functions (batch, score, reference, advantages, update); optim.py:
-                 the optimizer and its sharded state; micro.py: length-grouped micro-batches
+  step.py        one RL step's stages as pure functions (batch, score, reference, advantages); update.py: the
+                 update stage (loss, micro-batch gradients, optimizer step, token rules); optim.py: the optimizer
+                 and its sharded state; micro.py: length-grouped micro-batches
   shapes.py      the bounded set of micro-batch shapes and prompt buckets a run compiles, chosen by estimated run
                  time; warmup.py compiles it at the first step; compiles.py: the per-step compile clock
 """

@@ -42,6 +42,7 @@ from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
 from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train.ahead import AheadSampler
 from g2rl_jax.train.checkpoint import Checkpointer, check_model, latest_step
 from g2rl_jax.train.lifecycle import (
@@ -191,7 +192,7 @@ class Trainer(SamplingRounds, UpdateRounds):
                                                                    * self.updates_per_step))  # one program
         # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
         self.opt_state = train_optim.init_optimizer(self.optimizer, lora.trainable(self.params))
-        self.settings = train_step.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
+        self.settings = train_update.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
         self.warmup = warmup.RunWarmup.for_run(cfg, model.config, self.mesh, self.run_dir, train_lengths)
         self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
         self.step = 0

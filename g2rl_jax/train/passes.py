@@ -11,9 +11,9 @@ A packed pass packs the rows on the host (plan_packed), places each micro-batch'
 sharding and runs one program per micro-batch; each program gathers its per-token results back to the [B, T]
 layout itself (packing.unpack) and adds them to the pass's accumulators (donated), so no program moves rows in or
 out and a pass compiles one program per (rows, width) of the shape, whatever the prompt bucket. The gradient program
-computes the policy loss of step.loss_from_logprobs on that [X, T] layout (X the mini-batch's rows, those of other
+computes the policy loss of update.loss_from_logprobs on that [X, T] layout (X the mini-batch's rows, those of other
 micro-batches masked out), so every aggregation mode, the sequence-level ratio and the token rules see the tokens
-the unpacked loss sees; each micro-batch's share of the mini-batch mean is step.add_micro's.
+the unpacked loss sees; each micro-batch's share of the mini-batch mean is update.add_micro's.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from g2rl_jax import g2rl, methods, parallel
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import packing
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train.packing import PackShape
 
 
@@ -206,8 +207,8 @@ def ref_logprobs(graphdef, params, batch: train_step.Batch, *, temperature: floa
     return acc
 
 
-def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings, block: int = 0):
-    """step.policy_loss on a packed micro-batch: the forward over the packed rows, its per-token log-probs (and
+def policy_loss(params, graphdef, pm: PackedMini, s: train_update.LossSettings, block: int = 0):
+    """update.policy_loss on a packed micro-batch: the forward over the packed rows, its per-token log-probs (and
     entropies, for the bonus) gathered to the mini-batch's [X, T] layout, the loss over this micro-batch's tokens."""
     m = pm.micro
     h_RxCxD, head = _hidden(nnx.merge(graphdef, params), m, block)
@@ -219,7 +220,7 @@ def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings, bl
     else:
         logp = g2rl.token_logprobs(h_RxCxD, head, m.targets_RxC, temperature=s.temperature, chunk_size=s.chunk)
     mask_XxT = pm.response_mask_BxT * m.in_B[:, None]
-    loss, diag = train_step.loss_from_logprobs(
+    loss, diag = train_update.loss_from_logprobs(
         packing.unpack(logp, m.source_BxT, m.valid_BxT), ent, pm.old_logp_BxT, pm.ref_logp_BxT, pm.sampler_logp_BxT,
         pm.advantages_B, mask_XxT, s, token_weight_BxT=pm.token_weight_BxT,
         abs_log_ratio_coef_BxT=pm.abs_log_ratio_coef_BxT)
@@ -227,21 +228,21 @@ def policy_loss(params, graphdef, pm: PackedMini, s: train_step.LossSettings, bl
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows", "block"), donate_argnames=("acc",))
-def accumulate(graphdef, params, acc, pm: PackedMini, total_tokens, *, settings: train_step.LossSettings,
+def accumulate(graphdef, params, acc, pm: PackedMini, total_tokens, *, settings: train_update.LossSettings,
                total_rows: int, block: int = 0):
-    """acc + this packed micro-batch's share of the mini-batch's (loss, gradients, diagnostics): step.accumulate's
-    weights (step.add_micro) over its tokens of the [X, T] layout. One program per packed (rows, width)."""
-    (loss, diag), grads = train_step.trainable_grad(policy_loss, params, graphdef, pm, settings, block)
+    """acc + this packed micro-batch's share of the mini-batch's (loss, gradients, diagnostics): update.accumulate's
+    weights (update.add_micro) over its tokens of the [X, T] layout. One program per packed (rows, width)."""
+    (loss, diag), grads = train_update.trainable_grad(policy_loss, params, graphdef, pm, settings, block)
     mask_XxT = pm.response_mask_BxT * pm.micro.in_B[:, None]
-    return train_step.add_micro(acc, grads, loss, diag, mask_XxT, settings.agg, total_tokens, total_rows)
+    return train_update.add_micro(acc, grads, loss, diag, mask_XxT, settings.agg, total_tokens, total_rows)
 
 
-def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings, shape: PackShape):
+def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings, shape: PackShape):
     """(grads f32, loss, diagnostics) of a mini-batch over packed micro-batches of its rows with a token in the loss
-    (the others add nothing): equal to step.gradients's within float rounding."""
+    (the others add nothing): equal to update.gradients's within float rounding."""
     rows, t = mini.batch.response_mask.shape
     like = PackedMini.of(template(shape, shape.micros[-1], rows, t, mini.batch.rewards), mini)
-    acc = train_step.zero_accumulator(policy_loss, graphdef, params, (like,), settings, mini.batch.rewards)
+    acc = train_update.zero_accumulator(policy_loss, graphdef, params, (like,), settings, mini.batch.rewards)
     total_tokens = jnp.sum(mini.batch.response_mask)
     for p in plan(mini.batch, shape, in_loss=True).micros:
         pm = PackedMini.of(on_device(p, mini.batch.rewards), mini)
@@ -253,23 +254,23 @@ def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_s
 
 def current_scores(graphdef, params, mini: train_step.MiniBatch, *, temperature: float, shape: PackShape,
                    chunk: int = g2rl.DEFAULT_CHUNK):
-    """step.current_scores over packed micro-batches of the mini-batch's rows in the loss (0 on the others)."""
+    """update.current_scores over packed micro-batches of the mini-batch's rows in the loss (0 on the others)."""
     logp, ent, _ = _scores(graphdef, params, mini.batch, shape, temperature=temperature, chunk=chunk, in_loss=True)
     return logp, ent
 
 
-def update(graphdef, params, opt_state, mini: train_step.MiniBatch, *, optimizer, settings: train_step.LossSettings,
-           micro: int, shapes, rule: train_step.TokenRule | None = None, padded: bool = False):
-    """step.update over packed micro-batches (PackShape; the token rule decided on the current policy's packed
-    scores) or step.update's length-grouped ones."""
+def update(graphdef, params, opt_state, mini: train_step.MiniBatch, *, optimizer, settings: train_update.LossSettings,
+           micro: int, shapes, rule: train_update.TokenRule | None = None, padded: bool = False):
+    """update.update over packed micro-batches (PackShape; the token rule decided on the current policy's packed
+    scores) or update.update's length-grouped ones."""
     if not isinstance(shapes, PackShape):
-        return train_step.update(graphdef, params, opt_state, mini, optimizer=optimizer, settings=settings,
+        return train_update.update(graphdef, params, opt_state, mini, optimizer=optimizer, settings=settings,
                                  micro=micro, padded=padded, shapes=shapes, rule=rule)
     if rule is not None and methods.get(rule.algo.exploration).tokens is not None:
         if rule.current is None:
             rule = dataclasses.replace(rule, current=current_scores(graphdef, params, mini,
                                                                     temperature=settings.temperature, shape=shapes,
                                                                     chunk=settings.chunk))
-        mini = train_step.decide_tokens(graphdef, params, mini, rule, settings=settings, micro=micro)
+        mini = train_update.decide_tokens(graphdef, params, mini, rule, settings=settings, micro=micro)
     grads, loss, diag = gradients(graphdef, params, mini, settings=settings, shape=shapes)
-    return train_step.apply_gradients(params, opt_state, grads, loss, diag, optimizer=optimizer)
+    return train_update.apply_gradients(params, opt_state, grads, loss, diag, optimizer=optimizer)

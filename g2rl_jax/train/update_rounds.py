@@ -16,6 +16,7 @@ import numpy as np
 from g2rl_jax import parallel
 from g2rl_jax.train import passes
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train.setup import shard_rows
 
 
@@ -44,7 +45,7 @@ class UpdateRounds:
             step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
                                              sampler_logp)
             if rules:
-                step_rows = train_step.with_token_fields(step_rows, algo)
+                step_rows = train_update.with_token_fields(step_rows, algo)
             return [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
 
         minis, infos, plans = minis_of(batch), [], []
@@ -59,7 +60,7 @@ class UpdateRounds:
                 if rules:  # the step's first update starts from the behaviour policy: its scores are π_θ's
                     first = epoch == 0 and i == 0
                     current = (rows.old_logp_BxT, entropy[i * mb:(i + 1) * mb]) if first else None
-                    rule = train_step.TokenRule(algo, jax.random.fold_in(key, epoch * len(minis) + i), current)
+                    rule = train_update.TokenRule(algo, jax.random.fold_in(key, epoch * len(minis) + i), current)
                     if not first:
                         plans.append(plans[-1])  # the current policy's forward pass over the same micro-batches
                 self.params, self.opt_state, info = passes.update(

@@ -39,6 +39,7 @@ from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import passes
 from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train import update as train_update
 from g2rl_jax.train.packing import PackShape
 
 __all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "Lowers", "RunWarmup", "Timing", "choice_key", "choice_record",
@@ -241,7 +242,7 @@ class RunWarmup:
         self._compile([lower for _, _, lower in packed_score_lowers(self.layout, graphdef, params, reference, acc,
                                                                     batch, temperature=temperature, chunk=chunk)])
 
-    def _packed_update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings):
+    def _packed_update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings):
         """The packed gradient programs at every (rows, width) (and, for a method with a token rule, the packed score
         programs over a mini-batch's rows, its current policy's pass); the accumulator spec of the first."""
         total_tokens = jnp.sum(mini.batch.response_mask)  # as `passes.gradients` computes it
@@ -273,11 +274,11 @@ class RunWarmup:
             jobs = [(rows, part, _template(t.compiled.out_info)) for (rows, part, _), t in zip(jobs, timings)
                     if t.error is None]
 
-    def update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_step.LossSettings,
+    def update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings,
                mini_like: Callable[[int], train_step.MiniBatch], opt_state=None, optimizer=None) -> None:
         """The gradient program at every shape of the set and every prompt bucket (over mini-batches like `mini`;
         mini_like(S): one with prompts of S tokens) and, with `optimizer`, the optimizer step
-        (train_step.apply_gradients) of `opt_state`; after `score` chose the set."""
+        (train_update.apply_gradients) of `opt_state`; after `score` chose the set."""
         if self.shapes is None:
             return
         lowers, acc = [], None
@@ -287,7 +288,7 @@ class RunWarmup:
                 acc = self._packed_update(graphdef, params, mini, settings=settings)
             if optimizer is not None and acc is not None and ("apply",) not in self._done:
                 self._done.add(("apply",))
-                self._compile([functools.partial(train_step.apply_gradients.lower, params, opt_state, *acc,
+                self._compile([functools.partial(train_update.apply_gradients.lower, params, opt_state, *acc,
                                                  optimizer=optimizer)])
             return
         for prompt_len in self.prompts:
@@ -298,13 +299,13 @@ class RunWarmup:
             total_tokens = jnp.sum(like.batch.response_mask)  # as `accumulate_plan` computes it
             rows = like.batch.response_mask.shape[0]
             for mb in self._take(like, like.batch, self.shapes).values():
-                acc = acc or train_step.accumulator_spec(train_step.policy_loss, graphdef, params, (mb,), settings,
+                acc = acc or train_update.accumulator_spec(train_update.policy_loss, graphdef, params, (mb,), settings,
                                                          like.batch.rewards)  # the same for every shape
-                lowers.append(functools.partial(train_step.accumulate.lower, graphdef, params, acc, mb, total_tokens,
+                lowers.append(functools.partial(train_update.accumulate.lower, graphdef, params, acc, mb, total_tokens,
                                                 settings=settings, total_rows=rows))
         if optimizer is not None and acc is not None and ("apply",) not in self._done:
             self._done.add(("apply",))
-            lowers.append(functools.partial(train_step.apply_gradients.lower, params, opt_state, *acc,
+            lowers.append(functools.partial(train_update.apply_gradients.lower, params, opt_state, *acc,
                                             optimizer=optimizer))
         self._compile(lowers)
 
@@ -349,14 +350,14 @@ def packed_score_lowers(shape: PackShape, graphdef, params, reference, acc, batc
 
 
 def packed_update_lowers(shape: PackShape, graphdef, params, mini: train_step.MiniBatch, total_tokens, *,
-                         settings: train_step.LossSettings) -> tuple[Any, Lowers]:
+                         settings: train_update.LossSettings) -> tuple[Any, Lowers]:
     """(the gradient accumulator's spec, the packed gradient programs (passes.accumulate) at each of shape.micros)
     for mini-batches like `mini`; total_tokens: its response-token count, as `passes.gradients` passes it."""
     rows, t = mini.batch.response_mask.shape
     acc, out = None, []
     for micro in shape.micros:
         pm = passes.PackedMini.of(passes.template(shape, micro, rows, t, mini.batch.rewards), mini)
-        acc = acc or train_step.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
+        acc = acc or train_update.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
                                                  mini.batch.rewards)
         out.append(("gradient", micro, functools.partial(
             passes.accumulate.lower, graphdef, params, acc, pm, total_tokens, settings=settings, total_rows=rows,
