@@ -224,7 +224,7 @@ def policy_loss(params, graphdef, pm: PackedMini, s: train_update.LossSettings, 
         packing.unpack(logp, m.source_BxT, m.valid_BxT), ent, pm.old_logp_BxT, pm.ref_logp_BxT, pm.sampler_logp_BxT,
         pm.advantages_B, mask_XxT, s, token_weight_BxT=pm.token_weight_BxT,
         abs_log_ratio_coef_BxT=pm.abs_log_ratio_coef_BxT)
-    return loss, dict(diag, **{train_step.TOKENS: jnp.sum(mask_XxT)})
+    return loss, dict(diag, **{train_update.TOKENS: jnp.sum(mask_XxT)})
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows", "block"), donate_argnames=("acc",))
