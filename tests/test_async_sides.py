@@ -37,7 +37,7 @@ def test_weights_cross_to_a_rollout_mesh_on_other_processes():
 def test_one_process_per_side_settings():
     with pytest.raises(ConfigError, match="leave mesh.rollout_devices at 0"):
         MeshConfig(rollout_processes=1, rollout_devices=2)
-    with pytest.raises(ConfigError, match=r"2 processes, mesh.rollout_processes=1"):  # this test is one process
+    with pytest.raises(ConfigError, match="leaves 0 training processes"):  # this test is one process
         parallel.set_sides(MeshConfig(rollout_processes=1))
     assert parallel.side_processes() is None and parallel.host_count() == jax.process_count()
     with pytest.raises(ConfigError, match="each side needs at least one process"):

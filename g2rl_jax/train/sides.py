@@ -33,6 +33,7 @@ key-value store lives in the trainer process, so a relaunch of both starts from 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import signal
@@ -121,8 +122,8 @@ def _trainer_ended():
 
 
 class Lease:
-    """The rollout process renews `g2rl_sides/alive` every `seconds` / 3 from a daemon thread; the trainer's
-    `watch` thread ends the run with one line when no renewal comes for `seconds`."""
+    """Each rollout process renews `g2rl_sides/alive/P` (P its process index) every `seconds` / 3 from a daemon
+    thread; the trainer's `watch` thread ends the run with one line when one of them has no renewal for `seconds`."""
 
     def __init__(self, seconds: float):
         self.seconds, self._done = seconds, threading.Event()
@@ -131,29 +132,34 @@ class Lease:
         def renew_forever():
             while not self._done.wait(self.seconds / 3):
                 try:
-                    _client().key_value_increment(f"{PREFIX}/alive", 1)
+                    _client().key_value_increment(key, 1)
                 except jax.errors.JaxRuntimeError:  # the trainer (and the store with it) is gone: JAX ends us
                     return
 
-        _client().key_value_increment(f"{PREFIX}/alive", 1)
+        key = f"{PREFIX}/alive/{jax.process_index()}"
+        _client().key_value_increment(key, 1)
         threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
         return self
 
-    def watch(self) -> Lease:
+    def watch(self, rollout_processes: list[int]) -> Lease:
         def watch_forever():
-            seen, since = None, time.monotonic()
+            keys = [f"{PREFIX}/alive/{p}" for p in rollout_processes]
+            seen, since = dict.fromkeys(keys), dict.fromkeys(keys, time.monotonic())
             while not self._done.wait(min(1.0, self.seconds / 9)):
                 try:
-                    now = _client().key_value_increment(f"{PREFIX}/alive", 0)
+                    now = {key: _client().key_value_increment(key, 0) for key in keys}
                 except jax.errors.JaxRuntimeError:  # jax.distributed is shutting down: nothing left to watch
                     return
-                if now != seen:
-                    seen, since = now, time.monotonic()
-                elif time.monotonic() - since >= self.seconds and not self._done.is_set():
-                    halt.stop_everywhere(f"the rollout process (mesh.rollout_processes) has not renewed its lease for "
-                                         f"{self.seconds:g} s (run.lock_lease_seconds): it died or hangs. The "
-                                         "checkpoints committed stand: end it if it still runs, and relaunch both "
-                                         "processes with the same command to resume", PEER_LOST_EXIT)
+                for key in keys:
+                    if now[key] != seen[key]:
+                        seen[key], since[key] = now[key], time.monotonic()
+                late = [key for key in keys if time.monotonic() - since[key] >= self.seconds]
+                if late and not self._done.is_set():
+                    process = late[0].rsplit("/", 1)[1]
+                    halt.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
+                                         f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
+                                         "hangs. The checkpoints committed stand: end it if it still runs, and "
+                                         "relaunch every process with the same command to resume", PEER_LOST_EXIT)
 
         threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
         return self
@@ -165,6 +171,32 @@ class Lease:
 def _needed(version: int, first: int, k: int, total: int) -> bool:
     """Whether the rollout draws with `version` (as AheadSampler.publish decides): a later step uses it."""
     return version + k < total or version == first
+
+
+def _rows(parts: list):
+    """The rows of every block's `parts` (lists, or dataclasses of per-row arrays and lists) in block order; a
+    dataclass's fields that are not per row (num_samples, decode_steps, segments) are the same in every block."""
+    first = parts[0]
+    if isinstance(first, list):
+        return [x for part in parts for x in part]
+    fields = {}
+    for f in dataclasses.fields(first):
+        values = [getattr(part, f.name) for part in parts]
+        if isinstance(values[0], list):
+            fields[f.name] = [x for v in values for x in v]
+        elif isinstance(values[0], np.ndarray) and values[0].ndim:
+            fields[f.name] = np.concatenate(values, axis=0)
+    return dataclasses.replace(first, **fields)
+
+
+def joined(blocks: list[tuple]) -> tuple:
+    """One step's samples (SamplingRounds._sample's tuple) from those of each batch block of the rollout mesh, in
+    block order: what one process holding the whole rollout mesh would have drawn. The rollout seconds are the
+    slowest block's; each round's correctness flags are already the whole batch's on every block."""
+    if len(blocks) == 1:
+        return blocks[0]
+    examples, rollout, texts, scored, seconds, correct = zip(*blocks, strict=True)
+    return _rows(examples), _rows(rollout), _rows(texts), _rows(scored), max(seconds), correct[0]
 
 
 def _host(sample: tuple) -> tuple:
@@ -181,7 +213,8 @@ class RemoteSampler:
         self.total = trainer.cfg.run.total_steps
         trainable = lora.trainable(trainer.params)
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
-        self.lease = Lease(trainer.cfg.run.lock_lease_seconds).watch()
+        rollout = range(jax.process_count() - trainer.cfg.mesh.rollout_processes, jax.process_count())
+        self.lease = Lease(trainer.cfg.run.lock_lease_seconds).watch(list(rollout))
         self._closed = False
         self._drawn: dict[int, Drawn] = {}  # samples restored from the checkpoint, or fetched, not yet taken
         self._before: dict[int, object] = {}  # step -> data-iterator position before its draw
@@ -205,10 +238,14 @@ class RemoteSampler:
 
     def _fetch(self, step: int) -> Drawn:
         if step not in self._drawn:
-            sample, version, seconds, before, after, idle = _get(f"sample/{step}")
-            _client().key_value_delete(f"{PREFIX}/sample/{step}")  # the store holds each step's samples once
-            self._drawn[step] = Drawn(sample, version, seconds)
-            self._before[step], self._before[step + 1], self._idle[step] = before, after, idle
+            parts, blocks = [], 1
+            while len(parts) < blocks:  # block 0 says how many blocks the rollout mesh drew the step in
+                sample, version, seconds, before, after, idle, blocks = _get(f"sample/{step}/{len(parts)}")
+                _client().key_value_delete(f"{PREFIX}/sample/{step}/{len(parts)}")  # the store holds each once
+                parts.append((sample, seconds, idle))
+            self._drawn[step] = Drawn(joined([p[0] for p in parts]), version, max(p[1] for p in parts))
+            self._before[step], self._before[step + 1] = before, after  # every block's loader moves alike
+            self._idle[step] = max(p[2] for p in parts)
         return self._drawn[step]
 
     def take(self, step: int) -> tuple[tuple, dict[str, float]]:
@@ -273,16 +310,17 @@ class RolloutSide(SamplingRounds):
         self.cfg = cfg
         train_mesh, self.mesh = parallel.split_meshes(cfg.mesh)
         self.rollout_mesh, self.ahead, self.eval_sets = self.mesh, None, {}
+        self.block, self.blocks = parallel.batch_block(self.mesh)  # the prompts this process holds: a block of each
+        blocks_A = parallel.allgather(np.int32(self.block)).reshape(-1).tolist()  # the side's processes, in order
+        self.sends = blocks_A.index(self.block) == sorted(parallel.side_processes()).index(jax.process_index())
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward
         if cfg.reward.function:
-            import dataclasses
-
             self.reward_cfg = dataclasses.replace(cfg.reward, function=resolve_spec(cfg.reward.function))
         examples, _ = usable_examples(cfg, self.tokenizer)
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
-                                         shard_index=0, shard_count=1)
+                                         shard_index=self.block, shard_count=self.blocks)
         model = load_model(cfg.model, self.mesh, seed=cfg.run.seed)  # the frozen base (LoRA) stays as loaded
         self.graphdef, self.params = nnx.split(model)
         self.trainable_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -338,8 +376,10 @@ class RolloutSide(SamplingRounds):
             self._current = versions[version]
             before = self.loader.get_state()
             t0 = time.perf_counter()
-            sample = _host(self._sample(step))
-            _set(f"sample/{step}", (sample, version, time.perf_counter() - t0, before, self.loader.get_state(), idle))
+            sample = _host(self._sample(step))  # this block's rows (the rollout mesh samples the batch together)
+            if self.sends:  # the first process of each block sends it
+                _set(f"sample/{step}/{self.block}", (sample, version, time.perf_counter() - t0, before,
+                                                     self.loader.get_state(), idle, self.blocks))
             for v in [v for v in versions if v < max(floor, step + 1 - k)]:
                 del versions[v]
         self.sync.wait()
