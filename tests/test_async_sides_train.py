@@ -38,9 +38,10 @@ K1 = ("rollout.max_staleness=1", "algorithm.rollout_is_cap=2.0")
 TRAINER, ROLLOUT = 0, 1
 
 
-def _sides_cmd(assets, out, extra, rollout_processes=1, steps=STEPS):  # noqa: F811
+def _sides_cmd(assets, out, extra, rollout_processes=1, steps=STEPS, processes=None):  # noqa: F811
+    processes = processes or 1 + rollout_processes
     return lambda i, port: _cmd(assets, out, steps, [*ONE, *extra, f"mesh.rollout_processes={rollout_processes}",
-                                                     *trainer_args(i, port, 1 + rollout_processes, transfers=True)])
+                                                     *trainer_args(i, port, processes, transfers=True)])
 
 
 def _sides(assets, out, extra):  # noqa: F811
@@ -125,8 +126,8 @@ def test_two_rollout_processes_equal_the_one_process_split(runs, two_rollout_pro
 
 
 def test_two_training_processes_are_refused_in_one_line(assets, tmp_path):  # noqa: F811
-    ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=1), timeout=HANG_S, processes=3,
-                        devices=1, env=process_env(1))
+    ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=1, processes=3), timeout=HANG_S,
+                        processes=3, devices=1, env=process_env(1))
     for code, log in ran:
         assert code == BAD_INPUT_EXIT, log[-3000:]
         lines = [line for line in log.splitlines() if "mesh.rollout_processes=1 of 3 processes" in line]
