@@ -1,7 +1,11 @@
 """One process per side (mesh.rollout_processes): the rollout process's loop, and the trainer's sampler that reads it.
 
-    process 0 (training devices):   Trainer(cfg).run()   with   trainer.ahead = RemoteSampler(...)
-    process 1 (rollout devices):    RolloutSide(cfg).run()      (train/command.py main picks it by process)
+    process 0 (training devices):       Trainer(cfg).run()   with   trainer.ahead = RemoteSampler(...)
+    processes 1..N (rollout devices):   RolloutSide(cfg).run()      (train/command.py main picks it by process)
+
+With N > 1 rollout processes their rollout mesh samples each step together, one sharded `generate` over the
+whole batch (rollout/generate.py's multi-host path): each process keeps its block of the batch, and the side's
+host collectives run over its own processes (parallel.allgather).
 
 The schedule is train/ahead.py's: step s is drawn with policy version max(first, s − k) (k = rollout.max_staleness),
 the launch's first step alone, later ones once the trainer has finished that first step; the lag is exactly
@@ -12,8 +16,9 @@ min(s, k) whatever the timing, so the run equals the one-process split run. What
   under `g2rl_sides/version/V` in jax.distributed's key-value store (with the prompt buckets the trainer's warm-up
   chose, which the rollout then pads to), and moved if the rollout still needs it (V + k < total steps).
 - the samples, rollout → training: each step's (prompts, Rollout, texts, rewards, ...) as pickled host values
-  under `g2rl_sides/sample/S`, with the data-iterator position before and after its draw. They are Python
-  objects (texts, reward records), not arrays.
+  under `g2rl_sides/sample/S/B`, one per batch block B of the rollout mesh (`joined` in block order by the
+  trainer), with the data-iterator position before and after its draw. They are Python objects (texts, reward
+  records), not arrays.
 - the start: the trainer's first step, data-iterator position and samples restored from its checkpoint, under
   `g2rl_sides/start`: the rollout process holds no state of its own, and a resumed run redraws from there.
 
@@ -23,17 +28,17 @@ the one operation both call.
 
 When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
 process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
-finished run, else ENDED_EARLY_EXIT), so both leave jax.distributed cleanly. The rollout process renews a lease
-(`g2rl_sides/alive`, every run.lock_lease_seconds / 3); a trainer that sees no renewal for a whole lease stops with
-one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's coordinator with it,
-and JAX ends the rollout process at once ("the JAX distributed service detected fatal errors"). A rollout process
-that fails stops both with its error's line (halt.stop_everywhere; the trainer's halt.PeerWatch ends it). The
-key-value store lives in the trainer process, so a relaunch of both starts from a store without the old keys.
+finished run, else ENDED_EARLY_EXIT), so all leave jax.distributed cleanly. Each rollout process renews a lease
+(`g2rl_sides/alive/P`, every run.lock_lease_seconds / 3); a trainer that sees no renewal of one for a whole lease
+stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's
+coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
+errors"). A rollout process that fails stops all with its error's line (halt.stop_everywhere; the trainer's
+halt.PeerWatch ends it). The key-value store lives in the trainer process, so a relaunch starts from a store
+without the old keys.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import pickle
 import signal
@@ -49,7 +54,7 @@ from jax._src import distributed
 from g2rl_jax import parallel
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
-from g2rl_jax.train.ahead import Drawn, lag_figures, restored, saved
+from g2rl_jax.train.ahead import Drawn, joined, lag_figures, restored, saved
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.weight_sync import SideSync, shardings_on
 
@@ -173,32 +178,6 @@ def _needed(version: int, first: int, k: int, total: int) -> bool:
     return version + k < total or version == first
 
 
-def _rows(parts: list):
-    """The rows of every block's `parts` (lists, or dataclasses of per-row arrays and lists) in block order; a
-    dataclass's fields that are not per row (num_samples, decode_steps, segments) are the same in every block."""
-    first = parts[0]
-    if isinstance(first, list):
-        return [x for part in parts for x in part]
-    fields = {}
-    for f in dataclasses.fields(first):
-        values = [getattr(part, f.name) for part in parts]
-        if isinstance(values[0], list):
-            fields[f.name] = [x for v in values for x in v]
-        elif isinstance(values[0], np.ndarray) and values[0].ndim:
-            fields[f.name] = np.concatenate(values, axis=0)
-    return dataclasses.replace(first, **fields)
-
-
-def joined(blocks: list[tuple]) -> tuple:
-    """One step's samples (SamplingRounds._sample's tuple) from those of each batch block of the rollout mesh, in
-    block order: what one process holding the whole rollout mesh would have drawn. The rollout seconds are the
-    slowest block's; each round's correctness flags are already the whole batch's on every block."""
-    if len(blocks) == 1:
-        return blocks[0]
-    examples, rollout, texts, scored, seconds, correct = zip(*blocks, strict=True)
-    return _rows(examples), _rows(rollout), _rows(texts), _rows(scored), max(seconds), correct[0]
-
-
 def _host(sample: tuple) -> tuple:
     """A step's samples with every array on the host (they cross to the other process pickled)."""
     return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, sample)
@@ -317,6 +296,8 @@ class RolloutSide(SamplingRounds):
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward
         if cfg.reward.function:
+            import dataclasses
+
             self.reward_cfg = dataclasses.replace(cfg.reward, function=resolve_spec(cfg.reward.function))
         examples, _ = usable_examples(cfg, self.tokenizer)
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
