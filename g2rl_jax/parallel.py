@@ -26,6 +26,7 @@ array whose rows are split over the processes in contiguous blocks:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -117,8 +118,10 @@ def _side_mesh() -> Mesh:
     return Mesh(np.array([first[p] for p in sorted(first)]), ("processes",))
 
 
-def _identity(x):
-    return x
+@functools.cache
+def _replicate_on(mesh: Mesh):
+    """One jitted copy onto every device of `mesh` (cached: one program per shape, not per call)."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def allgather(x) -> np.ndarray:
@@ -132,7 +135,7 @@ def allgather(x) -> np.ndarray:
     mesh = _side_mesh()
     stacked = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("processes")), x[None],
                                                      (len(_SIDE), *x.shape))
-    whole = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))(stacked)
+    whole = _replicate_on(mesh)(stacked)
     return np.asarray(whole.addressable_data(0))
 
 

@@ -22,9 +22,9 @@ min(s, k) whatever the timing, so the run equals the one-process split run. What
 - the start: the trainer's first step, data-iterator position and samples restored from its checkpoint, under
   `g2rl_sides/start`: the rollout process holds no state of its own, and a resumed run redraws from there.
 
-Each side's host collectives (checkpoint barriers, the stop flag, gathers) then involve its own process only
-(parallel.side_processes), and neither runs a program of the other's devices: the device_put of each version is
-the one operation both call.
+Each side's host collectives (checkpoint barriers, the stop flag, gathers) then involve its own processes only
+(parallel.side_processes, parallel.allgather), and neither runs a program of the other's devices: the device_put
+of each version is the one operation both call.
 
 When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
 process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
