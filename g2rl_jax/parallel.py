@@ -26,6 +26,7 @@ array whose rows are split over the processes in contiguous blocks:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -93,21 +94,54 @@ def is_rollout_process(config: MeshConfig) -> bool:
 
 
 def set_sides(config: MeshConfig) -> None:
-    """With mesh.rollout_processes, record this process's side (side_processes) before any host collective: the
-    trainer runs one process per side, one each, for now."""
+    """With mesh.rollout_processes, record this process's side (side_processes) before any host collective: one
+    training process and mesh.rollout_processes = M >= 1 rollout processes (the last M), whose host collectives
+    (`allgather`) then span their own side only."""
     global _SIDE
     if config.rollout_processes == 0:
         return
-    if jax.process_count() != 2 or config.rollout_processes != 1:
-        raise ConfigError(f"mesh.rollout_processes={config.rollout_processes} of {jax.process_count()} processes: "
-                          "the trainer runs one process per side, one each, for now (2 processes, "
-                          "mesh.rollout_processes=1)")
-    _SIDE = frozenset({jax.process_index()})
+    total, m = jax.process_count(), config.rollout_processes
+    if total - m != 1:
+        raise ConfigError(f"mesh.rollout_processes={m} of {total} processes leaves {total - m} training processes: "
+                          f"the trainer runs one training process and the rest rollout processes for now (launch "
+                          f"{m + 1} processes, or set mesh.rollout_processes={total - 1})")
+    rollout = frozenset(range(total - m, total))
+    _SIDE = rollout if jax.process_index() in rollout else frozenset(range(total - m))
+
+
+def _side_mesh() -> Mesh:
+    """A 1-d mesh ("processes") of the first device of each process of this process's side."""
+    first: dict[int, object] = {}
+    for d in jax.devices():
+        if d.process_index in _SIDE:
+            first.setdefault(d.process_index, d)
+    return Mesh(np.array([first[p] for p in sorted(first)]), ("processes",))
+
+
+@functools.cache
+def _replicate_on(mesh: Mesh):
+    """One jitted copy onto every device of `mesh` (cached: one program per shape, not per call)."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def allgather(x) -> np.ndarray:
+    """`multihost_utils.process_allgather(x)` of a host value (every process's x stacked on a new axis 0, in process
+    order) over the processes of this process's side: all of them without sides (mesh.rollout_processes = 0)."""
+    if _SIDE is None:
+        return np.asarray(multihost_utils.process_allgather(x))
+    x = np.asarray(x)
+    if len(_SIDE) == 1:
+        return x[None]
+    mesh = _side_mesh()
+    stacked = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("processes")), x[None],
+                                                     (len(_SIDE), *x.shape))
+    whole = _replicate_on(mesh)(stacked)
+    return np.asarray(whole.addressable_data(0))
 
 
 def split_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh | None]:
     """(training mesh, rollout mesh): with config.rollout_processes = N > 0, side_meshes (one process set per
-    side; one process each for now: each side's host collectives then need no other process); with
+    side, each side's host collectives over its own processes: `allgather`); with
     config.rollout_devices = R > 0, data/fsdp/tensor shape the training mesh on all but the last R devices of each
     process, and this process's last R devices form its rollout mesh (data =
     R / rollout_tensor, fsdp 1, tensor = rollout_tensor); with R = 0, one mesh (make_mesh) and None. With several
@@ -329,8 +363,8 @@ def gather_blocks(mesh: Mesh, local) -> np.ndarray:
     if host_count() == 1:  # this side is one process: its rows are all of them
         return np.asarray(local)
     block, _ = batch_block(mesh)
-    blocks_A = np.asarray(multihost_utils.process_allgather(np.int32(block))).reshape(-1).tolist()
-    every = np.asarray(multihost_utils.process_allgather(np.asarray(local))).reshape(len(blocks_A), *np.shape(local))
+    blocks_A = allgather(np.int32(block)).reshape(-1).tolist()
+    every = allgather(np.asarray(local)).reshape(len(blocks_A), *np.shape(local))
     first = {b: k for k, b in reversed(list(enumerate(blocks_A)))}  # process k's rows stand for block b
     return np.concatenate([every[first[b]] for b in sorted(first)], axis=0)
 

@@ -8,6 +8,7 @@ to float32 precision; each push moves the params' bytes once. And the settings o
 one line when they cannot work.
 """
 import argparse
+import dataclasses
 
 import jax
 import numpy as np
@@ -37,8 +38,44 @@ def test_weights_cross_to_a_rollout_mesh_on_other_processes():
 def test_one_process_per_side_settings():
     with pytest.raises(ConfigError, match="leave mesh.rollout_devices at 0"):
         MeshConfig(rollout_processes=1, rollout_devices=2)
-    with pytest.raises(ConfigError, match=r"2 processes, mesh.rollout_processes=1"):  # this test is one process
+    with pytest.raises(ConfigError, match="leaves 0 training processes"):  # this test is one process
         parallel.set_sides(MeshConfig(rollout_processes=1))
     assert parallel.side_processes() is None and parallel.host_count() == jax.process_count()
     with pytest.raises(ConfigError, match="each side needs at least one process"):
         parallel.side_meshes(MeshConfig(), 1)
+
+
+def test_joined_blocks_are_the_whole_batch():
+    """Several rollout processes each send their block of a step's samples; `joined` must give back the whole."""
+    from g2rl_jax.rewards.scoring import RewardResult
+    from g2rl_jax.rollout.generate import _assemble
+    from g2rl_jax.train.ahead import joined
+
+    rng, m, B = np.random.default_rng(0), 2, 8
+    lengths_B = rng.integers(1, 6, B)
+    whole_rollout = _assemble(m, rng.integers(1, 50, (B, 4)), rng.integers(0, 2, (B, 4)).astype(bool),
+                              rng.integers(1, 50, (B, 8)), rng.normal(size=(B, 8)).astype(np.float32), lengths_B,
+                              rng.integers(0, 2, B).astype(bool), decode_steps=int(lengths_B.max()))
+    whole_scored = RewardResult(rewards=rng.normal(size=B), correct=rng.integers(0, 2, B).astype(bool),
+                                in_loss=np.ones(B, bool), truncated=np.zeros(B, bool))
+    examples, texts, correct = [f"prompt {i}" for i in range(B // m)], [f"text {b}" for b in range(B)], [np.ones(B)]
+
+    def block(i, n=2):
+        rows = slice(i * B // n, (i + 1) * B // n)
+        part = lambda x: {f.name: getattr(x, f.name)[rows] for f in dataclasses.fields(x)  # noqa: E731
+                          if f.name not in ("num_samples", "decode_steps", "segments")}
+        return (examples[i * len(examples) // n:(i + 1) * len(examples) // n],
+                type(whole_rollout)(**part(whole_rollout), num_samples=m, decode_steps=whole_rollout.decode_steps),
+                texts[rows], RewardResult(**part(whole_scored)), float(i + 1), correct)
+
+    got = joined([block(0), block(1)])
+    assert got[0] == examples and got[2] == texts and got[4] == 2.0 and got[5] is correct
+    for want, have in ((whole_rollout, got[1]), (whole_scored, got[3])):
+        for f in dataclasses.fields(want):
+            a, b = getattr(want, f.name), getattr(have, f.name)
+            if isinstance(a, list):
+                assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)), f.name
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f.name)
+    single = block(0, 1)  # one rollout process: its block is the step
+    assert joined([single]) is single

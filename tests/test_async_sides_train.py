@@ -22,12 +22,14 @@ from test_async import _same
 from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import localhost
+from g2rl_jax.cli import BAD_INPUT_EXIT
 from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.metrics import read_metrics
 from g2rl_jax.train.sides import PEER_LOST_EXIT
 
 from _helpers import process_env, run_processes, trainer_args
 
+SHORT = 4  # the three-process run: steps enough for the lag's steady state
 STEPS = 10  # steps after the first take milliseconds: enough of them that each stop below lands mid-run
 HANG_S = 600  # a hang guard only
 LEASE_S = 9  # run.lock_lease_seconds (its smallest): a trainer hears of a dead rollout process within it
@@ -36,9 +38,10 @@ K1 = ("rollout.max_staleness=1", "algorithm.rollout_is_cap=2.0")
 TRAINER, ROLLOUT = 0, 1
 
 
-def _sides_cmd(assets, out, extra):  # noqa: F811
-    return lambda i, port: _cmd(assets, out, STEPS, [*ONE, *extra, "mesh.rollout_processes=1",
-                                                     *trainer_args(i, port, transfers=True)])
+def _sides_cmd(assets, out, extra, rollout_processes=1, steps=STEPS, processes=None):  # noqa: F811
+    processes = processes or 1 + rollout_processes
+    return lambda i, port: _cmd(assets, out, steps, [*ONE, *extra, f"mesh.rollout_processes={rollout_processes}",
+                                                     *trainer_args(i, port, processes, transfers=True)])
 
 
 def _sides(assets, out, extra):  # noqa: F811
@@ -104,6 +107,34 @@ def test_one_process_per_side_one_step_off_equals_the_one_process_split(runs):
     _same(got, runs["split_k1"])
 
 
+@pytest.fixture(scope="module")
+def two_rollout_processes(assets, tmp_path_factory):  # noqa: F811
+    """A short one-step-off run on three processes: one trainer, and a rollout mesh (data 2) over two processes."""
+    out = tmp_path_factory.mktemp("async_sides_two_rollout") / "run"
+    logs = run_processes(_sides_cmd(assets, out, K1, rollout_processes=2, steps=SHORT), timeout=HANG_S,
+                         processes=3, devices=1)
+    return read_metrics(out), logs
+
+
+def test_two_rollout_processes_equal_the_one_process_split(runs, two_rollout_processes):
+    """Each rollout process samples its block of the step's prompts in one generate over the mesh of both; the
+    trainer joins the blocks: the metrics of the one-process split run's first steps."""
+    got, _ = two_rollout_processes
+    assert [r["policy_version"] for r in got] == [0.0, *range(SHORT - 1)]
+    assert all(r["weight_sync_bytes"] > 0 for r in got)
+    _same(got, runs["split_k1"][:SHORT])
+
+
+def test_two_training_processes_are_refused_in_one_line(assets, tmp_path):  # noqa: F811
+    ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=1, processes=3), timeout=HANG_S,
+                        processes=3, devices=1, env=process_env(1))
+    for code, log in ran:
+        assert code == BAD_INPUT_EXIT, log[-3000:]
+        lines = [line for line in log.splitlines() if "mesh.rollout_processes=1 of 3 processes" in line]
+        assert len(lines) == 1 and "one training process" in lines[0], log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+
+
 def test_one_process_per_side_serial_equals_colocated(runs):
     _same(runs["sides_k0"], runs["colocated"])
 
@@ -128,7 +159,7 @@ def test_a_killed_trainer_ends_the_rollout_process_at_once(stopped):
 def test_a_killed_rollout_process_ends_the_trainer_in_one_line_within_its_lease(stopped):
     codes, logs, seconds = stopped["stops"]["rollout_killed"]
     assert codes == [PEER_LOST_EXIT, -signal.SIGKILL], logs[TRAINER][-3000:]
-    assert "the rollout process (mesh.rollout_processes) has not renewed its lease" in logs[TRAINER]
+    assert "the rollout process 1 (mesh.rollout_processes) has not renewed its lease" in logs[TRAINER]
     assert "Traceback" not in logs[TRAINER], logs[TRAINER][-3000:]
     assert seconds < LEASE_S + 30, seconds  # the lease, the other processes' 5 s to take the line, a loaded machine
 

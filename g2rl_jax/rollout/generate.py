@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
 from g2rl_jax import parallel
@@ -153,7 +152,7 @@ def _global_prompts(prompts: list[list[int]], mesh) -> list[list[int]]:
     mesh lives in one process)."""
     if not _spans_processes(mesh):
         return prompts
-    info_Ax2 = np.asarray(multihost_utils.process_allgather(np.array([len(prompts), max(map(len, prompts))])))
+    info_Ax2 = parallel.allgather(np.array([len(prompts), max(map(len, prompts))]))  # this side's processes
     if len(set(info_Ax2[:, 0].tolist())) != 1:
         raise ValueError(f"generate: the processes passed {info_Ax2[:, 0].tolist()} prompts; every process must "
                          "pass the same number (its equal block of the global batch)")

@@ -58,6 +58,32 @@ class Drawn:
     seconds: float
 
 
+def _rows(parts: list):
+    """The rows of every block's `parts` (lists, or dataclasses of per-row arrays and lists) in block order; a
+    dataclass's fields that are not per row (num_samples, decode_steps, segments) are the same in every block."""
+    first = parts[0]
+    if isinstance(first, list):
+        return [x for part in parts for x in part]
+    fields = {}
+    for f in dataclasses.fields(first):
+        values = [getattr(part, f.name) for part in parts]
+        if isinstance(values[0], list):
+            fields[f.name] = [x for v in values for x in v]
+        elif isinstance(values[0], np.ndarray) and values[0].ndim:
+            fields[f.name] = np.concatenate(values, axis=0)
+    return dataclasses.replace(first, **fields)
+
+
+def joined(blocks: list[tuple]) -> tuple:
+    """One step's samples (SamplingRounds._sample's tuple) from those of each batch block of the rollout mesh, in
+    block order: what one process holding the whole rollout mesh would have drawn. The rollout seconds are the
+    slowest block's; each round's correctness flags are already the whole batch's on every block."""
+    if len(blocks) == 1:
+        return blocks[0]
+    examples, rollout, texts, scored, seconds, correct = zip(*blocks, strict=True)
+    return _rows(examples), _rows(rollout), _rows(texts), _rows(scored), max(seconds), correct[0]
+
+
 def lag_figures(step: int, drawn: Drawn, waited: float, rollout_idle: float) -> tuple[tuple, dict[str, float]]:
     """What `take(step)` returns (this sampler's and train/sides.py's): the step's samples, with the seconds the
     trainer waited in place of the rollout's own, and the step's lag and wait figures."""

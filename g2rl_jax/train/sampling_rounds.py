@@ -13,7 +13,6 @@ import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel
 from g2rl_jax.data import encode_prompts
@@ -66,7 +65,7 @@ class SamplingRounds:
         if blocks > 1:  # the bucket of the global batch's longest prompt, the same on every process
             longest = int(np.max(self.ahead.exchange(f"longest/{step}/{round_}", np.int32(longest), block)))
         elif parallel.host_count() > 1:
-            longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+            longest = int(np.max(parallel.allgather(np.int32(longest))))
         t0 = time.perf_counter()
         with stage("rollout", prompts=prompts):
             rollout = generate(self.rollout_model(), prompts, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -185,5 +184,5 @@ class SamplingRounds:
         """Whether a SIGTERM asked to stop; every process agrees (any process's request stops them all)."""
         flag = self.stop.requested
         if parallel.host_count() > 1:
-            flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+            flag = bool(np.max(parallel.allgather(np.int32(flag))))
         return flag

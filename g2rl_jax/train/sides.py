@@ -1,7 +1,11 @@
 """One process per side (mesh.rollout_processes): the rollout process's loop, and the trainer's sampler that reads it.
 
-    process 0 (training devices):   Trainer(cfg).run()   with   trainer.ahead = RemoteSampler(...)
-    process 1 (rollout devices):    RolloutSide(cfg).run()      (train/command.py main picks it by process)
+    process 0 (training devices):       Trainer(cfg).run()   with   trainer.ahead = RemoteSampler(...)
+    processes 1..N (rollout devices):   RolloutSide(cfg).run()      (train/command.py main picks it by process)
+
+With N > 1 rollout processes their rollout mesh samples each step together, one sharded `generate` over the
+whole batch (rollout/generate.py's multi-host path): each process keeps its block of the batch, and the side's
+host collectives run over its own processes (parallel.allgather).
 
 The schedule is train/ahead.py's: step s is drawn with policy version max(first, s − k) (k = rollout.max_staleness),
 the launch's first step alone, later ones once the trainer has finished that first step; the lag is exactly
@@ -12,23 +16,25 @@ min(s, k) whatever the timing, so the run equals the one-process split run. What
   under `g2rl_sides/version/V` in jax.distributed's key-value store (with the prompt buckets the trainer's warm-up
   chose, which the rollout then pads to), and moved if the rollout still needs it (V + k < total steps).
 - the samples, rollout → training: each step's (prompts, Rollout, texts, rewards, ...) as pickled host values
-  under `g2rl_sides/sample/S`, with the data-iterator position before and after its draw. They are Python
-  objects (texts, reward records), not arrays.
+  under `g2rl_sides/sample/S/B`, one per batch block B of the rollout mesh (`joined` in block order by the
+  trainer), with the data-iterator position before and after its draw. They are Python objects (texts, reward
+  records), not arrays.
 - the start: the trainer's first step, data-iterator position and samples restored from its checkpoint, under
   `g2rl_sides/start`: the rollout process holds no state of its own, and a resumed run redraws from there.
 
-Each side's host collectives (checkpoint barriers, the stop flag, gathers) then involve its own process only
-(parallel.side_processes), and neither runs a program of the other's devices: the device_put of each version is
-the one operation both call.
+Each side's host collectives (checkpoint barriers, the stop flag, gathers) then involve its own processes only
+(parallel.side_processes, parallel.allgather), and neither runs a program of the other's devices: the device_put
+of each version is the one operation both call.
 
 When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
 process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
-finished run, else ENDED_EARLY_EXIT), so both leave jax.distributed cleanly. The rollout process renews a lease
-(`g2rl_sides/alive`, every run.lock_lease_seconds / 3); a trainer that sees no renewal for a whole lease stops with
-one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's coordinator with it,
-and JAX ends the rollout process at once ("the JAX distributed service detected fatal errors"). A rollout process
-that fails stops both with its error's line (halt.stop_everywhere; the trainer's halt.PeerWatch ends it). The
-key-value store lives in the trainer process, so a relaunch of both starts from a store without the old keys.
+finished run, else ENDED_EARLY_EXIT), so all leave jax.distributed cleanly. Each rollout process renews a lease
+(`g2rl_sides/alive/P`, every run.lock_lease_seconds / 3); a trainer that sees no renewal of one for a whole lease
+stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's
+coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
+errors"). A rollout process that fails stops all with its error's line (halt.stop_everywhere; the trainer's
+halt.PeerWatch ends it). The key-value store lives in the trainer process, so a relaunch starts from a store
+without the old keys.
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from jax._src import distributed
 from g2rl_jax import parallel
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
-from g2rl_jax.train.ahead import Drawn, lag_figures, restored, saved
+from g2rl_jax.train.ahead import Drawn, joined, lag_figures, restored, saved
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.weight_sync import SideSync, shardings_on
 
@@ -121,8 +127,8 @@ def _trainer_ended():
 
 
 class Lease:
-    """The rollout process renews `g2rl_sides/alive` every `seconds` / 3 from a daemon thread; the trainer's
-    `watch` thread ends the run with one line when no renewal comes for `seconds`."""
+    """Each rollout process renews `g2rl_sides/alive/P` (P its process index) every `seconds` / 3 from a daemon
+    thread; the trainer's `watch` thread ends the run with one line when one of them has no renewal for `seconds`."""
 
     def __init__(self, seconds: float):
         self.seconds, self._done = seconds, threading.Event()
@@ -131,29 +137,34 @@ class Lease:
         def renew_forever():
             while not self._done.wait(self.seconds / 3):
                 try:
-                    _client().key_value_increment(f"{PREFIX}/alive", 1)
+                    _client().key_value_increment(key, 1)
                 except jax.errors.JaxRuntimeError:  # the trainer (and the store with it) is gone: JAX ends us
                     return
 
-        _client().key_value_increment(f"{PREFIX}/alive", 1)
+        key = f"{PREFIX}/alive/{jax.process_index()}"
+        _client().key_value_increment(key, 1)
         threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
         return self
 
-    def watch(self) -> Lease:
+    def watch(self, rollout_processes: list[int]) -> Lease:
         def watch_forever():
-            seen, since = None, time.monotonic()
+            keys = [f"{PREFIX}/alive/{p}" for p in rollout_processes]
+            seen, since = dict.fromkeys(keys), dict.fromkeys(keys, time.monotonic())
             while not self._done.wait(min(1.0, self.seconds / 9)):
                 try:
-                    now = _client().key_value_increment(f"{PREFIX}/alive", 0)
+                    now = {key: _client().key_value_increment(key, 0) for key in keys}
                 except jax.errors.JaxRuntimeError:  # jax.distributed is shutting down: nothing left to watch
                     return
-                if now != seen:
-                    seen, since = now, time.monotonic()
-                elif time.monotonic() - since >= self.seconds and not self._done.is_set():
-                    halt.stop_everywhere(f"the rollout process (mesh.rollout_processes) has not renewed its lease for "
-                                         f"{self.seconds:g} s (run.lock_lease_seconds): it died or hangs. The "
-                                         "checkpoints committed stand: end it if it still runs, and relaunch both "
-                                         "processes with the same command to resume", PEER_LOST_EXIT)
+                for key in keys:
+                    if now[key] != seen[key]:
+                        seen[key], since[key] = now[key], time.monotonic()
+                late = [key for key in keys if time.monotonic() - since[key] >= self.seconds]
+                if late and not self._done.is_set():
+                    process = late[0].rsplit("/", 1)[1]
+                    halt.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
+                                         f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
+                                         "hangs. The checkpoints committed stand: end it if it still runs, and "
+                                         "relaunch every process with the same command to resume", PEER_LOST_EXIT)
 
         threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
         return self
@@ -181,7 +192,8 @@ class RemoteSampler:
         self.total = trainer.cfg.run.total_steps
         trainable = lora.trainable(trainer.params)
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
-        self.lease = Lease(trainer.cfg.run.lock_lease_seconds).watch()
+        rollout = range(jax.process_count() - trainer.cfg.mesh.rollout_processes, jax.process_count())
+        self.lease = Lease(trainer.cfg.run.lock_lease_seconds).watch(list(rollout))
         self._closed = False
         self._drawn: dict[int, Drawn] = {}  # samples restored from the checkpoint, or fetched, not yet taken
         self._before: dict[int, object] = {}  # step -> data-iterator position before its draw
@@ -205,10 +217,14 @@ class RemoteSampler:
 
     def _fetch(self, step: int) -> Drawn:
         if step not in self._drawn:
-            sample, version, seconds, before, after, idle = _get(f"sample/{step}")
-            _client().key_value_delete(f"{PREFIX}/sample/{step}")  # the store holds each step's samples once
-            self._drawn[step] = Drawn(sample, version, seconds)
-            self._before[step], self._before[step + 1], self._idle[step] = before, after, idle
+            parts, blocks = [], 1
+            while len(parts) < blocks:  # block 0 says how many blocks the rollout mesh drew the step in
+                sample, version, seconds, before, after, idle, blocks = _get(f"sample/{step}/{len(parts)}")
+                _client().key_value_delete(f"{PREFIX}/sample/{step}/{len(parts)}")  # the store holds each once
+                parts.append((sample, seconds, idle))
+            self._drawn[step] = Drawn(joined([p[0] for p in parts]), version, max(p[1] for p in parts))
+            self._before[step], self._before[step + 1] = before, after  # every block's loader moves alike
+            self._idle[step] = max(p[2] for p in parts)
         return self._drawn[step]
 
     def take(self, step: int) -> tuple[tuple, dict[str, float]]:
@@ -273,6 +289,9 @@ class RolloutSide(SamplingRounds):
         self.cfg = cfg
         train_mesh, self.mesh = parallel.split_meshes(cfg.mesh)
         self.rollout_mesh, self.ahead, self.eval_sets = self.mesh, None, {}
+        self.block, self.blocks = parallel.batch_block(self.mesh)  # the prompts this process holds: a block of each
+        blocks_A = parallel.allgather(np.int32(self.block)).reshape(-1).tolist()  # the side's processes, in order
+        self.sends = blocks_A.index(self.block) == sorted(parallel.side_processes()).index(jax.process_index())
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward
@@ -282,7 +301,7 @@ class RolloutSide(SamplingRounds):
             self.reward_cfg = dataclasses.replace(cfg.reward, function=resolve_spec(cfg.reward.function))
         examples, _ = usable_examples(cfg, self.tokenizer)
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
-                                         shard_index=0, shard_count=1)
+                                         shard_index=self.block, shard_count=self.blocks)
         model = load_model(cfg.model, self.mesh, seed=cfg.run.seed)  # the frozen base (LoRA) stays as loaded
         self.graphdef, self.params = nnx.split(model)
         self.trainable_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -338,8 +357,10 @@ class RolloutSide(SamplingRounds):
             self._current = versions[version]
             before = self.loader.get_state()
             t0 = time.perf_counter()
-            sample = _host(self._sample(step))
-            _set(f"sample/{step}", (sample, version, time.perf_counter() - t0, before, self.loader.get_state(), idle))
+            sample = _host(self._sample(step))  # this block's rows (the rollout mesh samples the batch together)
+            if self.sends:  # the first process of each block sends it
+                _set(f"sample/{step}/{self.block}", (sample, version, time.perf_counter() - t0, before,
+                                                     self.loader.get_state(), idle, self.blocks))
             for v in [v for v in versions if v < max(floor, step + 1 - k)]:
                 del versions[v]
         self.sync.wait()
