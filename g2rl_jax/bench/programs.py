@@ -74,9 +74,12 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="g2rl_programs_") as tmp:
         tmp, overrides = Path(tmp), list(a.overrides)
         if a.random_model:
+            import jax
+
             from g2rl_jax.bench.once import random_model
 
             overrides.append(f"model.path={random_model(tmp / 'model')}")
+            jax.clear_caches()  # its initializers' programs are the run's own too: the run compiles them anew
         r = count(a.config, overrides, tmp)
     bill = r["bill"]
     grouped = {g: sum(bill.get(k, 0) for k in kinds) for g, kinds in GROUPS.items()}
