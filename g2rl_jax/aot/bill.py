@@ -56,10 +56,11 @@ def rollout_counts(buckets: tuple[int, ...], capacities: tuple[int, ...]) -> dic
 
 def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
     """Programs of one prompt bucket's micro-batch shapes by kind; the small moves (priced as cache growths): a
-    micro-batch's rows in (the step's batch, a mini-batch) and the score passes' results out (per-token and
-    per-row parts; the reference pass's per-token part shares the score's)."""
-    n = len(shapes.shapes)
-    return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 2)}
+    micro-batch's rows in (the step's batch, a mini-batch) and the score passes' results out (per-token parts at
+    each shape, the reference pass's sharing the score's; per-row parts at each row count, shared by the shapes of
+    that many rows: train/warmup.py's _put)."""
+    n, row_counts = len(shapes.shapes), len({rows for rows, _ in shapes.shapes})
+    return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 1) + row_counts}
 
 
 def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> dict[str, int]:

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "storage": "g2rl_jax.bench.storage",   # a run in a bucket vs local disk: checkpoints, metrics, first step
     "preempt": "g2rl_jax.bench.preempt",   # kill -9 at random moments (>= 20), relaunch as another host: lost steps
     "tune-shapes": "g2rl_jax.bench.tune_shapes",  # measured shape tuning: a shape file run.shapes_file pins
+    "programs": "g2rl_jax.bench.programs",  # what one run compiles: the listener's count beside the bill, by kind
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
     "async": "g2rl_jax.bench.ahead",       # rollout ahead of the update (k = 0, 1, 2) vs colocated, side by side
     "async_sides": "g2rl_jax.bench.async_sides",  # one process per side: the weight sync's seconds and bytes
