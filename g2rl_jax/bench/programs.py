@@ -56,8 +56,11 @@ def count(config: str, overrides: list[str], tmp: Path) -> dict:
     cfg = parse_cli(["--config", config, *overrides, f"run.output_dir={tmp / 'run'}",
                      f"run.compilation_cache_dir={tmp / 'cache'}", "run.loggers=jsonl"])
     trainer = Trainer(cfg)
-    trainer.resume()
-    trainer.run()
+    try:  # released before the directory goes, also on an error: its run lock's lease thread would find it gone
+        trainer.resume()
+        trainer.run()
+    finally:
+        trainer.close()
     wall, seen = time.perf_counter() - start, clock.take()
     clock.close()
     shapes = {(x.shape, str(x.dtype)) for x in jax.tree.leaves(lora.trainable(trainer.params))}
