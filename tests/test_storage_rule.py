@@ -24,6 +24,7 @@ ALLOWED = {
     "bench/compile.py": "benchmark scratch: a temporary directory and the relaunched process's log",
     "bench/step.py": "benchmark scratch: a temporary random model directory",
     "bench/verify.py": "the package's source trees for the before/after verifier processes",
+    "bench/programs.py": "benchmark scratch: a temporary run directory, compilation cache and random model",
     "bench/once.py": "benchmark scratch: temporary run directories and caches of the before/after checkouts' runs",
     "bench/ahead.py": "benchmark scratch: the variants' temporary run directories",
     "bench/preempt.py": "benchmark scratch: the killed trainers' local logs and the local-disk variant's run",

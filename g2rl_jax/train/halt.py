@@ -27,6 +27,7 @@ STOP_KEY = "g2rl_jax/stop"  # in jax.distributed's key-value store: "<exit code>
 ACK_KEY = "g2rl_jax/stopped/"  # + process index: that process has the line and ends now
 ACK_S = 5.0  # how long a stopping process waits for the others to have the line
 POLL_MS = 1000  # a watcher's wait for the stop key, between looks at its own stop event
+COORDINATOR_LAST_S = 1.0  # process 0 holds the coordination service: it ends this long after the others have the line
 _CLIENT_MODULES = ("gcsfs", "fsspec", "aiohttp", "tensorstore", "google.auth", "google.cloud", "etils.epath",
                    "g2rl_jax.storage")
 # what tensorstore's (and gRPC's) statuses say when the store failed, not the program
@@ -144,6 +145,17 @@ def _client():
     return client
 
 
+def _end(code: int, me: int | None) -> None:
+    """os._exit(code); process 0 of several first waits COORDINATOR_LAST_S, since its exit takes jax.distributed's
+    coordination service down and a process still on its way out would be aborted by JAX's client (SIGABRT and a
+    stack trace instead of the one line and its exit code)."""
+    sys.stdout.flush()
+    if me == 0:  # meanwhile this process's own collectives fail (the others are gone): their errors are not the line
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        time.sleep(COORDINATOR_LAST_S)
+    os._exit(code)
+
+
 def stop_everywhere(line: str, code: int) -> None:
     """Print `line` on stderr and end this process with `code`; in a multi-host run the other processes are told
     first (PeerWatch ends them with the same line) and given up to ACK_S to have it. Never returns."""
@@ -151,7 +163,7 @@ def stop_everywhere(line: str, code: int) -> None:
         time.sleep(ACK_S + 10)
         os._exit(code)
     print(line, file=sys.stderr, flush=True)
-    client = _client()
+    client, me = _client(), None
     if client is not None:
         from jax._src import distributed
 
@@ -166,8 +178,7 @@ def stop_everywhere(line: str, code: int) -> None:
                 client.blocking_key_value_get(f"{ACK_KEY}{other}", max(int((deadline - time.monotonic()) * 1000), 1))
             except Exception:  # noqa: BLE001 - no answer in time: that process ends by itself, or has ended
                 break
-    sys.stdout.flush()
-    os._exit(code)
+    _end(code, me)
 
 
 class PeerWatch:
@@ -201,12 +212,12 @@ class PeerWatch:
             if not _STOPPING.acquire(blocking=False):  # this process is stopping by itself
                 return
             print(line, file=sys.stderr, flush=True)
+            me = distributed.global_state.process_id
             try:
-                self._client.key_value_set(f"{ACK_KEY}{distributed.global_state.process_id}", "1")
+                self._client.key_value_set(f"{ACK_KEY}{me}", "1")
             except Exception:  # noqa: BLE001 - the stopping process may be gone already
                 pass
-            sys.stdout.flush()
-            os._exit(int(code))
+            _end(int(code), me)
 
     def __exit__(self, *exc) -> None:
         if self._thread is not None:
