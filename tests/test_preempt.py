@@ -68,6 +68,22 @@ def test_sigterm_grace_in_a_real_process(estimate, work, code, says, within):
         assert "abandon: lock released" in stdout and "step finished" not in stdout
 
 
+def test_an_abandon_that_outlasts_the_grace_says_so():
+    """The lock's release (on_abandon) still running at the deadline: the process exits then, and says that the
+    grace ended first (the lock stays, a dead process's, for the next launch to take over)."""
+    script = SCRIPT.replace('lambda: print("abandon: lock released", flush=True)', "lambda: time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", script, "0.5", "30", "30"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "in the step"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == PREEMPTED_EXIT, stderr
+    assert "would not end within the 0.5 s grace" in stderr, stderr
+    assert "the 0.5 s grace (run.preempt_grace_seconds) is over before the run lock could be released" in stderr
+    assert 0.4 <= took < 10, took
+
 def test_a_real_trainer_abandons_a_step_that_does_not_fit(assets, tmp_path):  # noqa: F811
     """run.preempt_grace_seconds=0.05 and SIGTERM just after step 2 is recorded: no step fits, so the trainer
     exits at once with 143, the lock released; the same command resumes from the newest complete checkpoint."""

@@ -168,6 +168,10 @@ class StopSignal:
         helper = threading.Thread(target=self._on_abandon, daemon=True)
         helper.start()
         helper.join(max(timeout, 0.0))
+        if helper.is_alive():  # the deadline came first: say so, the lock (a dead pid here) is taken over at once
+            print(f"the {self.grace:g} s grace (run.preempt_grace_seconds) is over before the run lock could be "
+                  "released; exiting now, the next launch takes the lock of this dead process over",
+                  file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(PREEMPTED_EXIT)
 
