@@ -125,13 +125,13 @@ def test_two_rollout_processes_equal_the_one_process_split(runs, two_rollout_pro
     _same(got, runs["split_k1"][:SHORT])
 
 
-def test_two_training_processes_are_refused_in_one_line(assets, tmp_path):  # noqa: F811
-    ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=1, processes=3), timeout=HANG_S,
-                        processes=3, devices=1, env=process_env(1))
+def test_no_training_process_is_refused_in_one_line(assets, tmp_path):  # noqa: F811
+    ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=2, processes=2), timeout=HANG_S,
+                        processes=2, devices=1, env=process_env(1))
     for code, log in ran:
         assert code == BAD_INPUT_EXIT, log[-3000:]
-        lines = [line for line in log.splitlines() if "mesh.rollout_processes=1 of 3 processes" in line]
-        assert len(lines) == 1 and "one training process" in lines[0], log[-3000:]
+        lines = [line for line in log.splitlines() if "mesh.rollout_processes=2 of 2 processes" in line]
+        assert len(lines) == 1 and "each side needs at least one process" in lines[0], log[-3000:]
         assert "Traceback" not in log, log[-3000:]
 
 

@@ -84,6 +84,29 @@ def joined(blocks: list[tuple]) -> tuple:
     return _rows(examples), _rows(rollout), _rows(texts), _rows(scored), max(seconds), correct[0]
 
 
+def _block_rows(part, i: int, n: int):
+    """Block i of n of `part`'s rows (a list, or a dataclass of per-row arrays and lists): the inverse of `_rows`."""
+    def cut(rows):
+        size = len(rows) // n
+        return rows[i * size:(i + 1) * size]
+
+    if isinstance(part, list):
+        return cut(part)
+    fields = {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+    return dataclasses.replace(part, **{name: cut(v) for name, v in fields.items()
+                                        if isinstance(v, list) or (isinstance(v, np.ndarray) and v.ndim)})
+
+
+def block_of(sample: tuple, i: int, n: int) -> tuple:
+    """Block i of the n equal blocks of a whole step's samples (`joined`'s tuple): the rows a process holding block
+    i of a training mesh keeps (parallel.batch_block). Each round's correctness flags stay the whole batch's."""
+    if n == 1:
+        return sample
+    examples, rollout, texts, scored, seconds, correct = sample
+    return (_block_rows(examples, i, n), _block_rows(rollout, i, n), _block_rows(texts, i, n),
+            _block_rows(scored, i, n), seconds, correct)
+
+
 def lag_figures(step: int, drawn: Drawn, waited: float, rollout_idle: float) -> tuple[tuple, dict[str, float]]:
     """What `take(step)` returns (this sampler's and train/sides.py's): the step's samples, with the seconds the
     trainer waited in place of the rollout's own, and the step's lag and wait figures."""
