@@ -46,6 +46,7 @@ without the old keys.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import signal
@@ -62,7 +63,7 @@ from g2rl_jax import parallel
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
 from g2rl_jax.train.ahead import Drawn, block_of, joined, lag_figures, restored, saved
-from g2rl_jax.train.sampling_rounds import SamplingRounds
+from g2rl_jax.train.sampling_rounds import SamplingRounds, picked
 from g2rl_jax.train.weight_sync import SideSync, shardings_on
 
 PREFIX = "g2rl_sides"
@@ -190,6 +191,28 @@ def _host(sample: tuple) -> tuple:
     return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, sample)
 
 
+@dataclasses.dataclass
+class Rounds:
+    """What a rollout process sends for a step of dynamic sampling when the rollout mesh spans several processes:
+    every round's (examples, rollout, texts, rewards) of its block's rows, the rollout seconds, and each round's
+    global correctness. The rounds went on as the whole batch decides (one block), and the trainer picks the
+    groups from the joined rounds (sampling_rounds.picked): the choice of one process holding the whole mesh."""
+
+    rounds: list[tuple]
+    seconds: float
+    correct: list[np.ndarray]
+
+
+def whole_step(blocks: list, m: int) -> tuple:
+    """A step's samples (SamplingRounds._sample's tuple) from what each block of the rollout mesh sent, in block
+    order: `joined`, or for Rounds each round joined and the groups then picked over the whole batch."""
+    if not isinstance(blocks[0], Rounds):
+        return joined(blocks)
+    first = blocks[0]
+    rounds = [joined([(*b.rounds[r], b.seconds, b.correct) for b in blocks])[:4] for r in range(len(first.rounds))]
+    return (*picked(rounds, first.correct, m, 1, 0), max(b.seconds for b in blocks), first.correct)
+
+
 class RemoteSampler:
     """The trainer's side: its data iterator (checkpointed with the samples drawn ahead), `take` and `publish`, as
     AheadSampler, the draws made by the rollout process."""
@@ -234,7 +257,8 @@ class RemoteSampler:
             while len(parts) < blocks:  # block 0 says how many blocks the rollout mesh drew the step in
                 sample, version, seconds, before, after, idle, blocks = self._read(f"sample/{step}/{len(parts)}")
                 parts.append((sample, seconds, idle))
-            self._drawn[step] = Drawn(joined([p[0] for p in parts]), version, max(p[1] for p in parts))
+            whole = whole_step([p[0] for p in parts], self.trainer.cfg.rollout.num_samples)
+            self._drawn[step] = Drawn(whole, version, max(p[1] for p in parts))
             self._before[step], self._before[step + 1] = before, after  # every block's loader moves alike
             self._idle[step] = max(p[2] for p in parts)
         return self._drawn[step]
@@ -319,8 +343,6 @@ class RolloutSide(SamplingRounds):
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward
         if cfg.reward.function:
-            import dataclasses
-
             self.reward_cfg = dataclasses.replace(cfg.reward, function=resolve_spec(cfg.reward.function))
         examples, _ = usable_examples(cfg, self.tokenizer)
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
@@ -341,6 +363,14 @@ class RolloutSide(SamplingRounds):
 
     def rollout_model(self):
         return nnx.merge(self.graphdef, self._current)
+
+    def _sample(self, step: int):
+        """This block's samples of step `step`; with dynamic sampling on a rollout mesh of several processes, the
+        rounds as the whole batch decides them (Rounds: the trainer picks the groups)."""
+        if not (self.cfg.algorithm.dynamic_sampling and self.blocks > 1):
+            return _host(super()._sample(step))
+        rounds, correct, seconds = self._rounds(step, 1)
+        return Rounds(_host(rounds), seconds, _host(correct))
 
     def run(self) -> int:
         """Draw every step from the trainer's start to run.total_steps; the exit code (see the module docstring)."""
@@ -380,7 +410,7 @@ class RolloutSide(SamplingRounds):
             self._current = versions[version]
             before = self.loader.get_state()
             t0 = time.perf_counter()
-            sample = _host(self._sample(step))  # this block's rows (the rollout mesh samples the batch together)
+            sample = self._sample(step)  # this block's rows (the rollout mesh samples the batch together)
             if self.sends:  # the first process of each block sends it
                 _set(f"sample/{step}/{self.block}", (sample, version, time.perf_counter() - t0, before,
                                                      self.loader.get_state(), idle, self.blocks))
