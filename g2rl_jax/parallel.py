@@ -102,8 +102,9 @@ def set_sides(config: MeshConfig) -> None:
         return
     total, m = jax.process_count(), config.rollout_processes
     if not 0 < m < total:
-        raise ConfigError(f"mesh.rollout_processes={m} of {total} processes: each side needs at least one process; "
-                          f"launch more than {m} processes, or set mesh.rollout_processes between 1 and {total - 1}")
+        raise ConfigError(f"mesh.rollout_processes={m} of {total} processes leaves {total - m} training processes: "
+                          f"each side needs at least one process; launch more than {m} processes (the last "
+                          f"{m} draw the rollouts, the others train), or lower mesh.rollout_processes")
     rollout = frozenset(range(total - m, total))
     _SIDE = rollout if jax.process_index() in rollout else frozenset(range(total - m))
 

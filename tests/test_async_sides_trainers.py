@@ -14,11 +14,15 @@ gloo, JAX's socket transfers), one fake device each.
 Costs: three three-process launches and two one-process runs of the tiny model (each mostly its first step's
 compiles); about 4 minutes on the 2-core machine under load. Run with
 `G2RL_SIDES_SLOW=1 python -m pytest -q -n 0 tests/test_async_sides_trainers.py`.
+
+Also here, without a launch: a training process's block of a step's samples, and dynamic sampling's rounds joined.
 """
+import dataclasses
 import os
 import signal
 import time
 
+import numpy as np
 import pytest
 from test_async import DETERMINISTIC, LAG, _same
 from test_async_sides_train import HANG_S, K1, ONE, _committed
@@ -30,8 +34,8 @@ from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import process_env, run_processes, trainer_args
 
-pytestmark = pytest.mark.skipif(os.environ.get("G2RL_SIDES_SLOW") != "1",
-                                reason="opt-in (about 4 minutes): G2RL_SIDES_SLOW=1 runs it")
+slow = pytest.mark.skipif(os.environ.get("G2RL_SIDES_SLOW") != "1",
+                          reason="opt-in (about 4 minutes): G2RL_SIDES_SLOW=1 runs it")
 STEPS = 4
 TRAINING = ("mesh.data=2",)  # after ONE's mesh.data=1: the training mesh spans two devices
 
@@ -67,6 +71,7 @@ def resumed(assets, tmp_path_factory):  # noqa: F811
     return {"codes": codes, "logs": logs, "stopped": stopped, "records": read_metrics(out)}
 
 
+@slow
 def test_two_training_processes_stop_together_with_a_checkpoint(resumed):
     codes, logs = resumed["codes"], resumed["logs"]
     assert codes[:2] == [PREEMPTED_EXIT] * 2, [log[-3000:] for log in logs]
@@ -76,6 +81,7 @@ def test_two_training_processes_stop_together_with_a_checkpoint(resumed):
     assert 1 <= len(resumed["stopped"]) < STEPS, resumed["stopped"]  # the relaunch resumed midway
 
 
+@slow
 def test_two_training_processes_resumed_equal_the_one_process_split(resumed, split):
     """Each training process keeps its block of every step's rows; the run, stopped and resumed, gives the
     metrics of the one-process split run."""
@@ -91,7 +97,7 @@ def reward(response, example):
     return 1.0 if len(response) % 2 == 0 else -1.0
 """
 DYNAMIC = ("algorithm.filter_equal_groups=true", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
-           "reward.truncated=keep")
+           "reward.truncated=keep", "rollout.num_samples=2")  # two samples: half the groups mixed, rounds > 1
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +114,70 @@ def dynamic(assets, tmp_path_factory):  # noqa: F811
     return read_metrics(root / "sides"), read_metrics(root / "split")
 
 
+@slow
 def test_two_rollout_processes_with_dynamic_sampling_equal_the_one_process_split(dynamic):
     got, want = dynamic
     assert any(r["sampling_rounds"] > 1 for r in want) and any(r["single_class_fraction"] < 1 for r in want), (
         "every step took one round, or no mixed group: a weak test")
     assert [r["sampling_rounds"] for r in got] == [r["sampling_rounds"] for r in want]
     _same(got, want, keys=(*DETERMINISTIC, *LAG, "sampled_accuracy", "single_class_fraction"))
+
+
+def _step(rng, prompts: int, m: int, correct_rate: float = 0.5):
+    """A whole step's samples of `prompts` groups of `m` (SamplingRounds._sample's tuple), random."""
+    from g2rl_jax.rewards.scoring import RewardResult
+    from g2rl_jax.rollout.generate import _assemble
+
+    b = prompts * m
+    lengths_B = rng.integers(1, 6, b)
+    rollout = _assemble(m, rng.integers(1, 50, (b, 4)), rng.integers(0, 2, (b, 4)).astype(bool),
+                        rng.integers(1, 50, (b, 8)), rng.normal(size=(b, 8)).astype(np.float32), lengths_B,
+                        rng.integers(0, 2, b).astype(bool), decode_steps=int(lengths_B.max()))
+    scored = RewardResult(rewards=rng.normal(size=b), correct=rng.random(b) < correct_rate,
+                          in_loss=np.ones(b, bool), truncated=np.zeros(b, bool))
+    return ([f"prompt {i} {rng.integers(1000)}" for i in range(prompts)], rollout,
+            [f"text {i} {rng.integers(1000)}" for i in range(b)], scored, 1.0, [scored.correct])
+
+
+def _equal(got, want):
+    assert got[0] == want[0] and got[2] == want[2]
+    for a_, b_ in ((got[1], want[1]), (got[3], want[3])):
+        for f in dataclasses.fields(b_):
+            a, b = getattr(a_, f.name), getattr(b_, f.name)
+            if isinstance(b, list):
+                assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)), f.name
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f.name)
+
+
+def test_a_training_block_is_its_rows_of_the_joined_step():
+    from g2rl_jax.train.ahead import block_of, joined
+
+    whole = _step(np.random.default_rng(0), prompts=4, m=2)
+    assert block_of(whole, 0, 1) is whole
+    halves = [block_of(whole, i, 2) for i in range(2)]
+    assert len(halves[0][0]) == 2 and len(halves[1][2]) == 4 and halves[1][1].prompt_ids_BxS.shape[0] == 4
+    _equal(joined(halves), whole)  # the inverse of joining the rollout blocks
+    quarters = [block_of(whole, i, 4) for i in range(4)]
+    _equal(joined(quarters), whole)
+    assert all(q[5] is whole[5] and q[1].decode_steps == whole[1].decode_steps for q in quarters)
+
+
+def test_dynamic_sampling_rounds_joined_pick_over_the_whole_batch():
+    """Each rollout block sends every round's rows (Rounds); the joined rounds give the groups one process holding
+    every row would pick (sampling_rounds.picked with one block), not each block's own pick."""
+    from g2rl_jax.train.ahead import Rounds, block_of, whole_step
+    from g2rl_jax.train.sampling_rounds import picked
+
+    rng, m = np.random.default_rng(1), 2
+    rounds = [_step(rng, prompts=4, m=m) for _ in range(3)]
+    # round 0: mixed groups only in the first block's rows, so a pick per block would differ from the whole's
+    rounds[0][3].correct[:] = [True, False, False, True, True, True, False, False]
+    correct = [r[3].correct.copy() for r in rounds]
+    sent = [Rounds([block_of(r, i, 2)[:4] for r in rounds], float(i + 1), correct) for i in range(2)]
+    got = whole_step(sent, m)
+    want = picked([r[:4] for r in rounds], correct, m, 1, 0)
+    _equal(got, want)
+    assert got[4] == 2.0 and got[5] is correct
+    per_block = [picked([block_of(r, i, 2)[:4] for r in rounds], correct, m, 2, i) for i in range(2)]
+    assert per_block[0][0] + per_block[1][0] != want[0]  # the test can tell the two apart

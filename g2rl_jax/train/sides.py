@@ -62,8 +62,8 @@ from jax._src import distributed
 from g2rl_jax import parallel
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
-from g2rl_jax.train.ahead import Drawn, block_of, joined, lag_figures, restored, saved
-from g2rl_jax.train.sampling_rounds import SamplingRounds, picked
+from g2rl_jax.train.ahead import Drawn, Rounds, block_of, lag_figures, restored, saved, whole_step
+from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.weight_sync import SideSync, shardings_on
 
 PREFIX = "g2rl_sides"
@@ -189,28 +189,6 @@ def _needed(version: int, first: int, k: int, total: int) -> bool:
 def _host(sample: tuple) -> tuple:
     """A step's samples with every array on the host (they cross to the other process pickled)."""
     return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, sample)
-
-
-@dataclasses.dataclass
-class Rounds:
-    """What a rollout process sends for a step of dynamic sampling when the rollout mesh spans several processes:
-    every round's (examples, rollout, texts, rewards) of its block's rows, the rollout seconds, and each round's
-    global correctness. The rounds went on as the whole batch decides (one block), and the trainer picks the
-    groups from the joined rounds (sampling_rounds.picked): the choice of one process holding the whole mesh."""
-
-    rounds: list[tuple]
-    seconds: float
-    correct: list[np.ndarray]
-
-
-def whole_step(blocks: list, m: int) -> tuple:
-    """A step's samples (SamplingRounds._sample's tuple) from what each block of the rollout mesh sent, in block
-    order: `joined`, or for Rounds each round joined and the groups then picked over the whole batch."""
-    if not isinstance(blocks[0], Rounds):
-        return joined(blocks)
-    first = blocks[0]
-    rounds = [joined([(*b.rounds[r], b.seconds, b.correct) for b in blocks])[:4] for r in range(len(first.rounds))]
-    return (*picked(rounds, first.correct, m, 1, 0), max(b.seconds for b in blocks), first.correct)
 
 
 class RemoteSampler:
