@@ -11,7 +11,7 @@ SIGTERM to the trainer (both processes stop, the trainer with a checkpoint of it
 lease), each followed by a relaunch of both; the finished run's metrics equal the uninterrupted run's, every field
 but the timings and the compile counts.
 
-The trainer as two training processes and one rollout process (the training mesh, data 2, over the two): four
+The trainer as two training processes and one rollout process (the training mesh, fsdp 2, over the two): four
 one-step-off steps give the metrics of the one-process split run's first four.
 
 Costs: 6 two-process launches, 2 three-process launches and 2 one-process runs of the tiny model (each mostly its
@@ -131,18 +131,19 @@ def test_two_rollout_processes_equal_the_one_process_split(runs, two_rollout_pro
 
 @pytest.fixture(scope="module")
 def two_training_processes(assets, tmp_path_factory):  # noqa: F811
-    """A short one-step-off run on three processes: two training processes (the training mesh, data 2, over both)
-    and one rollout process."""
+    """A short one-step-off run on three processes: two training processes (the training mesh, fsdp 2, over both:
+    each holds half of every sharded parameter, and its block of the rows) and one rollout process."""
     out = tmp_path_factory.mktemp("async_sides_two_training") / "run"
-    run_processes(_sides_cmd(assets, out, (*K1, "mesh.data=2"), rollout_processes=1, steps=SHORT, processes=3),
+    run_processes(_sides_cmd(assets, out, (*K1, "mesh.fsdp=2"), rollout_processes=1, steps=SHORT, processes=3),
                   timeout=HANG_S, processes=3, devices=1)
     return read_metrics(out)
 
 
 def test_two_training_processes_equal_the_one_process_split(runs, two_training_processes):
     """Each training process reads every step's samples and keeps its block of the rows (the batch split over the
-    training mesh's data axis); the host collectives of the trainer span the two: the metrics of the one-process
-    split run's first steps (one training device there: the same figures up to the order of the sums)."""
+    training mesh's fsdp axis); the host collectives of the trainer span the two, and the weight sync all-gathers
+    the sharded params first: the metrics of the one-process split run's first steps (one training device there:
+    the same figures up to the order of the sums)."""
     got = two_training_processes
     assert [r["policy_version"] for r in got] == [0.0, *range(SHORT - 1)]
     assert all(r["weight_sync_bytes"] > 0 for r in got)

@@ -2,11 +2,11 @@
 two-training-process run of tests/test_async_sides_train.py). Processes on localhost joined by jax.distributed (CPU,
 gloo, JAX's socket transfers), one fake device each.
 
-- Two training processes (the training mesh, data 2, over both) and one rollout process, stopped and resumed:
-  SIGTERM to the first training process once step 1's checkpoint is committed stops all three (the training side
-  agrees on the stop and checkpoints with Orbax on both of its processes, the samples drawn ahead with it), and a
-  relaunch finishes the run: the metrics of the same run on one process with its three devices split 2 + 1
-  (mesh.data=2, mesh.rollout_devices=1).
+- Two training processes (the training mesh, fsdp 2, over both: the params sharded over the two) and one rollout
+  process, stopped and resumed: SIGTERM to the first training process once step 1's checkpoint is committed stops all
+  three (the training side agrees on the stop and checkpoints with Orbax on both of its processes, the samples drawn
+  ahead with it), and a relaunch finishes the run: the metrics of the same run on one process with its three devices
+  split 2 + 1 (mesh.fsdp=2, mesh.rollout_devices=1).
 - One training process and two rollout processes with DAPO dynamic sampling (a reward with mixed groups): the
   rollout mesh spans both rollout processes, the rounds go on as the whole batch decides, and the trainer picks the
   groups from the joined rounds: the metrics of the one-process split run with dynamic sampling.
@@ -37,7 +37,7 @@ from _helpers import process_env, run_processes, trainer_args
 slow = pytest.mark.skipif(os.environ.get("G2RL_SIDES_SLOW") != "1",
                           reason="opt-in (about 4 minutes): G2RL_SIDES_SLOW=1 runs it")
 STEPS = 4
-TRAINING = ("mesh.data=2",)  # after ONE's mesh.data=1: the training mesh spans two devices
+TRAINING = ("mesh.fsdp=2",)  # after ONE's mesh.fsdp=1: a training mesh of two devices, the params sharded
 
 
 def _sides_cmd(assets, out):  # noqa: F811
