@@ -76,9 +76,9 @@ class RunConfig:
                                    "seconds; a lock not renewed this long is stale from any host, so a preempted "
                                    "run's relaunch (another VM) takes the run over after at most this wait; >= 9 "
                                    "(GCS takes about one update per second per object: renewals every 3 s or more "
-                                   "leave room for a takeover or a release); with mesh.rollout_processes the "
-                                   "rollout process renews a lease as often, and a trainer that sees no renewal "
-                                   "this long stops in one line (docs/async.md)")
+                                   "leave room for a takeover or a release); with mesh.rollout_processes each "
+                                   "rollout process renews a lease as often, and the trainer stops in one line when "
+                                   "one has no renewal this long (docs/async.md)")
 
     def __post_init__(self):
         _check(self.output_dir.strip() != "", "run.output_dir",
@@ -167,9 +167,9 @@ class MeshConfig:
                               "both); data/fsdp/tensor then shape the training mesh on the rest (docs/async.md)")
     rollout_tensor: int = _f(1, "tensor-parallel axis of the rollout mesh; its data axis takes the rest of its "
                              "devices (weights replicated over it, as decoding wants)")
-    rollout_processes: int = _f(0, "one process per side: every device of the last N processes forms the rollout "
-                                "mesh, data/fsdp/tensor shape the training mesh on the other processes' devices "
-                                "(0 = off; excludes rollout_devices; docs/async.md)")
+    rollout_processes: int = _f(0, "one process set per side: every device of the last N processes forms the "
+                                "rollout mesh, data/fsdp/tensor shape the training mesh on the devices of the "
+                                "other processes (one or more; 0 = off; excludes rollout_devices; docs/async.md)")
 
     def __post_init__(self):
         _check(self.rollout_devices >= 0, "mesh.rollout_devices", f"must be >= 0, got {self.rollout_devices}")

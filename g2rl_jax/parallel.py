@@ -94,17 +94,17 @@ def is_rollout_process(config: MeshConfig) -> bool:
 
 
 def set_sides(config: MeshConfig) -> None:
-    """With mesh.rollout_processes, record this process's side (side_processes) before any host collective: one
-    training process and mesh.rollout_processes = M >= 1 rollout processes (the last M), whose host collectives
-    (`allgather`) then span their own side only."""
+    """With mesh.rollout_processes = M, record this process's side (side_processes) before any host collective: the
+    first N = process count − M processes train, the last M draw the rollouts; each side's host collectives
+    (`allgather`, `sync`, `broadcast_one_to_all`) then span its own processes only."""
     global _SIDE
     if config.rollout_processes == 0:
         return
     total, m = jax.process_count(), config.rollout_processes
-    if total - m != 1:
+    if not 0 < m < total:
         raise ConfigError(f"mesh.rollout_processes={m} of {total} processes leaves {total - m} training processes: "
-                          f"the trainer runs one training process and the rest rollout processes for now (launch "
-                          f"{m + 1} processes, or set mesh.rollout_processes={total - 1})")
+                          f"each side needs at least one process; launch more than {m} processes (the last "
+                          f"{m} draw the rollouts, the others train), or lower mesh.rollout_processes")
     rollout = frozenset(range(total - m, total))
     _SIDE = rollout if jax.process_index() in rollout else frozenset(range(total - m))
 
@@ -137,6 +137,25 @@ def allgather(x) -> np.ndarray:
                                                      (len(_SIDE), *x.shape))
     whole = _replicate_on(mesh)(stacked)
     return np.asarray(whole.addressable_data(0))
+
+
+def sync(name: str) -> None:
+    """`multihost_utils.sync_global_devices(name)` over the processes of this process's side: every one of them
+    waits here until all have come (and they must all name the same barrier)."""
+    if _SIDE is None:
+        multihost_utils.sync_global_devices(name)
+        return
+    names_A = allgather(np.frombuffer(name.encode().ljust(64)[:64], np.uint8))
+    if any(bytes(row).rstrip() != name.encode()[:64].rstrip() for row in names_A):
+        raise AssertionError(f"the processes of this side reached different barriers: {name!r} and others")
+
+
+def broadcast_one_to_all(x):
+    """`multihost_utils.broadcast_one_to_all(x)` (a tree of host arrays of one shape on every process) over this
+    process's side: every process gets its side's first process's values."""
+    if _SIDE is None:
+        return multihost_utils.broadcast_one_to_all(x)
+    return jax.tree.map(lambda v: allgather(v)[0], x)
 
 
 def split_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh | None]:

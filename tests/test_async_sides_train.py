@@ -11,7 +11,11 @@ SIGTERM to the trainer (both processes stop, the trainer with a checkpoint of it
 lease), each followed by a relaunch of both; the finished run's metrics equal the uninterrupted run's, every field
 but the timings and the compile counts.
 
-Costs: 6 two-process launches and 2 one-process runs of the tiny model (each mostly its first step's compiles).
+The trainer as two training processes and one rollout process (the training mesh, fsdp 2, over the two): four
+one-step-off steps give the metrics of the one-process split run's first four.
+
+Costs: 6 two-process launches, 2 three-process launches and 2 one-process runs of the tiny model (each mostly its
+first step's compiles), and a two-process launch refused at once.
 """
 import pathlib
 import signal
@@ -125,13 +129,34 @@ def test_two_rollout_processes_equal_the_one_process_split(runs, two_rollout_pro
     _same(got, runs["split_k1"][:SHORT])
 
 
-def test_two_training_processes_are_refused_in_one_line(assets, tmp_path):  # noqa: F811
-    ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=1, processes=3), timeout=HANG_S,
-                        processes=3, devices=1, env=process_env(1))
+@pytest.fixture(scope="module")
+def two_training_processes(assets, tmp_path_factory):  # noqa: F811
+    """A short one-step-off run on three processes: two training processes (the training mesh, fsdp 2, over both:
+    each holds half of every sharded parameter, and its block of the rows) and one rollout process."""
+    out = tmp_path_factory.mktemp("async_sides_two_training") / "run"
+    run_processes(_sides_cmd(assets, out, (*K1, "mesh.fsdp=2"), rollout_processes=1, steps=SHORT, processes=3),
+                  timeout=HANG_S, processes=3, devices=1)
+    return read_metrics(out)
+
+
+def test_two_training_processes_equal_the_one_process_split(runs, two_training_processes):
+    """Each training process reads every step's samples and keeps its block of the rows (the batch split over the
+    training mesh's fsdp axis); the host collectives of the trainer span the two, and the weight sync all-gathers
+    the sharded params first: the metrics of the one-process split run's first steps (one training device there:
+    the same figures up to the order of the sums)."""
+    got = two_training_processes
+    assert [r["policy_version"] for r in got] == [0.0, *range(SHORT - 1)]
+    assert all(r["weight_sync_bytes"] > 0 for r in got)
+    _same(got, runs["split_k1"][:SHORT])
+
+
+def test_no_training_process_is_refused_in_one_line(assets, tmp_path):  # noqa: F811
+    ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=2, processes=2), timeout=HANG_S,
+                        processes=2, devices=1, env=process_env(1))
     for code, log in ran:
         assert code == BAD_INPUT_EXIT, log[-3000:]
-        lines = [line for line in log.splitlines() if "mesh.rollout_processes=1 of 3 processes" in line]
-        assert len(lines) == 1 and "one training process" in lines[0], log[-3000:]
+        lines = [line for line in log.splitlines() if "mesh.rollout_processes=2 of 2 processes" in line]
+        assert len(lines) == 1 and "each side needs at least one process" in lines[0], log[-3000:]
         assert "Traceback" not in log, log[-3000:]
 
 

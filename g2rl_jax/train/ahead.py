@@ -24,6 +24,10 @@ trainer's collectives could differ between processes and hang them. What the pro
 rollout (the prompt bucket, dynamic sampling's correctness) goes host to host through jax.distributed's key-value
 store (`exchange`).
 
+A step's samples in blocks (also train/sides.py's, whose rollout and training meshes split the rows in blocks of
+their own): `joined` puts the rollout blocks together, `block_of` cuts a training process's block out, and
+`whole_step` does the first for dynamic sampling's rounds too (`Rounds`), picking the groups over the whole batch.
+
 The first step of a launch runs alone (it compiles and chooses the run's shapes, train/warmup.py); overlap starts
 with the next one.
 """
@@ -41,6 +45,7 @@ import numpy as np
 from flax import nnx
 from jax._src import distributed
 
+from g2rl_jax.train.sampling_rounds import picked
 from g2rl_jax.train.weight_sync import WeightSync
 
 
@@ -82,6 +87,51 @@ def joined(blocks: list[tuple]) -> tuple:
         return blocks[0]
     examples, rollout, texts, scored, seconds, correct = zip(*blocks, strict=True)
     return _rows(examples), _rows(rollout), _rows(texts), _rows(scored), max(seconds), correct[0]
+
+
+def _block_rows(part, i: int, n: int):
+    """Block i of n of `part`'s rows (a list, or a dataclass of per-row arrays and lists): the inverse of `_rows`."""
+    def cut(rows):
+        size = len(rows) // n
+        return rows[i * size:(i + 1) * size]
+
+    if isinstance(part, list):
+        return cut(part)
+    fields = {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+    return dataclasses.replace(part, **{name: cut(v) for name, v in fields.items()
+                                        if isinstance(v, list) or (isinstance(v, np.ndarray) and v.ndim)})
+
+
+def block_of(sample: tuple, i: int, n: int) -> tuple:
+    """Block i of the n equal blocks of a whole step's samples (`joined`'s tuple): the rows a process holding block
+    i of a training mesh keeps (parallel.batch_block). Each round's correctness flags stay the whole batch's."""
+    if n == 1:
+        return sample
+    examples, rollout, texts, scored, seconds, correct = sample
+    return (_block_rows(examples, i, n), _block_rows(rollout, i, n), _block_rows(texts, i, n),
+            _block_rows(scored, i, n), seconds, correct)
+
+
+@dataclasses.dataclass
+class Rounds:
+    """What a rollout process sends for a step of dynamic sampling when the rollout mesh spans several processes:
+    every round's (examples, rollout, texts, rewards) of its block's rows, the rollout seconds, and each round's
+    global correctness. The rounds went on as the whole batch decides (one block), and the trainer picks the
+    groups from the joined rounds (sampling_rounds.picked): the choice of one process holding the whole mesh."""
+
+    rounds: list[tuple]
+    seconds: float
+    correct: list[np.ndarray]
+
+
+def whole_step(blocks: list, m: int) -> tuple:
+    """A step's samples (SamplingRounds._sample's tuple) from what each block of the rollout mesh sent, in block
+    order: `joined`, or for Rounds each round joined and the groups then picked over the whole batch."""
+    if not isinstance(blocks[0], Rounds):
+        return joined(blocks)
+    first = blocks[0]
+    rounds = [joined([(*b.rounds[r], b.seconds, b.correct) for b in blocks])[:4] for r in range(len(first.rounds))]
+    return (*picked(rounds, first.correct, m, 1, 0), max(b.seconds for b in blocks), first.correct)
 
 
 def lag_figures(step: int, drawn: Drawn, waited: float, rollout_idle: float) -> tuple[tuple, dict[str, float]]:

@@ -191,9 +191,7 @@ def _remove_unfinished(directory: epath.Path) -> None:
         for unfinished in ocp.path.step.all_temporary_paths(directory):
             storage.rmtree(unfinished.get())
     if parallel.host_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("g2rl_jax: unfinished checkpoints removed")
+        parallel.sync("g2rl_jax: unfinished checkpoints removed")  # the processes of the training side
 
 
 def _reject_typed_keys(state: Any) -> None:
@@ -236,8 +234,10 @@ class Checkpointer:
         if not (force or step % self._every == 0) or step in self._manager.all_steps():
             return False  # not due, or already saved (e.g. the final forced save on an interval step)
         _reject_typed_keys(state)
-        if parallel.side_processes() is not None:  # one process per side: Orbax refuses a process's own arrays
-            state = jax.tree.map(np.asarray, state)  # when there are several processes; it saves host copies
+        if parallel.side_processes() is not None and parallel.host_count() == 1:
+            # one training process beside rollout processes: Orbax refuses a process's own arrays when there are
+            # several processes; it saves host copies. Several training processes save their global arrays.
+            state = jax.tree.map(np.asarray, state)
         items = {STATE_ITEM: ocp.args.PyTreeSave(state),
                  DATA_ITEM: IteratorStateSave(_encode_state(data_iter.get_state()))}
         if self._model is not None:
@@ -290,10 +290,8 @@ class Checkpointer:
         to save those steps again)."""
         if not steps:
             return
-        from jax.experimental import multihost_utils
-
         if parallel.host_count() > 1:
-            multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback")
+            parallel.sync("g2rl_jax: checkpoint fallback")
         if jax.process_index() == 0:
             aside = storage.path(self._manager.directory).parent / CORRUPT_DIR
             storage.makedirs(aside)
@@ -302,7 +300,7 @@ class Checkpointer:
                 storage.move(storage.path(self._manager.directory) / str(step), target)
                 print(f"warning: moved the unreadable checkpoint of step {step} to {target}", file=sys.stderr)
         if parallel.host_count() > 1:
-            multihost_utils.sync_global_devices("g2rl_jax: checkpoint fallback done")
+            parallel.sync("g2rl_jax: checkpoint fallback done")
         self._manager.reload()
 
     def wait(self) -> None:

@@ -33,6 +33,20 @@ def _seed_of(key_data, step, round_, block):
     return jax.random.randint(key, (), 0, 2**31 - 1)
 
 
+def picked(rounds: list[tuple], correct: list[np.ndarray], m: int, blocks: int, block: int) -> tuple:
+    """Dynamic sampling's groups of block `block` of `blocks` (dynamic.choose_groups) from each round's (examples,
+    rollout, texts, rewards) of that block's rows and each round's global correctness: (examples, rollout, texts,
+    rewards) of the step."""
+    picks = dynamic.choose_groups([dynamic.mixed_groups(c, m) for c in correct], blocks, block)
+    rows = [(r, g * m + j) for r, g in picks for j in range(m)]
+    examples = [rounds[r][0][g] for r, g in picks]
+    texts = [rounds[r][2][b] for r, b in rows]
+    scored = type(rounds[0][3])(**{f.name: np.array([getattr(rounds[r][3], f.name)[b] for r, b in rows])
+                                   for f in dataclasses.fields(rounds[0][3])})
+    rollout = dynamic.merge_rollouts([x[1] for x in rounds], picks)
+    return examples, rollout, texts, scored
+
+
 class SamplingRounds:
     """Rollout rounds of a training step, and validation (see the module docstring)."""
 
@@ -86,27 +100,26 @@ class SamplingRounds:
         """The step's groups: one round, or DAPO dynamic sampling over rounds (train/dynamic.py). Returns examples,
         rollout, texts, rewards (this process's rows, a RewardResult), rollout seconds, and each round's global
         correctness (dynamic sampling only)."""
-        algo, m = self.cfg.algorithm, self.cfg.rollout.num_samples
         block, blocks = parallel.batch_block(self.mesh)
+        if not self.cfg.algorithm.dynamic_sampling:
+            return *self._sample_round(step, 0), []
+        rounds, correct, rollout_s = self._rounds(step, blocks)
+        return *picked(rounds, correct, self.cfg.rollout.num_samples, blocks, block), rollout_s, correct
+
+    def _rounds(self, step: int, blocks: int) -> tuple[list[tuple], list[np.ndarray], float]:
+        """Dynamic sampling's rounds until each of `blocks` blocks of the batch holds its share of mixed groups (or
+        algorithm.max_sampling_rounds): each round's (examples, rollout, texts, rewards) of this process's rows,
+        each round's global correctness, and the rollout seconds."""
+        algo, m = self.cfg.algorithm, self.cfg.rollout.num_samples
         rounds, correct, mixed, rollout_s = [], [], [], 0.0
         while True:
             examples, rollout, texts, scored, seconds = self._sample_round(step, len(rounds))
             rounds.append((examples, rollout, texts, scored))
             rollout_s += seconds
-            if not algo.dynamic_sampling:
-                return examples, rollout, texts, scored, rollout_s, []
             correct.append(self._gather_rollout(f"correct/{step}/{len(rounds)}", scored.correct))  # every process alike
             mixed.append(dynamic.mixed_groups(correct[-1], m))
             if dynamic.enough(mixed, blocks) or len(rounds) == algo.max_sampling_rounds:
-                break
-        picks = dynamic.choose_groups(mixed, blocks, block)
-        rows = [(r, g * m + j) for r, g in picks for j in range(m)]
-        examples = [rounds[r][0][g] for r, g in picks]
-        texts = [rounds[r][2][b] for r, b in rows]
-        scored = type(rounds[0][3])(**{f.name: np.array([getattr(rounds[r][3], f.name)[b] for r, b in rows])
-                                       for f in dataclasses.fields(rounds[0][3])})
-        rollout = dynamic.merge_rollouts([x[1] for x in rounds], picks)
-        return examples, rollout, texts, scored, rollout_s, correct
+                return rounds, correct, rollout_s
 
     def _sampling_metrics(self, sampled_correct: list[np.ndarray]) -> dict[str, float]:
         """Dynamic sampling only: rollout rounds this step, and the accuracy over every response they drew (the

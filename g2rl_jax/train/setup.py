@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from g2rl_jax import parallel, storage
 from g2rl_jax.config import Config, ConfigError
@@ -52,15 +51,15 @@ def check_shared_output_dir(output_dir: str) -> None:
     not). Raises ConfigError (every process, the same line)."""
     if parallel.host_count() == 1 or storage.is_url(output_dir):
         return
-    token = int(multihost_utils.broadcast_one_to_all(np.int64(np.random.SeedSequence().entropy % 2**62)))
+    token = int(parallel.broadcast_one_to_all(np.int64(np.random.SeedSequence().entropy % 2**62)))
     probe = storage.path(output_dir) / f".shared_check.{token}"
     if jax.process_index() == 0:
         storage.makedirs(probe.parent)
         probe.write_text(str(token))
-    multihost_utils.sync_global_devices("run.output_dir shared: written")
+    parallel.sync("run.output_dir shared: written")
     seen = probe.is_file() and probe.read_text() == str(token)
-    seen_B = np.asarray(multihost_utils.process_allgather(np.int32(seen))).reshape(-1).astype(bool).tolist()
-    multihost_utils.sync_global_devices("run.output_dir shared: read")
+    seen_B = np.asarray(parallel.allgather(np.int32(seen))).reshape(-1).astype(bool).tolist()  # this side's
+    parallel.sync("run.output_dir shared: read")
     if jax.process_index() == 0:
         storage.remove(probe)
     message = unshared_message(output_dir, seen_B)
@@ -281,11 +280,14 @@ def shard_rows(tree, mesh):
 
 def on_mesh(tree, mesh):
     """Replicate over the mesh every array not already placed on it (scalars such as optimizer counts), so all
-    of the training state lives on one mesh and restores onto it."""
+    of the training state lives on one mesh and restores onto it. A process's own array goes as its host value
+    (every process holds the same): device_put of a device array onto a mesh over several processes would take
+    JAX's cross-host transfer path when it is on (mesh.rollout_processes), whose result Orbax cannot save."""
     def place(x):
         if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
             return x
-        return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        return jax.device_put(np.asarray(x) if x.is_fully_addressable else x,
+                              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     return jax.tree.map(place, tree)
 

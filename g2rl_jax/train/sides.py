@@ -1,36 +1,43 @@
-"""One process per side (mesh.rollout_processes): the rollout process's loop, and the trainer's sampler that reads it.
+"""One process set per side (mesh.rollout_processes): the rollout processes' loop, and the trainer's sampler that
+reads it.
 
-    process 0 (training devices):       Trainer(cfg).run()   with   trainer.ahead = RemoteSampler(...)
-    processes 1..N (rollout devices):   RolloutSide(cfg).run()      (train/command.py main picks it by process)
+    processes 0..N-1 (training devices):   Trainer(cfg).run()   with   trainer.ahead = RemoteSampler(...)
+    processes N..N+M-1 (rollout devices):  RolloutSide(cfg).run()      (train/command.py main picks it by process)
 
-With N > 1 rollout processes their rollout mesh samples each step together, one sharded `generate` over the
-whole batch (rollout/generate.py's multi-host path): each process keeps its block of the batch, and the side's
-host collectives run over its own processes (parallel.allgather).
+With M > 1 rollout processes their rollout mesh samples each step together, one sharded `generate` over the
+whole batch (rollout/generate.py's multi-host path): each process keeps its block of the batch. With N > 1
+training processes the training mesh spans them as the colocated multi-host trainer's does: every training process
+reads each step's whole samples and keeps its block of the rows (ahead.block_of; parallel.batch_block of the training
+mesh). Each side's host collectives run over its own processes (parallel.allgather, sync, broadcast_one_to_all).
 
 The schedule is train/ahead.py's: step s is drawn with policy version max(first, s − k) (k = rollout.max_staleness),
 the launch's first step alone, later ones once the trainer has finished that first step; the lag is exactly
 min(s, k) whatever the timing, so the run equals the one-process split run. What moves, and how:
 
 - the weights, training → rollout: train/weight_sync.SideSync, cross-host `jax.device_put` (JAX alone: the DCN
-  socket transfer on CPU, the TPU runtime's transfer on TPU). Each version the trainer publishes is announced
+  socket transfer on CPU, the TPU runtime's transfer on TPU), every process of both sides taking part; the
+  training mesh first all-gathers each array when it is sharded over several processes. Each version the training
+  side's first process publishes is announced
   under `g2rl_sides/version/V` in jax.distributed's key-value store (with the prompt buckets the trainer's warm-up
   chose, which the rollout then pads to), and moved if the rollout still needs it (V + k < total steps).
 - the samples, rollout → training: each step's (prompts, Rollout, texts, rewards, ...) as pickled host values
   under `g2rl_sides/sample/S/B`, one per batch block B of the rollout mesh (`joined` in block order by the
   trainer), with the data-iterator position before and after its draw. They are Python objects (texts, reward
-  records), not arrays.
+  records), not arrays. Every training process reads each; the last to read it deletes it.
 - the start: the trainer's first step, data-iterator position and samples restored from its checkpoint, under
   `g2rl_sides/start`: the rollout process holds no state of its own, and a resumed run redraws from there.
 
-Each side's host collectives (checkpoint barriers, the stop flag, gathers) then involve its own processes only
-(parallel.side_processes, parallel.allgather), and neither runs a program of the other's devices: the device_put
-of each version is the one operation both call.
+Each side's host collectives (checkpoint barriers, the stop flag, the warm-up's choice, the shared-directory check,
+gathers) then involve its own processes only (parallel.side_processes, parallel.allgather), and neither runs a
+program of the other's devices: the device_put of each version is the one operation both call. The training side
+checkpoints with Orbax on its processes only (`active_processes`): host copies of the arrays with one training
+process, the global arrays with several; each training process writes its own data-iterator file.
 
 When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
 process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
 finished run, else ENDED_EARLY_EXIT), so all leave jax.distributed cleanly. Each rollout process renews a lease
-(`g2rl_sides/alive/P`, every run.lock_lease_seconds / 3); a trainer that sees no renewal of one for a whole lease
-stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's
+(`g2rl_sides/alive/P`, every run.lock_lease_seconds / 3); the first training process, seeing no renewal of one for a
+whole lease, stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's
 coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
 errors"). A rollout process that fails stops all with its error's line (halt.stop_everywhere; the trainer's
 halt.PeerWatch ends it). The key-value store lives in the trainer process, so a relaunch starts from a store
@@ -39,6 +46,7 @@ without the old keys.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import signal
@@ -54,7 +62,7 @@ from jax._src import distributed
 from g2rl_jax import parallel
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
-from g2rl_jax.train.ahead import Drawn, joined, lag_figures, restored, saved
+from g2rl_jax.train.ahead import Drawn, Rounds, block_of, lag_figures, restored, saved, whole_step
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.weight_sync import SideSync, shardings_on
 
@@ -192,8 +200,11 @@ class RemoteSampler:
         self.total = trainer.cfg.run.total_steps
         trainable = lora.trainable(trainer.params)
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
-        rollout = range(jax.process_count() - trainer.cfg.mesh.rollout_processes, jax.process_count())
-        self.lease = Lease(trainer.cfg.run.lock_lease_seconds).watch(list(rollout))
+        self.trainers = parallel.host_count()  # the training processes: each reads every step's samples
+        self.block = parallel.batch_block(trainer.mesh)  # (i, n): the rows of each step this process keeps
+        self.lease = Lease(trainer.cfg.run.lock_lease_seconds)
+        if jax.process_index() == 0:  # the training side's first process watches (its stop ends every process)
+            self.lease.watch(list(range(self.trainers, jax.process_count())))
         self._closed = False
         self._drawn: dict[int, Drawn] = {}  # samples restored from the checkpoint, or fetched, not yet taken
         self._before: dict[int, object] = {}  # step -> data-iterator position before its draw
@@ -205,13 +216,16 @@ class RemoteSampler:
 
     def _start(self, step: int) -> None:
         self._first = self._taken = step
-        _set("start", (step, self.loader.get_state(), sorted(self._drawn)))
+        if jax.process_index() == 0:  # the training processes hold the same position and samples
+            _set("start", (step, self.loader.get_state(), sorted(self._drawn)))
         self.publish(step, self.trainer.params)
 
     def publish(self, version: int, params) -> None:
-        """Announce version `version` and move it to the rollout process if it still draws with it."""
+        """Announce version `version` (the training side's first process) and move it to the rollout processes (all
+        of both sides) if the rollout still draws with it."""
         needed = _needed(version, self._first, self.k, self.total)
-        _set(f"version/{version}", (needed, self.trainer.warmup.prompts))
+        if jax.process_index() == 0:
+            _set(f"version/{version}", (needed, self.trainer.warmup.prompts))
         if needed:
             self.sync.push(lora.trainable(params))
 
@@ -219,23 +233,34 @@ class RemoteSampler:
         if step not in self._drawn:
             parts, blocks = [], 1
             while len(parts) < blocks:  # block 0 says how many blocks the rollout mesh drew the step in
-                sample, version, seconds, before, after, idle, blocks = _get(f"sample/{step}/{len(parts)}")
-                _client().key_value_delete(f"{PREFIX}/sample/{step}/{len(parts)}")  # the store holds each once
+                sample, version, seconds, before, after, idle, blocks = self._read(f"sample/{step}/{len(parts)}")
                 parts.append((sample, seconds, idle))
-            self._drawn[step] = Drawn(joined([p[0] for p in parts]), version, max(p[1] for p in parts))
+            whole = whole_step([p[0] for p in parts], self.trainer.cfg.rollout.num_samples)
+            self._drawn[step] = Drawn(whole, version, max(p[1] for p in parts))
             self._before[step], self._before[step + 1] = before, after  # every block's loader moves alike
             self._idle[step] = max(p[2] for p in parts)
         return self._drawn[step]
 
+    def _read(self, key: str):
+        """The value of `key` (a block of a step's samples), which every training process reads: the last of them
+        to read it deletes it (the store holds each once)."""
+        value = _get(key)
+        if _client().key_value_increment(f"{PREFIX}/read/{key}", 1) == self.trainers:
+            _client().key_value_delete(f"{PREFIX}/{key}")
+            _client().key_value_delete(f"{PREFIX}/read/{key}")
+        return value
+
     def take(self, step: int) -> tuple[tuple, dict[str, float]]:
-        """Step `step`'s samples and its lag and wait figures (as AheadSampler.take)."""
+        """This process's block of step `step`'s samples, and the step's lag and wait figures (as
+        AheadSampler.take)."""
         if self._first is None:
             self._start(step)
         t0 = time.perf_counter()
         drawn = self._fetch(step)
         del self._drawn[step]
         self._taken = step + 1
-        return lag_figures(step, drawn, time.perf_counter() - t0, self._idle.pop(step, 0.0))
+        mine = Drawn(block_of(drawn.sample, *self.block), drawn.version, drawn.seconds)
+        return lag_figures(step, mine, time.perf_counter() - t0, self._idle.pop(step, 0.0))
 
     def sync_figures(self) -> dict[str, float]:
         """The last push's seconds on the trainer (dispatch; the transfer itself overlaps) and bytes."""
@@ -296,8 +321,6 @@ class RolloutSide(SamplingRounds):
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward
         if cfg.reward.function:
-            import dataclasses
-
             self.reward_cfg = dataclasses.replace(cfg.reward, function=resolve_spec(cfg.reward.function))
         examples, _ = usable_examples(cfg, self.tokenizer)
         self.loader = make_prompt_loader(examples, batch_size=cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
@@ -318,6 +341,14 @@ class RolloutSide(SamplingRounds):
 
     def rollout_model(self):
         return nnx.merge(self.graphdef, self._current)
+
+    def _sample(self, step: int):
+        """This block's samples of step `step`; with dynamic sampling on a rollout mesh of several processes, the
+        rounds as the whole batch decides them (Rounds: the trainer picks the groups)."""
+        if not (self.cfg.algorithm.dynamic_sampling and self.blocks > 1):
+            return _host(super()._sample(step))
+        rounds, correct, seconds = self._rounds(step, 1)
+        return Rounds(_host(rounds), seconds, _host(correct))
 
     def run(self) -> int:
         """Draw every step from the trainer's start to run.total_steps; the exit code (see the module docstring)."""
@@ -357,7 +388,7 @@ class RolloutSide(SamplingRounds):
             self._current = versions[version]
             before = self.loader.get_state()
             t0 = time.perf_counter()
-            sample = _host(self._sample(step))  # this block's rows (the rollout mesh samples the batch together)
+            sample = self._sample(step)  # this block's rows (the rollout mesh samples the batch together)
             if self.sends:  # the first process of each block sends it
                 _set(f"sample/{step}/{self.block}", (sample, version, time.perf_counter() - t0, before,
                                                      self.loader.get_state(), idle, self.blocks))

@@ -162,10 +162,8 @@ class RunWarmup:
             picked, source, self.choice = (choice.shapes.name, choice.prompts), "model", choice
         index, mask = names.index(picked[0]), np.array([b in picked[1] for b in buckets])
         if parallel.host_count() > 1:  # process 0 decides, so every process runs the same programs
-            from jax.experimental import multihost_utils
-
-            index = int(multihost_utils.broadcast_one_to_all(np.int32(index)))
-            mask = np.asarray(multihost_utils.broadcast_one_to_all(mask))
+            index = int(parallel.broadcast_one_to_all(np.int32(index)))  # over this side's processes
+            mask = np.asarray(parallel.broadcast_one_to_all(mask))
         self.shapes, self.prompts = sets[names[index]], tuple(b for b, m in zip(buckets, mask) if m)
         self.source = source
         if self.choice is not None and (self.choice.shapes, self.choice.prompts) != (self.shapes, self.prompts):

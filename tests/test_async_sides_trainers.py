@@ -1,0 +1,183 @@
+"""Several processes on each side, the longer scenarios (opt-in: G2RL_SIDES_SLOW=1; the default suite runs the short
+two-training-process run of tests/test_async_sides_train.py). Processes on localhost joined by jax.distributed (CPU,
+gloo, JAX's socket transfers), one fake device each.
+
+- Two training processes (the training mesh, fsdp 2, over both: the params sharded over the two) and one rollout
+  process, stopped and resumed: SIGTERM to the first training process once step 1's checkpoint is committed stops all
+  three (the training side agrees on the stop and checkpoints with Orbax on both of its processes, the samples drawn
+  ahead with it), and a relaunch finishes the run: the metrics of the same run on one process with its three devices
+  split 2 + 1 (mesh.fsdp=2, mesh.rollout_devices=1).
+- One training process and two rollout processes with DAPO dynamic sampling (a reward with mixed groups): the
+  rollout mesh spans both rollout processes, the rounds go on as the whole batch decides, and the trainer picks the
+  groups from the joined rounds: the metrics of the one-process split run with dynamic sampling.
+
+Costs: three three-process launches and two one-process runs of the tiny model (each mostly its first step's
+compiles); about 4 minutes on the 2-core machine under load. Run with
+`G2RL_SIDES_SLOW=1 python -m pytest -q -n 0 tests/test_async_sides_trainers.py`.
+
+Also here, without a launch: a training process's block of a step's samples, and dynamic sampling's rounds joined.
+"""
+import dataclasses
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from test_async import DETERMINISTIC, LAG, _same
+from test_async_sides_train import HANG_S, K1, ONE, _committed
+from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
+
+from g2rl_jax import localhost
+from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
+from g2rl_jax.train.metrics import read_metrics
+
+from _helpers import process_env, run_processes, trainer_args
+
+slow = pytest.mark.skipif(os.environ.get("G2RL_SIDES_SLOW") != "1",
+                          reason="opt-in (about 4 minutes): G2RL_SIDES_SLOW=1 runs it")
+STEPS = 4
+TRAINING = ("mesh.fsdp=2",)  # after ONE's mesh.fsdp=1: a training mesh of two devices, the params sharded
+
+
+def _sides_cmd(assets, out):  # noqa: F811
+    return lambda i, port: _cmd(assets, out, STEPS, [*ONE, *TRAINING, *K1, "mesh.rollout_processes=1",
+                                                     *trainer_args(i, port, 3, transfers=True)])
+
+
+@pytest.fixture(scope="module")
+def split(assets, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("sides_trainers_split") / "run"
+    run_processes(lambda i, port: _cmd(assets, out, STEPS, [*ONE, *TRAINING, *K1, "mesh.rollout_devices=1"]),
+                  timeout=HANG_S, processes=1, devices=3)
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def resumed(assets, tmp_path_factory):  # noqa: F811
+    """SIGTERM to training process 0 once step 1's checkpoint is committed, then a relaunch of all three."""
+    out = tmp_path_factory.mktemp("sides_trainers") / "run"
+    with localhost.Processes(_sides_cmd(assets, out), processes=3, devices=1, env=process_env(1)) as procs:
+        t0 = time.monotonic()
+        while not _committed(out, 1):
+            codes = [p.poll() for p in procs.procs]
+            assert codes == [None] * 3 and time.monotonic() - t0 < HANG_S, (codes, procs.log(0)[-3000:])
+            time.sleep(0.005)
+        procs.procs[0].send_signal(signal.SIGTERM)
+        codes = procs.wait(HANG_S)
+        logs = [procs.log(i) for i in range(3)]
+    stopped = [r["step"] for r in read_metrics(out)]
+    run_processes(_sides_cmd(assets, out), timeout=HANG_S, processes=3, devices=1)
+    return {"codes": codes, "logs": logs, "stopped": stopped, "records": read_metrics(out)}
+
+
+@slow
+def test_two_training_processes_stop_together_with_a_checkpoint(resumed):
+    codes, logs = resumed["codes"], resumed["logs"]
+    assert codes[:2] == [PREEMPTED_EXIT] * 2, [log[-3000:] for log in logs]
+    assert "stopped by SIGTERM after step" in logs[0] and "stopped by SIGTERM after step" in logs[1], logs[1][-3000:]
+    # the rollout process ends with the trainer, or has drawn every step (k = 1: the last with version 2) before
+    assert codes[2] == PREEMPTED_EXIT and "the trainer ended after step" in logs[2] or codes[2] == 0, logs[2][-3000:]
+    assert 1 <= len(resumed["stopped"]) < STEPS, resumed["stopped"]  # the relaunch resumed midway
+
+
+@slow
+def test_two_training_processes_resumed_equal_the_one_process_split(resumed, split):
+    """Each training process keeps its block of every step's rows; the run, stopped and resumed, gives the
+    metrics of the one-process split run."""
+    got = resumed["records"]
+    assert [r["policy_version"] for r in got] == [0.0, *range(STEPS - 1)]
+    assert all(r["weight_sync_bytes"] > 0 for r in got)
+    _same(got, split)
+
+
+EVEN_LENGTH_REWARD = """
+def reward(response, example):
+    # correct iff the response has even length: mixed outcomes on a random policy, deterministic
+    return 1.0 if len(response) % 2 == 0 else -1.0
+"""
+DYNAMIC = ("algorithm.filter_equal_groups=true", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
+           "reward.truncated=keep", "rollout.num_samples=2")  # two samples: half the groups mixed, rounds > 1
+
+
+@pytest.fixture(scope="module")
+def dynamic(assets, tmp_path_factory):  # noqa: F811
+    """One training process and two rollout processes with dynamic sampling, and the same run on one process."""
+    root = tmp_path_factory.mktemp("sides_dynamic")
+    (root / "even_length.py").write_text(EVEN_LENGTH_REWARD)
+    extra = (*ONE, *K1, *DYNAMIC, f"reward.function={root / 'even_length.py'}:reward")
+    run_processes(lambda i, port: _cmd(assets, root / "sides", STEPS, [*extra, "mesh.rollout_processes=2",
+                                                                       *trainer_args(i, port, 3, transfers=True)]),
+                  timeout=HANG_S, processes=3, devices=1)
+    run_processes(lambda i, port: _cmd(assets, root / "split", STEPS, [*extra, "mesh.rollout_devices=1"]),
+                  timeout=HANG_S, processes=1, devices=2)
+    return read_metrics(root / "sides"), read_metrics(root / "split")
+
+
+@slow
+def test_two_rollout_processes_with_dynamic_sampling_equal_the_one_process_split(dynamic):
+    got, want = dynamic
+    assert any(r["sampling_rounds"] > 1 for r in want) and any(r["single_class_fraction"] < 1 for r in want), (
+        "every step took one round, or no mixed group: a weak test")
+    assert [r["sampling_rounds"] for r in got] == [r["sampling_rounds"] for r in want]
+    _same(got, want, keys=(*DETERMINISTIC, *LAG, "sampled_accuracy", "single_class_fraction"))
+
+
+def _step(rng, prompts: int, m: int, correct_rate: float = 0.5):
+    """A whole step's samples of `prompts` groups of `m` (SamplingRounds._sample's tuple), random."""
+    from g2rl_jax.rewards.scoring import RewardResult
+    from g2rl_jax.rollout.generate import _assemble
+
+    b = prompts * m
+    lengths_B = rng.integers(1, 6, b)
+    rollout = _assemble(m, rng.integers(1, 50, (b, 4)), rng.integers(0, 2, (b, 4)).astype(bool),
+                        rng.integers(1, 50, (b, 8)), rng.normal(size=(b, 8)).astype(np.float32), lengths_B,
+                        rng.integers(0, 2, b).astype(bool), decode_steps=int(lengths_B.max()))
+    scored = RewardResult(rewards=rng.normal(size=b), correct=rng.random(b) < correct_rate,
+                          in_loss=np.ones(b, bool), truncated=np.zeros(b, bool))
+    return ([f"prompt {i} {rng.integers(1000)}" for i in range(prompts)], rollout,
+            [f"text {i} {rng.integers(1000)}" for i in range(b)], scored, 1.0, [scored.correct])
+
+
+def _equal(got, want):
+    assert got[0] == want[0] and got[2] == want[2]
+    for a_, b_ in ((got[1], want[1]), (got[3], want[3])):
+        for f in dataclasses.fields(b_):
+            a, b = getattr(a_, f.name), getattr(b_, f.name)
+            if isinstance(b, list):
+                assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)), f.name
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f.name)
+
+
+def test_a_training_block_is_its_rows_of_the_joined_step():
+    from g2rl_jax.train.ahead import block_of, joined
+
+    whole = _step(np.random.default_rng(0), prompts=4, m=2)
+    assert block_of(whole, 0, 1) is whole
+    halves = [block_of(whole, i, 2) for i in range(2)]
+    assert len(halves[0][0]) == 2 and len(halves[1][2]) == 4 and halves[1][1].prompt_ids_BxS.shape[0] == 4
+    _equal(joined(halves), whole)  # the inverse of joining the rollout blocks
+    quarters = [block_of(whole, i, 4) for i in range(4)]
+    _equal(joined(quarters), whole)
+    assert all(q[5] is whole[5] and q[1].decode_steps == whole[1].decode_steps for q in quarters)
+
+
+def test_dynamic_sampling_rounds_joined_pick_over_the_whole_batch():
+    """Each rollout block sends every round's rows (Rounds); the joined rounds give the groups one process holding
+    every row would pick (sampling_rounds.picked with one block), not each block's own pick."""
+    from g2rl_jax.train.ahead import Rounds, block_of, whole_step
+    from g2rl_jax.train.sampling_rounds import picked
+
+    rng, m = np.random.default_rng(1), 2
+    rounds = [_step(rng, prompts=4, m=m) for _ in range(3)]
+    # round 0: mixed groups only in the first block's rows, so a pick per block would differ from the whole's
+    rounds[0][3].correct[:] = [True, False, False, True, True, True, False, False]
+    correct = [r[3].correct.copy() for r in rounds]
+    sent = [Rounds([block_of(r, i, 2)[:4] for r in rounds], float(i + 1), correct) for i in range(2)]
+    got = whole_step(sent, m)
+    want = picked([r[:4] for r in rounds], correct, m, 1, 0)
+    _equal(got, want)
+    assert got[4] == 2.0 and got[5] is correct
+    per_block = [picked([block_of(r, i, 2)[:4] for r in rounds], correct, m, 2, i) for i in range(2)]
+    assert per_block[0][0] + per_block[1][0] != want[0]  # the test can tell the two apart
