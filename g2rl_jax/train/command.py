@@ -14,7 +14,8 @@ from g2rl_jax.train.checkpoint import CheckpointError, checkpoint_dir
 from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.setup import check_platforms
-from g2rl_jax.train.sides import run_rollout_process, told_if_failed
+from g2rl_jax.train.sides import run_rollout_process
+from g2rl_jax.train.sides_store import told_if_failed
 from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 
 

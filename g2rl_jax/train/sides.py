@@ -33,152 +33,28 @@ program of the other's devices: the device_put of each version is the one operat
 checkpoints with Orbax on its processes only (`active_processes`): host copies of the arrays with one training
 process, the global arrays with several; each training process writes its own data-iterator file.
 
-When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
-process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
-finished run, else ENDED_EARLY_EXIT), so all leave jax.distributed cleanly. Each rollout process renews a lease
-(`g2rl_sides/alive/P`, every run.lock_lease_seconds / 3); the first training process, seeing no renewal of one for a
-whole lease, stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's
-coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
-errors"). A rollout process that fails stops all with its error's line (halt.stop_everywhere; the trainer's
-halt.PeerWatch ends it). The key-value store lives in the trainer process, so a relaunch starts from a store
-without the old keys.
+When one side ends or dies: train/sides_store.py (the key-value store's keys, the trainer's stop, the rollout
+processes' leases, and the exit codes).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import pickle
 import signal
 import sys
-import threading
 import time
 
 import jax
 import numpy as np
 from flax import nnx
-from jax._src import distributed
 
 from g2rl_jax import parallel
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
+from g2rl_jax.train import sides_store as store
 from g2rl_jax.train.ahead import Drawn, Rounds, block_of, lag_figures, restored, saved, whole_step
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.weight_sync import SideSync, shardings_on
-
-PREFIX = "g2rl_sides"
-POLL_MS = 1000  # a wait for the other side's key, between looks at whether that side has ended
-PEER_LOST_EXIT = 76  # EX_PROTOCOL (sysexits.h): the other side's process is gone; relaunch both to resume
-ENDED_EARLY_EXIT = 1  # the rollout process, when the trainer ended before run.total_steps
-
-
-class TrainerEnded(Exception):
-    """The trainer set `g2rl_sides/stop` while the rollout process waited for it: (its last step, exit code)."""
-
-
-def _client():
-    return distributed.global_state.client
-
-
-def _set(key: str, value) -> None:
-    _client().key_value_set_bytes(f"{PREFIX}/{key}", pickle.dumps(value))
-
-
-def _try(key: str):
-    """The value of `key`, None while nobody has set it."""
-    try:
-        return pickle.loads(_client().key_value_try_get_bytes(f"{PREFIX}/{key}"))  # noqa: S301 - this run's own
-    except jax.errors.JaxRuntimeError as err:
-        if "NOT_FOUND" not in str(err):
-            raise
-        return None
-
-
-def _get(key: str, ended=lambda: None):
-    """The value of `key` once the other side has set it; TrainerEnded when `ended()` gives an exit code first (a
-    key set before the trainer ended is still taken)."""
-    while True:
-        try:
-            raw = _client().blocking_key_value_get_bytes(f"{PREFIX}/{key}", POLL_MS)
-            return pickle.loads(raw)  # noqa: S301 - this run's own processes
-        except jax.errors.JaxRuntimeError as err:
-            if "DEADLINE_EXCEEDED" not in str(err):
-                raise
-        code = ended()
-        if code is not None:
-            value = _try(key)  # set just before the stop
-            if value is None:
-                raise TrainerEnded(code)
-            return value
-
-
-def end_rollout(step: int, code: int) -> None:
-    """Tell the rollout process that the trainer ends after step `step` with exit code `code`: it ends too."""
-    _client().key_value_set_bytes(f"{PREFIX}/stop", pickle.dumps((step, code)), allow_overwrite=True)
-
-
-@contextlib.contextmanager
-def told_if_failed(mesh_cfg):
-    """Around the trainer's setup: with mesh.rollout_processes, a setup that fails tells the rollout process, which
-    would otherwise wait for the trainer's start."""
-    try:
-        yield
-    except BaseException:
-        if mesh_cfg.rollout_processes:
-            end_rollout(0, ENDED_EARLY_EXIT)
-        raise
-
-
-def _trainer_ended():
-    """(the trainer's last step, its exit code) once it has ended (it sets `stop`), else None."""
-    return _try("stop")
-
-
-class Lease:
-    """Each rollout process renews `g2rl_sides/alive/P` (P its process index) every `seconds` / 3 from a daemon
-    thread; the trainer's `watch` thread ends the run with one line when one of them has no renewal for `seconds`."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self._done = seconds, threading.Event()
-
-    def renew(self) -> Lease:
-        def renew_forever():
-            while not self._done.wait(self.seconds / 3):
-                try:
-                    _client().key_value_increment(key, 1)
-                except jax.errors.JaxRuntimeError:  # the trainer (and the store with it) is gone: JAX ends us
-                    return
-
-        key = f"{PREFIX}/alive/{jax.process_index()}"
-        _client().key_value_increment(key, 1)
-        threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
-        return self
-
-    def watch(self, rollout_processes: list[int]) -> Lease:
-        def watch_forever():
-            keys = [f"{PREFIX}/alive/{p}" for p in rollout_processes]
-            seen, since = dict.fromkeys(keys), dict.fromkeys(keys, time.monotonic())
-            while not self._done.wait(min(1.0, self.seconds / 9)):
-                try:
-                    now = {key: _client().key_value_increment(key, 0) for key in keys}
-                except jax.errors.JaxRuntimeError:  # jax.distributed is shutting down: nothing left to watch
-                    return
-                for key in keys:
-                    if now[key] != seen[key]:
-                        seen[key], since[key] = now[key], time.monotonic()
-                late = [key for key in keys if time.monotonic() - since[key] >= self.seconds]
-                if late and not self._done.is_set():
-                    process = late[0].rsplit("/", 1)[1]
-                    halt.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
-                                         f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
-                                         "hangs. The checkpoints committed stand: end it if it still runs, and "
-                                         "relaunch every process with the same command to resume", PEER_LOST_EXIT)
-
-        threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._done.set()
 
 
 def _needed(version: int, first: int, k: int, total: int) -> bool:
@@ -202,7 +78,7 @@ class RemoteSampler:
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
         self.trainers = parallel.host_count()  # the training processes: each reads every step's samples
         self.block = parallel.batch_block(trainer.mesh)  # (i, n): the rows of each step this process keeps
-        self.lease = Lease(trainer.cfg.run.lock_lease_seconds)
+        self.lease = store.Lease(trainer.cfg.run.lock_lease_seconds)
         if jax.process_index() == 0:  # the training side's first process watches (its stop ends every process)
             self.lease.watch(list(range(self.trainers, jax.process_count())))
         self._closed = False
@@ -217,7 +93,7 @@ class RemoteSampler:
     def _start(self, step: int) -> None:
         self._first = self._taken = step
         if jax.process_index() == 0:  # the training processes hold the same position and samples
-            _set("start", (step, self.loader.get_state(), sorted(self._drawn)))
+            store.put("start", (step, self.loader.get_state(), sorted(self._drawn)))
         self.publish(step, self.trainer.params)
 
     def publish(self, version: int, params) -> None:
@@ -225,7 +101,7 @@ class RemoteSampler:
         of both sides) if the rollout still draws with it."""
         needed = _needed(version, self._first, self.k, self.total)
         if jax.process_index() == 0:
-            _set(f"version/{version}", (needed, self.trainer.warmup.prompts))
+            store.put(f"version/{version}", (needed, self.trainer.warmup.prompts))
         if needed:
             self.sync.push(lora.trainable(params))
 
@@ -244,10 +120,10 @@ class RemoteSampler:
     def _read(self, key: str):
         """The value of `key` (a block of a step's samples), which every training process reads: the last of them
         to read it deletes it (the store holds each once)."""
-        value = _get(key)
-        if _client().key_value_increment(f"{PREFIX}/read/{key}", 1) == self.trainers:
-            _client().key_value_delete(f"{PREFIX}/{key}")
-            _client().key_value_delete(f"{PREFIX}/read/{key}")
+        value = store.get(key)
+        if store.client().key_value_increment(f"{store.PREFIX}/read/{key}", 1) == self.trainers:
+            store.client().key_value_delete(f"{store.PREFIX}/{key}")
+            store.client().key_value_delete(f"{store.PREFIX}/read/{key}")
         return value
 
     def take(self, step: int) -> tuple[tuple, dict[str, float]]:
@@ -275,8 +151,9 @@ class RemoteSampler:
         self.lease.stop()
         from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 
-        code = 0 if self.trainer.step >= self.total else PREEMPTED_EXIT if self.trainer.preempted else ENDED_EARLY_EXIT
-        end_rollout(self.trainer.step, code)
+        code = (0 if self.trainer.step >= self.total else PREEMPTED_EXIT if self.trainer.preempted
+                else store.ENDED_EARLY_EXIT)
+        store.end_rollout(self.trainer.step, code)
         if self._first is not None:
             self.sync.wait()
 
@@ -351,10 +228,11 @@ class RolloutSide(SamplingRounds):
         return Rounds(_host(rounds), seconds, _host(correct))
 
     def run(self) -> int:
-        """Draw every step from the trainer's start to run.total_steps; the exit code (see the module docstring)."""
+        """Draw every step from the trainer's start to run.total_steps; the exit code (train/sides_store.py says
+        which)."""
         try:
             self._draw_all()
-        except TrainerEnded as ended:
+        except store.TrainerEnded as ended:
             step, code = ended.args[0]
             print(f"the trainer ended after step {step} of {self.cfg.run.total_steps} (its log says why): this "
                   "rollout process ends too; relaunch both processes together", file=sys.stderr, flush=True)
@@ -363,7 +241,7 @@ class RolloutSide(SamplingRounds):
 
     def _draw_all(self) -> None:
         k, total = self.cfg.rollout.max_staleness, self.cfg.run.total_steps
-        first, position, pending = _get("start", _trainer_ended)
+        first, position, pending = store.get("start", store.trainer_ended)
         self.loader.set_state(position)
         floor = first if not pending else 0
         versions: dict[int, nnx.State] = {}
@@ -373,7 +251,7 @@ class RolloutSide(SamplingRounds):
             nonlocal arrived
             while arrived < version:
                 arrived += 1
-                needed, prompts = _get(f"version/{arrived}", _trainer_ended)
+                needed, prompts = store.get(f"version/{arrived}", store.trainer_ended)
                 if prompts is not None:
                     self.warmup.prompts = prompts
                 if needed:
@@ -390,7 +268,7 @@ class RolloutSide(SamplingRounds):
             t0 = time.perf_counter()
             sample = self._sample(step)  # this block's rows (the rollout mesh samples the batch together)
             if self.sends:  # the first process of each block sends it
-                _set(f"sample/{step}/{self.block}", (sample, version, time.perf_counter() - t0, before,
+                store.put(f"sample/{step}/{self.block}", (sample, version, time.perf_counter() - t0, before,
                                                      self.loader.get_state(), idle, self.blocks))
             for v in [v for v in versions if v < max(floor, step + 1 - k)]:
                 del versions[v]
@@ -406,7 +284,7 @@ def run_rollout_process(cfg) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM: the rollout process goes on until the trainer ends",
                                                   file=sys.stderr, flush=True))
-    lease = Lease(cfg.run.lock_lease_seconds).renew()
+    lease = store.Lease(cfg.run.lock_lease_seconds).renew()
     try:
         with halt.PeerWatch():  # the trainer's halt.stop_everywhere (a lost run lock, a storage failure) ends it too
             return RolloutSide(resolve_model_paths(cfg)).run()
@@ -415,7 +293,7 @@ def run_rollout_process(cfg) -> int:
             # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
             print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
                   "process ends; relaunch both processes together", file=sys.stderr, flush=True)
-            os._exit(PEER_LOST_EXIT)
+            os._exit(store.PEER_LOST_EXIT)
         traceback.print_exc()
         halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)
     finally:
