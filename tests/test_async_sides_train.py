@@ -11,10 +11,11 @@ SIGTERM to the trainer (both processes stop, the trainer with a checkpoint of it
 lease), each followed by a relaunch of both; the finished run's metrics equal the uninterrupted run's, every field
 but the timings and the compile counts.
 
-The trainer as two training processes and one rollout process (the training mesh, fsdp 2, over the two): four
-one-step-off steps give the metrics of the one-process split run's first four.
+Each side as two processes, two training processes (the training mesh, fsdp 2, over the two) and two rollout
+processes (the rollout mesh, data 2, over the two): four one-step-off steps give the metrics of the one-process
+split run's first four.
 
-Costs: 6 two-process launches, 2 three-process launches and 2 one-process runs of the tiny model (each mostly its
+Costs: 6 two-process launches, 1 four-process launch and 2 one-process runs of the tiny model (each mostly its
 first step's compiles), and a two-process launch refused at once.
 """
 import pathlib
@@ -33,7 +34,7 @@ from g2rl_jax.train.sides_store import PEER_LOST_EXIT
 
 from _helpers import process_env, run_processes, trainer_args
 
-SHORT = 4  # the three-process run: steps enough for the lag's steady state
+SHORT = 4  # the four-process run: steps enough for the lag's steady state
 STEPS = 10  # steps after the first take milliseconds: enough of them that each stop below lands mid-run
 HANG_S = 600  # a hang guard only
 LEASE_S = 9  # run.lock_lease_seconds (its smallest): a trainer hears of a dead rollout process within it
@@ -112,39 +113,23 @@ def test_one_process_per_side_one_step_off_equals_the_one_process_split(runs):
 
 
 @pytest.fixture(scope="module")
-def two_rollout_processes(assets, tmp_path_factory):  # noqa: F811
-    """A short one-step-off run on three processes: one trainer, and a rollout mesh (data 2) over two processes."""
-    out = tmp_path_factory.mktemp("async_sides_two_rollout") / "run"
-    logs = run_processes(_sides_cmd(assets, out, K1, rollout_processes=2, steps=SHORT), timeout=HANG_S,
-                         processes=3, devices=1)
-    return read_metrics(out), logs
-
-
-def test_two_rollout_processes_equal_the_one_process_split(runs, two_rollout_processes):
-    """Each rollout process samples its block of the step's prompts in one generate over the mesh of both; the
-    trainer joins the blocks: the metrics of the one-process split run's first steps."""
-    got, _ = two_rollout_processes
-    assert [r["policy_version"] for r in got] == [0.0, *range(SHORT - 1)]
-    assert all(r["weight_sync_bytes"] > 0 for r in got)
-    _same(got, runs["split_k1"][:SHORT])
-
-
-@pytest.fixture(scope="module")
-def two_training_processes(assets, tmp_path_factory):  # noqa: F811
-    """A short one-step-off run on three processes: two training processes (the training mesh, fsdp 2, over both:
-    each holds half of every sharded parameter, and its block of the rows) and one rollout process."""
-    out = tmp_path_factory.mktemp("async_sides_two_training") / "run"
-    run_processes(_sides_cmd(assets, out, (*K1, "mesh.fsdp=2"), rollout_processes=1, steps=SHORT, processes=3),
-                  timeout=HANG_S, processes=3, devices=1)
+def two_processes_per_side(assets, tmp_path_factory):  # noqa: F811
+    """A short one-step-off run on four processes: two training processes (the training mesh, fsdp 2, over both:
+    each holds half of every sharded parameter, and its block of the rows) and two rollout processes (the rollout
+    mesh, data 2, over both)."""
+    out = tmp_path_factory.mktemp("async_sides_two_per_side") / "run"
+    run_processes(_sides_cmd(assets, out, (*K1, "mesh.fsdp=2"), rollout_processes=2, steps=SHORT, processes=4),
+                  timeout=HANG_S, processes=4, devices=1)
     return read_metrics(out)
 
 
-def test_two_training_processes_equal_the_one_process_split(runs, two_training_processes):
-    """Each training process reads every step's samples and keeps its block of the rows (the batch split over the
-    training mesh's fsdp axis); the host collectives of the trainer span the two, and the weight sync all-gathers
-    the sharded params first: the metrics of the one-process split run's first steps (one training device there:
-    the same figures up to the order of the sums)."""
-    got = two_training_processes
+def test_two_processes_per_side_equal_the_one_process_split(runs, two_processes_per_side):
+    """Each rollout process samples its block of the step's prompts in one generate over the mesh of both; every
+    training process reads the joined blocks and keeps its block of the rows (the batch split over the training
+    mesh's fsdp axis); each side's host collectives span its two processes, and the weight sync all-gathers the
+    sharded params first: the metrics of the one-process split run's first steps (one training device there: the
+    same figures up to the order of the sums)."""
+    got = two_processes_per_side
     assert [r["policy_version"] for r in got] == [0.0, *range(SHORT - 1)]
     assert all(r["weight_sync_bytes"] > 0 for r in got)
     _same(got, runs["split_k1"][:SHORT])
