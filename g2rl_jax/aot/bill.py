@@ -11,8 +11,8 @@ rollouts' programs (`rollout_keys`: per prompt bucket the prefill and first toke
 bucket x capacity of the ladder from rollout.first_capacity, and the moves between them: a growth at each bucket
 and capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks
 and lengths; with run.eval_every validation's rollout too, each key once); the passes' (the score, reference and
-gradient programs at each micro-batch shape of each prompt bucket with the moves of a micro-batch's rows in and
-its results out, or with algorithm.packing a program per packed shape once, `packed_counts`); once per run the
+gradient programs at each micro-batch shape of each prompt bucket, each moving its micro-batch's rows in and its
+results out itself, or with algorithm.packing a program per packed shape once, `packed_counts`); once per run the
 optimizer's init and step, the advantages and the method's own (`method_counts`); and the small ones by rule
 (`small_counts`). The micro-batch shapes and the prompt buckets (at most data.prompt_buckets) are those the trainer
 chooses on the target's device kind (train/shapes.choose_for: its price model, not the compile seconds measured
@@ -55,12 +55,11 @@ def rollout_counts(buckets: tuple[int, ...], capacities: tuple[int, ...]) -> dic
 
 
 def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
-    """Programs of one prompt bucket's micro-batch shapes by kind; the small moves (priced as cache growths): a
-    micro-batch's rows in (the step's batch, a mini-batch) and the score passes' results out (per-token parts at
-    each shape, the reference pass's sharing the score's; per-row parts at each row count, shared by the shapes of
-    that many rows: train/warmup.py's _put)."""
-    n, row_counts = len(shapes.shapes), len({rows for rows, _ in shapes.shapes})
-    return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 1) + row_counts}
+    """Programs of one prompt bucket's micro-batch shapes by kind: the score, reference and gradient programs at
+    each shape, each taking its micro-batch's rows from the whole batch and (score, reference) putting its results
+    into the step's arrays itself, so no program moves rows in or out."""
+    n = len(shapes.shapes)
+    return {"score": n, "reference": n * kl, "gradient": n}
 
 
 def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> dict[str, int]:
@@ -79,13 +78,13 @@ def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> 
 def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> dict[str, int]:
     """Programs of the method's own (once per run): the EVOL embedder (Method.needs "embeddings"); for a token rule
     (Clip-Cov, KL-Cov, forking: methods.token_terms), the rule over a mini-batch and, when a step has more than one
-    update, the moves of the current policy's log-probs and entropies into the mini-batch's [X, T] arrays, one per
-    micro-batch shape (none when a mini-batch is the whole step: the score pass's moves are the same programs)."""
+    update, the current policy's score programs over a mini-batch's rows, one per micro-batch shape (none when a
+    mini-batch is the whole step: the score pass's programs are the same)."""
     algo = cfg.algorithm
     method = methods.get(algo.exploration)
     counts = {"embed": int("embeddings" in method.needs), "token_terms": int(method.tokens is not None)}
     if method.tokens is not None and algo.mini_batch_size != step_rows and not algo.packing:
-        counts["regroup"] = len(shapes.shapes)
+        counts["score"] = len(shapes.shapes)
     return counts
 
 

@@ -86,6 +86,7 @@ class RunWarmup:
         self.source: str | None = None  # where the set came from: "recorded", "pinned", "model"
         self.timings: list[Timing] = []
         self._done: set[tuple] = set()
+        self._step_rows: int | None = None  # the step's batch rows, which the score programs were compiled for
 
     @classmethod
     def for_run(cls, cfg, model, mesh, run_dir, prompt_lengths) -> "RunWarmup":
@@ -210,6 +211,7 @@ class RunWarmup:
                 continue
             self._done.add(("score", prompt_len))
             like = batch if prompt_len == own else batch_like(prompt_len)
+            self._step_rows = like.response_mask.shape[0]
             passes = [(train_step.score_micro, graphdef, params, packed_accumulators(like, hidden))]
             if reference is not None:
                 passes.append((train_step.ref_micro, *reference, packed_accumulators(like, hidden)[0]))
@@ -252,6 +254,14 @@ class RunWarmup:
                                chunk=settings.chunk)
         return acc
 
+    def _current_scores(self, graphdef, params, batch: train_step.Batch, settings: train_update.LossSettings):
+        """The score programs over a mini-batch's rows at every shape (a token rule's current-policy pass,
+        update.current_scores), for mini-batches smaller than the step."""
+        outs = packed_accumulators(batch, train_step.hidden_size(graphdef, params))
+        self._compile_outs([(functools.partial(train_step.score_micro.lower, graphdef, params, batch,
+                                               np.arange(r, dtype=np.int32), width=w, temperature=settings.temperature,
+                                               chunk=settings.chunk), outs) for r, w in self.shapes.shapes])
+
     def update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings,
                mini_like: Callable[[int], train_step.MiniBatch], opt_state=None, optimizer=None) -> None:
         """The gradient program at every shape of the set and every prompt bucket (over mini-batches like `mini`;
@@ -275,6 +285,8 @@ class RunWarmup:
             self._done.add(("update", prompt_len))
             like = mini if prompt_len == mini.batch.prompt_len else mini_like(prompt_len)
             rows = like.batch.response_mask.shape[0]
+            if methods.get(self.cfg.algorithm.exploration).tokens is not None and rows != self._step_rows:
+                self._current_scores(graphdef, params, like.batch, settings)
             for r, w in self.shapes.shapes:
                 rows_X = np.arange(r, dtype=np.int32)
                 if acc is None:  # the same for every shape
