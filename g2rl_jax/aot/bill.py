@@ -304,21 +304,22 @@ def rollout_programs(cfg: Config, model, shards: int, prompt_buckets: tuple[int,
 
 def small_counts(cfg: Config, step_rows: int, param_shapes: int) -> dict[str, int]:
     """The small programs a run compiles besides its set, by rule (the demo's, counted by a jax.monitoring listener,
-    tests/test_program_count.py): set-up (the optimizer's count, the run's key and its placement, the KL reference's
-    copy), the first rollout's scalars (its key, temperature, prompt count), the round's seed, the batch's two
-    dtype conversions, the score pass's zeros (a scalar and one per output width), the rows kept (placement and
-    mask), the update key (fold_in), the mini-batch row slices (one per dtype x shape of its fields, when a step has
-    more than one), the step's and a mini-batch's response-token sums, the gradient accumulator's zeros (one per
-    trainable shape, one more with a token rule's statistics), the learning rate, and the step's metrics (token sums,
-    two row-mean trees, the masked sums of a novelty method, the log-prob drift); with packed passes and a token rule
-    over mini-batches, the zeros of the mini-batch score pass's per-token accumulators."""
+    tests/test_program_count.py): the KL reference's copy, two scalar conversions of the set-up, the round's seed,
+    the mask of the rows kept, the update key (fold_in), the mini-batch row slices (one program for every field and
+    every mini-batch, when a step has more than one), the step's response-token sum (and with packed passes a
+    mini-batch's), the gradient accumulator's zeros (one program for the whole tree), the learning rate, the step's
+    metrics (token sums, two row-mean trees, the masked sums of a novelty method, the log-prob drift) and, for a
+    token rule, the token fields' zeros, the behaviour entropies' slice and a conversion. The keys, the batch's
+    arrays, the rollout's scalars and the score passes' zeros are made on the host: no program. param_shapes
+    (distinct trainable shapes) does not count: the accumulator's zeros are one program whatever the parameters."""
+    del param_shapes
     algo = cfg.algorithm
     method = methods.get(algo.exploration)
     kl_copy = int(algo.kl_coef > 0 and not cfg.model.lora.rank)
     minis = int(algo.mini_batch_size != step_rows)
     rule = int(method.tokens is not None)
-    return {"small": (kl_copy + 3 + 4 + 1 + 2 + 3 + 2 + 2 + 4 * minis + 2 + param_shapes + rule + 1 + 1 + 2
-                      + int(method.novelty) + 1 + rule * minis * int(algo.packing))}
+    return {"small": (kl_copy + 2 + 1 + 1 + 1 + minis + 1 + int(algo.packing) + 1 + 1
+                      + 1 + 2 + int(method.novelty) + 1 + 3 * rule)}
 
 
 def program_counts(cfg: Config, model, shards: int, choice: shapes_lib.Choice, eval_prompt_len: int,

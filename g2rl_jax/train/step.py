@@ -87,8 +87,18 @@ class MiniBatch:
     abs_log_ratio_coef_BxT: jax.Array | None = None
 
     def rows(self, rows: slice) -> MiniBatch:
-        """The mini-batch of rows `rows` (a slice of every array's leading axis)."""
-        return jax.tree.map(lambda x: x[rows], self)
+        """The mini-batch of rows `rows` (a contiguous slice of every array's leading axis), cut by one program for
+        the whole tree, the same for every start."""
+        start, stop, step = rows.indices(self.advantages_B.shape[0])
+        if step != 1:
+            raise ValueError(f"MiniBatch.rows takes a contiguous slice, got step {step}")
+        return _row_slice(self, np.int32(start), size=stop - start)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _row_slice(tree, start, *, size: int):
+    """Rows [start, start + size) of every array of `tree` (start traced: one program for every mini-batch)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=0), tree)
 
 
 def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_mask_BxT, rewards_B, correct_B,
@@ -102,12 +112,13 @@ def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_
             raise StageError(f"build_batch: {name} has shape {np.shape(x)}, expected {b} rows like prompt_ids")
     if b % group_size:
         raise StageError(f"build_batch: {b} responses is not a multiple of the group size {group_size}")
+    host = lambda x, dtype: jax.device_put(np.asarray(x).astype(dtype))  # noqa: E731 - cast and placed: no program
     return Batch(
-        input_ids=jnp.asarray(np.concatenate([prompt_ids_BxS, completion_ids_BxT], axis=1), jnp.int32),
-        attention_mask=jnp.asarray(np.concatenate([prompt_mask_BxS, completion_mask_BxT], axis=1), jnp.int32),
-        response_mask=jnp.asarray(completion_mask_BxT, jnp.float32),
-        rewards=jnp.asarray(rewards_B, jnp.float32),
-        correct=jnp.asarray(correct_B, bool),
+        input_ids=host(np.concatenate([prompt_ids_BxS, completion_ids_BxT], axis=1), np.int32),
+        attention_mask=host(np.concatenate([prompt_mask_BxS, completion_mask_BxT], axis=1), np.int32),
+        response_mask=host(completion_mask_BxT, np.float32),
+        rewards=host(rewards_B, np.float32),
+        correct=host(correct_B, bool),
         group_size=group_size,
     )
 

@@ -164,11 +164,20 @@ def zero_accumulator(loss_fn, graphdef, params, data: tuple, settings: LossSetti
     return jax.tree.unflatten(tree, _zeros_program(tuple(leaves))())
 
 
-@functools.lru_cache(maxsize=None)
+_ZEROS: dict = {}
+
+
 def _zeros_program(specs: tuple[jax.ShapeDtypeStruct, ...]):
-    """One jitted program that makes zeros of every spec (shape, dtype, placement): one program, not one a shape."""
-    return jax.jit(lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in specs),
-                   out_shardings=tuple(x.sharding for x in specs))
+    """One jitted program that makes zeros of every spec (shape, dtype, placement): one program, not one a shape;
+    the same program for placements that are equivalent however they are spelled (a mesh's P() and P(None, None))."""
+    programs = _ZEROS.setdefault(tuple((x.shape, str(x.dtype)) for x in specs), [])
+    for have, program in programs:
+        if all(a.sharding.is_equivalent_to(b.sharding, len(a.shape)) for a, b in zip(have, specs)):
+            return program
+    program = jax.jit(lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in specs),
+                      out_shardings=tuple(x.sharding for x in specs))
+    programs.append((specs, program))
+    return program
 
 
 def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False,
