@@ -66,10 +66,10 @@ def unpacked_pass(graphdef, params, batch, old_logp_BxT=None) -> dict:
     """Today's computation: one pass over the whole padded batch, autodiff of the whole mini-batch's loss (old
     log-probs: those of this pass unless given)."""
     m = nnx.merge(graphdef, params)
-    h, y = train_step._response_hidden(m, batch)
+    h, y = train_step.response_hidden(m, batch)
     logp, ent, phi = jax.jit(lambda h, y, w, mask: g2rl.token_stats(h, w, y, mask, temperature=0.9))(
-        h, y, train_step._head(m, h), batch.response_mask)
-    ref = g2rl.token_logprobs(h, train_step._head(m, h), y, temperature=0.9)
+        h, y, train_step.head(m, h), batch.response_mask)
+    ref = g2rl.token_logprobs(h, train_step.head(m, h), y, temperature=0.9)
     mini = _mini(batch, logp if old_logp_BxT is None else jnp.asarray(old_logp_BxT))
     grads = {}
     for agg in AGGS:
@@ -186,7 +186,7 @@ def test_score_and_reference_equal_one_unpacked_pass(model, unpacked, micro):
 def test_loss_and_gradients_equal_one_unpacked_pass(model, unpacked, agg, micro):
     graphdef, params = model
     (loss0, diag0), grads0 = unpacked["grads"][agg]
-    assert len({len(r) for r in train_step._plan(unpacked["batch"], micro, "update").rows}) > 1  # uneven micro-batches
+    assert len({len(r) for r in train_step.plan(unpacked["batch"], micro, "update").rows}) > 1  # uneven micro-batches
     grads, loss, diag = train_update.gradients(graphdef, params, unpacked["mini"], settings=_settings(agg), micro=micro)
     assert abs(float(loss) / float(loss0) - 1) <= 1e-6, (float(loss), float(loss0))
     assert _rel(grads, grads0) <= 1e-6
@@ -220,7 +220,7 @@ def test_compiled_shapes_are_bounded_by_the_width_ladder(model):
     those come from the row counts x the width ladder."""
     graphdef, params = model
     settings = _settings("token-mean")
-    score_before = train_step._score_micro._cache_size()
+    score_before = train_step.score_micro._cache_size()
     grads_before = train_update.accumulate._cache_size()
     shapes = set()
     for seed in range(8):
@@ -232,5 +232,5 @@ def test_compiled_shapes_are_bounded_by_the_width_ladder(model):
     ladder = {min(micro_lib.width_bucket(n), T) for n in range(T + 1)}
     assert len(ladder) == 3  # 16, 32 and the full width 40
     assert shapes <= {(r, w) for r in micro_lib.row_counts(4) for w in ladder} and len(shapes) > 3
-    assert train_step._score_micro._cache_size() - score_before <= len(shapes)
+    assert train_step.score_micro._cache_size() - score_before <= len(shapes)
     assert train_update.accumulate._cache_size() - grads_before <= len(shapes)

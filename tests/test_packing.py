@@ -102,7 +102,7 @@ def test_packed_logprobs_equal_the_unpacked_pass(model):
     graphdef, params = nnx.split(model)
     batch = train_step.Batch(jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(resp), jnp.zeros(8), jnp.zeros(8, bool),
                              group_size=4)
-    (want_BxT,), () = train_step._ref_micro(graphdef, params, batch, temperature=0.7, chunk=8)
+    want_BxT = train_step.ref_stats(graphdef, params, batch, temperature=0.7, chunk=8)
     want_BxT = np.asarray(want_BxT) * resp
     for width, block in ((24, 0), (40, 8), (96, 16), (96, 0)):  # dense attention (0) or blocked
         plan = packing.pack(p_B, r_B, width)
@@ -168,7 +168,7 @@ def test_packed_score_and_reference_equal_the_unpacked_passes(split, shape):
     graphdef, params = split
     batch = _device_batch()
     resp = np.asarray(batch.response_mask)
-    (logp, ent), (phi,) = train_step._score_micro(graphdef, params, batch, temperature=0.7, chunk=8)
+    logp, ent, phi = train_step.score_stats(graphdef, params, batch, temperature=0.7, chunk=8)
     got = passes.score(graphdef, params, batch, temperature=0.7, micro=4, shapes=shape, chunk=8)
     assert len(passes.plan(batch, shape).micros) > 1 or shape.width == 40
     for name, want, have in (("logp", logp, got.logp_BxT), ("entropy", ent, got.entropy_BxT)):

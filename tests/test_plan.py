@@ -5,6 +5,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -174,8 +175,9 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
                          lora.trainable(params))
     diag = jax.eval_shape(lambda: train_update.policy_loss(params, graphdef, mb, settings)[1])
     loss = jax.ShapeDtypeStruct((), jnp.float32)
-    accumulate = train_update.accumulate.lower(graphdef, params, (grads, loss, diag), mb, jnp.float32(1.0),
-                                             settings=settings, total_rows=rows).compile()
+    accumulate = train_update.accumulate.lower(graphdef, params, (grads, loss, diag), mini,  # rows taken inside
+                                               np.arange(micro, dtype=np.int32), settings=settings, total_rows=rows,
+                                               width=t).compile()
     apply = train_update.apply_gradients.lower(params, opt_state, grads, loss, diag, optimizer=optimizer).compile()
 
     def used(compiled) -> int:

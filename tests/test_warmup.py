@@ -23,7 +23,7 @@ from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
 from g2rl_jax.train.warmup import CHOICE_FILE
 
-HEAVY = ("_score_micro", "_ref_micro", "accumulate")
+HEAVY = ("score_micro", "ref_micro", "accumulate")
 # 16 responses of up to 64 tokens in micro-batches of 8 or 4 rows; decode buckets 16, 8, 4
 SHAPES = {"data.prompts_per_step": 4, "rollout.max_new_tokens": 64, "algorithm.mini_batch_size": 8,
           "algorithm.micro_batch_size": 8, "run.checkpoint_every": 1, "run.strict_compiles": True}
@@ -156,7 +156,7 @@ def test_the_first_step_compiles_the_whole_set_on_the_pool(steps):
     in_pool = {fn: first[fn, True] for fn in HEAVY}
     assert in_pool == dict.fromkeys(HEAVY, 6), in_pool  # every shape of the set, once each
     assert first["apply_gradients", True] == 1 and first["_segment", True] >= 3
-    in_step = {fn: first[fn, False] for fn in (*HEAVY, "apply_gradients", "take_micro", "put_micro", "_segment",
+    in_step = {fn: first[fn, False] for fn in (*HEAVY, "apply_gradients", "_segment",
                                                "_regroup", "_live_rows", "_grow")}
     assert in_step == dict.fromkeys(in_step, 0), in_step  # the step's own calls compiled none of them again
     assert all(t.error is None for t in trainer.warmup.timings)

@@ -11,8 +11,8 @@ rollouts' programs (`rollout_keys`: per prompt bucket the prefill and first toke
 bucket x capacity of the ladder from rollout.first_capacity, and the moves between them: a growth at each bucket
 and capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks
 and lengths; with run.eval_every validation's rollout too, each key once); the passes' (the score, reference and
-gradient programs at each micro-batch shape of each prompt bucket with the moves of a micro-batch's rows in and
-its results out, or with algorithm.packing a program per packed shape once, `packed_counts`); once per run the
+gradient programs at each micro-batch shape of each prompt bucket, each moving its micro-batch's rows in and its
+results out itself, or with algorithm.packing a program per packed shape once, `packed_counts`); once per run the
 optimizer's init and step, the advantages and the method's own (`method_counts`); and the small ones by rule
 (`small_counts`). The micro-batch shapes and the prompt buckets (at most data.prompt_buckets) are those the trainer
 chooses on the target's device kind (train/shapes.choose_for: its price model, not the compile seconds measured
@@ -55,12 +55,11 @@ def rollout_counts(buckets: tuple[int, ...], capacities: tuple[int, ...]) -> dic
 
 
 def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
-    """Programs of one prompt bucket's micro-batch shapes by kind; the small moves (priced as cache growths): a
-    micro-batch's rows in (the step's batch, a mini-batch) and the score passes' results out (per-token parts at
-    each shape, the reference pass's sharing the score's; per-row parts at each row count, shared by the shapes of
-    that many rows: train/warmup.py's _put)."""
-    n, row_counts = len(shapes.shapes), len({rows for rows, _ in shapes.shapes})
-    return {"score": n, "reference": n * kl, "gradient": n, "regroup": n * (2 + 1) + row_counts}
+    """Programs of one prompt bucket's micro-batch shapes by kind: the score, reference and gradient programs at
+    each shape, each taking its micro-batch's rows from the whole batch and (score, reference) putting its results
+    into the step's arrays itself, so no program moves rows in or out."""
+    n = len(shapes.shapes)
+    return {"score": n, "reference": n * kl, "gradient": n}
 
 
 def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> dict[str, int]:
@@ -79,13 +78,13 @@ def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> 
 def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> dict[str, int]:
     """Programs of the method's own (once per run): the EVOL embedder (Method.needs "embeddings"); for a token rule
     (Clip-Cov, KL-Cov, forking: methods.token_terms), the rule over a mini-batch and, when a step has more than one
-    update, the moves of the current policy's log-probs and entropies into the mini-batch's [X, T] arrays, one per
-    micro-batch shape (none when a mini-batch is the whole step: the score pass's moves are the same programs)."""
+    update, the current policy's score programs over a mini-batch's rows, one per micro-batch shape (none when a
+    mini-batch is the whole step: the score pass's programs are the same)."""
     algo = cfg.algorithm
     method = methods.get(algo.exploration)
     counts = {"embed": int("embeddings" in method.needs), "token_terms": int(method.tokens is not None)}
     if method.tokens is not None and algo.mini_batch_size != step_rows and not algo.packing:
-        counts["regroup"] = len(shapes.shapes)
+        counts["score"] = len(shapes.shapes)
     return counts
 
 
@@ -305,21 +304,22 @@ def rollout_programs(cfg: Config, model, shards: int, prompt_buckets: tuple[int,
 
 def small_counts(cfg: Config, step_rows: int, param_shapes: int) -> dict[str, int]:
     """The small programs a run compiles besides its set, by rule (the demo's, counted by a jax.monitoring listener,
-    tests/test_program_count.py): set-up (the optimizer's count, the run's key and its placement, the KL reference's
-    copy), the first rollout's scalars (its key, temperature, prompt count), the round's seed, the batch's two
-    dtype conversions, the score pass's zeros (a scalar and one per output width), the rows kept (placement and
-    mask), the update key (fold_in), the mini-batch row slices (one per dtype x shape of its fields, when a step has
-    more than one), the step's and a mini-batch's response-token sums, the gradient accumulator's zeros (one per
-    trainable shape, one more with a token rule's statistics), the learning rate, and the step's metrics (token sums,
-    two row-mean trees, the masked sums of a novelty method, the log-prob drift); with packed passes and a token rule
-    over mini-batches, the zeros of the mini-batch score pass's per-token accumulators."""
+    tests/test_program_count.py): the KL reference's copy, two scalar conversions of the set-up, the round's seed,
+    the mask of the rows kept, the update key (fold_in), the mini-batch row slices (one program for every field and
+    every mini-batch, when a step has more than one), the step's response-token sum (and with packed passes a
+    mini-batch's), the gradient accumulator's zeros (one program for the whole tree), the learning rate, the step's
+    metrics (token sums, two row-mean trees, the masked sums of a novelty method, the log-prob drift) and, for a
+    token rule, the token fields' zeros, the behaviour entropies' slice and a conversion. The keys, the batch's
+    arrays, the rollout's scalars and the score passes' zeros are made on the host: no program. param_shapes
+    (distinct trainable shapes) does not count: the accumulator's zeros are one program whatever the parameters."""
+    del param_shapes
     algo = cfg.algorithm
     method = methods.get(algo.exploration)
     kl_copy = int(algo.kl_coef > 0 and not cfg.model.lora.rank)
     minis = int(algo.mini_batch_size != step_rows)
     rule = int(method.tokens is not None)
-    return {"small": (kl_copy + 3 + 4 + 1 + 2 + 3 + 2 + 2 + 4 * minis + 2 + param_shapes + rule + 1 + 1 + 2
-                      + int(method.novelty) + 1 + rule * minis * int(algo.packing))}
+    return {"small": (kl_copy + 2 + 1 + 1 + 1 + minis + 1 + int(algo.packing) + 1 + 1
+                      + 1 + 2 + int(method.novelty) + 1 + 3 * rule)}
 
 
 def program_counts(cfg: Config, model, shards: int, choice: shapes_lib.Choice, eval_prompt_len: int,

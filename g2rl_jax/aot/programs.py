@@ -308,8 +308,8 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
         shapes = [(x, w) for x in s.micro_rows for w in s.widths] if scope == "all" else [(s.micro_rows[0], T)]
         progs = _grouped_scores(cfg, a, s, graphdef, ref_graphdef, params, shapes, resident)
         update, acc = _grouped_gradients(cfg, a, s, graphdef, params, shapes, resident)
-    phi = jax.eval_shape(functools.partial(train_step._score_micro, graphdef, temperature=temp,
-                                           chunk=train_step.g2rl.DEFAULT_CHUNK), params, step_batch)[1][0]
+    phi = jax.eval_shape(functools.partial(train_step.score_stats, graphdef, temperature=temp,
+                                           chunk=train_step.g2rl.DEFAULT_CHUNK), params, step_batch)[2]
     phi = a.rows(phi.shape, phi.dtype)
     embeddings = valid = None
     method = methods.get(algo.exploration)
@@ -341,14 +341,20 @@ def _grouped_scores(cfg: Config, a: Abstract, s: StepShapes, graphdef, ref_graph
                     resident: int) -> list[Program]:
     """The length-grouped score and reference programs at each (rows, response width) of `shapes`."""
     temp = train_update.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature).temperature
+    T = s.new_tokens
+    batch = a.batch(s.step_rows, s.prompt_len, T, s.samples)
+    logp = a.rows((s.step_rows, T), jnp.float32)
+    phi = jax.eval_shape(functools.partial(train_step.score_stats, graphdef, temperature=temp,
+                                           chunk=train_step.g2rl.DEFAULT_CHUNK), params, batch)[2]
+    outs = {"score": (logp, logp, a.rows((s.step_rows, phi.shape[1]), phi.dtype)), "reference": logp}
     progs = []
-    for label, fn, gd in (("score", train_step._score_micro, graphdef), ("reference", train_step._ref_micro,
-                                                                         ref_graphdef)):
+    for label, fn, gd in (("score", train_step.score_micro, graphdef), ("reference", train_step.ref_micro,
+                                                                        ref_graphdef)):
         if label == "reference" and cfg.algorithm.kl_coef == 0:
             continue
         for rows, width in shapes:
-            lower = functools.partial(fn.lower, gd, params, a.batch(rows, s.prompt_len, width, s.samples),
-                                      temperature=temp, chunk=train_step.g2rl.DEFAULT_CHUNK)
+            lower = functools.partial(fn.lower, gd, params, batch, jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                      outs[label], temperature=temp, chunk=train_step.g2rl.DEFAULT_CHUNK, width=width)
             progs.append(Program(f"{label} {rows} rows x {width} tokens", label, "score", lower, resident,
                                  (rows, width)))
     return progs
@@ -367,8 +373,9 @@ def _grouped_gradients(cfg: Config, a: Abstract, s: StepShapes, graphdef, params
         mb = a.mini(rows, S, width, m, algo.rollout_is_cap is not None, terms)
         diag = jax.eval_shape(lambda p, b: train_update.policy_loss(p, graphdef, b, settings)[1], params, mb)
         acc = (grads, a.scalar(jnp.float32), {k: a.scalar(d.dtype, d.shape) for k, d in diag.items()})
-        lower = functools.partial(train_update.accumulate.lower, graphdef, params, acc, mb, a.scalar(jnp.float32),
-                                  settings=settings, total_rows=algo.mini_batch_size)
+        lower = functools.partial(train_update.accumulate.lower, graphdef, params, acc, mini,
+                                  jax.ShapeDtypeStruct((rows,), jnp.int32), settings=settings,
+                                  total_rows=algo.mini_batch_size, width=width)
         progs.append(Program(f"gradient {rows} rows x {width} tokens", "gradient", "update", lower,
                              resident + per_chip_bytes(mini), (rows, width)))
     return progs, acc

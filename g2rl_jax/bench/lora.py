@@ -103,8 +103,10 @@ class _Update:
         grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), lora.trainable(self.params))
         diag = jax.eval_shape(lambda: train_update.policy_loss(self.params, self.graphdef, mb, self.settings)[1])
         loss = jax.ShapeDtypeStruct((), jnp.float32)
-        acc = train_update.accumulate.lower(self.graphdef, self.params, (grads, loss, diag), mb, jnp.float32(1.0),
-                                          settings=self.settings, total_rows=self.mini.batch.rewards.shape[0])
+        acc = train_update.accumulate.lower(self.graphdef, self.params, (grads, loss, diag), self.mini,
+                                            np.arange(self.micro, dtype=np.int32), settings=self.settings,
+                                            total_rows=self.mini.batch.rewards.shape[0],
+                                            width=self.mini.batch.response_mask.shape[1])
         apply = train_update.apply_gradients.lower(self.params, self.opt_state, grads, loss, diag,
                                                  optimizer=self.optimizer)
 

@@ -9,8 +9,8 @@ process compiles, from before the set-up to the end; aot/bill.program_counts pri
 for the shape set and prompt buckets the run chose. --random-model: model.path is bench once's random demo-size Qwen3
 (long-tailed responses up to the budget). Printed: the run's wall seconds, the programs the listener counted and
 the seconds spent compiling, the programs per step (metrics.jsonl: step 1 holds the set-up and the warm-up), the
-bill by kind and by group (rollout segments, rollout moves, the rest of the rollout, the passes, the run's own and
-the small ones), and the listener's programs by jitted function. The choice of the shape set depends on
+bill by kind and by group (rollout segments, the rest of the rollout, the passes, the rollout's moves, the run's
+own and the small ones), and the listener's programs by jitted function. The choice of the shape set depends on
 run.total_steps (train/shapes.py weighs compile against the steps' compute), so count the run length you mean.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ GROUPS = {  # the bill's kinds (aot/bill.program_counts) by what they serve
     "rollout segments": ("segment",),
     "rollout, other": ("prefill", "start", "decode_layers"),
     "passes": ("score", "reference", "gradient"),
-    "moves (rollout and passes)": ("regroup",),
+    "rollout moves": ("regroup",),  # the passes move their micro-batches' rows inside their own programs
     "run's own and method's": ("init", "advantages", "apply", "embed", "token_terms"),
     "small (set-up, scalars, metrics)": ("small",),
 }

@@ -40,7 +40,6 @@ def measure(trainer, repeats: int):
 
     from g2rl_jax.compile_pool import compile_all
     from g2rl_jax.rollout.batching import new_tokens_bucket
-    from g2rl_jax.train import micro as micro_lib
     from g2rl_jax.train import step as train_step
     from g2rl_jax.train.setup import shard_rows
 
@@ -51,24 +50,26 @@ def measure(trainer, repeats: int):
     batch = shard_rows(train_step.build_batch(zeros(prompt_len), zeros(prompt_len) + 1, zeros(resp_len) + 1,
                                               zeros(resp_len) + 1, np.zeros(rows, np.float32), np.zeros(rows, bool),
                                               m), trainer.mesh)
-    micro, seq_len = cfg.algorithm.micro_batch_size, prompt_len + resp_len
-    mb = micro_lib.take_micro(batch, np.arange(micro, dtype=np.int32), width=resp_len, seq_len=seq_len,
-                              resp_len=resp_len)
-    kinds = {"score": (train_step._score_micro, trainer.graphdef, trainer.params)}
+    micro = cfg.algorithm.micro_batch_size
+    rows_X = np.arange(micro, dtype=np.int32)
+    outs = train_step.score_outs(batch, train_step.hidden_size(trainer.graphdef, trainer.params))
+    kinds = {"score": (train_step.score_micro, trainer.graphdef, trainer.params, outs)}
     if cfg.algorithm.kl_coef > 0:
-        kinds["reference"] = (train_step._ref_micro, *trainer._reference())
-    static = dict(temperature=trainer.settings.temperature, chunk=train_step.g2rl.DEFAULT_CHUNK)
-    timings = compile_all([functools.partial(fn.lower, gd, p, mb, **static) for fn, gd, p in kinds.values()], 1)
+        kinds["reference"] = (train_step.ref_micro, *trainer._reference(),
+                              train_step.zeros_rows(batch.rewards, batch.response_mask.shape))
+    static = dict(temperature=trainer.settings.temperature, chunk=train_step.g2rl.DEFAULT_CHUNK, width=resp_len)
+    timings = compile_all([functools.partial(fn.lower, gd, p, batch, rows_X, o, **static)
+                           for fn, gd, p, o in kinds.values()], 1)
     compile_s, run_s = {}, {}
-    for (kind, (fn, gd, p)), t in zip(kinds.items(), timings):
+    for (kind, (fn, gd, p, o)), t in zip(kinds.items(), timings):
         if t.error is not None:
             raise t.error
         compile_s[kind] = t.lower_s + t.compile_s
-        jax.block_until_ready(fn(gd, p, mb, **static))  # the first call loads the executable
+        o = jax.block_until_ready(fn(gd, p, batch, rows_X, o, **static))  # the first call loads the executable
         times = []
         for _ in range(max(repeats, 1)):
             start = time.perf_counter()
-            jax.block_until_ready(fn(gd, p, mb, **static))
+            o = jax.block_until_ready(fn(gd, p, batch, rows_X, o, **static))  # its outputs donated: fed back
             times.append(time.perf_counter() - start)
         run_s[kind] = statistics.median(times)
     return compile_s, run_s, batch

@@ -30,7 +30,7 @@ from jax.sharding import AxisType, Mesh
 
 from g2rl_jax import parallel
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
-from g2rl_jax.rollout import batching, engine, prewarm
+from g2rl_jax.rollout import batching, engine, prewarm, sampling
 from g2rl_jax.rollout.sampling import spec_for
 
 
@@ -178,15 +178,15 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     ladder = engine.capacity_ladder(sizes.new_tokens, first_capacity)
     logits_PxV, prefix, suffix = engine.prefill_fn(mesh, G, L)(
         graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, capacity=ladder[0])
-    key, temp, top_p, stops = (jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p),
+    key, temp, top_p, stops = (sampling.key(seed), np.float32(temperature), np.float32(top_p),
                                batching.stop_array(stop_token_ids))
-    ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, jnp.int32(num_real_prompts * num_samples),
+    ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, np.int32(num_real_prompts * num_samples),
                                num_samples=num_samples, new_tokens=sizes.new_tokens, spec=spec)
     layers = engine.decode_layers_fn(mesh)(graphdef, state)
     segment = engine.segment_fn(mesh, G, L)
     if compile_threads >= 1:
         prewarm.rollout(mesh, graphdef, state, layers, prefix, suffix, ds,
-                        (jnp.int32(1), jnp.int32(1), jnp.int32(1), key, temp, top_p, stops), spec, ladder,
+                        (np.int32(1), np.int32(1), np.int32(1), key, temp, top_p, stops), spec, ladder,
                         engine.batch_buckets(ds.last_X.shape[0], shards, max_new_tokens), num_samples,
                         compile_threads)
     if warm_only:
@@ -197,7 +197,7 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
         t_end, min_live = engine.segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
         segments.append((rows, ladder[level]))
         ds, suffix, t_dev, live_dev = segment(
-            graphdef, state, layers, prefix, suffix, ds, jnp.int32(t), jnp.int32(t_end), jnp.int32(min_live), key, temp,
+            graphdef, state, layers, prefix, suffix, ds, np.int32(t), np.int32(t_end), np.int32(min_live), key, temp,
             top_p, stops, spec=spec)
         t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
         step = engine.next_shape(rows, t, live, min_live, level, ladder, max_new_tokens, shards)

@@ -18,9 +18,23 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NEG_INF = -jnp.inf
 BLOCK = 1024  # two-stage sampling block (see `categorical`)
+
+
+def key_data(seed: int) -> np.ndarray:
+    """jax.random.key_data(jax.random.key(seed)) made on the host (threefry2x32: [0, seed] for 0 <= seed < 2^31):
+    the eager seeding compiles two programs, this none. Another PRNG implementation or seed: jax's own."""
+    if jax.config.jax_default_prng_impl == "threefry2x32" and 0 <= int(seed) < 2**31:
+        return np.array([0, int(seed)], np.uint32)
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+
+def key(seed: int) -> jax.Array:
+    """jax.random.key(seed), its data made on the host (`key_data`): no program."""
+    return jax.random.wrap_key_data(key_data(seed))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
-from g2rl_jax.rollout import Rollout, logprob_drift
+from g2rl_jax.rollout import Rollout, logprob_drift, sampling
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
 from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
@@ -194,7 +194,8 @@ class Trainer(SamplingRounds, UpdateRounds):
         self.opt_state = train_optim.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_update.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
         self.warmup = warmup.RunWarmup.for_run(cfg, model.config, self.mesh, self.run_dir, train_lengths)
-        self.rng_key_data = on_mesh(jax.random.key_data(jax.random.key(cfg.run.seed)), self.mesh)
+        self.rng_key_data = jax.device_put(sampling.key_data(cfg.run.seed),  # made on the host, replicated
+                                           jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         self.step = 0
         self._warmed_prompts: set[int] = set()  # prompt buckets whose rollout is compiled
         self.ckpt = Checkpointer(self.run_dir, every=cfg.run.checkpoint_every, keep=cfg.run.keep_checkpoints,

@@ -4,6 +4,7 @@ A step's rows are padded to the response width T of its longest completion. Proc
 width would spend most of the work on padding when lengths are long-tailed. Instead (verl's "dynamic batch size"):
 
     plan = plan_micro(response_mask_BxT, micro)   # host: rows sorted by response length, <= `micro` rows each
+    # inside one jitted program per shape (train/step.py's score_micro, train/update.py's accumulate):
     mb   = take_micro(batch, plan.rows[u], plan.widths[u])   # micro-batch u: its rows, responses cut to T_u
     ...  run the model on mb ([X_u, S + T_u]) ...
     out  = put_micro(out, rows, part_XxT_u)        # scatter its per-token results back into [B, T]
@@ -222,10 +223,10 @@ def _rows_like(x, like):
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(sharding.mesh, spec))
 
 
-@functools.partial(jax.jit, static_argnames=("width", "seq_len", "resp_len"))
 def take_micro(tree, rows_X, *, width: int, seq_len: int, resp_len: int):
     """Rows `rows_X` of every array of `tree` (a Batch or MiniBatch), cut to `width` response positions:
-    [B, L = S+T] arrays keep [:, :S+width], [B, T] arrays [:, :width], [B] arrays stay whole."""
+    [B, L = S+T] arrays keep [:, :S+width], [B, T] arrays [:, :width], [B] arrays stay whole. Traced inside the
+    score, reference and gradient programs (train/step.py, train/update.py): no program of its own."""
     def one(x):
         x_X = _rows_like(jnp.take(x, rows_X, axis=0), x)
         if x.ndim == 2 and x.shape[1] == seq_len:
@@ -237,9 +238,9 @@ def take_micro(tree, rows_X, *, width: int, seq_len: int, resp_len: int):
     return jax.tree.map(one, tree)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def put_micro(full_BxT, rows_X, part_XxW):
-    """full_BxT with rows `rows_X` set to part_XxW in their first W positions (the rest of those rows: 0)."""
+    """full_BxT with rows `rows_X` set to part_XxW in their first W positions (the rest of those rows: 0). Traced
+    inside the score and reference programs, which take full_BxT donated."""
     w = part_XxW.shape[1]
     padded_XxT = jnp.pad(part_XxW, ((0, 0), (0, full_BxT.shape[1] - w)) + ((0, 0),) * (part_XxW.ndim - 2))
     return full_BxT.at[rows_X].set(padded_XxT.astype(full_BxT.dtype))

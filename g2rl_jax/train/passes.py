@@ -164,23 +164,16 @@ def ref_micro(graphdef, params, acc, m: PackedMicro, *, temperature: float, chun
 def _scores(graphdef, params, batch: train_step.Batch, shape: PackShape, *, temperature: float, chunk: int,
             in_loss: bool = False):
     b, t = batch.response_mask.shape
-    acc = (train_step._zeros_rows(batch.rewards, (b, t)), train_step._zeros_rows(batch.rewards, (b, t)),
-           train_step._zeros_rows(batch.rewards, (b, graphdef_hidden(graphdef, params))))
+    acc = (train_step.zeros_rows(batch.rewards, (b, t)), train_step.zeros_rows(batch.rewards, (b, t)),
+           train_step.zeros_rows(batch.rewards, (b, graphdef_hidden(graphdef, params))))
     for p in plan(batch, shape, in_loss).micros:
         acc = score_micro(graphdef, params, acc, on_device(p, batch.rewards), batch.response_mask,
                           temperature=temperature, chunk=chunk, slots=shape.slots, block=shape.block)
-        train_step._serialize_across_processes(acc)
+        train_step.serialize_across_processes(acc)
     return acc
 
 
-_HIDDEN: dict = {}
-
-
-def graphdef_hidden(graphdef, params) -> int:
-    """The model's hidden size D (Φ's width), found once per model."""
-    if graphdef not in _HIDDEN:
-        _HIDDEN[graphdef] = nnx.merge(graphdef, params).lm_head_weight().shape[1]
-    return _HIDDEN[graphdef]
+graphdef_hidden = train_step.hidden_size  # the model's hidden size D (Φ's width), found once per model
 
 
 def score(graphdef, params, batch: train_step.Batch, *, temperature: float, micro: int, shapes,
@@ -199,11 +192,11 @@ def ref_logprobs(graphdef, params, batch: train_step.Batch, *, temperature: floa
     if not isinstance(shapes, PackShape):
         return train_step.ref_logprobs(graphdef, params, batch, temperature=temperature, micro=micro, chunk=chunk,
                                        shapes=shapes)
-    acc = train_step._zeros_rows(batch.rewards, batch.response_mask.shape)
+    acc = train_step.zeros_rows(batch.rewards, batch.response_mask.shape)
     for p in plan(batch, shapes).micros:
         acc = ref_micro(graphdef, params, acc, on_device(p, batch.rewards), temperature=temperature, chunk=chunk,
                         block=shapes.block)
-        train_step._serialize_across_processes(acc)
+        train_step.serialize_across_processes(acc)
     return acc
 
 
@@ -248,7 +241,7 @@ def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_u
         pm = PackedMini.of(on_device(p, mini.batch.rewards), mini)
         acc = accumulate(graphdef, params, acc, pm, total_tokens, settings=settings, total_rows=rows,
                          block=shape.block)
-        train_step._serialize_across_processes(acc)
+        train_step.serialize_across_processes(acc)
     return acc
 
 

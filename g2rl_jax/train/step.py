@@ -87,8 +87,18 @@ class MiniBatch:
     abs_log_ratio_coef_BxT: jax.Array | None = None
 
     def rows(self, rows: slice) -> MiniBatch:
-        """The mini-batch of rows `rows` (a slice of every array's leading axis)."""
-        return jax.tree.map(lambda x: x[rows], self)
+        """The mini-batch of rows `rows` (a contiguous slice of every array's leading axis), cut by one program for
+        the whole tree, the same for every start."""
+        start, stop, step = rows.indices(self.advantages_B.shape[0])
+        if step != 1:
+            raise ValueError(f"MiniBatch.rows takes a contiguous slice, got step {step}")
+        return _row_slice(self, np.int32(start), size=stop - start)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _row_slice(tree, start, *, size: int):
+    """Rows [start, start + size) of every array of `tree` (start traced: one program for every mini-batch)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=0), tree)
 
 
 def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_mask_BxT, rewards_B, correct_B,
@@ -102,37 +112,46 @@ def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_
             raise StageError(f"build_batch: {name} has shape {np.shape(x)}, expected {b} rows like prompt_ids")
     if b % group_size:
         raise StageError(f"build_batch: {b} responses is not a multiple of the group size {group_size}")
+    host = lambda x, dtype: jax.device_put(np.asarray(x).astype(dtype))  # noqa: E731 - cast and placed: no program
     return Batch(
-        input_ids=jnp.asarray(np.concatenate([prompt_ids_BxS, completion_ids_BxT], axis=1), jnp.int32),
-        attention_mask=jnp.asarray(np.concatenate([prompt_mask_BxS, completion_mask_BxT], axis=1), jnp.int32),
-        response_mask=jnp.asarray(completion_mask_BxT, jnp.float32),
-        rewards=jnp.asarray(rewards_B, jnp.float32),
-        correct=jnp.asarray(correct_B, bool),
+        input_ids=host(np.concatenate([prompt_ids_BxS, completion_ids_BxT], axis=1), np.int32),
+        attention_mask=host(np.concatenate([prompt_mask_BxS, completion_mask_BxT], axis=1), np.int32),
+        response_mask=host(completion_mask_BxT, np.float32),
+        rewards=host(rewards_B, np.float32),
+        correct=host(correct_B, bool),
         group_size=group_size,
     )
 
 
-def _response_hidden(model, batch: Batch):
+def response_hidden(model, batch: Batch):
     """Hidden states that predict the response tokens: hidden[:, S−1 : S−1+T] of the joined sequence."""
     h_BxLxD = model.hidden_states(batch.input_ids, batch.attention_mask)
     s, t = batch.prompt_len, batch.response_mask.shape[1]
     return h_BxLxD[:, s - 1:s - 1 + t], batch.input_ids[:, s:]
 
 
-def _head(model, h_BxTxD):
+def head(model, h_BxTxD):
+    """The LM head [V, D] in the hidden states' dtype."""
     return model.lm_head_weight().astype(h_BxTxD.dtype)
 
 
-def _zeros_rows(like_B, shape, dtype=jnp.float32):
-    """Zeros of `shape` [B, ...] with like_B's row sharding (a global array on every process of a multi-host run)."""
+def zeros_rows(like_B, shape, dtype=jnp.float32):
+    """Zeros of `shape` [B, ...] with like_B's row sharding (a global array on every process of a multi-host run),
+    made on the host: no program of their own."""
     sharding = like_B.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         rows = sharding.spec[0] if len(sharding.spec) else None
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(rows))
-    return jnp.zeros(shape, dtype, device=sharding)
+    return host_zeros(shape, dtype, sharding)
 
 
-def _serialize_across_processes(tree) -> None:
+def host_zeros(shape, dtype, sharding) -> jax.Array:
+    """Zeros of `shape` placed by `sharding`, each shard filled on the host (no compiled program)."""
+    return jax.make_array_from_callback(tuple(shape), sharding,
+                                        lambda index: np.zeros(np.empty(shape, np.bool_)[index].shape, dtype))
+
+
+def serialize_across_processes(tree) -> None:
     """Multi-host only: wait for a micro-batch's programs before launching the next. With many small programs in
     flight, CPU (gloo) collectives of consecutive programs were seen to interleave differently on two processes and
     deadlock; one micro-batch at a time keeps every process on the same program."""
@@ -140,31 +159,53 @@ def _serialize_across_processes(tree) -> None:
         jax.block_until_ready(tree)
 
 
-def _per_micro(batch: Batch, plan: micro_lib.MicroPlan, run, tree=None):
-    """Run `run(mb) -> (per_token, per_row)` on each micro-batch of the plan (responses cut to its width T_u) and
-    scatter the tuples of [X, T_u] and [X, ...] outputs back into [B, T] and [B, ...] arrays; positions that no
-    micro-batch kept are 0. The micro-batches are taken from `tree` (a Batch or MiniBatch over batch's rows;
-    default batch itself)."""
-    b, t = batch.response_mask.shape
-    full = None
-    for rows_X, width in zip(plan.rows, plan.widths):
-        part = run(micro_lib.take_micro(batch if tree is None else tree, rows_X, width=width,
-                                        seq_len=batch.input_ids.shape[1], resp_len=t))
-        if full is None:
-            full = ([_zeros_rows(batch.rewards, (b, t)) for _ in part[0]],
-                    [_zeros_rows(batch.rewards, (b, *x.shape[1:])) for x in part[1]])
-        full = tuple([micro_lib.put_micro(f, rows_X, x) for f, x in zip(fs, xs)] for fs, xs in zip(full, part))
-        _serialize_across_processes(full)
-    return full
+def per_micro(micro_plan: micro_lib.MicroPlan, run, outs):
+    """Run `run(rows_X, width, outs) -> outs` on each micro-batch of the plan, each call one program that takes the
+    micro-batch's rows from the whole batch and puts its results into `outs` (donated): arrays [B, T] and [B, ...]
+    whose positions no micro-batch kept stay as they came (zeros)."""
+    for rows_X, width in zip(micro_plan.rows, micro_plan.widths):
+        outs = run(rows_X, width, outs)
+        serialize_across_processes(outs)
+    return outs
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
-def _score_micro(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
+def take_rows(batch: Batch, rows_X, width: int) -> Batch:
+    """Micro-batch rows_X of `batch` (or of a MiniBatch: its `.batch` gives the widths), responses cut to `width`."""
+    like = batch.batch if isinstance(batch, MiniBatch) else batch
+    return micro_lib.take_micro(batch, rows_X, width=width, seq_len=like.input_ids.shape[1],
+                                resp_len=like.response_mask.shape[1])
+
+
+def score_stats(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
+    """Log-probs and entropies [X, T_u] and Φ [X, D] of one micro-batch (eq. seq-feature); traced, not jitted."""
     model = nnx.merge(graphdef, params)
-    h, targets = _response_hidden(model, mb)
-    logp, ent, phi = g2rl.token_stats(h, _head(model, h), targets, mb.response_mask, temperature=temperature,
-                                      chunk_size=chunk)
-    return (logp, ent), (phi,)
+    h, targets = response_hidden(model, mb)
+    return g2rl.token_stats(h, head(model, h), targets, mb.response_mask, temperature=temperature, chunk_size=chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "width"), donate_argnames=("outs",))
+def score_micro(graphdef, params, batch: Batch, rows_X, outs, *, temperature: float, chunk: int, width: int):
+    """The scoring pass of micro-batch rows_X of `batch` at response width `width`, its log-probs, entropies and Φ
+    put into outs = (logp [B, T], entropy [B, T], Φ [B, D]) (donated). One program per (rows, width) shape."""
+    logp, ent, phi = score_stats(graphdef, params, take_rows(batch, rows_X, width), temperature=temperature,
+                                 chunk=chunk)
+    return tuple(micro_lib.put_micro(full, rows_X, part) for full, part in zip(outs, (logp, ent, phi)))
+
+
+_HIDDEN: dict = {}
+
+
+def hidden_size(graphdef, params) -> int:
+    """The model's hidden size D (Φ's width), found once per model."""
+    if graphdef not in _HIDDEN:
+        _HIDDEN[graphdef] = nnx.merge(graphdef, params).lm_head_weight().shape[1]
+    return _HIDDEN[graphdef]
+
+
+def score_outs(batch: Batch, hidden: int):
+    """The zeros `score_micro` puts into: log-probs [B, T], entropies [B, T], Φ [B, D]."""
+    b, t = batch.response_mask.shape
+    return tuple(zeros_rows(batch.rewards, shape) for shape in ((b, t), (b, t), (b, hidden)))
 
 
 def score(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
@@ -172,28 +213,41 @@ def score(graphdef, params, batch: Batch, *, temperature: float, micro: int, chu
     """Behaviour-policy pass: log-probs, entropy and Φ via g2rl.token_stats (eq. seq-feature), over length-grouped
     micro-batches of `micro` rows (train.micro; `shapes`: the micro-batch shapes allowed, default all); positions
     past a micro-batch's width come back as 0."""
-    run = functools.partial(_score_micro, graphdef, params, temperature=temperature, chunk=chunk)
-    (logp, ent), (phi,) = _per_micro(batch, _plan(batch, micro, "scoring", shapes=shapes), run)
-    return Scores(logp, ent, phi)
+    def run(rows_X, width, outs):
+        return score_micro(graphdef, params, batch, rows_X, outs, temperature=temperature, chunk=chunk, width=width)
+
+    outs = score_outs(batch, hidden_size(graphdef, params))
+    return Scores(*per_micro(plan(batch, micro, "scoring", shapes=shapes), run, outs))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk"))
-def _ref_micro(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "width"), donate_argnames=("out",))
+def ref_micro(graphdef, params, batch: Batch, rows_X, out, *, temperature: float, chunk: int, width: int):
+    """The reference model's log-probs of micro-batch rows_X of `batch` at width `width`, put into out [B, T]
+    (donated). One program per (rows, width) shape."""
+    logp = ref_stats(graphdef, params, take_rows(batch, rows_X, width), temperature=temperature, chunk=chunk)
+    return micro_lib.put_micro(out, rows_X, logp)
+
+
+def ref_stats(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
+    """Log-probs [X, T_u] of one micro-batch's response tokens under the reference params; traced, not jitted."""
     model = nnx.merge(graphdef, params)
-    h, targets = _response_hidden(model, mb)
-    return (g2rl.token_logprobs(h, _head(model, h), targets, temperature=temperature, chunk_size=chunk),), ()
+    h, targets = response_hidden(model, mb)
+    return g2rl.token_logprobs(h, head(model, h), targets, temperature=temperature, chunk_size=chunk)
 
 
 def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
                  shapes: micro_lib.ShapeSet | None = None):
     """Reference-model log-probs [B, T] of the response tokens (for the KL term), micro-batched as `score`."""
-    run = functools.partial(_ref_micro, graphdef, params, temperature=temperature, chunk=chunk)
-    (logp,), () = _per_micro(batch, _plan(batch, micro, "reference", shapes=shapes), run)
-    return logp
+    def run(rows_X, width, out):
+        return ref_micro(graphdef, params, batch, rows_X, out, temperature=temperature, chunk=chunk, width=width)
+
+    out = zeros_rows(batch.rewards, batch.response_mask.shape)
+    return per_micro(plan(batch, micro, "reference", shapes=shapes), run, out)
 
 
-def _plan(batch: Batch, micro: int, stage: str, padded: bool = False,
-          shapes: micro_lib.ShapeSet | None = None) -> micro_lib.MicroPlan:
+def plan(batch: Batch, micro: int, stage: str, padded: bool = False,
+         shapes: micro_lib.ShapeSet | None = None) -> micro_lib.MicroPlan:
+    """The micro-batch plan of `batch` (micro_lib.plan_for); a bad size raises StageError naming `stage`."""
     try:
         return micro_lib.plan_for(batch, micro, padded=padded, shapes=shapes)
     except ValueError as err:

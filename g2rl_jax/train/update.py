@@ -19,16 +19,8 @@ from g2rl_jax import g2rl, losses, methods
 from g2rl_jax.config import AlgorithmConfig
 from g2rl_jax.model import lora
 from g2rl_jax.train import micro as micro_lib
-from g2rl_jax.train.step import (
-    MiniBatch,
-    StageError,
-    _head,
-    _per_micro,
-    _plan,
-    _response_hidden,
-    _score_micro,
-    _serialize_across_processes,
-)
+from g2rl_jax.train import step as train_step
+from g2rl_jax.train.step import MiniBatch, StageError, head, plan, response_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +53,13 @@ def policy_loss(params, graphdef, mb: MiniBatch, s: LossSettings):
     """PPO-clip + β·KL − entropy bonus on one micro-batch (eq. grpo-obj), f32 loss; returns (loss, diagnostics)."""
     model = nnx.merge(graphdef, params)
     batch = mb.batch
-    h, targets = _response_hidden(model, batch)
-    head = _head(model, h)
+    h, targets = response_hidden(model, batch)
+    head_VxD = head(model, h)
     if s.entropy_coef:
-        logp, ent, _ = g2rl.token_stats(h, head, targets, batch.response_mask, temperature=s.temperature,
+        logp, ent, _ = g2rl.token_stats(h, head_VxD, targets, batch.response_mask, temperature=s.temperature,
                                         chunk_size=s.chunk)
     else:
-        logp, ent = g2rl.token_logprobs(h, head, targets, temperature=s.temperature, chunk_size=s.chunk), None
+        logp, ent = g2rl.token_logprobs(h, head_VxD, targets, temperature=s.temperature, chunk_size=s.chunk), None
     loss, diag = loss_from_logprobs(logp, ent, mb.old_logp_BxT, mb.ref_logp_BxT, mb.sampler_logp_BxT,
                                     mb.advantages_B, batch.response_mask, s, token_weight_BxT=mb.token_weight_BxT,
                                     abs_log_ratio_coef_BxT=mb.abs_log_ratio_coef_BxT)
@@ -114,13 +106,17 @@ def trainable_grad(loss_fn, params, *args):
     return jax.value_and_grad(lambda t: loss_fn(nnx.merge_state(t, frozen), *args), has_aux=True)(trainable)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows"), donate_argnames=("acc",))
-def accumulate(graphdef, params, acc, mb: MiniBatch, total_tokens, *, settings: LossSettings, total_rows: int):
-    """acc + w·(loss, gradients, pg_loss) + w_tokens·(token-mean diagnostics) of one micro-batch: w its share of
-    the mini-batch's loss (_micro_weight), w_tokens its share of the tokens. acc = (grads f32 like the trainable
-    params, loss, diagnostics). Compiled once per micro-batch shape [X, S + T_u] (and loss settings)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows", "width"), donate_argnames=("acc",))
+def accumulate(graphdef, params, acc, mini: MiniBatch, rows_X, *, settings: LossSettings, total_rows: int,
+               width: int):
+    """acc + w·(loss, gradients, pg_loss) + w_tokens·(token-mean diagnostics) of micro-batch rows_X of the
+    mini-batch (its responses cut to `width`): w its share of the mini-batch's loss (_micro_weight), w_tokens its
+    share of the tokens. acc = (grads f32 like the trainable params, loss, diagnostics). One program per micro-batch
+    shape [X, S + T_u] (and loss settings): it takes the rows from the whole mini-batch itself."""
+    mb = train_step.take_rows(mini, rows_X, width)
     (loss, diag), grads = trainable_grad(policy_loss, params, graphdef, mb, settings)
-    return add_micro(acc, grads, loss, diag, mb.batch.response_mask, settings.agg, total_tokens, total_rows)
+    return add_micro(acc, grads, loss, diag, mb.batch.response_mask, settings.agg, jnp.sum(mini.batch.response_mask),
+                     total_rows)
 
 
 def add_micro(acc, grads, loss, diag, mask_XxT, agg: str, total_tokens, total_rows: int):
@@ -163,9 +159,25 @@ def accumulator_spec(loss_fn, graphdef, params, data: tuple, settings: LossSetti
 
 
 def zero_accumulator(loss_fn, graphdef, params, data: tuple, settings: LossSettings, rows_B):
-    """The zeros of accumulator_spec (what add_micro accumulates into)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
-                        accumulator_spec(loss_fn, graphdef, params, data, settings, rows_B))
+    """The zeros of accumulator_spec (what add_micro accumulates into), made by one program for the whole tree."""
+    leaves, tree = jax.tree.flatten(accumulator_spec(loss_fn, graphdef, params, data, settings, rows_B))
+    return jax.tree.unflatten(tree, _zeros_program(tuple(leaves))())
+
+
+_ZEROS: dict = {}
+
+
+def _zeros_program(specs: tuple[jax.ShapeDtypeStruct, ...]):
+    """One jitted program that makes zeros of every spec (shape, dtype, placement): one program, not one a shape;
+    the same program for placements that are equivalent however they are spelled (a mesh's P() and P(None, None))."""
+    programs = _ZEROS.setdefault(tuple((x.shape, str(x.dtype)) for x in specs), [])
+    for have, program in programs:
+        if all(a.sharding.is_equivalent_to(b.sharding, len(a.shape)) for a, b in zip(have, specs)):
+            return program
+    program = jax.jit(lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in specs),
+                      out_shardings=tuple(x.sharding for x in specs))
+    programs.append((specs, program))
+    return program
 
 
 def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False,
@@ -174,22 +186,21 @@ def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micr
     (train.micro; `shapes` as for `score`): equal to one pass over the whole padded mini-batch, at the cost of the
     response tokens. padded=True runs every micro-batch at the full width instead (the layout before grouping, for
     benchmarks)."""
-    return accumulate_plan(graphdef, params, mini, _plan(mini.batch, micro, "update", padded, shapes),
+    return accumulate_plan(graphdef, params, mini, plan(mini.batch, micro, "update", padded, shapes),
                            settings=settings)
 
 
-def accumulate_plan(graphdef, params, mini: MiniBatch, plan: micro_lib.MicroPlan, *, settings: LossSettings):
+def accumulate_plan(graphdef, params, mini: MiniBatch, micro_plan: micro_lib.MicroPlan, *, settings: LossSettings):
     """`gradients` over the micro-batches of a given plan of the mini-batch's rows."""
     batch = mini.batch
-    rows, t = batch.response_mask.shape
+    rows = batch.response_mask.shape[0]
     acc = None
-    total_tokens = jnp.sum(batch.response_mask)
-    for rows_X, width in zip(plan.rows, plan.widths):
-        mb = micro_lib.take_micro(mini, rows_X, width=width, seq_len=batch.input_ids.shape[1], resp_len=t)
+    for rows_X, width in zip(micro_plan.rows, micro_plan.widths):
         if acc is None:
-            acc = zero_accumulator(policy_loss, graphdef, params, (mb,), settings, batch.rewards)
-        acc = accumulate(graphdef, params, acc, mb, total_tokens, settings=settings, total_rows=rows)
-        _serialize_across_processes(acc)
+            like = jax.eval_shape(lambda m, r, w=width: train_step.take_rows(m, r, w), mini, rows_X)  # shapes only
+            acc = zero_accumulator(policy_loss, graphdef, params, (like,), settings, batch.rewards)
+        acc = accumulate(graphdef, params, acc, mini, rows_X, settings=settings, total_rows=rows, width=width)
+        train_step.serialize_across_processes(acc)
     return acc
 
 
@@ -231,14 +242,11 @@ class TokenRule:
 def current_scores(graphdef, params, mini: MiniBatch, *, temperature: float, micro: int,
                    shapes: micro_lib.ShapeSet | None = None, chunk: int = g2rl.DEFAULT_CHUNK):
     """Log-probs and entropies [X, T] of a mini-batch's response tokens under `params` (the current policy π_θ),
-    by the scoring program over its micro-batches (taken from the mini-batch, as the gradient's are); no gradient
-    flows through them (the papers detach what decides their tokens)."""
-    def run(mb: MiniBatch):
-        (logp, ent), _ = _score_micro(graphdef, params, mb.batch, temperature=temperature, chunk=chunk)
-        return (logp, ent), ()
-
-    (logp, ent), () = _per_micro(mini.batch, _plan(mini.batch, micro, "update", shapes=shapes), run, tree=mini)
-    return logp, ent
+    by the scoring program over its micro-batches (the gradient's plan of its rows); no gradient flows through them
+    (the papers detach what decides their tokens)."""
+    scores = train_step.score(graphdef, params, mini.batch, temperature=temperature, micro=micro, chunk=chunk,
+                              shapes=shapes)
+    return scores.logp_BxT, scores.entropy_BxT
 
 
 def decide_tokens(graphdef, params, mini: MiniBatch, rule: TokenRule, *, settings: LossSettings, micro: int,

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from g2rl_jax import parallel
+from g2rl_jax.rollout import sampling
 from g2rl_jax.train import passes
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
@@ -34,12 +35,12 @@ class UpdateRounds:
         if self.method.keep_rows is not None:  # the method's own choice of rows (nsr: the wrong responses)
             keep_B = keep_B & np.asarray(self.method.keep_rows(parallel.gather(batch.correct)))
         # dropped responses stay in the batch (static shapes) with their response mask zeroed
-        keep_Bx1 = jnp.asarray(keep_B.astype(np.float32)[:, None])  # placed, nothing to compile
+        keep_Bx1 = jax.device_put(keep_B.astype(np.float32)[:, None])  # placed, nothing to compile
         masked = lambda b: dataclasses.replace(b, response_mask=b.response_mask * keep_Bx1)  # noqa: E731
         batch = masked(batch)
         n, mb = adv_B.shape[0], algo.mini_batch_size
         rules = self.method.tokens is not None  # Clip-Cov, KL-Cov, forking tokens: decided in each update
-        key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), step)
+        key = jax.random.fold_in(sampling.key(self.cfg.run.seed), step)
 
         def minis_of(batch: train_step.Batch) -> list[train_step.MiniBatch]:
             step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,

@@ -10,7 +10,7 @@ run's set (train/shapes.py, train/micro.py). On the run's first step, once the r
 resume keeps its set), else those run.shapes_file pins (`python -m g2rl_jax.bench tune-shapes` writes one), else
 shapes.choose_for's, a function of the config, the device kind and the training prompts' lengths, never of a
 clock; it records them in CHOICE_FILE and compiles, for every shape of the set, the score and reference programs
-and the small ones that move a micro-batch's rows in (take_micro) and its results out (put_micro); `update` does
+(each takes its micro-batch's rows from the whole batch and puts its results into the step's arrays); `update` does
 the same for the gradient programs and the optimizer step. After that first step the run meets no program it has
 not compiled: every shape a later step's plan can take is in the set, and every other array of a step keeps its
 shape (the trainer pads responses to the budget). Programs are lowered one at a time (Python, holding the GIL) and
@@ -86,6 +86,7 @@ class RunWarmup:
         self.source: str | None = None  # where the set came from: "recorded", "pinned", "model"
         self.timings: list[Timing] = []
         self._done: set[tuple] = set()
+        self._step_rows: int | None = None  # the step's batch rows, which the score programs were compiled for
 
     @classmethod
     def for_run(cls, cfg, model, mesh, run_dir, prompt_lengths) -> "RunWarmup":
@@ -182,18 +183,6 @@ class RunWarmup:
                 storage.write_text(self.choice_file, choice_record(key, self.shapes, self.prompts, source))
 
     # ------------------------------------------------------------------------------------------- the programs
-    def _take(self, tree, batch: train_step.Batch, shapes: micro_lib.ShapeSet) -> dict:
-        """take_micro of `tree` at every shape, compiled; {(rows, width): the abstract micro-batch it returns}."""
-        seq_len, resp_len = batch.input_ids.shape[1], batch.response_mask.shape[1]
-        keys = list(shapes.shapes)
-        lowers = [functools.partial(micro_lib.take_micro.lower, tree, np.arange(r, dtype=np.int32), width=w,
-                                    seq_len=seq_len, resp_len=resp_len) for r, w in keys]
-        out = {}
-        for key, t in zip(keys, self._compile(lowers)):
-            if t.error is None:
-                out[key] = jax.tree.map(_template, t.compiled.out_info)
-        return out
-
     def score(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, micro: int,
               batch_like: Callable[[int], train_step.Batch],
               chunk: int = train_step.g2rl.DEFAULT_CHUNK) -> micro_lib.ShapeSet:
@@ -213,22 +202,34 @@ class RunWarmup:
             self._packed_score(graphdef, params, reference, batch, temperature=temperature, chunk=chunk)
             return self.layout
         static = dict(temperature=temperature, chunk=chunk)
-        passes = [(train_step._score_micro, graphdef, params)]
-        if reference is not None:
-            passes.append((train_step._ref_micro, *reference))
+        hidden = train_step.hidden_size(graphdef, params)
         own = batch.prompt_len
         for prompt_len in self.prompts:
             if ("score", prompt_len) in self._done:
                 continue
             self._done.add(("score", prompt_len))
             like = batch if prompt_len == own else batch_like(prompt_len)
-            mbs = self._take(like, like, self.shapes)
-            jobs = [(key, functools.partial(fn.lower, gd, p, mb, **static)) for key, mb in mbs.items()
-                    for fn, gd, p in passes]
-            outs = [(key, t.compiled.out_info) for (key, _), t in zip(jobs, self._compile([j[1] for j in jobs]))
-                    if t.error is None]
-            self._put(like, outs)
+            self._step_rows = like.response_mask.shape[0]
+            passes = [(train_step.score_micro, graphdef, params, packed_accumulators(like, hidden))]
+            if reference is not None:
+                passes.append((train_step.ref_micro, *reference, packed_accumulators(like, hidden)[0]))
+            self._compile_outs([(functools.partial(fn.lower, gd, p, like, np.arange(r, dtype=np.int32), width=w,
+                                                   **static), outs)
+                                for fn, gd, p, outs in passes for r, w in self.shapes.shapes])
         return self.shapes
+
+    def _compile_outs(self, jobs: list) -> None:
+        """Compile each job (lower(outs) -> Lowered, the outputs it puts into) for its outputs as the run's first
+        call passes them (host zeros), then again for any whose compiled outputs are placed otherwise (the next
+        call passes those)."""
+        seen = set()
+        while jobs:
+            key = lambda job: (job[0], jax.tree.map(lambda x: (x.shape, str(x.dtype), x.sharding), job[1]))  # noqa: E731
+            jobs = [j for j in jobs if repr(key(j)) not in seen]
+            seen.update(repr(key(j)) for j in jobs)
+            timings = self._compile([functools.partial(lower, outs) for lower, outs in jobs])
+            jobs = [(lower, jax.tree.map(_template, t.compiled.out_info)) for (lower, _), t in zip(jobs, timings)
+                    if t.error is None]
 
     def _packed_score(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, chunk: int,
                       key: str = "packed score") -> None:
@@ -251,26 +252,13 @@ class RunWarmup:
                                chunk=settings.chunk)
         return acc
 
-    def _put(self, batch: train_step.Batch, outs: list) -> None:
-        """put_micro of every output of the score and reference programs (outs: [((rows, width), their compiled
-        out_info: (per-token parts, per-row parts))]) into its [B, ...] array: the first time into _per_micro's
-        zeros, later into put_micro's own (donated) output, compiled again only where that is placed otherwise."""
-        b, t = batch.response_mask.shape
-        fulls: dict[tuple, Any] = {}
-        jobs, seen = [], set()
-        for (rows, _), (per_token, per_row) in outs:
-            pairs = [(p, (b, t)) for p in per_token] + [(p, (b, *p.shape[1:])) for p in per_row]
-            for part, shape in pairs:
-                if shape not in fulls:
-                    fulls[shape] = _template(train_step._zeros_rows(batch.rewards, shape))
-                jobs.append((rows, _template(part), fulls[shape]))
-        while jobs:
-            jobs = [j for j in jobs if (j[0], j[1].shape, str(j[1].dtype), j[2].shape, j[2].sharding) not in seen]
-            seen.update((j[0], j[1].shape, str(j[1].dtype), j[2].shape, j[2].sharding) for j in jobs)
-            timings = self._compile([functools.partial(micro_lib.put_micro.lower, full, np.arange(rows, dtype=np.int32),
-                                                       part) for rows, part, full in jobs])
-            jobs = [(rows, part, _template(t.compiled.out_info)) for (rows, part, _), t in zip(jobs, timings)
-                    if t.error is None]
+    def _current_scores(self, graphdef, params, batch: train_step.Batch, settings: train_update.LossSettings):
+        """The score programs over a mini-batch's rows at every shape (a token rule's current-policy pass,
+        update.current_scores), for mini-batches smaller than the step."""
+        outs = packed_accumulators(batch, train_step.hidden_size(graphdef, params))
+        self._compile_outs([(functools.partial(train_step.score_micro.lower, graphdef, params, batch,
+                                               np.arange(r, dtype=np.int32), width=w, temperature=settings.temperature,
+                                               chunk=settings.chunk), outs) for r, w in self.shapes.shapes])
 
     def update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings,
                mini_like: Callable[[int], train_step.MiniBatch], opt_state=None, optimizer=None) -> None:
@@ -294,13 +282,17 @@ class RunWarmup:
                 continue
             self._done.add(("update", prompt_len))
             like = mini if prompt_len == mini.batch.prompt_len else mini_like(prompt_len)
-            total_tokens = jnp.sum(like.batch.response_mask)  # as `accumulate_plan` computes it
             rows = like.batch.response_mask.shape[0]
-            for mb in self._take(like, like.batch, self.shapes).values():
-                acc = acc or train_update.accumulator_spec(train_update.policy_loss, graphdef, params, (mb,), settings,
-                                                         like.batch.rewards)  # the same for every shape
-                lowers.append(functools.partial(train_update.accumulate.lower, graphdef, params, acc, mb, total_tokens,
-                                                settings=settings, total_rows=rows))
+            if methods.get(self.cfg.algorithm.exploration).tokens is not None and rows != self._step_rows:
+                self._current_scores(graphdef, params, like.batch, settings)
+            for r, w in self.shapes.shapes:
+                rows_X = np.arange(r, dtype=np.int32)
+                if acc is None:  # the same for every shape
+                    mb = jax.eval_shape(lambda m, x, w=w: train_step.take_rows(m, x, w), like, rows_X)
+                    acc = train_update.accumulator_spec(train_update.policy_loss, graphdef, params, (mb,), settings,
+                                                        like.batch.rewards)
+                lowers.append(functools.partial(train_update.accumulate.lower, graphdef, params, acc, like, rows_X,
+                                                settings=settings, total_rows=rows, width=w))
         if optimizer is not None and acc is not None and ("apply",) not in self._done:
             self._done.add(("apply",))
             lowers.append(functools.partial(train_update.apply_gradients.lower, params, opt_state, *acc,
@@ -315,7 +307,7 @@ Lowers = list[tuple[str, tuple[int, int], Callable[[], Any]]]  # (kind, packed (
 
 
 def _rows_spec(like_B, shape) -> jax.ShapeDtypeStruct:
-    """What train_step._zeros_rows(like_B, shape) places, without allocating it: rows split like like_B's."""
+    """What train_step.zeros_rows(like_B, shape) places, without allocating it: rows split like like_B's."""
     sharding = like_B.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         rows = sharding.spec[0] if len(sharding.spec) else None
