@@ -46,15 +46,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # module of SLOW_FIRST when it is nearly done with its own, so the costliest go first (longest first: the two
 # workers end together), and those that mostly wait (timeouts, a GCS server's slow answers, a fake cloud's queue)
 # alternate with those that keep a core busy, so that both workers seldom wait at once; the rest follow in file
-# order. Costs: the fresh-clone run's `--durations` (worker seconds, 2026-11-27). `--durations=0` shows them all.
+# order. Costs: `--durations=0` summed by module (worker seconds, 2026-11-27, docs/testing.md).
 GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
-SLOW_FIRST = ("test_multihost.py", "test_gcs.py", "test_bench.py", "test_preemption.py", "test_program_count.py",
-              "test_storage.py", "test_demo_run.py", "test_async_sides_train.py", "test_storage_midrun.py",
-              "test_micro.py",
-              "test_tensorstore_timeouts.py", "test_train.py", "test_tpu_watch.py",
-              "test_warmup.py", "test_lifecycle.py", "test_rollout_segments.py", "test_async.py",
-              "test_lora_train.py", "test_async_multihost.py", "test_micro_multihost.py", "test_preempt.py",
-              "test_method_updates.py", "test_aot.py", "test_gpu_compile.py", "test_launch.py", "test_plan.py",
+SLOW_FIRST = ("test_async_sides_train.py", "test_gcs.py", "test_multihost.py", "test_storage_midrun.py",
+              "test_bench.py", "test_preemption.py", "test_program_count.py", "test_storage.py", "test_micro.py",
+              "test_demo_run.py", "test_rollout_segments.py", "test_tensorstore_timeouts.py", "test_warmup.py",
+              "test_tpu_watch.py",
+              "test_train.py", "test_async.py", "test_preempt.py", "test_lora_train.py", "test_lifecycle.py",
+              "test_aot.py", "test_micro_multihost.py", "test_launch.py", "test_async_multihost.py",
+              "test_method_updates.py", "test_gpu_compile.py", "test_plan.py",
               "test_study.py", "test_model.py", "test_strict.py", "test_verify_bounds.py", "test_lora.py",
               "test_g2rl.py", "test_rollout.py", "test_demo_assets.py", "test_algorithm_options.py")
 

@@ -73,13 +73,12 @@ def test_lock_between_real_processes_and_stale_locks(tmp_path, capsys):
 def preempted_run(assets, tmp_path_factory):  # noqa: F811
     """A real trainer process (a long run, checkpoint_every beyond it) sent SIGTERM once step 1 is recorded, after
     a second trainer has tried the same run directory; then the same command, run.total_steps lowered to end one
-    step later, rerun to the end. Both processes share a compilation cache, so the rerun does not compile again."""
+    step later, rerun to the end. Both processes share the session's compilation cache (tests/conftest.py), so the
+    rerun does not compile again, nor the first what other modules' trainers compiled already."""
     out = tmp_path_factory.mktemp("sigterm") / "run"
     cmd = [*_train_cmd(assets, out, steps=1000), "run.checkpoint_every=500"]
     env = _env()
     env["XLA_FLAGS"] = xla_flags(8)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert _wait_for(lambda: len(read_metrics(out)) >= 1, proc), "the trainer recorded no step"

@@ -89,8 +89,7 @@ def test_a_real_trainer_abandons_a_step_that_does_not_fit(assets, tmp_path):  # 
     exits at once with 143, the lock released; the same command resumes from the newest complete checkpoint."""
     out = tmp_path / "run"
     cmd = [*_train_cmd(assets, out, steps=6), "run.preempt_grace_seconds=0.05"]
-    env = {**_env(), "XLA_FLAGS": xla_flags(8), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {**_env(), "XLA_FLAGS": xla_flags(8)}  # the session's compilation cache (tests/conftest.py)
     with open(tmp_path / "trainer.err", "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
         t0 = time.time()
