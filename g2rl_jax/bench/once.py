@@ -78,7 +78,10 @@ def watch():
         time.sleep(0.05)
 thread = threading.Thread(target=watch, daemon=True)
 thread.start()
-from g2rl_jax.train.command import main
+try:
+    from g2rl_jax.train.command import main
+except ModuleNotFoundError:  # a checkout from before train/command.py
+    from g2rl_jax.train.loop import main
 code = main(argv)
 time.sleep(0.3)
 stop.append(1)
@@ -124,7 +127,9 @@ def _trainer_once(checkout: Path, config: str, overrides: list[str], tmp: Path, 
     with (tmp / f"{name}.log").open("w") as log:
         code = subprocess.call(cmd, cwd=checkout, env=_env(checkout), stdout=log, stderr=subprocess.STDOUT)
     if code != 0 or not out.exists():
-        raise SystemExit(f"bench once error: the trainer of {checkout} failed (exit {code}); see {tmp / name}.log")
+        tail = "\n".join((tmp / f"{name}.log").read_text(errors="replace").splitlines()[-15:])
+        raise SystemExit(f"{tail}\nbench once error: the trainer of {checkout} failed (exit {code}); its log's "
+                         "last lines are above (the log itself goes with the temporary directory)")
     data = json.loads(out.read_text())
     lines = [(t, step) for t, step in data["lines"] if step >= 1]  # step 0: the validation before training
     per_step = [0] * len(lines)
