@@ -46,6 +46,17 @@ print("step finished, requested", stop.requested, flush=True)
 """
 
 
+def _sigterm_in_the_step(script: str, *args: str):
+    """Run `script` with `args`, SIGTERM it once it is in its step: (exit code, stdout, stderr, seconds after)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "in the step"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stdout, stderr, time.monotonic() - t0
+
+
 @pytest.mark.parametrize("estimate,work,code,says,within", [
     (1.0, 1.5, 0, "finishing the current step, expected to end in", (1.5, 10)),  # fits 10 s: finished, stops
     (30.0, 30.0, PREEMPTED_EXIT, "would not end within the 10 s grace (a step takes 30.0 s)", (0, 8)),  # at once
@@ -53,14 +64,8 @@ print("step finished, requested", stop.requested, flush=True)
     (1.0, 30.0, PREEMPTED_EXIT, "the 10 s grace (run.preempt_grace_seconds) is over", (10, 16)),  # the deadline
 ])
 def test_sigterm_grace_in_a_real_process(estimate, work, code, says, within):
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "10", str(estimate), str(work)], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "in the step"
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=60)
-    took = time.monotonic() - t0
-    assert proc.returncode == code, stderr
+    returncode, stdout, stderr, took = _sigterm_in_the_step(SCRIPT, "10", str(estimate), str(work))
+    assert returncode == code, stderr
     assert says in stderr and within[0] <= took < within[1], (took, stderr)
     if code == 0:
         assert "step finished, requested True" in stdout and "abandon" not in stdout
@@ -72,17 +77,12 @@ def test_an_abandon_that_outlasts_the_grace_says_so():
     """The lock's release (on_abandon) still running at the deadline: the process exits then, and says that the
     grace ended first (the lock stays, a dead process's, for the next launch to take over)."""
     script = SCRIPT.replace('lambda: print("abandon: lock released", flush=True)', "lambda: time.sleep(30)")
-    proc = subprocess.Popen([sys.executable, "-c", script, "0.5", "30", "30"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "in the step"
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
-    took = time.monotonic() - t0
-    assert proc.returncode == PREEMPTED_EXIT, stderr
+    returncode, _, stderr, took = _sigterm_in_the_step(script, "0.5", "30", "30")
+    assert returncode == PREEMPTED_EXIT, stderr
     assert "would not end within the 0.5 s grace" in stderr, stderr
     assert "the 0.5 s grace (run.preempt_grace_seconds) is over before the run lock could be released" in stderr
     assert 0.4 <= took < 10, took
+
 
 def test_a_real_trainer_abandons_a_step_that_does_not_fit(assets, tmp_path):  # noqa: F811
     """run.preempt_grace_seconds=0.05 and SIGTERM just after step 2 is recorded: no step fits, so the trainer
