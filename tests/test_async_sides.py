@@ -71,11 +71,16 @@ def test_joined_blocks_are_the_whole_batch():
     got = joined([block(0), block(1)])
     assert got[0] == examples and got[2] == texts and got[4] == 2.0 and got[5] is correct
     for want, have in ((whole_rollout, got[1]), (whole_scored, got[3])):
-        for f in dataclasses.fields(want):
-            a, b = getattr(want, f.name), getattr(have, f.name)
-            if isinstance(a, list):
-                assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)), f.name
-            else:
-                np.testing.assert_array_equal(a, b, err_msg=f.name)
+        assert_fields_equal(have, want)
     single = block(0, 1)  # one rollout process: its block is the step
     assert joined([single]) is single
+
+
+def assert_fields_equal(got, want):
+    """Every field of two dataclasses of arrays (or lists of arrays) is equal, element for element."""
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, list):
+            assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)), f.name
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=f.name)

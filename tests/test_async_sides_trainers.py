@@ -17,7 +17,6 @@ compiles); about 4 minutes on the 2-core machine under load. Run with
 
 Also here, without a launch: a training process's block of a step's samples, and dynamic sampling's rounds joined.
 """
-import dataclasses
 import os
 import signal
 import time
@@ -25,6 +24,7 @@ import time
 import numpy as np
 import pytest
 from test_async import DETERMINISTIC, LAG, _same
+from test_async_sides import assert_fields_equal
 from test_async_sides_train import HANG_S, K1, ONE, _committed
 from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
@@ -142,12 +142,7 @@ def _step(rng, prompts: int, m: int, correct_rate: float = 0.5):
 def _equal(got, want):
     assert got[0] == want[0] and got[2] == want[2]
     for a_, b_ in ((got[1], want[1]), (got[3], want[3])):
-        for f in dataclasses.fields(b_):
-            a, b = getattr(a_, f.name), getattr(b_, f.name)
-            if isinstance(b, list):
-                assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b)), f.name
-            else:
-                np.testing.assert_array_equal(a, b, err_msg=f.name)
+        assert_fields_equal(a_, b_)
 
 
 def test_a_training_block_is_its_rows_of_the_joined_step():
