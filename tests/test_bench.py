@@ -85,6 +85,30 @@ def test_memory_and_plan_only_modes_print_without_running(capsys):
     assert "widths" in out and "FLOP model long-tailed / equal" in out and "update s" not in out, out
 
 
+def test_update_benchmark_out_of_device_memory_is_one_line(monkeypatch, capsys):
+    """A device that runs out of memory (three 1.7B variants on one H100) ends bench update with one line naming
+    what every variant holds and what to do, not XLA's autotuner trace."""
+    import jax
+
+    from g2rl_jax.bench import update as bench_update
+
+    def exhausted(runners, iters):
+        raise jax.errors.JaxRuntimeError("NOT_FOUND: All configs failed during profiling.\nFailures (13):\n"
+                                         "EXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+
+    monkeypatch.setattr(bench_update, "run_variants", exhausted)
+    args = ["--preset", "tiny", "--rows", "4", "--prompt-len", "8", "--response-len", "16", "--iters", "1",
+            "--variant", "micro=2", "--variant", "micro=2,param_dtype=bfloat16"]
+    assert main(["update", *args]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if "out of memory" in line]
+    from g2rl_jax.model import PRESETS
+
+    gb = PRESETS["tiny"].num_params() * 3 / 1e9
+    assert lines == [f"bench update: the device ran out of memory with 2 variants held at once (each keeps its params "
+                     f"and AdamW's two moments between updates: {4 * gb:.1f} + {2 * gb:.1f} GB, before any update's "
+                     "own memory); run fewer --variant per call"], lines
+
+
 def test_methods_benchmark_on_a_tiny_model(tmp_path, capsys):
     """bench methods times every method it is given against GRPO on one step of a tiny random model."""
     import json

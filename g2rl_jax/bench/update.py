@@ -182,6 +182,15 @@ class Runner:
         return seconds
 
 
+def out_of_memory(cfg: Qwen3Config, variants: list[dict]) -> str:
+    """The one line for a device that ran out of memory: every variant holds its params and AdamW's two moments
+    (optax keeps them in the params' dtype) between updates, all variants at once."""
+    held = [cfg.num_params() * 3 * np.dtype(v["param_dtype"]).itemsize / 1e9 for v in variants]
+    return (f"bench update: the device ran out of memory with {len(variants)} variants held at once (each keeps its "
+            f"params and AdamW's two moments between updates: {' + '.join(f'{g:.1f}' for g in held)} GB, before "
+            "any update's own memory); run fewer --variant per call")
+
+
 def run_variants(runners: list[Runner], iters: int) -> list[list[tuple[float, float]]]:
     """Per runner, per mini-batch: (compile + first call seconds, median warm seconds). Round 1 compiles, round 2
     recompiles once for the params apply_gradients returns, then `iters` timed rounds; each round runs every runner
@@ -295,7 +304,13 @@ def _main(a: argparse.Namespace) -> int:
     if a.plan_only:
         return 0
     minis = [_mini_batch(cfg, a.rows, a.prompt_len, a.response_len, lengths) for lengths in batches.values()]
-    results = run_variants([Runner(cfg, v, minis) for v in variants], a.iters)
+    try:
+        results = run_variants([Runner(cfg, v, minis) for v in variants], a.iters)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(out_of_memory(cfg, variants))
+        return 2
     columns = 12 if a.long_tail else 11
     print("| variant | micro-batches (rows x width) | compile+first s | update s | resp tokens/s | µs/resp token "
           "| padding | attn work | TFLOP/s | MFU | resp MFU |"
