@@ -5,10 +5,11 @@
 Checks: the deterministic metrics (and the validation mean@k, on 5 prompts so the last chunk needs padding) of
 the 2-process run, which writes to a bucket on a GCS emulator as a pod's hosts would, equal the 1-process run; only
 process 0 wrote metrics; rerunning the 2-process command with one more step resumes from its Orbax multi-host
-checkpoint in the bucket (both processes' data-iterator states) and its next step equals the 1-process run's;
-with LoRA, 2 processes equal one device. Every 2-process run is strict (run.strict_compiles): a compile after its
-warm-up step fails it. Also: start-up errors for partial distributed.* settings. The processes are started by
-tests/_helpers.py (run_processes).
+checkpoint in the bucket (both processes' data-iterator states) and its next step equals the 1-process run's. These
+runs pack their passes (algorithm.packing, as the 1.7B config does; each packed micro-batch's rows split over both
+processes' devices). With LoRA (the grouped passes, the default layout), 2 processes equal one device. Every
+2-process run is strict (run.strict_compiles): a compile after its warm-up step fails it. Also: start-up errors for
+partial distributed.* settings. The processes are started by tests/_helpers.py (run_processes).
 """
 import json
 import pathlib
@@ -34,6 +35,10 @@ HANG_S = 1800  # a hang guard only: on a loaded 2-core machine one run has taken
 DETERMINISTIC = ("accuracy", "reward", "loss", "kl", "entropy", "response_length", "novelty", "clip_fraction",
                  "approx_kl", "grad_norm", "learning_rate", "groups_kept", "skipped_updates")
 STRICT = ("run.strict_compiles=true",)  # the two-process runs: a compile after the warm-up step raises
+# The packed passes, as the 1.7B config runs them on a pod's hosts; micro-batches of 4 rows, the mesh's 4 row shards
+# (data x fsdp), so that every packed micro-batch's rows split over both processes' devices (2 rows: replicated).
+PACKED = ("algorithm.packing=true", "algorithm.micro_batch_size=4")
+PACKS = "pack whole sequences"  # process 0's line naming the packed layout (train/warmup.py)
 
 
 @pytest.fixture(scope="module")
@@ -61,33 +66,38 @@ def _cmd(assets, out, steps, extra=()):
           "mesh.tensor": 2, "data.eval_datasets": assets["eval"], "data.eval_samples": 2,
           "data.eval_max_new_tokens": 8, "data.eval_temperature": 1.0,
           "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0,  # a constant LR: total_steps changes nothing
-          "algorithm.packing": False}  # as before the config packed: the grouped passes
+          "algorithm.packing": False}  # the grouped passes; the `runs` fixture's runs pack (PACKED)
     return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
             *[f"{k}={v}" for k, v in ov.items()], *extra]
 
 
 
 
-def _run_two_processes(assets, out, steps, extra=()):
+def _run_two_processes(assets, out, steps, extra=()) -> list[str]:
     """The 2-process run, strict (run.strict_compiles): a compile after its warm-up step fails it, naming the
-    program (both processes run the same steps, so each would raise)."""
-    run_processes(lambda i, port: _cmd(assets, out, steps, [*extra, *STRICT, *trainer_args(i, port)]), timeout=HANG_S)
+    program (both processes run the same steps, so each would raise). Its processes' logs."""
+    return run_processes(lambda i, port: _cmd(assets, out, steps, [*extra, *STRICT, *trainer_args(i, port)]),
+                         timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
 def runs(assets, gcs, tmp_path_factory):
     """The 2-process run writes to a bucket (a pod's hosts share no disk: run.output_dir=gs://...), on a real GCS
-    server on loopback (g2rl_jax/bench/gcs_emulator.py); the 1-process run to a local directory."""
+    server on loopback (g2rl_jax/bench/gcs_emulator.py); the 1-process run to a local directory. Both pack
+    (PACKED): the 2-process run's tests are also those of the packed passes on several processes."""
     root = tmp_path_factory.mktemp("multihost_runs")
-    _run_two_processes(assets, gcs.url("multihost/two"), STEPS)
-    _run_one_process(assets, root / "one", STEPS + 1)
+    logs = _run_two_processes(assets, gcs.url("multihost/two"), STEPS, PACKED)
+    assert PACKS in logs[0], logs[0][-4000:]
+    assert PACKS in _run_one_process(assets, root / "one", STEPS + 1, PACKED)
     return {"two": gcs.url("multihost/two"), "one": root / "one"}
 
 
-def _run_one_process(assets, out, steps, extra=(), devices=8):
+def _run_one_process(assets, out, steps, extra=(), devices=8) -> str:
+    """The 1-process run; its stderr."""
     one = subprocess.run(_cmd(assets, out, steps, extra), env=process_env(devices), capture_output=True, text=True,
                          timeout=HANG_S)
     assert one.returncode == 0, one.stderr[-4000:]
+    return one.stderr
 
 
 def _assert_same(got, want, keys):
@@ -123,7 +133,7 @@ def test_only_process_0_writes_and_both_checkpoint(runs):
 def test_two_processes_resume_from_the_bucket(assets, runs):
     """The 2-process run continues from its step-STEPS checkpoint in the bucket (each process its own iterator
     state); with a constant LR its next step must equal step STEPS + 1 of the uninterrupted 1-process run."""
-    _run_two_processes(assets, runs["two"], STEPS + 1)
+    _run_two_processes(assets, runs["two"], STEPS + 1, PACKED)
     two, one = read_metrics(runs["two"]), read_metrics(runs["one"])
     assert [r["step"] for r in two] == list(range(STEPS + 2))
     _assert_same(two[STEPS + 1:], one[STEPS + 1:], DETERMINISTIC)
