@@ -11,14 +11,15 @@ gloo, JAX's socket transfers), one fake device each.
   rollout mesh spans both rollout processes, the rounds go on as the whole batch decides, and the trainer picks the
   groups from the joined rounds: the metrics of the one-process split run with dynamic sampling.
 
-- kill -9 of a process other than the first, each once step 1's checkpoint is committed, then a relaunch of all
-  three: training process 1 of a 2 + 1 launch, and rollout process 2 of a 1 + 2 launch. The processes that ran a
-  collective with it lose their gloo connection, and the first to see it stops every process with one line and exit
-  76 within seconds (not jax.distributed's heartbeat timeout, then SIGABRT); the checkpoints committed stand, and
-  the relaunch resumes from the newest and gives the metrics of the one-process split run.
+- kill -9 of a process other than the first, each once step 1's checkpoint is committed, then a relaunch of all:
+  training process 1 of a 2 + 1 launch, rollout process 2 of a 1 + 2 launch, rollout process 3 of a 2 + 2 launch.
+  The processes that ran a collective with it lose their gloo connection, and the first to see it stops every
+  process with one line and exit 76 within seconds (not jax.distributed's heartbeat timeout, then SIGABRT); the
+  checkpoints committed stand, and the relaunch resumes from the newest and gives the metrics of the one-process
+  split run.
 
-Costs: seven three-process launches and two one-process runs of the tiny model (each mostly its first step's
-compiles); about 8 minutes on the 2-core machine under load. Run with
+Costs: seven three-process launches, two four-process launches and two one-process runs of the tiny model (each
+mostly its first step's compiles); about 10 minutes on the 2-core machine under load. Run with
 `G2RL_SIDES_SLOW=1 python -m pytest -q -n 0 tests/test_async_sides_trainers.py`.
 
 Also here, without a launch: a training process's block of a step's samples, and dynamic sampling's rounds joined.
@@ -42,7 +43,7 @@ from g2rl_jax.train.sides_store import PEER_LOST_EXIT
 from _helpers import process_env, run_processes, trainer_args
 
 slow = pytest.mark.skipif(os.environ.get("G2RL_SIDES_SLOW") != "1",
-                          reason="opt-in (about 8 minutes): G2RL_SIDES_SLOW=1 runs it")
+                          reason="opt-in (about 10 minutes): G2RL_SIDES_SLOW=1 runs it")
 STEPS = 4
 TRAINING = ("mesh.fsdp=2",)  # after ONE's mesh.fsdp=1: a training mesh of two devices, the params sharded
 
@@ -101,25 +102,25 @@ def test_two_training_processes_resumed_equal_the_one_process_split(resumed, spl
 GONE = "a process of this run is gone"  # the line of the process that lost its collective's connection
 
 
-def _killed(assets, out, extra, victim: int) -> dict:  # noqa: F811
-    """Three processes with `extra`; SIGKILL to process `victim` once step 1's checkpoint is committed, a wait for
-    the others (at most HANG_S), then a relaunch of all three that finishes the run."""
+def _killed(assets, out, extra, victim: int, processes: int = 3) -> dict:  # noqa: F811
+    """`processes` processes with `extra`; SIGKILL to process `victim` once step 1's checkpoint is committed, a wait
+    for the others (at most HANG_S), then a relaunch of all that finishes the run."""
     command = lambda i, port: _cmd(assets, out, STEPS, [*ONE, *K1, *extra,  # noqa: E731
-                                                        *trainer_args(i, port, 3, transfers=True)])
-    with localhost.Processes(command, processes=3, devices=1, env=process_env(1)) as procs:
+                                                        *trainer_args(i, port, processes, transfers=True)])
+    with localhost.Processes(command, processes=processes, devices=1, env=process_env(1)) as procs:
         t0 = time.monotonic()
         while not _committed(out, 1):
             codes = [p.poll() for p in procs.procs]
-            assert codes == [None] * 3 and time.monotonic() - t0 < HANG_S, (codes, procs.log(0)[-3000:])
+            assert codes == [None] * processes and time.monotonic() - t0 < HANG_S, (codes, procs.log(0)[-3000:])
             time.sleep(0.005)
         procs.procs[victim].send_signal(signal.SIGKILL)
         t_signal = time.monotonic()
         codes = procs.wait(HANG_S)
         seconds = time.monotonic() - t_signal
-        logs = [procs.log(i) for i in range(3)]
+        logs = [procs.log(i) for i in range(processes)]
     committed = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     stopped = [r["step"] for r in read_metrics(out)]
-    relaunched = run_processes(command, timeout=HANG_S, processes=3, devices=1)
+    relaunched = run_processes(command, timeout=HANG_S, processes=processes, devices=1)
     return {"codes": codes, "logs": logs, "seconds": seconds, "committed": committed, "stopped": stopped,
             "relaunched": relaunched, "records": read_metrics(out)}
 
@@ -138,9 +139,16 @@ def rollout_2_killed(assets, tmp_path_factory):  # noqa: F811
                    victim=2)
 
 
+@pytest.fixture(scope="module")
+def rollout_3_killed(assets, tmp_path_factory):  # noqa: F811
+    """kill -9 of rollout process 3 of a 2 + 2 launch: rollout process 2 stops the others, two of them training."""
+    return _killed(assets, tmp_path_factory.mktemp("sides_killed_two_per_side") / "run",
+                   (*TRAINING, "mesh.rollout_processes=2"), victim=3, processes=4)
+
+
 def _check_stopped_and_resumed(killed, split, victim: int, lines: tuple[str, ...], bound_s: float) -> None:
     codes, logs = killed["codes"], killed["logs"]
-    survivors = [i for i in range(3) if i != victim]
+    survivors = [i for i in range(len(codes)) if i != victim]
     assert codes[victim] == -signal.SIGKILL
     for i in survivors:  # each ends by itself with the one line, no JAX abort after its heartbeat timeout
         assert codes[i] == PEER_LOST_EXIT, (i, codes, logs[i][-3000:])
@@ -170,6 +178,13 @@ def test_a_killed_rollout_process_of_two_stops_all_in_one_line_and_the_relaunch_
     one-process split run, the same figures up to the order of the sums."""
     lease = "the rollout process 2 (mesh.rollout_processes) has not renewed its lease"
     _check_stopped_and_resumed(rollout_2_killed, split, 2, (GONE, lease), bound_s=LEASE_S + 30)
+
+
+@slow
+def test_a_killed_rollout_process_of_two_per_side_stops_all_four_and_the_relaunch_resumes(rollout_3_killed, split):
+    """Two processes a side: the line reaches both training processes and the other rollout process."""
+    lease = "the rollout process 3 (mesh.rollout_processes) has not renewed its lease"
+    _check_stopped_and_resumed(rollout_3_killed, split, 3, (GONE, lease), bound_s=LEASE_S + 30)
 
 
 EVEN_LENGTH_REWARD = """

@@ -33,7 +33,7 @@ from g2rl_jax.train import halt
 
 PREFIX = "g2rl_sides"
 POLL_MS = 1000  # a wait for the other side's key, between looks at whether that side has ended
-PEER_LOST_EXIT = 76  # EX_PROTOCOL (sysexits.h): the other side's process is gone; relaunch both to resume
+PEER_LOST_EXIT = 76  # EX_PROTOCOL (sysexits.h): another process of the run is gone; relaunch all to resume
 ENDED_EARLY_EXIT = 1  # the rollout process, when the trainer ended before run.total_steps
 
 
