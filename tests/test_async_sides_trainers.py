@@ -19,7 +19,8 @@ gloo, JAX's socket transfers), one fake device each.
   split run.
 
 Costs: seven three-process launches, two four-process launches and two one-process runs of the tiny model (each
-mostly its first step's compiles); about 10 minutes on the 2-core machine under load. Run with
+mostly its first step's compiles); 4 min 43 s on the 2-core machine lightly loaded, up to twice that under load. Run
+with
 `G2RL_SIDES_SLOW=1 python -m pytest -q -n 0 tests/test_async_sides_trainers.py`.
 
 Also here, without a launch: a training process's block of a step's samples, and dynamic sampling's rounds joined.
@@ -43,7 +44,7 @@ from g2rl_jax.train.sides_store import PEER_LOST_EXIT
 from _helpers import process_env, run_processes, trainer_args
 
 slow = pytest.mark.skipif(os.environ.get("G2RL_SIDES_SLOW") != "1",
-                          reason="opt-in (about 10 minutes): G2RL_SIDES_SLOW=1 runs it")
+                          reason="opt-in (about 5 minutes): G2RL_SIDES_SLOW=1 runs it")
 STEPS = 4
 TRAINING = ("mesh.fsdp=2",)  # after ONE's mesh.fsdp=1: a training mesh of two devices, the params sharded
 
