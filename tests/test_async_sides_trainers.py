@@ -11,8 +11,16 @@ gloo, JAX's socket transfers), one fake device each.
   rollout mesh spans both rollout processes, the rounds go on as the whole batch decides, and the trainer picks the
   groups from the joined rounds: the metrics of the one-process split run with dynamic sampling.
 
-Costs: three three-process launches and two one-process runs of the tiny model (each mostly its first step's
-compiles); about 4 minutes on the 2-core machine under load. Run with
+- kill -9 of a process other than the first, each once step 1's checkpoint is committed, then a relaunch of all:
+  training process 1 of a 2 + 1 launch, rollout process 2 of a 1 + 2 launch, rollout process 3 of a 2 + 2 launch.
+  The processes that ran a collective with it lose their gloo connection, and the first to see it stops every
+  process with one line and exit 76 within seconds (not jax.distributed's heartbeat timeout, then SIGABRT); the
+  checkpoints committed stand, and the relaunch resumes from the newest and gives the metrics of the one-process
+  split run.
+
+Costs: seven three-process launches, two four-process launches and two one-process runs of the tiny model (each
+mostly its first step's compiles); 4 min 43 s on the 2-core machine lightly loaded, up to twice that under load. Run
+with
 `G2RL_SIDES_SLOW=1 python -m pytest -q -n 0 tests/test_async_sides_trainers.py`.
 
 Also here, without a launch: a training process's block of a step's samples, and dynamic sampling's rounds joined.
@@ -25,17 +33,18 @@ import numpy as np
 import pytest
 from test_async import DETERMINISTIC, LAG, _same
 from test_async_sides import assert_fields_equal
-from test_async_sides_train import HANG_S, K1, ONE, _committed
+from test_async_sides_train import HANG_S, K1, LEASE_S, ONE, _committed
 from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import localhost
 from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.sides_store import PEER_LOST_EXIT
 
 from _helpers import process_env, run_processes, trainer_args
 
 slow = pytest.mark.skipif(os.environ.get("G2RL_SIDES_SLOW") != "1",
-                          reason="opt-in (about 4 minutes): G2RL_SIDES_SLOW=1 runs it")
+                          reason="opt-in (about 5 minutes): G2RL_SIDES_SLOW=1 runs it")
 STEPS = 4
 TRAINING = ("mesh.fsdp=2",)  # after ONE's mesh.fsdp=1: a training mesh of two devices, the params sharded
 
@@ -89,6 +98,94 @@ def test_two_training_processes_resumed_equal_the_one_process_split(resumed, spl
     assert [r["policy_version"] for r in got] == [0.0, *range(STEPS - 1)]
     assert all(r["weight_sync_bytes"] > 0 for r in got)
     _same(got, split)
+
+
+GONE = "a process of this run is gone"  # the line of the process that lost its collective's connection
+
+
+def _killed(assets, out, extra, victim: int, processes: int = 3) -> dict:  # noqa: F811
+    """`processes` processes with `extra`; SIGKILL to process `victim` once step 1's checkpoint is committed, a wait
+    for the others (at most HANG_S), then a relaunch of all that finishes the run."""
+    command = lambda i, port: _cmd(assets, out, STEPS, [*ONE, *K1, *extra,  # noqa: E731
+                                                        *trainer_args(i, port, processes, transfers=True)])
+    with localhost.Processes(command, processes=processes, devices=1, env=process_env(1)) as procs:
+        t0 = time.monotonic()
+        while not _committed(out, 1):
+            codes = [p.poll() for p in procs.procs]
+            assert codes == [None] * processes and time.monotonic() - t0 < HANG_S, (codes, procs.log(0)[-3000:])
+            time.sleep(0.005)
+        procs.procs[victim].send_signal(signal.SIGKILL)
+        t_signal = time.monotonic()
+        codes = procs.wait(HANG_S)
+        seconds = time.monotonic() - t_signal
+        logs = [procs.log(i) for i in range(processes)]
+    committed = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    stopped = [r["step"] for r in read_metrics(out)]
+    relaunched = run_processes(command, timeout=HANG_S, processes=processes, devices=1)
+    return {"codes": codes, "logs": logs, "seconds": seconds, "committed": committed, "stopped": stopped,
+            "relaunched": relaunched, "records": read_metrics(out)}
+
+
+@pytest.fixture(scope="module")
+def training_1_killed(assets, tmp_path_factory):  # noqa: F811
+    """kill -9 of training process 1 of a 2 + 1 launch (the training mesh, fsdp 2, over processes 0 and 1)."""
+    return _killed(assets, tmp_path_factory.mktemp("sides_killed_training") / "run",
+                   (*TRAINING, "mesh.rollout_processes=1"), victim=1)
+
+
+@pytest.fixture(scope="module")
+def rollout_2_killed(assets, tmp_path_factory):  # noqa: F811
+    """kill -9 of rollout process 2 of a 1 + 2 launch (the rollout mesh, data 2, over processes 1 and 2)."""
+    return _killed(assets, tmp_path_factory.mktemp("sides_killed_rollout") / "run", ("mesh.rollout_processes=2",),
+                   victim=2)
+
+
+@pytest.fixture(scope="module")
+def rollout_3_killed(assets, tmp_path_factory):  # noqa: F811
+    """kill -9 of rollout process 3 of a 2 + 2 launch: rollout process 2 stops the others, two of them training."""
+    return _killed(assets, tmp_path_factory.mktemp("sides_killed_two_per_side") / "run",
+                   (*TRAINING, "mesh.rollout_processes=2"), victim=3, processes=4)
+
+
+def _check_stopped_and_resumed(killed, split, victim: int, lines: tuple[str, ...], bound_s: float) -> None:
+    codes, logs = killed["codes"], killed["logs"]
+    survivors = [i for i in range(len(codes)) if i != victim]
+    assert codes[victim] == -signal.SIGKILL
+    for i in survivors:  # each ends by itself with the one line, no JAX abort after its heartbeat timeout
+        assert codes[i] == PEER_LOST_EXIT, (i, codes, logs[i][-3000:])
+        assert any(line in logs[i] for line in lines), (i, logs[i][-3000:])
+        assert "relaunch every process with the same command" in logs[i], (i, logs[i][-3000:])
+        assert "Traceback" not in logs[i] and "Check failure stack trace" not in logs[i], (i, logs[i][-3000:])
+    assert killed["seconds"] < bound_s, killed["seconds"]
+    assert killed["committed"] and killed["committed"][-1] >= 1, killed["committed"]
+    assert 1 <= len(killed["stopped"]) < STEPS, killed["stopped"]  # the relaunch resumed midway, from the newest
+    assert f"resumed from the checkpoint of step {killed['committed'][-1]}" in killed["relaunched"][0]
+    got = killed["records"]
+    assert [r["policy_version"] for r in got] == [0.0, *range(STEPS - 1)]
+    _same(got, split)
+
+
+@slow
+def test_a_killed_second_training_process_stops_all_in_one_line_and_the_relaunch_resumes(training_1_killed, split):
+    """Training process 0 loses the update's gloo all-reduce with process 1: it stops the rollout process too (its
+    halt.PeerWatch), each with the line, within seconds (ACK_S for the dead process's answer, a loaded machine)."""
+    _check_stopped_and_resumed(training_1_killed, split, 1, (GONE,), bound_s=60)
+
+
+@slow
+def test_a_killed_rollout_process_of_two_stops_all_in_one_line_and_the_relaunch_resumes(rollout_2_killed, split):
+    """Rollout process 1 loses the generate's gloo collective with process 2 (or, waiting elsewhere, the trainer
+    sees process 2's lease run out): every process stops with the line; one training device here against two in the
+    one-process split run, the same figures up to the order of the sums."""
+    lease = "the rollout process 2 (mesh.rollout_processes) has not renewed its lease"
+    _check_stopped_and_resumed(rollout_2_killed, split, 2, (GONE, lease), bound_s=LEASE_S + 30)
+
+
+@slow
+def test_a_killed_rollout_process_of_two_per_side_stops_all_four_and_the_relaunch_resumes(rollout_3_killed, split):
+    """Two processes a side: the line reaches both training processes and the other rollout process."""
+    lease = "the rollout process 3 (mesh.rollout_processes) has not renewed its lease"
+    _check_stopped_and_resumed(rollout_3_killed, split, 3, (GONE, lease), bound_s=LEASE_S + 30)
 
 
 EVEN_LENGTH_REWARD = """
@@ -176,3 +273,26 @@ def test_dynamic_sampling_rounds_joined_pick_over_the_whole_batch():
     assert got[4] == 2.0 and got[5] is correct
     per_block = [picked([block_of(r, i, 2)[:4] for r in rounds], correct, m, 2, i) for i in range(2)]
     assert per_block[0][0] + per_block[1][0] != want[0]  # the test can tell the two apart
+
+
+def test_a_lost_gloo_connection_is_a_peer_gone_and_other_errors_are_not():
+    """sides_store.peer_gone: the gloo line of a collective whose peer died (as the update stage wraps it), nothing
+    for other errors; exit_if_peer_gone returns in a one-process run (nothing to stop)."""
+    import jax
+
+    from g2rl_jax.train import sides_store
+    from g2rl_jax.train.step import StageError
+
+    lost = ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+            "[127.0.0.1]:15541: Connection reset by peer")
+    try:
+        try:
+            raise jax.errors.JaxRuntimeError(lost)
+        except jax.errors.JaxRuntimeError as err:
+            raise StageError("stage 'update' failed on inputs [input_ids=(16, 32)]") from err
+    except StageError as err:
+        wrapped = err
+    assert sides_store.peer_gone(wrapped) == lost[len("UNKNOWN: "):]
+    assert sides_store.peer_gone(jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: bad size")) is None
+    assert sides_store.peer_gone(ValueError("Connection reset by peer")) is None  # not a collective's
+    assert sides_store.exit_if_peer_gone(wrapped, 1) is None  # one process: the caller's handling goes on

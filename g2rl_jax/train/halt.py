@@ -173,7 +173,9 @@ def stop_everywhere(line: str, code: int) -> None:
         except Exception:  # noqa: BLE001 - another process published first (ALREADY_EXISTS), or the service is gone
             pass
         deadline = time.monotonic() + ACK_S
-        for other in (i for i in range(count) if i != me):
+        # process 0 ends COORDINATOR_LAST_S after its answer, and JAX's client then aborts every process still
+        # there: another process waits for process 0 alone (the rest have the line from their PeerWatch)
+        for other in (i for i in range(count) if i != me) if me == 0 else [0]:
             try:
                 client.blocking_key_value_get(f"{ACK_KEY}{other}", max(int((deadline - time.monotonic()) * 1000), 1))
             except Exception:  # noqa: BLE001 - no answer in time: that process ends by itself, or has ended
