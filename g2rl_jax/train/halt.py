@@ -36,7 +36,7 @@ _STORE_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "UNAUTHENTICATED", "PERMI
 _STOPPING = threading.Lock()  # the first caller of stop_everywhere prints; any other waits for the exit
 
 
-def _chain(err: BaseException):
+def error_chain(err: BaseException):
     """`err` and the errors it was raised from or during."""
     seen = set()
     while err is not None and id(err) not in seen:
@@ -69,7 +69,7 @@ def unreachable(err: BaseException) -> bool:
     connection, a timeout, a gRPC/tensorstore status such as UNAVAILABLE): not a damaged object, which reads as a
     missing file or bad bytes."""
     return any(isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError))
-               or any(status in str(e) for status in _STORE_STATUSES) for e in _chain(err))
+               or any(status in str(e) for status in _STORE_STATUSES) for e in error_chain(err))
 
 
 def storage_failure(err: BaseException, run_dir, step: int) -> str | None:
@@ -80,10 +80,10 @@ def storage_failure(err: BaseException, run_dir, step: int) -> str | None:
 
     if not storage.is_url(run_dir):
         return None
-    cause = next((e for e in _chain(err) if _store_error(e)), None)
+    cause = next((e for e in error_chain(err) if _store_error(e)), None)
     if cause is None:
         return None
-    text = " ".join(f"{type(e).__module__} {e}" for e in _chain(err))
+    text = " ".join(f"{type(e).__module__} {e}" for e in error_chain(err))
     client = "tensorstore" if "tensorstore" in text or _STORE_STATUSES[0] in text else "gcsfs"
     return (f"run.output_dir: the storage failed after step {step}: "
             f"{storage_clients.explain(run_dir, cause, client)}. Kept: the checkpoints already committed in "
@@ -108,7 +108,7 @@ def exit_if_storage_failed(err: BaseException, run_dir, step: int) -> None:
 class _NoStoreTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         err = record.exc_info[1] if record.exc_info else None
-        if err is not None and any(_store_error(e) for e in _chain(err)):
+        if err is not None and any(_store_error(e) for e in error_chain(err)):
             record.exc_info = record.exc_text = None
         return True
 
@@ -133,7 +133,7 @@ class StoreTracebacksOff:
 
 
 # ------------------------------------------------------------------------------------------------ every process
-def _client():
+def distributed_client():
     """jax.distributed's client when this is one process of several, else None."""
     try:
         from jax._src import distributed
@@ -163,7 +163,7 @@ def stop_everywhere(line: str, code: int) -> None:
         time.sleep(ACK_S + 10)
         os._exit(code)
     print(line, file=sys.stderr, flush=True)
-    client, me = _client(), None
+    client, me = distributed_client(), None
     if client is not None:
         from jax._src import distributed
 
@@ -193,7 +193,7 @@ class PeerWatch:
         self._thread = None
 
     def __enter__(self) -> PeerWatch:
-        self._client = _client()
+        self._client = distributed_client()
         if self._client is not None:
             self._done.clear()
             self._thread = threading.Thread(target=self._watch, name="peer-stop-watch", daemon=True)

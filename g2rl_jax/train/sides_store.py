@@ -103,7 +103,7 @@ def told_if_failed(mesh_cfg):
 def peer_gone(err: BaseException) -> str | None:
     """The gloo error in `err` (or an error it came from) that says a process this one ran a collective with is
     gone, first line only; None for any other error."""
-    for e in halt._chain(err):
+    for e in halt.error_chain(err):
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "Gloo" in text and any(s in text for s in _PEER_GONE):
             return text[text.index("Gloo"):]
@@ -115,7 +115,7 @@ def exit_if_peer_gone(err: BaseException, step: int | None = None) -> None:
     process this one ran a collective with is gone (`peer_gone`), the training side after step `step`; return
     otherwise (the caller's own handling goes on)."""
     gone = peer_gone(err)
-    if gone is None or halt._client() is None:
+    if gone is None or halt.distributed_client() is None:
         return
     after = "" if step is None else f" after step {step}"
     halt.stop_everywhere(f"a process of this run is gone{after} ({gone}): it died (kill -9, a lost VM) or was "
