@@ -48,6 +48,21 @@ def test_storage_benchmark_runs_on_the_emulator(gcs, capsys):
         assert needle in out, out[-2000:]
 
 
+def test_once_update_cost_per_response_token(tmp_path):
+    """bench once's update cost: update seconds over response tokens trained, steps 3 on, from a run's files."""
+    import json
+
+    from g2rl_jax.bench.once import update_us_per_token
+
+    (tmp_path / "config.yaml").write_text("data:\n  prompts_per_step: 4\nrollout:\n  num_samples: 2\n")
+    steps = [{"step": 0, "accuracy": 0.1}, {"step": 1, "update_seconds": 9.0, "response_length": 10.0},
+             {"step": 2, "update_seconds": 0.5, "response_length": 12.0},
+             {"step": 3, "update_seconds": 0.25, "response_length": 20.0},
+             {"step": 4, "update_seconds": 0.75, "response_length": 30.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert update_us_per_token(tmp_path) == 1e6 * (0.25 + 0.75) / (8 * 20.0 + 8 * 30.0)
+
+
 def test_once_rollout_runs_both_checkouts(capsys):
     """`bench once` at its cheapest: the rollout mode, this checkout against itself, one new seed."""
     from g2rl_jax.bench.once import ROOT
