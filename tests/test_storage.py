@@ -241,7 +241,8 @@ def test_a_server_that_never_answers_fails_in_bounded_time_with_one_line(gcs):
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)
         port = silent.getsockname()[1]
-        seconds, done = _check_in_a_fresh_process(_emulator_env(gcs, f"http://127.0.0.1:{port}"))
+        env = dict(_emulator_env(gcs, f"http://127.0.0.1:{port}"), G2RL_JAX_STORAGE_TIMEOUT="10")  # waited out
+        seconds, done = _check_in_a_fresh_process(env)
     line = _last_line(done)
     assert f"127.0.0.1:{port} accepts connections but does not answer" in line and "G2RL_JAX_STORAGE_TIMEOUT" in line
     assert seconds < 60, seconds
