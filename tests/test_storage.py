@@ -234,6 +234,19 @@ def test_a_closed_port_fails_in_bounded_time_with_one_line(gcs):
     assert seconds < 60, seconds
 
 
+@pytest.mark.parametrize("budget,attempts", [(10, 2), (15, 3), (30, 5), (47, 5), (48, 6), (120, 6), (600, 6)])
+def test_gcsfs_attempts_fit_the_storage_budget(monkeypatch, budget, attempts):
+    """gcsfs's attempts per request: the most (up to its own 6) whose worst case, every attempt stalled for the
+    stall limit S = max(2, (budget - 36) / 6) and each retry after 2^i s + 1 s of jitter, fits the budget."""
+    from g2rl_jax import storage_clients
+
+    monkeypatch.setenv(storage_clients.TIMEOUT_ENV, str(budget))
+    stall = max(2.0, (budget - 36.0) / 6.0)
+    worst = [n * stall + (2.0 ** (n - 1) - 1.0) + (n - 1) for n in range(1, 8)]  # 1 + 2 + ... + 2^(n-2), n - 1 s
+    assert worst[attempts - 1] <= budget and (attempts == 6 or worst[attempts] > budget)
+    assert storage_clients.gcsfs_attempts() == attempts
+
+
 def test_a_server_that_never_answers_fails_in_bounded_time_with_one_line(gcs):
     import socket
 

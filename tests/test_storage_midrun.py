@@ -20,7 +20,7 @@ from g2rl_jax.train.halt import STORAGE_FAILED_EXIT
 from _helpers import xla_flags
 
 TIMEOUT_S = "10"
-BOUND_S = 100  # 6 requests of 2 s and gcsfs's 31 s of backoff, the reachability check, and a loaded machine
+BOUND_S = 100  # gcsfs's 2 attempts of 2 s and its backoff (at 10 s), the reachability check, and a loaded machine
 LEASE_S = 12  # the trainer's run.lock_lease_seconds: it stops within it, whatever its main thread waits on (the
 # default 60 s proves the same, four times slower; the lease tests below use 12 s too)
 
