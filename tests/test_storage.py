@@ -213,7 +213,7 @@ def _emulator_env(gcs, endpoint: str) -> dict:
     import os
 
     return dict(os.environ, **{k: endpoint if v == gcs.endpoint else v for k, v in gcs.env.items()},
-                G2RL_JAX_STORAGE_TIMEOUT="15")
+                G2RL_JAX_STORAGE_TIMEOUT="10")  # the least: what bounds the failures is waited out
 
 
 def _last_line(done) -> str:
@@ -254,8 +254,7 @@ def test_a_server_that_never_answers_fails_in_bounded_time_with_one_line(gcs):
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)
         port = silent.getsockname()[1]
-        env = dict(_emulator_env(gcs, f"http://127.0.0.1:{port}"), G2RL_JAX_STORAGE_TIMEOUT="10")  # waited out
-        seconds, done = _check_in_a_fresh_process(env)
+        seconds, done = _check_in_a_fresh_process(_emulator_env(gcs, f"http://127.0.0.1:{port}"))
     line = _last_line(done)
     assert f"127.0.0.1:{port} accepts connections but does not answer" in line and "G2RL_JAX_STORAGE_TIMEOUT" in line
     assert seconds < 60, seconds
@@ -340,7 +339,7 @@ def test_export_and_analyze_of_a_checkpoint_whose_server_went_away_are_one_line(
     endpoint, cause = dead_endpoint
     args = {"export": ["--out", str(tmp_path / "exported")],
             "analyze": ["--dataset", "demo", "--out", str(tmp_path / "analysis")]}[command]
-    env = dict(_emulator_env(gcs, endpoint), G2RL_JAX_STORAGE_TIMEOUT="10")
+    env = _emulator_env(gcs, endpoint)
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", f"g2rl_jax.{command}", "--checkpoint", "gs://g2rl-test/runs/gone",
                            *args], env=env, capture_output=True, text=True, timeout=300)
