@@ -4,8 +4,8 @@ the first URL it meets, and `check_writable` before anything heavy):
 
 - gcsfs (every file the project writes itself, through etils epath): each request gives up when connecting or
   waiting for an answer stalls for `request_seconds()`; gcsfs then retries 429, 5xx, timeouts and dropped
-  connections itself, 6 attempts with exponential backoff (1, 2, 4, 8, 16 s plus up to 1 s of jitter; fixed in
-  gcsfs);
+  connections itself, with exponential backoff (1, 2, 4, 8, 16 s plus up to 1 s of jitter; fixed in gcsfs), in
+  `gcsfs_attempts()` attempts: its own 6, fewer when they would not fit the budget;
 - tensorstore (Orbax's checkpoint writer, its own HTTP client and credentials): libcurl gives up a connection not
   made in `request_seconds()` (TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS) and a request that moves under 1 byte/s for
   `request_seconds()` (TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS / _LIMIT_BYTES; read once per process, at its first
@@ -14,10 +14,11 @@ the first URL it meets, and `check_writable` before anything heavy):
   from 1 s up to 16 s, as many times as fit the budget). tensorstore has no per-request deadline of its own.
 
 The budget: $G2RL_JAX_STORAGE_TIMEOUT seconds (default 120) for a call whose endpoint does not answer; a request's
-stall limit is what leaves room for gcsfs's 6 attempts and their backoff in it, and tensorstore's retries are as many
-as fit in it at that stall limit. `check_writable` writes and deletes a probe through both clients, each under that
-deadline, and turns a failure into one line naming the URL and the likely cause: a variable missing from an
-emulator's set, no credentials, a denied permission, a closed port, a server that accepts and does not answer.
+stall limit is what leaves room for gcsfs's 6 attempts and their backoff in it (under 48 s, where they do not fit
+at the least stall limit, 2 s: as many attempts as fit, 2 at the least budget, 10 s), and tensorstore's retries are
+as many as fit in it at that stall limit. `check_writable` writes and deletes a probe through both clients, each
+under that deadline, and turns a failure into one line naming the URL and the likely cause: a variable missing from
+an emulator's set, no credentials, a denied permission, a closed port, a server that accepts and does not answer.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import urllib.parse
 
 TIMEOUT_ENV = "G2RL_JAX_STORAGE_TIMEOUT"
 GCSFS_BACKOFF_S = 36.0  # gcsfs's 5 sleeps between its 6 attempts, at most
+GCSFS_ATTEMPTS = 6  # gcsfs's own attempts per request
 TS_MAX_RETRIES = 6
 TS_DELAYS = {"initial_delay": "1s", "max_delay": "16s"}  # tensorstore's backoff: 1 s doubling to 16 s, + <= 1 s jitter
 TS_ATTEMPT_OVERHEAD_S = 3.0  # measured: a stalled attempt ends 2-2.6 s after libcurl's stall limit (its checks)
@@ -64,6 +66,21 @@ def timeout_seconds() -> float:
 def request_seconds() -> float:
     """One request's stall limit: 6 such attempts and gcsfs's backoff fit in timeout_seconds()."""
     return max(2.0, (timeout_seconds() - GCSFS_BACKOFF_S) / 6)
+
+
+def gcsfs_attempts() -> int:
+    """gcsfs's attempts per request: as many as fit timeout_seconds() (up to its own 6), each stalled for
+    request_seconds() and each retry after its backoff of 2^i s and up to 1 s of jitter: 6 at the default 120 s,
+    2 at the least, 10 s (a failing call then ends in the budget, not 33 s of backoff later)."""
+    stall = request_seconds()
+
+    def worst(attempts: int) -> float:
+        return attempts * stall + sum(2.0 ** i + 1.0 for i in range(attempts - 1))
+
+    attempts = 1
+    while attempts < GCSFS_ATTEMPTS and worst(attempts + 1) <= timeout_seconds():
+        attempts += 1
+    return attempts
 
 
 def tensorstore_retries() -> dict:
@@ -129,10 +146,22 @@ def configure() -> None:
         conf.setdefault("use_listings_cache", False)  # hosts that share a bucket must see each other's writes
         conf.setdefault("requests_timeout", aiohttp.ClientTimeout(total=None, sock_connect=stall, sock_read=stall))
     _register_paced_gcsfs()
+    _quiet_gcsfs_failures()
     for name, value in tensorstore_environment().items():
         os.environ.setdefault(name, value)
     set_orbax_retries(tensorstore_retries())
     _CONFIGURED = True
+
+
+def _quiet_gcsfs_failures() -> None:
+    """gcsfs's record of a request out of retries carries no traceback when its error is a storage failure
+    (train/halt.py's filter): the caller reports the failure itself, in one line, and gcsfs_attempts() lets gcsfs
+    give up within the budget, before the caller's own deadline."""
+    import logging
+
+    from g2rl_jax.train import halt
+
+    logging.getLogger("gcsfs").addFilter(halt.NoStoreTraceback())
 
 
 def set_orbax_retries(retries: dict) -> None:
@@ -211,8 +240,10 @@ def _body_bytes(kwargs: dict) -> bytes:
 
 def _register_paced_gcsfs() -> None:
     """gs:// and gcs:// served by a gcsfs filesystem that paces its own updates of one object to one a second
-    (every file written through gcsfs, Orbax's metadata files included): a 429 avoided, not retried."""
+    (every file written through gcsfs, Orbax's metadata files included): a 429 avoided, not retried; each request
+    retried by gcsfs's own retry_request in gcsfs_attempts() attempts."""
     import fsspec
+    from gcsfs.retry import retry_request
 
     from g2rl_jax import storage_append
 
@@ -220,6 +251,9 @@ def _register_paced_gcsfs() -> None:
     if getattr(base, "paced", False):
         return
     uploads: dict[str, str] = {}
+    undecorated = getattr(base._request, "__wrapped__", None)  # gcsfs's _request without its 6-attempt retry
+    request = (retry_request(retries=gcsfs_attempts())(undecorated) if undecorated is not None
+               else lambda fs, *a, **kw: base._request(fs, *a, **kw))  # another gcsfs: its own 6 attempts
 
     class PacedGCSFileSystem(base):
         paced = True
@@ -232,12 +266,12 @@ def _register_paced_gcsfs() -> None:
             query |= {k: v[0] for k, v in urllib.parse.parse_qs(url.query).items()}
             kind, obj = classify(method, url.path, query, _body_bytes(kwargs), uploads)
             if obj is None or kind not in (*UPDATES, "start"):
-                return await super()._request(method, path, *args, **kwargs)
+                return await request(self, method, path, *args, **kwargs)
             key = f"gs://{obj}"
             wait = storage_append.UPDATE_INTERVAL_S + 0.05 - storage_append._since_update(key)
             if wait > 0 and "upload_id" not in query:  # a resumable upload waits at its start
                 await asyncio.sleep(wait)
-            result = await super()._request(method, path, *args, **kwargs)
+            result = await request(self, method, path, *args, **kwargs)
             status, headers = result[0], result[1]
             if kind == "start" and "upload_id=" in headers.get("Location", ""):
                 uploads[urllib.parse.parse_qs(urllib.parse.urlsplit(headers["Location"]).query)["upload_id"][0]] = obj

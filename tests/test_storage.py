@@ -213,7 +213,7 @@ def _emulator_env(gcs, endpoint: str) -> dict:
     import os
 
     return dict(os.environ, **{k: endpoint if v == gcs.endpoint else v for k, v in gcs.env.items()},
-                G2RL_JAX_STORAGE_TIMEOUT="15")
+                G2RL_JAX_STORAGE_TIMEOUT="10")  # the least: what bounds the failures is waited out
 
 
 def _last_line(done) -> str:
@@ -232,6 +232,19 @@ def test_a_closed_port_fails_in_bounded_time_with_one_line(gcs):
     line = _last_line(done)
     assert f"nothing listens on port {port} of 127.0.0.1" in line and "gs://g2rl-test/run" in line, line
     assert seconds < 60, seconds
+
+
+@pytest.mark.parametrize("budget,attempts", [(10, 2), (15, 3), (30, 5), (47, 5), (48, 6), (120, 6), (600, 6)])
+def test_gcsfs_attempts_fit_the_storage_budget(monkeypatch, budget, attempts):
+    """gcsfs's attempts per request: the most (up to its own 6) whose worst case, every attempt stalled for the
+    stall limit S = max(2, (budget - 36) / 6) and each retry after 2^i s + 1 s of jitter, fits the budget."""
+    from g2rl_jax import storage_clients
+
+    monkeypatch.setenv(storage_clients.TIMEOUT_ENV, str(budget))
+    stall = max(2.0, (budget - 36.0) / 6.0)
+    worst = [n * stall + (2.0 ** (n - 1) - 1.0) + (n - 1) for n in range(1, 8)]  # 1 + 2 + ... + 2^(n-2), n - 1 s
+    assert worst[attempts - 1] <= budget and (attempts == 6 or worst[attempts] > budget)
+    assert storage_clients.gcsfs_attempts() == attempts
 
 
 def test_a_server_that_never_answers_fails_in_bounded_time_with_one_line(gcs):
@@ -326,7 +339,7 @@ def test_export_and_analyze_of_a_checkpoint_whose_server_went_away_are_one_line(
     endpoint, cause = dead_endpoint
     args = {"export": ["--out", str(tmp_path / "exported")],
             "analyze": ["--dataset", "demo", "--out", str(tmp_path / "analysis")]}[command]
-    env = dict(_emulator_env(gcs, endpoint), G2RL_JAX_STORAGE_TIMEOUT="10")
+    env = _emulator_env(gcs, endpoint)
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", f"g2rl_jax.{command}", "--checkpoint", "gs://g2rl-test/runs/gone",
                            *args], env=env, capture_output=True, text=True, timeout=300)

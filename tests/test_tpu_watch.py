@@ -192,7 +192,7 @@ def test_watch_needs_a_bucket(cloud):
 
 
 # ----------------------------------------------------------------------------------------------------- watch
-PROVISION_S, SETUP_S = 2.0, 1.0  # the fake cloud's queue time of a recreated resource and setup's install time
+PROVISION_S, SETUP_S = 1.0, 0.5  # the fake cloud's queue time of a recreated resource and setup's install time
 
 
 def _preempt(fake: Path) -> float:
@@ -227,7 +227,7 @@ def test_watch_brings_a_preempted_spot_run_back(cloud, assets, tmp_path):  # noq
     resumes from its checkpoint in the bucket, reads its programs from the bucket's compile cache, and finishes;
     watch then sees the exit status 0 and summary.json, and ends. Prints the recovery time and its parts."""
     env, calls, fake = cloud
-    env["FAKE_STATES"] = json.dumps([[["WAITING_FOR_RESOURCES", 1.0], ["ACTIVE", 1]],
+    env["FAKE_STATES"] = json.dumps([[["WAITING_FOR_RESOURCES", 0.5], ["ACTIVE", 1]],
                                      [["WAITING_FOR_RESOURCES", PROVISION_S], ["ACTIVE", 1]]])
     env["FAKE_SETUP_SECONDS"] = str(SETUP_S)
     env["XLA_FLAGS"] = xla_flags(8)

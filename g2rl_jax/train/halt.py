@@ -105,7 +105,9 @@ def exit_if_storage_failed(err: BaseException, run_dir, step: int) -> None:
     stop_everywhere(f"train error: {line}", STORAGE_FAILED_EXIT)
 
 
-class _NoStoreTraceback(logging.Filter):
+class NoStoreTraceback(logging.Filter):
+    """Drops the traceback of a log record whose error is a storage failure (the caller reports it in one line)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         err = record.exc_info[1] if record.exc_info else None
         if err is not None and any(_store_error(e) for e in error_chain(err)):
@@ -120,7 +122,7 @@ class StoreTracebacksOff:
     LOGGERS = ("gcsfs", "fsspec", "absl")
 
     def __init__(self):
-        self._filter = _NoStoreTraceback()
+        self._filter = NoStoreTraceback()
 
     def __enter__(self) -> StoreTracebacksOff:
         for name in self.LOGGERS:
@@ -156,13 +158,22 @@ def _end(code: int, me: int | None) -> None:
     os._exit(code)
 
 
+def _print_own_line(line: str) -> None:
+    """`line` on stderr on a line of its own: a progress bar still drawn there (tqdm ends its line only when the bar
+    closes, and this process ends without closing it) is ended first."""
+    bars = sys.modules.get("tqdm")
+    if bars is not None and len(getattr(bars.tqdm, "_instances", ())):  # tqdm drops disabled bars from the set
+        print(file=sys.stderr)
+    print(line, file=sys.stderr, flush=True)
+
+
 def stop_everywhere(line: str, code: int) -> None:
     """Print `line` on stderr and end this process with `code`; in a multi-host run the other processes are told
     first (PeerWatch ends them with the same line) and given up to ACK_S to have it. Never returns."""
     if not _STOPPING.acquire(blocking=False):  # another thread of this process is stopping it already
         time.sleep(ACK_S + 10)
         os._exit(code)
-    print(line, file=sys.stderr, flush=True)
+    _print_own_line(line)
     client, me = distributed_client(), None
     if client is not None:
         from jax._src import distributed
@@ -213,7 +224,7 @@ class PeerWatch:
             code, _, line = value.partition("\n")
             if not _STOPPING.acquire(blocking=False):  # this process is stopping by itself
                 return
-            print(line, file=sys.stderr, flush=True)
+            _print_own_line(line)
             me = distributed.global_state.process_id
             try:
                 self._client.key_value_set(f"{ACK_KEY}{me}", "1")
