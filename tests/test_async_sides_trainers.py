@@ -276,11 +276,11 @@ def test_dynamic_sampling_rounds_joined_pick_over_the_whole_batch():
 
 
 def test_a_lost_gloo_connection_is_a_peer_gone_and_other_errors_are_not():
-    """sides_store.peer_gone: the gloo line of a collective whose peer died (as the update stage wraps it), nothing
+    """halt.peer_gone: the gloo line of a collective whose peer died (as the update stage wraps it), nothing
     for other errors; exit_if_peer_gone returns in a one-process run (nothing to stop)."""
     import jax
 
-    from g2rl_jax.train import sides_store
+    from g2rl_jax.train import halt
     from g2rl_jax.train.step import StageError
 
     lost = ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
@@ -292,7 +292,7 @@ def test_a_lost_gloo_connection_is_a_peer_gone_and_other_errors_are_not():
             raise StageError("stage 'update' failed on inputs [input_ids=(16, 32)]") from err
     except StageError as err:
         wrapped = err
-    assert sides_store.peer_gone(wrapped) == lost[len("UNKNOWN: "):]
-    assert sides_store.peer_gone(jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: bad size")) is None
-    assert sides_store.peer_gone(ValueError("Connection reset by peer")) is None  # not a collective's
-    assert sides_store.exit_if_peer_gone(wrapped, 1) is None  # one process: the caller's handling goes on
+    assert halt.peer_gone(wrapped) == lost[len("UNKNOWN: "):]
+    assert halt.peer_gone(jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: bad size")) is None
+    assert halt.peer_gone(ValueError("Connection reset by peer")) is None  # not a collective's
+    assert halt.exit_if_peer_gone(wrapped, 1) is None  # one process: the caller's handling goes on

@@ -33,6 +33,9 @@ _CLIENT_MODULES = ("gcsfs", "fsspec", "aiohttp", "tensorstore", "google.auth", "
 # what tensorstore's (and gRPC's) statuses say when the store failed, not the program
 _STORE_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "UNAUTHENTICATED", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                    "CURL error", "Couldn't connect", "Timeout was reached", "Connection refused")
+PEER_LOST_EXIT = 76  # EX_PROTOCOL (sysexits.h): another process of the run is gone; relaunch all to resume
+# what gloo's TCP transport says when the process at the other end of a collective is gone (died, killed)
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 _STOPPING = threading.Lock()  # the first caller of stop_everywhere prints; any other waits for the exit
 
 
@@ -103,6 +106,29 @@ def exit_if_storage_failed(err: BaseException, run_dir, step: int) -> None:
 
         raise StorageError(line) from None
     stop_everywhere(f"train error: {line}", STORAGE_FAILED_EXIT)
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """The gloo error in `err` (or an error it came from) that says a process this one ran a collective with is
+    gone, first line only; None for any other error."""
+    for e in error_chain(err):
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "Gloo" in text and any(s in text for s in _PEER_GONE):
+            return text[text.index("Gloo"):]
+    return None
+
+
+def exit_if_peer_gone(err: BaseException, step: int | None = None) -> None:
+    """In a run of several processes, end every process with one line and PEER_LOST_EXIT when `err` says that a
+    process this one ran a collective with is gone (`peer_gone`), the training side after step `step`; return
+    otherwise (the caller's own handling goes on)."""
+    gone = peer_gone(err)
+    if gone is None or distributed_client() is None:
+        return
+    after = "" if step is None else f" after step {step}"
+    stop_everywhere(f"a process of this run is gone{after} ({gone}): it died (kill -9, a lost VM) or was "
+                         "ended. The checkpoints committed stand: end every process that still runs, and relaunch "
+                         "every process with the same command to resume from the newest", PEER_LOST_EXIT)
 
 
 class NoStoreTraceback(logging.Filter):

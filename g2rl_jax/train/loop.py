@@ -39,7 +39,7 @@ from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, logprob_drift, sampling
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
-from g2rl_jax.train import compiles, halt, identity, passes, report, sides_store, warmup
+from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
@@ -363,7 +363,7 @@ class Trainer(SamplingRounds, UpdateRounds):
                 if self.step:
                     self.ckpt.save(self.step, self.state(), self.loader, force=True)
             except Exception as err:  # a bucket that stopped answering: one line, every process stops (train/halt.py)
-                sides_store.exit_if_peer_gone(err, self.step)  # so does a process gone from a collective
+                halt.exit_if_peer_gone(err, self.step)  # so does a process gone from a collective
                 halt.exit_if_storage_failed(err, self.run_dir, self.step)
                 raise
             finally:

@@ -294,7 +294,7 @@ def run_rollout_process(cfg) -> int:
             print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
                   "process ends; relaunch both processes together", file=sys.stderr, flush=True)
             os._exit(store.PEER_LOST_EXIT)
-        store.exit_if_peer_gone(err)  # another rollout process (or a training one) is gone: one line, all stop
+        halt.exit_if_peer_gone(err)  # another rollout process (or a training one) is gone: one line, all stop
         traceback.print_exc()
         halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)
     finally:

@@ -14,8 +14,8 @@ whole lease, stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A tr
 coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
 errors"). Any other process that dies (kill -9 of training process 1 of 2, of one rollout process of 2) breaks the
 collectives of the processes it ran them with: the first of them to see its gloo connection lost stops every
-process with one line and PEER_LOST_EXIT (`exit_if_peer_gone`; the trainer's loop and the rollout process call it on
-their error), at once rather than after jax.distributed's heartbeat timeout. A rollout process that fails otherwise
+process with one line and PEER_LOST_EXIT (`halt.exit_if_peer_gone`; the trainer's loop and the rollout process call it
+on their error), at once rather than after jax.distributed's heartbeat timeout. A rollout process that fails otherwise
 stops all with its error's line (halt.stop_everywhere; the trainer's halt.PeerWatch ends it). The key-value store
 lives in the trainer process, so a relaunch starts from a store without the old keys.
 """
@@ -33,12 +33,8 @@ from g2rl_jax.train import halt
 
 PREFIX = "g2rl_sides"
 POLL_MS = 1000  # a wait for the other side's key, between looks at whether that side has ended
-PEER_LOST_EXIT = 76  # EX_PROTOCOL (sysexits.h): another process of the run is gone; relaunch all to resume
+PEER_LOST_EXIT = halt.PEER_LOST_EXIT  # another process of the run is gone; relaunch all to resume
 ENDED_EARLY_EXIT = 1  # the rollout process, when the trainer ended before run.total_steps
-
-
-# what gloo's TCP transport says when the process at the other end of a collective is gone (died, killed)
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 class TrainerEnded(Exception):
@@ -98,29 +94,6 @@ def told_if_failed(mesh_cfg):
         if mesh_cfg.rollout_processes:
             end_rollout(0, ENDED_EARLY_EXIT)
         raise
-
-
-def peer_gone(err: BaseException) -> str | None:
-    """The gloo error in `err` (or an error it came from) that says a process this one ran a collective with is
-    gone, first line only; None for any other error."""
-    for e in halt.error_chain(err):
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if "Gloo" in text and any(s in text for s in _PEER_GONE):
-            return text[text.index("Gloo"):]
-    return None
-
-
-def exit_if_peer_gone(err: BaseException, step: int | None = None) -> None:
-    """In a run of several processes, end every process with one line and PEER_LOST_EXIT when `err` says that a
-    process this one ran a collective with is gone (`peer_gone`), the training side after step `step`; return
-    otherwise (the caller's own handling goes on)."""
-    gone = peer_gone(err)
-    if gone is None or halt.distributed_client() is None:
-        return
-    after = "" if step is None else f" after step {step}"
-    halt.stop_everywhere(f"a process of this run is gone{after} ({gone}): it died (kill -9, a lost VM) or was "
-                         "ended. The checkpoints committed stand: end every process that still runs, and relaunch "
-                         "every process with the same command to resume from the newest", PEER_LOST_EXIT)
 
 
 def trainer_ended():
