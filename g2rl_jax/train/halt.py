@@ -184,7 +184,7 @@ def _end(code: int, me: int | None) -> None:
     os._exit(code)
 
 
-def _print_own_line(line: str) -> None:
+def print_own_line(line: str) -> None:
     """`line` on stderr on a line of its own: a progress bar still drawn there (tqdm ends its line only when the bar
     closes, and this process ends without closing it) is ended first."""
     bars = sys.modules.get("tqdm")
@@ -199,7 +199,7 @@ def stop_everywhere(line: str, code: int) -> None:
     if not _STOPPING.acquire(blocking=False):  # another thread of this process is stopping it already
         time.sleep(ACK_S + 10)
         os._exit(code)
-    _print_own_line(line)
+    print_own_line(line)
     client, me = distributed_client(), None
     if client is not None:
         from jax._src import distributed
@@ -250,7 +250,7 @@ class PeerWatch:
             code, _, line = value.partition("\n")
             if not _STOPPING.acquire(blocking=False):  # this process is stopping by itself
                 return
-            _print_own_line(line)
+            print_own_line(line)
             me = distributed.global_state.process_id
             try:
                 self._client.key_value_set(f"{ACK_KEY}{me}", "1")

@@ -31,7 +31,8 @@ LEASE_LOST_EXIT = 3  # a trainer whose run lock another trainer took over
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    """A warning on stderr on a line of its own (the renewal thread warns while the progress bar is drawn)."""
+    halt.print_own_line(f"warning: {message}")
 
 
 # ------------------------------------------------------------------------------------------------ the lock
