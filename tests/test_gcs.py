@@ -96,6 +96,17 @@ def test_kill_9_on_a_bucket_then_resume_exactly(killed_run, reference):  # noqa:
     assert len(history) == 3 and history[-1]["checkpoint_found"] == max(killed_run["committed"])
 
 
+def test_each_launch_probes_the_bucket_once(killed_run, gcs):
+    """run.output_dir's write probe (setup.preflight: a write and a delete, about 2 s at the bucket's pace) once
+    per launch, before the lock: the three launches above wrote three probes, each once."""
+    from collections import Counter
+
+    prefix = killed_run["out"].removeprefix("gs://") + "/.write_test."
+    probes = Counter(r.obj for r in list(gcs.proxy.log) if r.kind == "upload" and (r.obj or "").startswith(prefix)
+                     and not r.obj.endswith(".tensorstore") and 200 <= r.status < 300)
+    assert len(probes) == 3 and set(probes.values()) == {1}, probes
+
+
 def _records(data: bytes):
     """The records of a TFRecord stream (TensorBoard's events file), each checksum checked."""
     import struct
