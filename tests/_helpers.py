@@ -4,6 +4,7 @@
     model = create_sharded(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), mesh=mesh), mesh)   # random init, in place
     model_dir, model = tiny_qwen3_fixtures()   # module-scoped fixtures of one tiny random Qwen3 per test module
     kill_when(proc, ready, log)                # SIGKILL a trainer subprocess the moment a condition holds
+    seen = BucketWrites(gcs, out); seen.saving(); seen.committed()   # a run's checkpoints in a bucket, requests free
     with lock_held_elsewhere(out, env) as holder: ...   # another process holds the run lock of `out`
     run_processes(lambda i, port: [*train_cmd, *trainer_args(i, port)], timeout=1800)   # 2 processes, one job
 
@@ -70,6 +71,41 @@ def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], log) -> bool:
             raise AssertionError(f"the run neither ended nor got there in {HANG_S}s: {tail(log)}")
         time.sleep(0.005)
     return False
+
+
+class BucketWrites:
+    """What the bucket's server stored under the run `out` (a gs:// URL), read from the strict proxy's log
+    (tests/conftest.py's `gcs`) as it grows: a condition that `kill_when` looks at every few milliseconds costs no
+    request (listing the bucket that often would take a core from the trainer under test). A write counts once the
+    server answered it 2xx (the proxy logs it before the client has its answer)."""
+
+    WRITES = ("upload", "compose", "copy")
+
+    def __init__(self, gcs, out: str):
+        self.gcs, self.prefix, self.at, self.names = gcs, out.removeprefix("gs://") + "/", 0, set()
+
+    def written(self) -> set[str]:
+        log = self.gcs.proxy.log  # only appended to (the proxy's threads); a proxy restarted on the port shares it
+        end = len(log)
+        self.names |= {r.obj[len(self.prefix):] for r in log[self.at:end] if r.kind in self.WRITES and r.obj
+                       and r.obj.startswith(self.prefix) and 200 <= r.status < 300}
+        self.at = end
+        return self.names
+
+    def _steps(self) -> tuple[set[int], set[int]]:
+        """(steps with anything written under checkpoints/STEP/, steps whose commit_success.txt was written)."""
+        parts = [n.split("/") for n in self.written() if n.startswith("checkpoints/")]
+        started = {int(p[1]) for p in parts if len(p) > 2 and p[1].isdigit()}
+        return started, {int(p[1]) for p in parts if len(p) == 3 and p[1].isdigit() and p[2] == "commit_success.txt"}
+
+    def saving(self) -> bool:
+        """A checkpoint save under way: a step's directory written to, its commit_success.txt not (yet)."""
+        started, committed = self._steps()
+        return bool(started - committed)
+
+    def committed(self) -> set[int]:
+        """The steps whose checkpoint was committed (Orbax on GCS: commit_success.txt written last)."""
+        return self._steps()[1]
 
 
 @contextlib.contextmanager

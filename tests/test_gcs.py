@@ -30,7 +30,7 @@ from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.metrics import read_metrics
 from g2rl_jax.train.runlock import LOCK_FILE, RunLock
 
-from _helpers import HANG_S, kill_when, lock_held_elsewhere, xla_flags
+from _helpers import HANG_S, BucketWrites, kill_when, lock_held_elsewhere, xla_flags
 
 STEPS = 3
 
@@ -59,11 +59,6 @@ def _committed(out) -> list[int]:
                   if n.isdigit() and storage.exists(f"{ckpts}/{n}/commit_success.txt"))
 
 
-def _saving(out) -> bool:
-    ckpts = f"{out}/checkpoints"
-    return any(n.isdigit() and not storage.exists(f"{ckpts}/{n}/commit_success.txt") for n in storage.names(ckpts))
-
-
 @pytest.fixture(scope="module")
 def killed_run(gcs, assets, bucket, tmp_path_factory):  # noqa: F811
     """The trainer on the bucket killed with -9 mid-save, rerun and killed once step 2 is committed, rerun to the
@@ -72,12 +67,13 @@ def killed_run(gcs, assets, bucket, tmp_path_factory):  # noqa: F811
     env = dict(_env(), XLA_FLAGS=xla_flags(8), **{storage.CACHE_ENV: str(tmp_path_factory.mktemp("cache"))})
     cmd = _gs_cmd(assets, bucket, out)
     log = tmp_path_factory.mktemp("logs") / "trainer.err"
+    seen = BucketWrites(gcs, out)  # what the trainer stored, from the proxy's log: the kills cost the bucket nothing
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        mid_save = kill_when(proc, lambda: _saving(out), err)
+        mid_save = kill_when(proc, seen.saving, err)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        kill_when(proc, lambda: any(s >= 2 for s in _committed(out)), err)
-    committed = _committed(out)
+        kill_when(proc, lambda: any(s >= 2 for s in seen.committed()), err)
+    committed = _committed(out)  # listed in the bucket itself
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
     return {"out": out, "mid_save": mid_save, "committed": committed, "done": done, "log": log.read_text()}
 
@@ -98,6 +94,17 @@ def test_kill_9_on_a_bucket_then_resume_exactly(killed_run, reference):  # noqa:
     assert not os.path.exists(out.replace("://", ":/")), "a local 'gs:' folder was written"
     history = [json.loads(line) for line in storage.read_text(f"{out}/config_history.jsonl").splitlines()]
     assert len(history) == 3 and history[-1]["checkpoint_found"] == max(killed_run["committed"])
+
+
+def test_each_launch_probes_the_bucket_once(killed_run, gcs):
+    """run.output_dir's write probe (setup.preflight: a write and a delete, about 2 s at the bucket's pace) once
+    per launch, before the lock: the three launches above wrote three probes, each once."""
+    from collections import Counter
+
+    prefix = killed_run["out"].removeprefix("gs://") + "/.write_test."
+    probes = Counter(r.obj for r in list(gcs.proxy.log) if r.kind == "upload" and (r.obj or "").startswith(prefix)
+                     and not r.obj.endswith(".tensorstore") and 200 <= r.status < 300)
+    assert len(probes) == 3 and set(probes.values()) == {1}, probes
 
 
 def _records(data: bytes):

@@ -1,10 +1,10 @@
-"""A bucket that fails in the middle of a run (a metrics flush, an asynchronous checkpoint save, the lease renewal,
-and a whole trainer), on a real GCS server on loopback (fake-gcs-server behind the strict
-proxy, tests/conftest.py's `gcs`): the proxy is told to drop every connection (a server gone away), to refuse every
-request (503), or to stop listening (a closed port) while a real trainer, or a real lock holder or checkpoint
-writer, is at work. Each ends in bounded time (G2RL_JAX_STORAGE_TIMEOUT=10 here; the whole trainer's stop is bounded
-by its lease of 12 s) with one line naming the URL and the likely cause, no traceback, exit 75 (EX_TEMPFAIL); the
-checkpoints already committed stay, and the same command run again against the healthy server resumes from the
+"""A bucket that fails in the middle of a run (a metrics flush, an asynchronous checkpoint save, the lease renewal, and
+a whole trainer), on a real GCS server on loopback (fake-gcs-server behind the strict proxy, tests/conftest.py's
+`gcs`): the proxy is told to drop every connection (a server gone away), to refuse every request (503), or to stop
+listening (a closed port) while a real trainer, or a real lock holder or checkpoint writer, is at work. Each ends in
+bounded time (G2RL_JAX_STORAGE_TIMEOUT=10 here; the whole trainer's stop is bounded by its lease of 12 s, a lock
+holder's by its lease of 9 s) with one line naming the URL and the likely cause, no traceback, exit 75 (EX_TEMPFAIL);
+the checkpoints already committed stay, and the same command run again against the healthy server resumes from the
 newest of them."""
 import contextlib
 import subprocess
@@ -18,12 +18,14 @@ from g2rl_jax import storage
 from g2rl_jax.bench.gcs_proxy import Faults, GcsProxy
 from g2rl_jax.train.halt import STORAGE_FAILED_EXIT
 
-from _helpers import xla_flags
+from _helpers import BucketWrites, xla_flags
 
 TIMEOUT_S = "10"
 BOUND_S = 100  # gcsfs's 2 attempts of 2 s and its backoff (at 10 s), the reachability check, and a loaded machine
 LEASE_S = 12  # the trainer's run.lock_lease_seconds: it stops within it, whatever its main thread waits on (the
-# default 60 s proves the same, four times slower; the lease tests below use 12 s too)
+# default 60 s proves the same, four times slower; a margin over the smallest, 9 s, for its renewals through the strict
+# proxy's seeded faults on a loaded machine)
+HOLDER_LEASE_S = 9.0  # a bare lock holder's lease (run.lock_lease_seconds' smallest): its store fails at once
 
 
 def _committed(out) -> list[int]:
@@ -79,8 +81,9 @@ def test_a_server_gone_mid_run_is_one_line_and_the_rerun_resumes(gcs, assets, tm
     with open(log, "w") as err:
         proc = subprocess.Popen([*_train_cmd(assets, out, 1000), *LEASED], env=env, stdout=subprocess.DEVNULL,
                                 stderr=err)
-        while proc.poll() is None and not any(s >= 2 for s in _committed(out)):
-            time.sleep(0.2)
+        seen = BucketWrites(gcs, out)  # the commits from the proxy's log: looking costs the bucket nothing
+        while proc.poll() is None and not any(s >= 2 for s in seen.committed()):
+            time.sleep(0.005)
         assert proc.poll() is None, log.read_text()[-3000:]
         with failing(gcs, "drop"):
             t0 = time.monotonic()
@@ -117,7 +120,7 @@ def test_lease_renewals_that_fail_for_a_lease_stop_the_holder_with_one_line(gcs,
     """The lease thread: a holder whose renewals do not land for a whole lease stops with one line (another
     trainer may take the run over from then on), within the lease and one bounded request."""
     out = gcs.url(f"midrun/lease_{how}")
-    lease = 12.0
+    lease = HOLDER_LEASE_S
     proc = subprocess.Popen([sys.executable, "-c", _holder(out, lease)], env=_env_for(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -4,9 +4,10 @@
   bucket (a server gone, a closed port, a server that stopped answering or keeps refusing): the URL and the likely
   cause (g2rl_jax/storage_clients.py's `explain`), and what is kept. None for anything else, which keeps its
   traceback. `exit_if_storage_failed` ends the process with that line (exit STORAGE_FAILED_EXIT).
-- `stop_everywhere(line, code)`: print `line`, tell the other processes (jax.distributed's key-value store), give
-  them up to ACK_S to say they stop too, and end this process (os._exit: no cleanup that could wait on a store that
-  no longer answers; the checkpoints already committed stand, a save in flight is discarded at the next start).
+- `stop_everywhere(line, code, gone)`: print `line`, tell the other processes (jax.distributed's key-value store),
+  give them up to ACK_S to say they stop too (not those `gone`, which the line is about), and end this process
+  (os._exit: no cleanup that could wait on a store that no longer answers; the checkpoints already committed stand, a
+  save in flight is discarded at the next start).
 - `StoreTracebacksOff`: while the loop runs, the tracebacks that gcsfs and Orbax (through absl) log for a storage
   failure are left out of their records (each stays one line): the line above says what failed.
 - `PeerWatch`: in every process of a multi-host run, a thread that ends the process with that same line when
@@ -193,9 +194,18 @@ def print_own_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def stop_everywhere(line: str, code: int) -> None:
+def awaited_acks(me: int, count: int, gone: tuple[int, ...] = ()) -> list[int]:
+    """The processes whose answer a stopping process `me` of `count` waits for: process 0 every other; another
+    process process 0 alone (it ends COORDINATOR_LAST_S after its answer, and JAX's client then aborts every process
+    still there: the rest have the line from their PeerWatch); none of those `gone` (a process whose lease lapsed is
+    dead, or too stuck to renew it and so to answer: waiting for it would only cost ACK_S)."""
+    return [i for i in (range(count) if me == 0 else [0]) if i != me and i not in gone]
+
+
+def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = ()) -> None:
     """Print `line` on stderr and end this process with `code`; in a multi-host run the other processes are told
-    first (PeerWatch ends them with the same line) and given up to ACK_S to have it. Never returns."""
+    first (PeerWatch ends them with the same line) and given up to ACK_S to have it, but those known `gone` (the
+    line is about them). Never returns."""
     if not _STOPPING.acquire(blocking=False):  # another thread of this process is stopping it already
         time.sleep(ACK_S + 10)
         os._exit(code)
@@ -210,9 +220,7 @@ def stop_everywhere(line: str, code: int) -> None:
         except Exception:  # noqa: BLE001 - another process published first (ALREADY_EXISTS), or the service is gone
             pass
         deadline = time.monotonic() + ACK_S
-        # process 0 ends COORDINATOR_LAST_S after its answer, and JAX's client then aborts every process still
-        # there: another process waits for process 0 alone (the rest have the line from their PeerWatch)
-        for other in (i for i in range(count) if i != me) if me == 0 else [0]:
+        for other in awaited_acks(me, count, gone):
             try:
                 client.blocking_key_value_get(f"{ACK_KEY}{other}", max(int((deadline - time.monotonic()) * 1000), 1))
             except Exception:  # noqa: BLE001 - no answer in time: that process ends by itself, or has ended

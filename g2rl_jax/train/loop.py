@@ -129,7 +129,7 @@ class Trainer(SamplingRounds, UpdateRounds):
             check_resume_config(given, self.run_dir)
         compilation_cache(given.run.compilation_cache_dir)  # before the first compile (the demo model's build)
         cfg = resolve_model_paths(given)  # builds the demo model on first use
-        preflight(cfg)
+        preflight(cfg, output_dir=False)  # probed before the lock was taken (__init__)
         self.cfg = cfg
         lora_on = cfg.model.lora.rank > 0
         self.base_sha256 = identity.base_sha256(cfg.model.path) if lora_on else None

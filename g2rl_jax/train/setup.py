@@ -134,9 +134,9 @@ def load_model(model_cfg, mesh, *, seed: int, remat: str | None = None):
     return model
 
 
-def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
+def preflight(cfg: Config, *, model_dirs: bool = True, output_dir: bool = True) -> None:
     """Cheap checks before anything heavy: model and embedding dirs (`model_dirs`), datasets, output_dir
-    writable. Raises ConfigError."""
+    writable (`output_dir`: a probe written and deleted, about 2 s on a bucket at its pace). Raises ConfigError."""
     dirs = (("model.path", cfg.model.path), ("algorithm.embedding_model", cfg.algorithm.embedding_model))
     for key, path in dirs if model_dirs else ():
         if path is not None and not storage.is_file(storage.path(path) / "config.json"):
@@ -151,8 +151,9 @@ def preflight(cfg: Config, *, model_dirs: bool = True) -> None:
     # one probe per process (hosts, and a refused second trainer, may share the directory: two writers of one probe
     # name would update one object twice within a second), before any other request: an endpoint that cannot be
     # reached is one line in bounded time
-    storage.check_writable(cfg.run.output_dir, "run.output_dir",
-                           f".write_test.{jax.process_index()}.{socket.gethostname()}.{os.getpid()}")
+    if output_dir:
+        storage.check_writable(cfg.run.output_dir, "run.output_dir",
+                               f".write_test.{jax.process_index()}.{socket.gethostname()}.{os.getpid()}")
     known = dataset_names()
     datasets = (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets))
     for key, names in datasets:

@@ -139,7 +139,8 @@ class Lease:
                     halt.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
                                          f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
                                          "hangs. The checkpoints committed stand: end it if it still runs, and "
-                                         "relaunch every process with the same command to resume", PEER_LOST_EXIT)
+                                         "relaunch every process with the same command to resume", PEER_LOST_EXIT,
+                                         gone=(int(process),))
 
         threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
         return self
