@@ -101,13 +101,13 @@ class _Update:
         self.bytes = self._compiled_bytes()
 
     def _compiled_bytes(self) -> int:
-        mb = jax.tree.map(lambda x: x[:self.micro], self.mini)
         # placed as the update places its accumulator, so that this is the program the update runs (a persistent
         # compilation cache then compiles it once)
         grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
                              lora.trainable(self.params))
         on = self.mini.batch.rewards.sharding
-        diag = jax.eval_shape(lambda: train_update.policy_loss(self.params, self.graphdef, mb, self.settings)[1])
+        diag = jax.eval_shape(lambda: train_update.policy_loss(  # of one micro-batch, sliced abstractly
+            self.params, self.graphdef, jax.tree.map(lambda x: x[:self.micro], self.mini), self.settings)[1])
         diag = {k: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=on) for k, d in diag.items()}
         loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=on)
         acc = train_update.accumulate.lower(self.graphdef, self.params, (grads, loss, diag), self.mini,
