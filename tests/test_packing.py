@@ -203,10 +203,10 @@ def test_packed_gradients_equal_the_unpacked_ones(split, agg, ratio_level):
         assert set(got_diag) == set(want_diag)
         for k in want_diag:
             np.testing.assert_allclose(float(got_diag[k]), float(want_diag[k]), rtol=2e-5, atol=1e-6, err_msg=k)
-        for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-            scale = float(jnp.abs(b).max())
+        for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):  # on the host: no program per leaf shape
+            scale = float(np.abs(np.asarray(b)).max())
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale + 1e-9)
-        assert any(float(jnp.abs(b).max()) > 1e-4 for b in jax.tree.leaves(want_g))
+        assert any(float(np.abs(np.asarray(b)).max()) > 1e-4 for b in jax.tree.leaves(want_g))
 
 
 def test_a_packed_training_step_equals_an_unpacked_one(assets, tmp_path):  # noqa: F811

@@ -170,10 +170,11 @@ def _xla_update_bytes(cfg, model: Qwen3Config, devices: int) -> int:
                                 ref_logp_BxT=put((rows, t), jnp.float32), advantages_B=put((rows,), jnp.float32))
     settings = train_update.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
     micro = cfg.algorithm.micro_batch_size
-    mb = jax.tree.map(lambda x: x[:micro], mini)  # the widest micro-batch: the whole response width T
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
                          lora.trainable(params))
-    diag = jax.eval_shape(lambda: train_update.policy_loss(params, graphdef, mb, settings)[1])
+    # of the widest micro-batch (the whole response width T), sliced abstractly: no slicing program compiled
+    diag = jax.eval_shape(lambda: train_update.policy_loss(params, graphdef, jax.tree.map(lambda x: x[:micro], mini),
+                                                           settings)[1])
     loss = jax.ShapeDtypeStruct((), jnp.float32)
     accumulate = train_update.accumulate.lower(graphdef, params, (grads, loss, diag), mini,  # rows taken inside
                                                np.arange(micro, dtype=np.int32), settings=settings, total_rows=rows,
@@ -204,6 +205,7 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     """Per-device bytes of the sampler's compiled prefill and of a decode segment at the full capacity (arguments
     + outputs − donated aliases + temporaries), the larger of the two: the rollout phase's peak with the
     parameters (every response reaching the budget, so no row is compacted away)."""
+    from g2rl_jax.aot import programs
     from g2rl_jax.rollout import engine
     from g2rl_jax.rollout.sampling import spec_for
 
@@ -222,10 +224,13 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
     with jax.set_mesh(mesh):
         first = engine.capacity_ladder(t)[0]
         prefill = engine.prefill_fn(mesh, G, L).lower(graphdef, state, ids, mask, num_samples=m, capacity=first)
-        logits, prefix, suffix = engine.prefill_fn(mesh, G, L)(graphdef, state, ids, mask, num_samples=m, capacity=t)
-        ds = engine.start_fn(mesh)(logits, key, one, one, stops, jnp.int32(p * m), num_samples=m, new_tokens=t,
-                                   spec=spec)
-        layers = engine.decode_layers_fn(mesh)(graphdef, state)
+        # the segment's inputs abstract, placed as the programs that make them return them (their outputs pinned,
+        # the decode weights as aot.programs.decode_layers places them): two programs compiled, not five
+        logits, prefix, suffix = engine.prefill_fn(mesh, G, L).lower(graphdef, state, ids, mask, num_samples=m,
+                                                                     capacity=t).out_info
+        ds = engine.start_fn(mesh).lower(logits, key, one, one, stops, jnp.int32(p * m), num_samples=m,
+                                         new_tokens=t, spec=spec).out_info
+        layers = programs.decode_layers(graphdef, state, mesh)
         segment = engine.segment_fn(mesh, G, L).lower(graphdef, state, layers, prefix, suffix, ds, jnp.int32(1),
                                                       jnp.int32(t), jnp.int32(-1), key, one, one, stops, spec=spec)
         return max(used(prefill.compile()), used(segment.compile()))

@@ -90,19 +90,26 @@ class _Update:
     """One variant's update: its params, optimizer state, and the compiled update's per-device bytes."""
 
     def __init__(self, model, mini, a):
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        # committed to the device, as the update's outputs are: else the first timed update compiles again
+        self.params = jax.device_put(params, jax.devices()[0])
         self.optimizer = train_optim.make_optimizer(OptimConfig(learning_rate=1e-4), 1000)
-        self.opt_state = jax.jit(self.optimizer.init)(lora.trainable(self.params))
+        self.opt_state = jax.device_put(jax.jit(self.optimizer.init)(lora.trainable(self.params)), jax.devices()[0])
         self.settings = train_update.LossSettings.from_config(AlgorithmConfig(kl_coef=0.001), 1.0)
         self.mini, self.micro = mini, a.micro
         self.trained = sum(x.size for x in jax.tree.leaves(lora.trainable(self.params)))
         self.bytes = self._compiled_bytes()
 
     def _compiled_bytes(self) -> int:
-        mb = jax.tree.map(lambda x: x[:self.micro], self.mini)
-        grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), lora.trainable(self.params))
-        diag = jax.eval_shape(lambda: train_update.policy_loss(self.params, self.graphdef, mb, self.settings)[1])
-        loss = jax.ShapeDtypeStruct((), jnp.float32)
+        # placed as the update places its accumulator, so that this is the program the update runs (a persistent
+        # compilation cache then compiles it once)
+        grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
+                             lora.trainable(self.params))
+        on = self.mini.batch.rewards.sharding
+        diag = jax.eval_shape(lambda: train_update.policy_loss(  # of one micro-batch, sliced abstractly
+            self.params, self.graphdef, jax.tree.map(lambda x: x[:self.micro], self.mini), self.settings)[1])
+        diag = {k: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=on) for k, d in diag.items()}
+        loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=on)
         acc = train_update.accumulate.lower(self.graphdef, self.params, (grads, loss, diag), self.mini,
                                             np.arange(self.micro, dtype=np.int32), settings=self.settings,
                                             total_rows=self.mini.batch.rewards.shape[0],
@@ -156,7 +163,7 @@ def main(argv=None) -> int:
           f"D={cfg.hidden_size}, vocab {cfg.vocab_size}; LoRA rank {a.rank} on q,k,v,o,gate,up,down; "
           f"{jax.devices()[0].platform}, {jax.device_count()} device(s)")
 
-    mini = _mini(cfg, a)
+    mini = jax.device_put(_mini(cfg, a), jax.devices()[0])
     copy = lambda m: nnx.merge(nnx.graphdef(m), jax.tree.map(jnp.copy, nnx.state(m)))  # noqa: E731 - updates donate
     updates = {"full": _Update(copy(base), mini, a), "lora": _Update(copy(adapted), mini, a)}
     seconds = _alternate({k: u.run for k, u in updates.items()}, a.iters)
