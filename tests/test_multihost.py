@@ -132,11 +132,14 @@ def test_only_process_0_writes_and_both_checkpoint(runs):
 
 def test_two_processes_resume_from_the_bucket(assets, runs):
     """The 2-process run continues from its step-STEPS checkpoint in the bucket (each process its own iterator
-    state); with a constant LR its next step must equal step STEPS + 1 of the uninterrupted 1-process run."""
+    state); with a constant LR its next step, the last, and that step's validation must equal step STEPS + 1 of the
+    uninterrupted 1-process run."""
     _run_two_processes(assets, runs["two"], STEPS + 1, PACKED)
     two, one = read_metrics(runs["two"]), read_metrics(runs["one"])
     assert [r["step"] for r in two] == list(range(STEPS + 2))
-    _assert_same(two[STEPS + 1:], one[STEPS + 1:], DETERMINISTIC)
+    val = tuple(k for k in one[STEPS + 1] if k.startswith("val/"))  # a run's last step validates
+    assert len(val) == 4, one[STEPS + 1].keys()
+    _assert_same(two[STEPS + 1:], one[STEPS + 1:], DETERMINISTIC + val)
 
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.base_dtype=float32")
