@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 from test_checkpoint import _abstract, _assert_equal, _BytesIterator, _state
-from test_gcs import _gs_cmd, _saving, bucket  # noqa: F401 - bucket is a fixture
+from test_gcs import _gs_cmd, bucket  # noqa: F401 - bucket is a fixture
 from test_train import STEPS, _assert_same_metrics, _env, _train_cmd, assets, reference  # noqa: F401
 
 from g2rl_jax import storage
@@ -31,7 +31,7 @@ from g2rl_jax.train.lifecycle import HISTORY_FILE
 from g2rl_jax.train.metrics import read_metrics
 from g2rl_jax.train.runlock import LEASE_LOST_EXIT, LOCK_FILE, RunLock
 
-from _helpers import HANG_S, kill_when, xla_flags
+from _helpers import HANG_S, BucketWrites, kill_when, xla_flags
 
 LEASE = 9.0  # the smallest run.lock_lease_seconds: renewed every 3 s (a bucket's 1 update/s leaves others room)
 HOLD = ("import sys, time\n"
@@ -161,7 +161,8 @@ def test_preempted_vm_is_replaced_without_a_manual_step(gcs, assets, bucket, ref
     log = tmp_path / "trainers.err"
     with open(log, "w") as err:
         vm_a = subprocess.Popen(as_host("vm-a", cmd), env=env, stdout=subprocess.DEVNULL, stderr=err)
-        assert kill_when(vm_a, lambda: _saving(out), err), f"vm-a ended before a save: {log.read_text()[-3000:]}"
+        saving = BucketWrites(gcs, out).saving
+        assert kill_when(vm_a, saving, err), f"vm-a ended before a save: {log.read_text()[-3000:]}"
         assert _lock(out)["host"] == "vm-a"  # left behind by the kill
         vm_b = subprocess.Popen(as_host("vm-b", cmd), env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         deadline = time.monotonic() + HANG_S
