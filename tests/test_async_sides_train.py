@@ -29,9 +29,9 @@ from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 from g2rl_jax import localhost
 from g2rl_jax.cli import BAD_INPUT_EXIT
 from g2rl_jax.train import halt
+from g2rl_jax.train.halt import PEER_LOST_EXIT
 from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.sides_store import PEER_LOST_EXIT
 
 from _helpers import process_env, run_processes, trainer_args
 

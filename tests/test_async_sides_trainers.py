@@ -37,9 +37,9 @@ from test_async_sides_train import HANG_S, K1, LEASE_S, ONE, _committed
 from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import localhost
+from g2rl_jax.train.halt import PEER_LOST_EXIT
 from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.sides_store import PEER_LOST_EXIT
 
 from _helpers import process_env, run_processes, trainer_args
 

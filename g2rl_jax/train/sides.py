@@ -293,7 +293,7 @@ def run_rollout_process(cfg) -> int:
             # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
             print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
                   "process ends; relaunch both processes together", file=sys.stderr, flush=True)
-            os._exit(store.PEER_LOST_EXIT)
+            os._exit(halt.PEER_LOST_EXIT)
         halt.exit_if_peer_gone(err)  # another rollout process (or a training one) is gone: one line, all stop
         traceback.print_exc()
         halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)

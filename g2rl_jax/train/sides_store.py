@@ -33,7 +33,6 @@ from g2rl_jax.train import halt
 
 PREFIX = "g2rl_sides"
 POLL_MS = 1000  # a wait for the other side's key, between looks at whether that side has ended
-PEER_LOST_EXIT = halt.PEER_LOST_EXIT  # another process of the run is gone; relaunch all to resume
 ENDED_EARLY_EXIT = 1  # the rollout process, when the trainer ended before run.total_steps
 
 
@@ -139,7 +138,7 @@ class Lease:
                     halt.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
                                          f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
                                          "hangs. The checkpoints committed stand: end it if it still runs, and "
-                                         "relaunch every process with the same command to resume", PEER_LOST_EXIT,
+                                         "relaunch every process with the same command to resume", halt.PEER_LOST_EXIT,
                                          gone=(int(process),))
 
         threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
