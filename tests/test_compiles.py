@@ -48,14 +48,16 @@ def test_the_clock_counts_names_and_forgets_nothing():
 
 def test_masked_metric_compiles_at_its_first_call_whatever_the_mask():
     """A step metric over masked rows (single-class groups) compiled nothing new the first step one was present."""
-    from g2rl_jax.train.metrics import _masked_mean
+    from g2rl_jax.train.metrics import single_class_metrics
 
-    x_B = jnp.arange(6, dtype=jnp.float32)
-    none_B, some_B = jnp.zeros(6, bool), jnp.asarray(np.array([1, 0, 1, 0, 0, 0], bool))
-    assert np.isnan(_masked_mean(x_B, none_B))  # the first steps: no such group
+    adv_B = jnp.arange(6, dtype=jnp.float32)
+    none_B, some_B = jnp.zeros(6, bool), jnp.asarray(np.array([1, 1, 0, 0, 0, 0], bool))
+    signal = lambda single_B: {"single_class": single_B, "all_wrong": none_B, "most_novel_advantage": adv_B,  # noqa: E731
+                               "least_novel_advantage": adv_B}
+    assert np.isnan(single_class_metrics(signal(none_B), novelty=True)["single_class_adv_most_novel"])  # no group
     clock = CompileClock()
     try:
-        assert _masked_mean(x_B, some_B) == 1.0
+        assert single_class_metrics(signal(some_B), novelty=True)["single_class_adv_most_novel"] == 0.5
         window = clock.take()
     finally:
         clock.close()

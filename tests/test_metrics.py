@@ -191,3 +191,17 @@ def test_tensorboard_writer_leaves_torch_unimported_and_importable(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr[-2000:]
     assert len(list((tmp_path / M.TENSORBOARD_DIR).iterdir())) == 1
+
+
+def test_logprob_drift_matches_numpy():
+    """The step record's sampler-vs-scorer drift (rollout_logprob_diff_mean / _max), computed in its one program."""
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(6, 9)), rng.normal(size=(6, 9))
+    mask = rng.random((6, 9)) < 0.6
+    b[~mask] += 100.0  # differences outside the response must not count
+    diff = np.abs(a - b)[mask]
+    mean, largest = M._reductions({}, {}, drift=(a.astype(np.float32), b.astype(np.float32),
+                                                 mask.astype(np.float32)))["drift"]
+    np.testing.assert_allclose([float(mean), float(largest)], [diff.mean(), diff.max()], rtol=1e-5)
+    none = M._reductions({}, {}, drift=(a, a, np.zeros_like(a)))["drift"]
+    assert [float(x) for x in none] == [0.0, 0.0]

@@ -11,7 +11,7 @@ from flax import nnx
 
 from g2rl_jax.model import load_pretrained
 from g2rl_jax.parallel import MeshConfig, make_mesh
-from g2rl_jax.rollout import batching, engine, generate, logprob_drift, prewarm
+from g2rl_jax.rollout import batching, engine, generate, prewarm
 from g2rl_jax.rollout.sampling import spec_for
 
 from _helpers import tiny_qwen3_fixtures
@@ -130,18 +130,6 @@ def test_decode_temporaries_do_not_grow_with_the_cache(model):
     scores_growth = 32 * cfg.num_attention_heads * (256 - 32) * 4  # one layer's [B, H, dW] float32 scores
     layer_kv = cache_big // cfg.num_hidden_layers
     assert temp_big - temp_small <= 4 * scores_growth < layer_kv / 2, (temp_small, temp_big, scores_growth)
-
-
-def test_logprob_drift_matches_numpy():
-    rng = np.random.default_rng(0)
-    a, b = rng.normal(size=(6, 9)), rng.normal(size=(6, 9))
-    mask = rng.random((6, 9)) < 0.6
-    b[~mask] += 100.0  # differences outside the response must not count
-    diff = np.abs(a - b)[mask]
-    got = logprob_drift(a.astype(np.float32), b.astype(np.float32), mask.astype(np.float32))
-    np.testing.assert_allclose([got["rollout_logprob_diff_mean"], got["rollout_logprob_diff_max"]],
-                               [diff.mean(), diff.max()], rtol=1e-5)
-    assert logprob_drift(a, a, np.zeros_like(a)) == {"rollout_logprob_diff_mean": 0.0, "rollout_logprob_diff_max": 0.0}
 
 
 def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):

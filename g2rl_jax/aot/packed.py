@@ -15,7 +15,6 @@ the full width, which holds the most bytes.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from g2rl_jax import methods
@@ -64,8 +63,7 @@ def packed_programs(cfg: Config, a: Abstract, s: StepShapes, graphdef, params, r
     terms = methods.token_fields(algo)
     mini = a.mini(algo.mini_batch_size, S, T, m, algo.rollout_is_cap is not None, terms)
     beside = resident + per_chip_bytes((mini.batch.input_ids, mini.batch.attention_mask))
-    acc, lowers = warmup.packed_update_lowers(shape, graphdef, params, mini, a.scalar(jnp.float32),
-                                              settings=settings)
+    acc, lowers = warmup.packed_update_lowers(shape, graphdef, params, mini, settings=settings)
     update = _programs(lowers, "update", beside, keep)
     if methods.get(algo.exploration).tokens is not None and algo.mini_batch_size != s.step_rows and scope == "all":
         # the current policy's pass over a mini-batch's rows (the warm-up's _packed_update); the step's are larger

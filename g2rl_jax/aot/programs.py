@@ -322,9 +322,9 @@ def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params,
                                            logp), state_bytes))
     if method.tokens is not None:  # the token rule over one mini-batch (Clip-Cov, KL-Cov, forking)
         x = a.rows((algo.mini_batch_size, T), jnp.float32)
-        lower = functools.partial(methods.token_terms.lower, a.rows((algo.mini_batch_size,), jnp.float32), x, x, x, x,
-                                  a.scalar(jax.eval_shape(lambda: jax.random.key(0)).dtype), algo=algo,
-                                  mini_batch_size=algo.mini_batch_size)
+        lower = functools.partial(train_update.rule_terms.lower, a.rows((algo.mini_batch_size,), jnp.float32), x,
+                                  x, x, x, a.scalar(jax.eval_shape(lambda: jax.random.key(0)).dtype),
+                                  a.scalar(jnp.uint32, (2,)), algo=algo, mini_batch_size=algo.mini_batch_size)
         progs.append(Program(f"token rule {algo.mini_batch_size} rows x {T} tokens", "token_terms", "update", lower,
                              state_bytes + step_arrays))
     progs += update

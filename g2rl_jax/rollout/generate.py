@@ -23,7 +23,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh
@@ -242,20 +241,3 @@ def _assemble(num_samples, ids_BxS, mask_BxS, tokens_BxT, logprobs_BxT, lengths_
         completion_ids_BxT=np.where(mask_BxT, tokens_BxT, 0).astype(np.int32), completion_mask_BxT=mask_BxT,
         logprobs_BxT=np.where(mask_BxT, logprobs_BxT, 0.0).astype(np.float32),
         completion_lengths=lengths_B.astype(np.int32), decode_steps=decode_steps)
-
-
-def logprob_drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT) -> dict[str, float]:
-    """How far the sampler's log-probs are from the scoring pass's, over response tokens: the mean and max of
-    |sampler - scorer| (metrics rollout_logprob_diff_mean / _max). The two engines compute the same quantity
-    (log softmax(z / T)[token]), so a value far above float rounding means they drifted apart. One program."""
-    mean, largest = _drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT)
-    return {"rollout_logprob_diff_mean": float(mean), "rollout_logprob_diff_max": float(largest)}
-
-
-@jax.jit
-def _drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT):
-    """(mean, max) of |sampler - scorer| over the response tokens."""
-    mask_BxT = response_mask_BxT > 0
-    diff_BxT = jnp.where(mask_BxT, jnp.abs(jnp.asarray(sampler_logp_BxT, jnp.float32)
-                                           - jnp.asarray(scorer_logp_BxT, jnp.float32)), 0.0)
-    return diff_BxT.sum() / jnp.maximum(mask_BxT.sum(), 1), diff_BxT.max()

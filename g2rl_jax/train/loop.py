@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -37,7 +36,7 @@ from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
-from g2rl_jax.rollout import Rollout, logprob_drift, sampling
+from g2rl_jax.rollout import Rollout, sampling
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
 from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
@@ -89,10 +88,14 @@ class StepResult:
     metrics: dict[str, float]
 
 
-@jax.jit
 def _copy_tree(tree):
-    """A copy of every array of a tree, placed as the original (one program, not one per shape)."""
-    return jax.tree.map(jnp.copy, tree)
+    """A copy of every array of a tree in buffers of its own, placed as the original: shard by shard, device to
+    device, on every process its own shards (no program)."""
+    def copy(x):
+        shards = [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+
+    return jax.tree.map(copy, tree)
 
 
 class Trainer(SamplingRounds, UpdateRounds):
@@ -188,8 +191,8 @@ class Trainer(SamplingRounds, UpdateRounds):
                               f"{responses} responses of a step (data.prompts_per_step × rollout.num_samples)")
         self.updates_per_step = cfg.algorithm.ppo_epochs * responses // cfg.algorithm.mini_batch_size
         self.optimizer = train_optim.make_optimizer(cfg.optim, cfg.run.total_steps * self.updates_per_step)
-        self.schedule = jax.jit(train_optim.learning_rate_schedule(cfg.optim, cfg.run.total_steps
-                                                                   * self.updates_per_step))  # one program
+        # the learning rate a step's record shows: computed in the record's program (metrics.step_metrics)
+        self.schedule = train_optim.learning_rate_schedule(cfg.optim, cfg.run.total_steps * self.updates_per_step)
         # the trainable params' state (the adapters' with LoRA), each moment sharded like its parameter
         self.opt_state = train_optim.init_optimizer(self.optimizer, lora.trainable(self.params))
         self.settings = train_update.LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature)
@@ -226,7 +229,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         """What a checkpoint holds: the trainable params (the adapters with LoRA, every weight without), the
         optimizer state, the step and the RNG key data (the data iterator is saved beside it)."""
         return {"params": lora.trainable(self.params), "opt_state": self.opt_state,
-                "step": on_mesh(jnp.int32(self.step), self.mesh), "rng": self.rng_key_data}
+                "step": on_mesh(jax.device_put(np.int32(self.step)), self.mesh), "rng": self.rng_key_data}
 
     def resume(self) -> int:
         """Restore the newest readable checkpoint, if any (an unreadable newer one is reported and set aside);
@@ -303,10 +306,10 @@ class Trainer(SamplingRounds, UpdateRounds):
         info["positions"] += forwards * plan.positions
         info["padding"] += forwards * plan.padding
         metrics = step_metrics(batch, scores, signal, info, (t0, t1, t2, t3, t4), step=step,
-                               learning_rate=float(self.schedule((step + 1) * self.updates_per_step - 1)),
-                               novelty=self.method.novelty, truncated_B=truncated_B)
-        metrics |= self._sampling_metrics(sampled_correct)
-        metrics |= logprob_drift(shard_rows(rollout.logprobs_BxT, self.mesh), scores.logp_BxT, batch.response_mask)
+                               learning_rate=(self.schedule, (step + 1) * self.updates_per_step - 1),
+                               novelty=self.method.novelty, truncated_B=truncated_B,
+                               sampling=self._sampling_metrics(sampled_correct),
+                               sampler_logp_BxT=shard_rows(rollout.logprobs_BxT, self.mesh))
         metrics |= ahead
         return StepResult(rollout, texts, batch, scores, ref, signal, info, metrics)
 

@@ -37,6 +37,7 @@ W&B's own environment variables (WANDB_PROJECT, default "g2rl_jax"; WANDB_MODE=o
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -61,60 +62,89 @@ HEADLINE = {"accuracy": "acc", "reward": "reward", "kl": "kl", "entropy": "ent",
             "programs_compiled": "compiled", "compile_seconds": "compile s"}
 
 
-def _masked_mean(x_B, mask_B) -> float:
-    """Mean of x over the rows where mask is set; NaN (written as null) when none is. Both sums run every step, so
-    their program compiles at the first step, not at the first step that has a masked row."""
-    count, total = (float(x) for x in _masked_sums(x_B, mask_B))
-    return total / count if count else math.nan
-
-
-@jax.jit
 def _masked_sums(x_B, mask_B):
-    """(rows where mask is set, the sum of x over them)."""
+    """(rows where mask is set, the sum of x over them); traced."""
     return jnp.sum(mask_B), jnp.sum(jnp.where(mask_B, x_B, 0.0))
 
 
-@jax.jit
-def _means(tree):
-    """The mean of each array of a tree (one program for a step's row means)."""
-    return jax.tree.map(jnp.mean, tree)
-
-
-@jax.jit
 def _token_sums(mask_BxT, entropy_BxT):
-    """(response tokens, the entropy summed over them)."""
+    """(response tokens, the entropy summed over them); traced."""
     return jnp.sum(mask_BxT), jnp.sum(entropy_BxT * mask_BxT)
+
+
+def _drift(sampler_logp_BxT, scorer_logp_BxT, response_mask_BxT):
+    """(mean, max) of |sampler - scorer| log-probs over the response tokens; traced."""
+    mask_BxT = response_mask_BxT > 0
+    diff_BxT = jnp.where(mask_BxT, jnp.abs(jnp.asarray(sampler_logp_BxT, jnp.float32)
+                                           - jnp.asarray(scorer_logp_BxT, jnp.float32)), 0.0)
+    return diff_BxT.sum() / jnp.maximum(mask_BxT.sum(), 1), diff_BxT.max()
+
+
+@functools.partial(jax.jit, static_argnames=("schedule",))
+def _reductions(means, masked, tokens=None, drift=None, update=None, *, schedule=None):
+    """Every device reduction of a step's record, as one program: the mean of each array of `means`, each masked
+    (x_B, mask_B) of `masked` as _masked_sums, tokens = (mask_BxT, entropy_BxT) as _token_sums, drift = (sampler,
+    scorer, mask) [B, T] as _drift, and the learning rate schedule(update) (the optimizer's schedule)."""
+    return {"means": jax.tree.map(jnp.mean, means), "masked": {k: _masked_sums(*v) for k, v in masked.items()},
+            "tokens": None if tokens is None else _token_sums(*tokens),
+            "drift": None if drift is None else _drift(*drift),
+            "learning_rate": None if schedule is None else schedule(update)}
+
+
+def _masked_means(sums: Mapping[str, tuple]) -> dict[str, float]:
+    """Each masked mean from its (rows, sum): NaN (written as null) when no row is set. Both sums run every step,
+    so the program compiles at the first step, not at the first step that has a masked row."""
+    out = {}
+    for name, (count, total) in sums.items():
+        count, total = float(count), float(total)
+        out[name] = total / count if count else math.nan
+    return out
+
+
+def _single_class_inputs(signal: Mapping[str, Any], novelty: bool) -> tuple[dict, dict]:
+    """What single_class_metrics reduces: the row means {name: x_B} and the masked means {name: (x_B, mask_B)}."""
+    single_B, wrong_B = signal["single_class"], signal["all_wrong"]
+    masked = {}
+    if novelty:
+        for which in ("most", "least"):
+            adv_B = signal[f"{which}_novel_advantage"]
+            masked[f"single_class_adv_{which}_novel"] = (adv_B, single_B)
+            masked[f"all_wrong_adv_{which}_novel"] = (adv_B, wrong_B)
+    return {"single_class_fraction": single_B, "all_wrong_fraction": wrong_B}, masked
 
 
 def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[str, float]:
     """Step metrics of the groups whose base correctness is all equal, from `train.step.advantages`' per-group
     arrays (each repeated over its group's rows, so row means are group means): `single_class_fraction` and
     `all_wrong_fraction` (shares of groups), and with novelty (g2rl) the mean advantage those groups give their
-    most and least novel response, over all single-class groups and over the all-wrong ones (null if none)."""
-    single_B, wrong_B = signal["single_class"], signal["all_wrong"]
-    means = _means({"single_class_fraction": single_B, "all_wrong_fraction": wrong_B})
-    out = {k: float(v) for k, v in means.items()}
-    if novelty:
-        for which in ("most", "least"):
-            adv_B = signal[f"{which}_novel_advantage"]
-            out[f"single_class_adv_{which}_novel"] = _masked_mean(adv_B, single_B)
-            out[f"all_wrong_adv_{which}_novel"] = _masked_mean(adv_B, wrong_B)
-    return out
+    most and least novel response, over all single-class groups and over the all-wrong ones (null if none).
+    One program (`step_metrics` reduces these with the rest of a step's record in its own)."""
+    got = jax.device_get(_reductions(*_single_class_inputs(signal, novelty)))
+    return {k: float(v) for k, v in got["means"].items()} | _masked_means(got["masked"])
 
 
-def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate: float,
-                 novelty: bool, truncated_B=None) -> dict[str, float]:
+def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate: tuple, novelty: bool,
+                 truncated_B=None, sampling: Mapping[str, float] | None = None,
+                 sampler_logp_BxT=None) -> dict[str, float]:
     """The trainer's record of one step: reductions over the global arrays (every process gets the same numbers),
     the update's `info`, and the stage times `times` = (start, rollout done, rewards done, advantages done, update
-    done) in perf_counter seconds; truncated_B: 1 for each response that hit the budget. The row means are one
-    program."""
+    done) in perf_counter seconds; truncated_B: 1 for each response that hit the budget; learning_rate =
+    (schedule, update): the optimizer's schedule and the update whose rate to show; `sampling`: the rollout rounds'
+    figures (dynamic sampling); sampler_logp_BxT: the sampler's log-probs, for how far they drift from the scoring
+    pass's (rollout_logprob_diff_mean / _max: the two engines compute the same log softmax(z / T)[token], so a
+    value far above float rounding means they drifted apart). Every reduction is one program (`_reductions`)."""
     t0, t1, t2, t3, t4 = times
     mask_BxT = batch.response_mask
-    tokens, entropy = (float(x) for x in _token_sums(mask_BxT, scores.entropy_BxT))
-    means = {k: float(v) for k, v in _means({"accuracy": batch.correct, "reward": signal["shaped_rewards"],
-                                            **({"novelty": signal["nu"]} if novelty else {}),
-                                            **({} if truncated_B is None else {"truncated_fraction": truncated_B})
-                                            }).items()}
+    means = {"accuracy": batch.correct, "reward": signal["shaped_rewards"],
+             **({"novelty": signal["nu"]} if novelty else {}),
+             **({} if truncated_B is None else {"truncated_fraction": truncated_B})}
+    class_means, masked = _single_class_inputs(signal, novelty)
+    schedule, update = learning_rate
+    drift = None if sampler_logp_BxT is None else (sampler_logp_BxT, scores.logp_BxT, mask_BxT)
+    got = jax.device_get(_reductions(means | class_means, masked, (mask_BxT, scores.entropy_BxT), drift, update,
+                                     schedule=schedule))
+    means = {k: float(v) for k, v in got["means"].items()}
+    tokens, entropy = (float(x) for x in got["tokens"])
     nu = {"novelty": means["novelty"]} if novelty else {}
     return nu | {
         "step": step + 1,
@@ -125,16 +155,18 @@ def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate
         "response_length": tokens / mask_BxT.shape[0],
         "clip_fraction": info["clip_frac_low"] + info["clip_frac_high"],
         "approx_kl": info["approx_kl"], "grad_norm": info["grad_norm"],
-        "learning_rate": learning_rate,
+        "learning_rate": float(got["learning_rate"]),
         "skipped_updates": info["skipped_updates"], "groups_kept": info["groups_kept"],
         "rollout_seconds": t1 - t0, "reward_seconds": t2 - t1, "score_seconds": t3 - t2,
         "update_seconds": t4 - t3,
         "tokens_per_second": tokens / max(t4 - t0, 1e-9),
         "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
         "padding_fraction": info["padding"] / max(info["positions"], 1),
-    } | ({} if truncated_B is None else {"truncated_fraction": means["truncated_fraction"]}) | single_class_metrics(
-        signal, novelty=novelty) | {
-        k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
+    } | ({} if truncated_B is None else {"truncated_fraction": means["truncated_fraction"]}) | {
+        k: means[k] for k in class_means} | _masked_means(got["masked"]) | {
+        k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info} | dict(
+        sampling or {}) | ({} if drift is None else {"rollout_logprob_diff_mean": float(got["drift"][0]),
+                                                     "rollout_logprob_diff_max": float(got["drift"][1])})
 
 
 def _summary_writer(*args, **kwargs):

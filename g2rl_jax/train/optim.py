@@ -35,9 +35,22 @@ def optimizer_init_fn(optimizer: optax.GradientTransformation, params):
     if not meshes:
         return jax.jit(optimizer.init)
     replicated = jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
-    shardings = optax.tree_map_params(optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params),
-                                      params, transform_non_params=lambda _: replicated)
-    return jax.jit(optimizer.init, out_shardings=shardings)
+    return jax.jit(optimizer.init, out_shardings=_state_shardings(optimizer, params, replicated))
+
+
+def _state_shardings(optimizer: optax.GradientTransformation, params, replicated):
+    """The placement of each leaf of optimizer.init(params): a moment's its parameter's, the rest `replicated`.
+    optax.tree_map_params runs init on a placeholder, whose step counts (jnp.zeros) would each compile a program
+    of their own: run inside eval_shape's trace, they are traced, not compiled."""
+    found = []
+
+    def trace():
+        found.append(optax.tree_map_params(optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params),
+                                           params, transform_non_params=lambda _: replicated))
+        return ()
+
+    jax.eval_shape(trace)
+    return found[0]
 
 
 def init_optimizer(optimizer: optax.GradientTransformation, params):

@@ -221,13 +221,15 @@ def policy_loss(params, graphdef, pm: PackedMini, s: train_update.LossSettings, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "total_rows", "block"), donate_argnames=("acc",))
-def accumulate(graphdef, params, acc, pm: PackedMini, total_tokens, *, settings: train_update.LossSettings,
-               total_rows: int, block: int = 0):
+def accumulate(graphdef, params, acc, pm: PackedMini, *, settings: train_update.LossSettings, total_rows: int,
+               block: int = 0):
     """acc + this packed micro-batch's share of the mini-batch's (loss, gradients, diagnostics): update.accumulate's
-    weights (update.add_micro) over its tokens of the [X, T] layout. One program per packed (rows, width)."""
+    weights (update.add_micro) over its tokens of the [X, T] layout. One program per packed (rows, width): it
+    counts the mini-batch's response tokens itself."""
     (loss, diag), grads = train_update.trainable_grad(policy_loss, params, graphdef, pm, settings, block)
     mask_XxT = pm.response_mask_BxT * pm.micro.in_B[:, None]
-    return train_update.add_micro(acc, grads, loss, diag, mask_XxT, settings.agg, total_tokens, total_rows)
+    return train_update.add_micro(acc, grads, loss, diag, mask_XxT, settings.agg, jnp.sum(pm.response_mask_BxT),
+                                  total_rows)
 
 
 def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings, shape: PackShape):
@@ -236,11 +238,9 @@ def gradients(graphdef, params, mini: train_step.MiniBatch, *, settings: train_u
     rows, t = mini.batch.response_mask.shape
     like = PackedMini.of(template(shape, shape.micros[-1], rows, t, mini.batch.rewards), mini)
     acc = train_update.zero_accumulator(policy_loss, graphdef, params, (like,), settings, mini.batch.rewards)
-    total_tokens = jnp.sum(mini.batch.response_mask)
     for p in plan(mini.batch, shape, in_loss=True).micros:
         pm = PackedMini.of(on_device(p, mini.batch.rewards), mini)
-        acc = accumulate(graphdef, params, acc, pm, total_tokens, settings=settings, total_rows=rows,
-                         block=shape.block)
+        acc = accumulate(graphdef, params, acc, pm, settings=settings, total_rows=rows, block=shape.block)
         train_step.serialize_across_processes(acc)
     return acc
 

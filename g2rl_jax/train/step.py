@@ -86,19 +86,23 @@ class MiniBatch:
     token_weight_BxT: jax.Array | None = None
     abs_log_ratio_coef_BxT: jax.Array | None = None
 
-    def rows(self, rows: slice) -> MiniBatch:
-        """The mini-batch of rows `rows` (a contiguous slice of every array's leading axis), cut by one program for
-        the whole tree, the same for every start."""
-        start, stop, step = rows.indices(self.advantages_B.shape[0])
-        if step != 1:
-            raise ValueError(f"MiniBatch.rows takes a contiguous slice, got step {step}")
-        return _row_slice(self, np.int32(start), size=stop - start)
+
+def mini_batches(step_rows: MiniBatch, keep_B: np.ndarray, size: int, extra_B=None) -> list[tuple]:
+    """The step's mini-batches of `size` consecutive rows, each with the response mask of the rows keep_B drops
+    zeroed (they stay in the batch: static shapes), and the same rows of extra_B (a tree of [B, ...] arrays, or
+    None): [(mini, extra_X)]. One program for every mini-batch (`_kept_rows`)."""
+    keep_B = np.asarray(keep_B, np.float32)
+    return [_kept_rows(step_rows, keep_B, extra_B, np.int32(start), size=size)
+            for start in range(0, step_rows.advantages_B.shape[0], size)]
 
 
 @functools.partial(jax.jit, static_argnames=("size",))
-def _row_slice(tree, start, *, size: int):
-    """Rows [start, start + size) of every array of `tree` (start traced: one program for every mini-batch)."""
-    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=0), tree)
+def _kept_rows(step_rows: MiniBatch, keep_B, extra_B, start, *, size: int):
+    """Rows [start, start + size) of every array of step_rows (response mask × keep_B) and of extra_B (start
+    traced: one program for every mini-batch)."""
+    batch = dataclasses.replace(step_rows.batch, response_mask=step_rows.batch.response_mask * keep_B[:, None])
+    rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)  # noqa: E731
+    return jax.tree.map(rows, dataclasses.replace(step_rows, batch=batch)), jax.tree.map(rows, extra_B)
 
 
 def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_mask_BxT, rewards_B, correct_B,

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -210,10 +211,12 @@ def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.Gr
     back untouched). A non-finite loss, gradient or updated parameter skips it: params and optimizer state come
     back unchanged and info["skipped"] is 1. So does a mini-batch with no token in the loss (diag[TOKENS] = 0: its
     rows were all dropped, e.g. NSR's correct responses): no step at all, not an AdamW step on a zero gradient
-    (which would still move the params by momentum and weight decay); info["empty"] is 1."""
+    (which would still move the params by momentum and weight decay); info["empty"] is 1. info[TOKENS]: the
+    mini-batch's response tokens in the loss."""
     trainable, frozen = lora.split_trainable(params)
     diag = dict(diag)
-    empty = diag.pop(TOKENS) == 0
+    tokens = diag.pop(TOKENS)
+    empty = tokens == 0
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
@@ -223,20 +226,22 @@ def apply_gradients(params, opt_state, grads, loss, diag, *, optimizer: optax.Gr
     step = finite & ~empty
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(step, n, o), new, old)  # noqa: E731
     info = dict(diag, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32),
-                empty=empty.astype(jnp.int32))
+                empty=empty.astype(jnp.int32), **{TOKENS: tokens})
     return nnx.merge_state(keep(new_trainable, trainable), frozen), keep(new_opt_state, opt_state), info
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenRule:
     """What `update` needs to decide the configured method's token rule (methods.token_terms) on a mini-batch:
-    the algorithm config, this update's PRNG key (for rules that draw), and the current policy's log-probs and
-    entropies [X, T] of the mini-batch's rows when they are known already (the scoring pass's, before a step's first
-    update: its params are the behaviour policy's); None: computed here from the params."""
+    the algorithm config, a PRNG key (for rules that draw) and the data folded into it, in order, for this update's
+    key (jax.random.fold_in, inside the rule's program), and the current policy's log-probs and entropies [X, T] of
+    the mini-batch's rows when they are known already (the scoring pass's, before a step's first update: its params
+    are the behaviour policy's); None: computed here from the params."""
 
     algo: AlgorithmConfig
     key: jax.Array
     current: tuple[jax.Array, jax.Array] | None = None
+    folds: tuple[int, ...] = ()
 
 
 def current_scores(graphdef, params, mini: MiniBatch, *, temperature: float, micro: int,
@@ -256,16 +261,27 @@ def decide_tokens(graphdef, params, mini: MiniBatch, rule: TokenRule, *, setting
     (for the ratio, which Clip-Cov reads), advantages and response mask."""
     logp, ent = rule.current if rule.current is not None else current_scores(
         graphdef, params, mini, temperature=settings.temperature, micro=micro, shapes=shapes, chunk=settings.chunk)
-    terms = methods.token_terms(mini.advantages_B, logp, ent, mini.old_logp_BxT, mini.batch.response_mask, rule.key,
-                                algo=rule.algo, mini_batch_size=mini.advantages_B.shape[0])
+    terms = rule_terms(mini.advantages_B, logp, ent, mini.old_logp_BxT, mini.batch.response_mask, rule.key,
+                         np.asarray(rule.folds, np.uint32), algo=rule.algo, mini_batch_size=mini.advantages_B.shape[0])
     return dataclasses.replace(mini, token_weight_BxT=terms.weight, abs_log_ratio_coef_BxT=terms.abs_log_ratio)
+
+
+@functools.partial(jax.jit, static_argnames=("algo", "mini_batch_size"))
+def rule_terms(advantages_B, logp_BxT, entropy_BxT, old_logp_BxT, mask_BxT, key, folds_K, *, algo: AlgorithmConfig,
+                 mini_batch_size: int):
+    """methods.token_terms with the key `key` folded with each of folds_K [K] uint32 in turn: one program, the
+    update's key made in it."""
+    for k in range(folds_K.shape[0]):
+        key = jax.random.fold_in(key, folds_K[k])
+    return methods.token_terms(advantages_B, logp_BxT, entropy_BxT, old_logp_BxT, mask_BxT, key, algo=algo,
+                               mini_batch_size=mini_batch_size)
 
 
 def with_token_fields(mini: MiniBatch, algo: AlgorithmConfig) -> MiniBatch:
     """The mini-batch with zeros [B, T] in the token-term fields the configured method sets (methods.token_fields),
     None in the others: the layout `decide_tokens` gives, for compiling the gradient program ahead of time."""
     weight, abs_log_ratio = methods.token_fields(algo)
-    zeros = jnp.zeros_like(mini.old_logp_BxT)
+    zeros = train_step.zeros_rows(mini.advantages_B, mini.old_logp_BxT.shape)  # made on the host: no program
     return dataclasses.replace(mini, token_weight_BxT=zeros if weight else None,
                                abs_log_ratio_coef_BxT=zeros if abs_log_ratio else None)
 

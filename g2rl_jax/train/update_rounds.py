@@ -7,10 +7,7 @@ optimizer and warm-up, and updates only `params` and `opt_state`.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from g2rl_jax import parallel
@@ -34,34 +31,30 @@ class UpdateRounds:
         keep_B = keep_B & parallel.gather(in_loss_B).astype(bool)  # reward.truncated=mask
         if self.method.keep_rows is not None:  # the method's own choice of rows (nsr: the wrong responses)
             keep_B = keep_B & np.asarray(self.method.keep_rows(parallel.gather(batch.correct)))
-        # dropped responses stay in the batch (static shapes) with their response mask zeroed
-        keep_Bx1 = jax.device_put(keep_B.astype(np.float32)[:, None])  # placed, nothing to compile
-        masked = lambda b: dataclasses.replace(b, response_mask=b.response_mask * keep_Bx1)  # noqa: E731
-        batch = masked(batch)
-        n, mb = adv_B.shape[0], algo.mini_batch_size
+        mb = algo.mini_batch_size
         rules = self.method.tokens is not None  # Clip-Cov, KL-Cov, forking tokens: decided in each update
-        key = jax.random.fold_in(sampling.key(self.cfg.run.seed), step)
 
-        def minis_of(batch: train_step.Batch) -> list[train_step.MiniBatch]:
+        def minis_of(batch: train_step.Batch, keep_B) -> list[tuple]:
             step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
                                              sampler_logp)
             if rules:
                 step_rows = train_update.with_token_fields(step_rows, algo)
-            return [step_rows.rows(slice(start, start + mb)) for start in range(0, n, mb)]
+            return train_step.mini_batches(step_rows, keep_B, mb, entropy if rules else None)
 
-        minis, infos, plans = minis_of(batch), [], []
-        self.warmup.update(self.graphdef, self.params, minis[0], settings=self.settings, opt_state=self.opt_state,
+        minis, infos, plans = minis_of(batch, keep_B), [], []
+        self.warmup.update(self.graphdef, self.params, minis[0][0], settings=self.settings, opt_state=self.opt_state,
                            optimizer=self.optimizer,
-                           mini_like=lambda s: minis_of(masked(self._batch_like(batch, s)))[0])
+                           mini_like=lambda s: minis_of(self._batch_like(batch, s), np.ones_like(keep_B))[0][0])
         for epoch in range(algo.ppo_epochs):
-            for i, rows in enumerate(minis):
+            for i, (rows, entropy_X) in enumerate(minis):
                 plans.append(passes.plan_for(rows.batch, algo.micro_batch_size, shapes=self.warmup.layout,
                                              in_loss=True))
                 rule = None
                 if rules:  # the step's first update starts from the behaviour policy: its scores are π_θ's
                     first = epoch == 0 and i == 0
-                    current = (rows.old_logp_BxT, entropy[i * mb:(i + 1) * mb]) if first else None
-                    rule = train_update.TokenRule(algo, jax.random.fold_in(key, epoch * len(minis) + i), current)
+                    current = (rows.old_logp_BxT, entropy_X) if first else None
+                    rule = train_update.TokenRule(algo, sampling.key(self.cfg.run.seed), current,
+                                                  folds=(step, epoch * len(minis) + i))
                     if not first:
                         plans.append(plans[-1])  # the current policy's forward pass over the same micro-batches
                 self.params, self.opt_state, info = passes.update(
@@ -70,10 +63,11 @@ class UpdateRounds:
                 infos.append(info)
         infos = jax.device_get(infos)
         stepped = [i for i in infos if not int(i["empty"])] or infos  # empty mini-batches took no step
-        out = {k: float(np.mean([i[k] for i in stepped])) for k in infos[0] if k not in ("skipped", "empty")}
+        sums = ("skipped", "empty", train_update.TOKENS)
+        out = {k: float(np.mean([i[k] for i in stepped])) for k in infos[0] if k not in sums}
         out["skipped_updates"] = int(sum(int(i["skipped"]) for i in infos))
         out["groups_kept"] = groups_kept
-        out["update_tokens"] = algo.ppo_epochs * float(jnp.sum(batch.response_mask))  # response tokens trained
+        out["update_tokens"] = sum(float(i[train_update.TOKENS]) for i in infos)  # response tokens trained
         out["positions"] = sum(p.positions for p in plans)
         out["padding"] = sum(p.padding for p in plans)
         return out

@@ -244,8 +244,7 @@ class RunWarmup:
     def _packed_update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings):
         """The packed gradient programs at every (rows, width) (and, for a method with a token rule, the packed score
         programs over a mini-batch's rows, its current policy's pass); the accumulator spec of the first."""
-        total_tokens = jnp.sum(mini.batch.response_mask)  # as `passes.gradients` computes it
-        acc, lowers = packed_update_lowers(self.layout, graphdef, params, mini, total_tokens, settings=settings)
+        acc, lowers = packed_update_lowers(self.layout, graphdef, params, mini, settings=settings)
         self._compile([lower for _, _, lower in lowers])
         if methods.get(self.cfg.algorithm.exploration).tokens is not None:
             self._packed_score(graphdef, params, None, mini.batch, temperature=settings.temperature,
@@ -339,10 +338,10 @@ def packed_score_lowers(shape: PackShape, graphdef, params, reference, acc, batc
     return out
 
 
-def packed_update_lowers(shape: PackShape, graphdef, params, mini: train_step.MiniBatch, total_tokens, *,
+def packed_update_lowers(shape: PackShape, graphdef, params, mini: train_step.MiniBatch, *,
                          settings: train_update.LossSettings) -> tuple[Any, Lowers]:
     """(the gradient accumulator's spec, the packed gradient programs (passes.accumulate) at each of shape.micros)
-    for mini-batches like `mini`; total_tokens: its response-token count, as `passes.gradients` passes it."""
+    for mini-batches like `mini`."""
     rows, t = mini.batch.response_mask.shape
     acc, out = None, []
     for micro in shape.micros:
@@ -350,6 +349,6 @@ def packed_update_lowers(shape: PackShape, graphdef, params, mini: train_step.Mi
         acc = acc or train_update.accumulator_spec(passes.policy_loss, graphdef, params, (pm,), settings,
                                                  mini.batch.rewards)
         out.append(("gradient", micro, functools.partial(
-            passes.accumulate.lower, graphdef, params, acc, pm, total_tokens, settings=settings, total_rows=rows,
+            passes.accumulate.lower, graphdef, params, acc, pm, settings=settings, total_rows=rows,
             block=shape.block)))
     return acc, out
