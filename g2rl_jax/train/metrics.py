@@ -25,8 +25,8 @@ Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ..
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
 equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`. A start from step 0 moves
 an existing metrics.jsonl aside (metrics.jsonl.1, .2, ...) instead.
-`step_metrics(...)` is the trainer's record of one step (reductions over the global arrays, the update's figures,
-the stage times); part of it, `single_class_metrics(signal, novelty=)` reduces the step's single-class diagnostics
+`step_metrics(...)` is the trainer's record of one step (reductions over the global arrays, the learning rate and
+the sampler's log-prob drift, all one program; the update's figures, the stage times); part of it, `single_class_metrics(signal, novelty=)` reduces the step's single-class diagnostics
 (shares of single-class and all-wrong groups, the advantages they give their most and least novel response).
 Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard and W&B.
 W&B: the run's id is kept in `<run_dir>/wandb_id.txt`, so a resumed run continues the same W&B run (resume

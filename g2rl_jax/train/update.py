@@ -262,13 +262,13 @@ def decide_tokens(graphdef, params, mini: MiniBatch, rule: TokenRule, *, setting
     logp, ent = rule.current if rule.current is not None else current_scores(
         graphdef, params, mini, temperature=settings.temperature, micro=micro, shapes=shapes, chunk=settings.chunk)
     terms = rule_terms(mini.advantages_B, logp, ent, mini.old_logp_BxT, mini.batch.response_mask, rule.key,
-                         np.asarray(rule.folds, np.uint32), algo=rule.algo, mini_batch_size=mini.advantages_B.shape[0])
+                       np.asarray(rule.folds, np.uint32), algo=rule.algo, mini_batch_size=mini.advantages_B.shape[0])
     return dataclasses.replace(mini, token_weight_BxT=terms.weight, abs_log_ratio_coef_BxT=terms.abs_log_ratio)
 
 
 @functools.partial(jax.jit, static_argnames=("algo", "mini_batch_size"))
 def rule_terms(advantages_B, logp_BxT, entropy_BxT, old_logp_BxT, mask_BxT, key, folds_K, *, algo: AlgorithmConfig,
-                 mini_batch_size: int):
+               mini_batch_size: int):
     """methods.token_terms with the key `key` folded with each of folds_K [K] uint32 in turn: one program, the
     update's key made in it."""
     for k in range(folds_K.shape[0]):
