@@ -62,3 +62,52 @@ def test_masked_metric_compiles_at_its_first_call_whatever_the_mask():
     finally:
         clock.close()
     assert window.programs == 0, window.names
+
+
+def _sharded_tree():
+    """A row-split [16, 4] and a replicated [3] array on the 8 test devices."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    return {"w": jax.device_put(np.arange(64.0, dtype=np.float32).reshape(16, 4),
+                                NamedSharding(mesh, PartitionSpec("fsdp"))),
+            "b": jax.device_put(np.ones(3, np.float32), NamedSharding(mesh, PartitionSpec()))}
+
+
+def test_reference_copy_compiles_nothing_and_outlives_the_params():
+    """The KL reference's copy of the params (train/loop.py) is placed as they are, in buffers of its own (the
+    optimizer step donates the params'), without a compiled program."""
+    from g2rl_jax.train.loop import _copy_tree
+
+    params = _sharded_tree()
+    want = {k: np.asarray(v) for k, v in params.items()}
+    clock = CompileClock()
+    try:
+        copy = _copy_tree(params)
+        window = clock.take()
+    finally:
+        clock.close()
+    assert window.programs == 0, window.names
+    assert all(copy[k].sharding == params[k].sharding for k in params)
+    for x in params.values():
+        x.delete()
+    for k, x in copy.items():
+        np.testing.assert_array_equal(np.asarray(x), want[k])
+
+
+def test_optimizer_init_is_its_one_program():
+    """The optimizer state placed like the params (train/optim.py): one program, optax's own placeholder init
+    (whose step counts are jnp.zeros) only traced."""
+    from g2rl_jax.config import OptimConfig
+    from g2rl_jax.train import optim
+
+    params = _sharded_tree()
+    clock = CompileClock()
+    try:
+        state = optim.init_optimizer(optim.make_optimizer(OptimConfig(), 10), params)
+        window = clock.take()
+    finally:
+        clock.close()
+    assert window.programs == 1, window.names
+    moments = [x for x in jax.tree.leaves(state) if x.shape == (16, 4)]
+    assert moments and all(x.sharding == params["w"].sharding for x in moments)

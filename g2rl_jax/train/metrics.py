@@ -26,8 +26,9 @@ rewrites metrics.jsonl without the records past s (and a torn last line from a k
 equal to an uninterrupted run's; TensorBoard is told the same through `purge_step=s+1`. A start from step 0 moves
 an existing metrics.jsonl aside (metrics.jsonl.1, .2, ...) instead.
 `step_metrics(...)` is the trainer's record of one step (reductions over the global arrays, the learning rate and
-the sampler's log-prob drift, all one program; the update's figures, the stage times); part of it, `single_class_metrics(signal, novelty=)` reduces the step's single-class diagnostics
-(shares of single-class and all-wrong groups, the advantages they give their most and least novel response).
+the sampler's log-prob drift, all one program; the update's figures, the stage times); part of it,
+`single_class_metrics(signal, novelty=)` reduces the step's single-class diagnostics (shares of single-class and
+all-wrong groups, the advantages they give their most and least novel response).
 Non-finite values are written as JSON null (strict JSON) and skipped in TensorBoard and W&B.
 W&B: the run's id is kept in `<run_dir>/wandb_id.txt`, so a resumed run continues the same W&B run (resume
 "allow"); W&B cannot take back steps it already has, so after a resume it ignores (and warns about) the steps
@@ -91,12 +92,13 @@ def _reductions(means, masked, tokens=None, drift=None, update=None, *, schedule
             "learning_rate": None if schedule is None else schedule(update)}
 
 
-def _masked_means(sums: Mapping[str, tuple]) -> dict[str, float]:
-    """Each masked mean from its (rows, sum): NaN (written as null) when no row is set. Both sums run every step,
-    so the program compiles at the first step, not at the first step that has a masked row."""
+def _masked_means(sums: Mapping[str, tuple], names) -> dict[str, float]:
+    """The masked mean of each of `names`, in that order, from its (rows, sum): NaN (written as null) when no row
+    is set. Both sums run every step, so the program compiles at the first step, not at the first step that has a
+    masked row."""
     out = {}
-    for name, (count, total) in sums.items():
-        count, total = float(count), float(total)
+    for name in names:
+        count, total = (float(x) for x in sums[name])
         out[name] = total / count if count else math.nan
     return out
 
@@ -119,8 +121,9 @@ def single_class_metrics(signal: Mapping[str, Any], *, novelty: bool) -> dict[st
     `all_wrong_fraction` (shares of groups), and with novelty (g2rl) the mean advantage those groups give their
     most and least novel response, over all single-class groups and over the all-wrong ones (null if none).
     One program (`step_metrics` reduces these with the rest of a step's record in its own)."""
-    got = jax.device_get(_reductions(*_single_class_inputs(signal, novelty)))
-    return {k: float(v) for k, v in got["means"].items()} | _masked_means(got["masked"])
+    means, masked = _single_class_inputs(signal, novelty)
+    got = jax.device_get(_reductions(means, masked))
+    return {k: float(v) for k, v in got["means"].items()} | _masked_means(got["masked"], masked)
 
 
 def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate: tuple, novelty: bool,
@@ -163,7 +166,7 @@ def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate
         "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
         "padding_fraction": info["padding"] / max(info["positions"], 1),
     } | ({} if truncated_B is None else {"truncated_fraction": means["truncated_fraction"]}) | {
-        k: means[k] for k in class_means} | _masked_means(got["masked"]) | {
+        k: v for k, v in means.items() if k in class_means} | _masked_means(got["masked"], masked) | {
         k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info} | dict(
         sampling or {}) | ({} if drift is None else {"rollout_logprob_diff_mean": float(got["drift"][0]),
                                                      "rollout_logprob_diff_max": float(got["drift"][1])})
