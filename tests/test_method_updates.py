@@ -192,3 +192,24 @@ def test_token_rules_choose_on_each_mini_batchs_current_policy(model, name):
     _, _, info = train_update.update(graphdef, params, opt_state, mini, optimizer=OPT, settings=settings, micro=MICRO,
                                    shapes=SHAPES, rule=train_update.TokenRule(algo, keys[1]))
     np.testing.assert_allclose(float(info["loss"]), want, rtol=2e-5)
+
+
+def test_rule_terms_fold_the_update_key_as_fold_in_does():
+    """update.rule_terms folds the update's key in its own program: the same terms, bit for bit, as
+    methods.token_terms on the key folded outside it (the run's key before the folds moved in). Clip-Cov draws its
+    detached tokens with the key, a quarter of the tokens among almost all eligible: other folds draw others."""
+    rng = np.random.default_rng(0)
+    logp, ent, old = (jnp.asarray(rng.normal(size=(X, T)), jnp.float32) for _ in range(3))
+    adv, mask = jnp.asarray(rng.normal(size=X), jnp.float32), jnp.asarray(rng.random((X, T)) < 0.7, jnp.float32)
+    algo = AlgorithmConfig(exploration="clip_cov", mini_batch_size=X, micro_batch_size=MICRO, clip_cov_ratio=0.25,
+                           clip_cov_low=-100.0, clip_cov_high=100.0)
+    key = jax.random.key(3)
+
+    def rule(folds):
+        return np.asarray(train_update.rule_terms(adv, logp, ent, old, mask, key, np.asarray(folds, np.uint32),
+                                                  algo=algo, mini_batch_size=X).weight)
+
+    want = methods.token_terms(adv, logp, ent, old, mask, jax.random.fold_in(jax.random.fold_in(key, 5), 2),
+                               algo=algo, mini_batch_size=X).weight
+    np.testing.assert_array_equal(rule((5, 2)), np.asarray(want))
+    assert not np.array_equal(rule((2, 5)), rule((5, 2)))  # the key decides: the folds' order counts
