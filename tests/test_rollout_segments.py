@@ -26,8 +26,10 @@ model_dir, model = tiny_qwen3_fixtures(initializer_range=0.2)
 
 @pytest.fixture
 def first_capacity_16(monkeypatch):
-    """Read 16 slots first so that the short test budgets walk through several read rungs."""
+    """Read 16 slots first so that the short test budgets walk through several read rungs, and move 16 slots at a
+    time at a compaction so that they move in several chunks."""
     monkeypatch.setattr(engine, "FIRST_READ", 16)
+    monkeypatch.setattr(engine, "REGROUP_CHUNK", 16)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,7 @@ def long_budget(model):
     """A budget of 192 (256 slots, read rungs 16..256): the reference every other run is compared with."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine, "FIRST_READ", 16)
+        mp.setattr(engine, "REGROUP_CHUNK", 16)
         before = engine.TRACE_COUNTS.copy()
         r = generate(model, PROMPTS, max_new_tokens=192, **KW)
     return r, engine.TRACE_COUNTS - before
@@ -132,6 +135,16 @@ def test_decode_temporaries_do_not_grow_with_the_cache(model):
     scores_growth = 32 * cfg.num_attention_heads * (256 - 32) * 4  # one layer's [B, H, dW] float32 scores
     layer_kv = cache_big // cfg.num_hidden_layers
     assert temp_big - temp_small <= 4 * scores_growth < layer_kv / 2, (temp_small, temp_big, scores_growth)
+
+
+@pytest.mark.parametrize("chunk", [16, 24, 64])
+def test_a_compaction_moves_the_rows_it_keeps(monkeypatch, chunk):
+    """The suffix rows a compaction keeps, moved REGROUP_CHUNK slots at a time (one chunk when it does not divide
+    the slots), equal NumPy's row take."""
+    monkeypatch.setattr(engine, "REGROUP_CHUNK", chunk)
+    x = np.random.default_rng(0).normal(size=(8, 2, 64, 4)).astype(np.float32)
+    keep = np.array([6, 1, 3, 0], np.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(engine._take_rows)(x, keep)), x[keep])
 
 
 def test_logprob_drift_matches_numpy():

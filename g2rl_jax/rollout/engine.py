@@ -62,6 +62,7 @@ FIRST_READ = 128  # suffix slots the first decode steps read (the budget's bucke
 COMPACT_MIN_STEPS = 8
 READ_GROWTH = 2  # each read rung is this many times the one before (module docstring)
 BATCH_SHRINK = 2  # a compaction cuts the batch bucket to this fraction of its rows
+REGROUP_CHUNK = 512  # suffix slots a compaction moves at a time (_take_rows)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -253,11 +254,24 @@ def compact(mesh, ds: DecodeState, prefix_mask, prefix_lengths, rows: int,
     return ds, keep_X, prefix_X, mask, lengths
 
 
-def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxWxK, suffix_v_XxGxWxK, prefix_X, keep_X):
-    """One layer's K/V at a compaction: prefix rows `prefix_X` and suffix rows `keep_X` (slots unchanged)."""
+def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxTxK, suffix_v_XxGxTxK, prefix_Y, keep_Y):
+    """One layer's K/V at a compaction: prefix rows `prefix_Y` and suffix rows `keep_Y` (slots unchanged)."""
     TRACE_COUNTS["regroup"] += 1
-    return (prefix_k_QxGxSxK[prefix_X], prefix_v_QxGxSxK[prefix_X], suffix_k_XxGxWxK[keep_X],
-            suffix_v_XxGxWxK[keep_X])
+    return (prefix_k_QxGxSxK[prefix_Y], prefix_v_QxGxSxK[prefix_Y], _take_rows(suffix_k_XxGxTxK, keep_Y),
+            _take_rows(suffix_v_XxGxTxK, keep_Y))
+
+
+def _take_rows(x_XxGxTxK, keep_Y):
+    """x's rows keep_Y, REGROUP_CHUNK slots at a time: XLA gathers rows of a batch-sharded array by first gathering
+    it whole onto every device, so a chunk, not a layer of the budget's slots, is what each device holds extra."""
+    _, G, T, K = x_XxGxTxK.shape
+    chunk = REGROUP_CHUNK if T % REGROUP_CHUNK == 0 else T
+
+    def body(i, out_YxGxTxK):
+        part_YxGxCxK = jax.lax.dynamic_slice_in_dim(x_XxGxTxK, i * chunk, chunk, axis=2)[keep_Y]
+        return jax.lax.dynamic_update_slice_in_dim(out_YxGxTxK, part_YxGxCxK, i * chunk, axis=2)
+
+    return jax.lax.fori_loop(0, T // chunk, body, jnp.zeros((keep_Y.shape[0], G, T, K), x_XxGxTxK.dtype))
 
 
 # ------------------------------------------------------------------------------------------------ shardings
