@@ -233,9 +233,10 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature T, also the T of p_t = softmax(z_t/T) (paper: 1.0)")
     top_p: float = _f(1.0, "nucleus sampling mass, 0 < top_p <= 1; paper silent, 1.0 (off) chosen")
     top_k: Optional[int] = _f(None, "keep the top_k most likely tokens (null = off); paper silent, off chosen")
-    first_capacity: int = _f(128, "KV slots of a rollout's first decode segment; the cache then doubles up to the "
-                             "budget, each capacity a copy of the decode segments and moves to compile; higher: "
-                             "fewer programs, each early step reads more slots (`python -m g2rl_jax.bench ladder`)")
+    first_capacity: int = _f(128, "KV slots the first decode steps read (the first read rung); the rungs then "
+                             "double up to the budget, a step reading the smallest that holds its position; the "
+                             "rungs are branches of one program, so higher only reads more slots early "
+                             "(`python -m g2rl_jax.bench ladder`)")
     max_staleness: int = _f(0, "policy versions a step's samples lag the update: 0 = on-policy (serial), 1 = "
                             "one-step-off, k = the rollout runs k steps ahead; > 0 needs mesh.rollout_devices (or "
                             "mesh.rollout_processes) and algorithm.rollout_is_cap (docs/async.md)")

@@ -25,8 +25,10 @@ Analytic per-device bytes of a training run, from the config alone (nothing is a
                  gathers), plus the largest of: the
                  prefill (xla attention scores, and the scan's stacked prompt K/V before it is split into one
                  buffer per layer), a decode step (the [B, V] float32 logits and one layer's [B, H, S + T] float32
-                 scores; the cache is written in place, nothing of it is copied), and a capacity change (the cache
-                 grows one layer at a time: one old layer of T/2 slots beside the new cache)
+                 scores; the cache is written in place, nothing of it is copied), and a compaction (the cache moves
+                 one layer at a time: one new layer of half the rows, each with its own prompt, beside the old cache,
+                 and with more than one batch shard what XLA's row gathers gather whole first: a chunk of the suffix
+                 slots of every row, and the prefix)
     activations  one micro-batch of the update with model.remat: the layer-boundary activations [b, L, D] of every
                  layer (twice on TPU, once on GPU: calibrated against each compiler, memory.SAVED_COPIES), one
                  layer's recomputed internals and their cotangents (attention scores [b, H, L, L] with the xla
@@ -163,12 +165,18 @@ def plan(cfg: Config, model: Qwen3Config, devices: int, platform: str = "tpu",
     prefill = (attention_scores_bytes(runtime, model.num_attention_heads // tp, prompts_local, s)
                + model.num_hidden_layers * prompts_local * s * kv_token_bytes(cfg, model) // kv_shards)
     decode = rows_local * (3 * model.vocab_size + model.num_attention_heads // tp * (s + t)) * F32
-    grow = rows_local * (t // 2) * kv_token_bytes(cfg, model) // kv_shards
+    # a compaction's row gathers take rows from every batch shard, and XLA gathers their operand whole first: a
+    # REGROUP_CHUNK of the suffix slots at a time, and the prefix (one row per batch row after the first compaction)
+    from g2rl_jax.rollout.engine import REGROUP_CHUNK
+
+    chunk = REGROUP_CHUNK if t % REGROUP_CHUNK == 0 else t
+    gathered = rows_local * batch_shards * (chunk + s // 2) if batch_shards > 1 else 0
+    compact = (rows_local // 2 * (s + t) + gathered) * kv_token_bytes(cfg, model) // kv_shards
     # the TPU compiler hoists the decode loop's weight gathers; the GPU compiler does not (8 x H100, 1.7B: the
     # compiled decode segment holds 1.07 GiB of temporaries, the whole decode weights are 2.63 GiB)
     gathered = gathered_decode_weight_bytes(cfg, model, mesh) if platform == "tpu" else 0
     rollout_tmp = (rows_local * t * (4 + F32) + decode_weight_bytes(cfg, model, mesh) + gathered
-                   + max(prefill, decode, grow))
+                   + max(prefill, decode, compact))
     mini_local = -(-cfg.algorithm.mini_batch_size // batch_shards)
     notes = []
     b = micro_rows_per_device(cfg, mesh)

@@ -192,6 +192,26 @@ def test_cudnn_model_matches_xla_model_on_gpu():
     _assert_close(out["cudnn"][real], out["xla"][real], rel=3e-2)
 
 
+def _np_decode_attention(q, pk, pv, pmask, sk, sv, valid, m):
+    """float64 NumPy: each sample's joint softmax over its prompt's unmasked prefix and its first `valid` slots."""
+    (B, H, K), G = q.shape, pk.shape[2]
+    ref = np.zeros_like(q)
+    for b in range(B):
+        p = b // m
+        for h in range(H):
+            g = h // (H // G)
+            keys = [pk[p, s, g] for s in range(pk.shape[1]) if pmask[p, s]] + [sk[b, t, g] for t in range(valid)]
+            vals = [pv[p, s, g] for s in range(pk.shape[1]) if pmask[p, s]] + [sv[b, t, g] for t in range(valid)]
+            s_ = np.array([q[b, h] @ kk for kk in keys]) / np.sqrt(K)
+            w = np.exp(s_ - s_.max())
+            ref[b, h] = (w / w.sum()) @ np.array(vals)
+    return ref
+
+
+def _heads_first(a):
+    return jnp.asarray(a.swapaxes(1, 2), jnp.float32)  # cache [rows, G, len, K]
+
+
 def test_decode_attention_matches_numpy():
     """One joint softmax over the prompt's prefix and the sample's own suffix, prefix shared by m samples."""
     rng = np.random.RandomState(5)
@@ -200,21 +220,30 @@ def test_decode_attention_matches_numpy():
     pk, pv = rng.randn(P, S, G, K), rng.randn(P, S, G, K)
     sk, sv = rng.randn(P * m, T, G, K), rng.randn(P * m, T, G, K)
     pmask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], bool)
-    valid = 2
-    heads_first = (lambda a: jnp.asarray(a.swapaxes(1, 2), jnp.float32))  # noqa: E731 - cache [rows, G, len, K]
-    out = attn.decode_attention(jnp.asarray(q, jnp.float32), heads_first(pk), heads_first(pv), jnp.asarray(pmask),
-                                heads_first(sk), heads_first(sv), valid)
-    ref = np.zeros_like(q)
-    for b in range(P * m):
-        p = b // m
-        for h in range(H):
-            g = h // (H // G)
-            keys = [pk[p, s, g] for s in range(S) if pmask[p, s]] + [sk[b, t, g] for t in range(valid)]
-            vals = [pv[p, s, g] for s in range(S) if pmask[p, s]] + [sv[b, t, g] for t in range(valid)]
-            s_ = np.array([q[b, h] @ kk for kk in keys]) / np.sqrt(K)
-            w = np.exp(s_ - s_.max())
-            ref[b, h] = (w / w.sum()) @ np.array(vals)
-    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+    out = attn.decode_attention(jnp.asarray(q, jnp.float32), _heads_first(pk), _heads_first(pv), jnp.asarray(pmask),
+                                _heads_first(sk), _heads_first(sv), 2)
+    np.testing.assert_allclose(np.asarray(out), _np_decode_attention(q, pk, pv, pmask, sk, sv, 2, m),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("valid", [1, 2, 3, 4, 5, 8])
+def test_decode_attention_read_rungs_match_numpy(valid):
+    """Read rungs (2, 4, 8) of an 8-slot suffix, one jitted program for every `valid` (a lax.switch): the step
+    reads the smallest rung that holds `valid` slots, and nothing past it (NaN there would poison the output)."""
+    rng = np.random.RandomState(6)
+    P, m, S, T, H, G, K = 2, 2, 4, 8, 4, 2, 8
+    q = rng.randn(P * m, H, K)
+    pk, pv = rng.randn(P, S, G, K), rng.randn(P, S, G, K)
+    sk, sv = rng.randn(P * m, T, G, K), rng.randn(P * m, T, G, K)
+    pmask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], bool)
+    rung = next(r for r in (2, 4, 8) if r >= valid)
+    sk_read, sv_read = sk.copy(), sv.copy()
+    sk_read[:, rung:], sv_read[:, rung:] = np.nan, np.nan
+    step = jax.jit(attn.decode_attention, static_argnames="reads")
+    out = step(jnp.asarray(q, jnp.float32), _heads_first(pk), _heads_first(pv), jnp.asarray(pmask),
+               _heads_first(sk_read), _heads_first(sv_read), jnp.int32(valid), reads=(2, 4, 8))
+    np.testing.assert_allclose(np.asarray(out), _np_decode_attention(q, pk, pv, pmask, sk, sv, valid, m),
+                               rtol=1e-5, atol=1e-5)
 
 
 # ---- KV cache ----

@@ -1,6 +1,7 @@
 """g2rl_jax.plan: the analytic memory plan against hand counts, XLA's compiled memory analysis of the real
 `train.update.update` on CPU (within 25%), the mesh errors, and the CLI."""
 import json
+import math
 import pathlib
 
 import jax
@@ -202,9 +203,10 @@ def test_update_estimate_within_25_percent_of_xla(tmp_path, case):
 
 
 def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
-    """Per-device bytes of the sampler's compiled prefill and of a decode segment at the full capacity (arguments
-    + outputs − donated aliases + temporaries), the larger of the two: the rollout phase's peak with the
-    parameters (every response reaching the budget, so no row is compacted away)."""
+    """Per-device bytes of the sampler's compiled prefill, of a decode segment at the full batch (arguments +
+    outputs − donated aliases + temporaries) and of the first compaction (its first layer's move, with the other
+    layers' caches, the parameters, the decode weights and the decode state beside it), the largest: the rollout
+    phase's peak with the parameters."""
     from g2rl_jax.aot import programs
     from g2rl_jax.rollout import engine
     from g2rl_jax.rollout.sampling import spec_for
@@ -222,8 +224,7 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
         return st.argument_size_in_bytes + st.output_size_in_bytes - st.alias_size_in_bytes + st.temp_size_in_bytes
 
     with jax.set_mesh(mesh):
-        first = engine.capacity_ladder(t)[0]
-        prefill = engine.prefill_fn(mesh, G, L).lower(graphdef, state, ids, mask, num_samples=m, capacity=first)
+        prefill = engine.prefill_fn(mesh, G, L).lower(graphdef, state, ids, mask, num_samples=m, capacity=t)
         # the segment's inputs abstract, placed as the programs that make them return them (their outputs pinned,
         # the decode weights as aot.programs.decode_layers places them): two programs compiled, not five
         logits, prefix, suffix = engine.prefill_fn(mesh, G, L).lower(graphdef, state, ids, mask, num_samples=m,
@@ -232,8 +233,16 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
                                          new_tokens=t, spec=spec).out_info
         layers = programs.decode_layers(graphdef, state, mesh)
         segment = engine.segment_fn(mesh, G, L).lower(graphdef, state, layers, prefix, suffix, ds, jnp.int32(1),
-                                                      jnp.int32(t), jnp.int32(-1), key, one, one, stops, spec=spec)
-        return max(used(prefill.compile()), used(segment.compile()))
+                                                      jnp.int32(t), jnp.int32(-1), key, one, one, stops, spec=spec,
+                                                      reads=engine.read_ladder(t))
+        half = engine.batch_buckets(p * m, engine.batch_shards(mesh), cfg.rollout.max_new_tokens)[1]
+        rows_X = jax.ShapeDtypeStruct((half,), jnp.int32, sharding=engine.batch_sharding(mesh, 1))
+        move = engine.regroup_fn(mesh, G).lower(prefix.k[0], prefix.v[0], suffix.k[0], suffix.v[0], rows_X, rows_X)
+        local = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
+                                 for x in jax.tree.leaves(tree))
+        beside = local((prefix.k[1:], prefix.v[1:], suffix.k[1:], suffix.v[1:], state, layers, ds))
+        mv = move.compile()
+        return max(used(prefill.compile()), used(segment.compile()), used(mv) + beside)
 
 
 @pytest.mark.parametrize("case", list(XLA_CASES))

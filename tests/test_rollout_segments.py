@@ -1,6 +1,6 @@
 """Segmented decode: the KV cache is written in place (XLA's memory analysis of the compiled segment), the same
-seed samples the same completions whatever the budget, the cache capacities, the batch buckets, the compaction
-and the sharding, and a run compiles a bounded set of shapes. One tiny random Qwen3 per module."""
+seed samples the same completions whatever the budget, the read rungs, the batch buckets, the compaction and the
+sharding, and a run compiles a bounded set of shapes. One tiny random Qwen3 per module."""
 from __future__ import annotations
 
 import jax
@@ -26,33 +26,36 @@ model_dir, model = tiny_qwen3_fixtures(initializer_range=0.2)
 
 @pytest.fixture
 def first_capacity_16(monkeypatch):
-    """Start with 16 slots so that the short test budgets walk through several capacities."""
-    monkeypatch.setattr(engine, "FIRST_CAPACITY", 16)
+    """Read 16 slots first so that the short test budgets walk through several read rungs, and move 16 slots at a
+    time at a compaction so that they move in several chunks."""
+    monkeypatch.setattr(engine, "FIRST_READ", 16)
+    monkeypatch.setattr(engine, "REGROUP_CHUNK", 16)
 
 
 @pytest.fixture(scope="module")
 def long_budget(model):
-    """A budget of 192 (capacities 16..256): the reference every other run is compared with."""
+    """A budget of 192 (256 slots, read rungs 16..256): the reference every other run is compared with."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine, "FIRST_CAPACITY", 16)
+        mp.setattr(engine, "FIRST_READ", 16)
+        mp.setattr(engine, "REGROUP_CHUNK", 16)
         before = engine.TRACE_COUNTS.copy()
         r = generate(model, PROMPTS, max_new_tokens=192, **KW)
     return r, engine.TRACE_COUNTS - before
 
 
-def test_long_budget_compacts_and_grows(long_budget, first_capacity_16):
+def test_long_budget_compacts(long_budget, first_capacity_16):
     r, traced = long_budget
     lengths = np.array(list(map(len, r.completion_ids)))
     assert r.finish_reasons == ["stop"] * 32 and 1 < np.median(lengths) < 40 and lengths.max() > 32, lengths
-    assert traced["live_rows"] >= 2 and traced["grow"] >= 2, traced  # the batch shrank and the cache grew
-    # the segments' (rows, capacity), as the compile report predicts them from the lengths alone
+    assert traced["live_rows"] >= 2, traced  # the batch shrank
+    # the segments' rows, as the compile report predicts them from the lengths alone
     assert len(set(r.segments)) > 3 and list(r.segments) == engine.decode_schedule(lengths, 32, 192, 1), r.segments
     assert r.decode_steps == lengths.max() and r.completion_ids_BxT.shape[1] == batching.new_tokens_bucket(
         int(lengths.max()))
 
 
 def test_same_completions_whatever_budget(model, long_budget, first_capacity_16):
-    """Budget 24 (capacities 16 and 32, 8x smaller): the same tokens, cut at 24."""
+    """Budget 24 (32 slots, read rungs 16 and 32, 8x smaller): the same tokens, cut at 24."""
     big, _ = long_budget
     small = generate(model, PROMPTS, max_new_tokens=24, **KW)
     for b, (short, full) in enumerate(zip(small.completion_ids, big.completion_ids)):
@@ -84,8 +87,8 @@ def test_sharded_compaction_samples_the_same(model_dir, long_budget, first_capac
 
 
 def test_compiles_bounded_and_reused(model, long_budget, first_capacity_16):
-    """Several seeds (different stop times, so different compaction paths) compile at most one segment per
-    (capacity, batch bucket) pair; running the same seeds again compiles nothing."""
+    """Several seeds (different stop times, so different compaction paths) compile at most one segment per batch
+    bucket; running the same seeds again compiles nothing."""
     def run():
         for seed in (2, 3):
             generate(model, PROMPTS, max_new_tokens=192, **{**KW, "seed": seed})
@@ -93,15 +96,17 @@ def test_compiles_bounded_and_reused(model, long_budget, first_capacity_16):
     before = engine.TRACE_COUNTS.copy()
     run()
     first = engine.TRACE_COUNTS - before
-    capacities, buckets = len(engine.capacity_ladder(256)), len(engine.batch_buckets(32, 1, 192))
-    assert first["segment"] <= capacities * buckets and first["prefill"] == 0, first  # prefill: same bucket
+    buckets = len(engine.batch_buckets(32, 1, 192))
+    assert first["segment"] <= buckets and first["prefill"] == 0, first  # prefill: same bucket
     again = engine.TRACE_COUNTS.copy()
     run()
     assert engine.TRACE_COUNTS == again, engine.TRACE_COUNTS - again
 
 
 def _segment_memory(model, capacity: int, rows_per_prompt: int = 8, prompts: int = 4):
-    """(XLA temporary bytes of the compiled segment, suffix cache bytes) at this capacity."""
+    """(XLA temporary bytes of the compiled segment, suffix cache bytes) at this capacity, read whole (one rung: XLA
+    on CPU copies the slice a smaller rung reads, rollout/engine.py; test_aot checks that the TPU compiler does
+    not)."""
     graphdef, state = nnx.split(model)
     cfg = model.config
     G, L = cfg.num_key_value_heads, cfg.num_hidden_layers
@@ -115,7 +120,7 @@ def _segment_memory(model, capacity: int, rows_per_prompt: int = 8, prompts: int
     layers = engine.decode_layers_fn(None)(graphdef, state)
     compiled = engine.segment_fn(None, G, L).lower(
         graphdef, state, layers, prefix, suffix, ds, jnp.int32(1), jnp.int32(capacity), jnp.int32(-1),
-        jax.random.key(0), jnp.float32(1), jnp.float32(1), stops, spec=spec).compile()
+        jax.random.key(0), jnp.float32(1), jnp.float32(1), stops, spec=spec, reads=(capacity,)).compile()
     stats = compiled.memory_analysis()
     assert stats.alias_size_in_bytes >= sum(x.nbytes for x in suffix.k + suffix.v), "the suffix is not donated"
     return stats.temp_size_in_bytes, sum(x.nbytes for x in suffix.k + suffix.v)
@@ -132,6 +137,16 @@ def test_decode_temporaries_do_not_grow_with_the_cache(model):
     assert temp_big - temp_small <= 4 * scores_growth < layer_kv / 2, (temp_small, temp_big, scores_growth)
 
 
+@pytest.mark.parametrize("chunk", [16, 24, 64])
+def test_a_compaction_moves_the_rows_it_keeps(monkeypatch, chunk):
+    """The suffix rows a compaction keeps, moved REGROUP_CHUNK slots at a time (one chunk when it does not divide
+    the slots), equal NumPy's row take."""
+    monkeypatch.setattr(engine, "REGROUP_CHUNK", chunk)
+    x = np.random.default_rng(0).normal(size=(8, 2, 64, 4)).astype(np.float32)
+    keep = np.array([6, 1, 3, 0], np.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(engine._take_rows)(x, keep)), x[keep])
+
+
 def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
     """A budget of COMPACT_MIN_STEPS tokens decodes without compacting (one batch bucket, no new segment shape),
     even though most rows stop early; budget 24 compacts the same prompts."""
@@ -146,9 +161,9 @@ def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
 
 
 def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_budget, first_capacity_16):
-    """compile_threads=2 on the sharded mesh (4 row shards, budget 48: capacities 16, 32, 64 x buckets 32, 16, 8,
-    4): every decode segment and every move between them (8 growths; 3 compactions, each a live-row cut with the
-    prompts' masks and lengths, and a layer's prefix and suffix rows at each of the 3 capacities) compiles on the
+    """compile_threads=2 on the sharded mesh (4 row shards, budget 48: 64 slots read in rungs of 16, 32, 64,
+    buckets 32, 16, 8, 4): every decode segment (one per bucket) and every move between them (3 compactions, each
+    a live-row cut with the prompts' masks and lengths, and a layer's prefix and suffix rows) compiles on the
     pool's threads, the decode loop compiles none, the samples are the same; a second rollout, whose lengths
     differ, compiles nothing at all."""
     from test_warmup import Compiles
@@ -162,9 +177,9 @@ def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_b
         mp.setattr(prewarm, "_ROWS", {})
         with Compiles() as compiles:
             r = generate(sharded, PROMPTS, max_new_tokens=48, compile_threads=2, **KW)
-        assert engine.capacity_ladder(64) == (16, 32, 64) and engine.batch_buckets(32, 4, 48) == (32, 16, 8, 4)
-        in_pool = {fn: compiles.by[fn, True] for fn in ("_segment", "_grow", "_regroup", "_live_rows")}
-        assert in_pool == {"_segment": 12, "_grow": 8, "_regroup": 3 * 3, "_live_rows": 3}, in_pool
+        assert engine.read_ladder(64) == (16, 32, 64) and engine.batch_buckets(32, 4, 48) == (32, 16, 8, 4)
+        in_pool = {fn: compiles.by[fn, True] for fn in ("_segment", "_regroup", "_live_rows")}
+        assert in_pool == {"_segment": 4, "_regroup": 3, "_live_rows": 3}, in_pool
         assert all(compiles.by[fn, False] == 0 for fn in in_pool), compiles.by  # the decode loop compiled none
         assert len(set(r.segments)) >= 3, r.segments  # the loop met several of them
         assert r.completion_ids == [ids[:48] for ids in big.completion_ids]
@@ -190,6 +205,6 @@ def test_prewarm_without_a_mesh_matches_uncommitted_arrays(model, first_capacity
             r = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **KW)
         with Compiles() as again:
             other = generate(loose, PROMPTS, max_new_tokens=48, compile_threads=2, **{**KW, "seed": 7})
-    loop = ("_segment", "_grow", "_regroup", "_live_rows")
+    loop = ("_segment", "_regroup", "_live_rows")
     assert len(set(r.segments)) >= 3 and all(first.by[fn, False] == 0 for fn in loop), (r.segments, first.by)
     assert len(set(other.segments)) >= 3 and sum(again.by.values()) == 0, (other.segments, again.by)

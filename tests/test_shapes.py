@@ -181,14 +181,15 @@ def test_the_bill_prices_what_program_counts_counts(paper_run):
     results = [Result(p, seconds[p.kind], 0.0, lower_seconds=0.5) for p in largest]
     target = parse_target("v5p-8")
     b = bill_lib.bill(cfg, model, s, results, target, lengths=None)
-    # the worst case (every prompt at 1,024 tokens): one prompt bucket; the ladder from rollout.first_capacity=512
-    assert (len(s.buckets), s.capacities, b.choice.prompts) == (7, (512, 1024, 2048, 4096, 8192), (1024,))
+    # the worst case (every prompt at 1,024 tokens): one prompt bucket; the read rungs from rollout.first_capacity
+    assert (len(s.buckets), s.reads, b.choice.prompts) == (7, engine.read_ladder(8192, cfg.rollout.first_capacity),
+                                                           (1024,))
     want = bill_lib.program_counts(cfg, model, s.shards, b.choice, 1024, bill_lib.param_shapes(cfg, model))
     assert b.counts == want
     eval_buckets = len(engine.batch_buckets(s.prompts * cfg.data.eval_samples, s.shards,
                                             cfg.data.eval_max_new_tokens))
     n = len(b.choice.shapes.shapes)
-    assert want["segment"] == (len(s.buckets) + eval_buckets) * len(s.capacities)
+    assert want["segment"] == len(s.buckets) + eval_buckets
     assert (want["score"], want["reference"], want["gradient"]) == (n, n, n)
     price = {**bill_lib.model_seconds("tpu"), **seconds}
     price["small"] = price["regroup"]
@@ -225,9 +226,9 @@ def test_the_bill_prices_the_packed_passes_once(paper_run):
 def test_the_decode_the_bill_prices_is_the_decode_loop(paper_run):
     cfg, _, s, _ = paper_run
     lengths = shapes_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, 0)
-    segments = engine.decode_segments(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards,
-                                      cfg.rollout.first_capacity)
+    segments = engine.decode_segments(lengths, s.rows, cfg.rollout.max_new_tokens, s.shards)
     assert lengths.max() == cfg.rollout.max_new_tokens and sum(n for *_, n in segments) == lengths.max() - 1
-    assert {(r, c) for r, c, _ in segments} <= {(r, c) for r in s.buckets for c in s.capacities}
+    assert {r for r, _, _ in segments} <= set(s.buckets)
+    assert all(t + n == t_next for (_, t, n), (_, t_next, _) in zip(segments, segments[1:]))  # one after another
     # every halving goes to the next bucket: the moves the set holds
     assert all(b in (a, engine.batch_bucket(a // 2, s.shards)) for (a, _, _), (b, _, _) in zip(segments, segments[1:]))

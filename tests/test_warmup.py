@@ -126,7 +126,7 @@ def _shapes_met(trainer, result) -> set:
         plans.append(micro_lib.plan_micro(np.asarray(mini), algo.micro_batch_size, shapes=trainer.warmup.shapes,
                                           min_rows=micro_lib.row_shards(result.batch.rewards)))
     micro = {(len(rows), w) for plan in plans for rows, w in zip(plan.rows, plan.widths)}
-    return micro | {("segment", *s) for s in result.rollout.segments}
+    return micro | {("segment", rows) for rows in result.rollout.segments}
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_the_first_step_compiles_the_whole_set_on_the_pool(steps):
     assert in_pool == dict.fromkeys(HEAVY, 6), in_pool  # every shape of the set, once each
     assert first["apply_gradients", True] == 1 and first["_segment", True] >= 3
     in_step = {fn: first[fn, False] for fn in (*HEAVY, "apply_gradients", "_segment",
-                                               "_regroup", "_live_rows", "_grow")}
+                                               "_regroup", "_live_rows")}
     assert in_step == dict.fromkeys(in_step, 0), in_step  # the step's own calls compiled none of them again
     assert all(t.error is None for t in trainer.warmup.timings)
 

@@ -8,9 +8,9 @@ A run compiles its whole set at its first step, on run.compile_threads threads (
 rollout/prewarm.py), and nothing after. `program_counts` counts it without compiling (tests/test_program_count.py
 checks it against a jax.monitoring listener on a real run, for every method and with packed passes): the
 rollouts' programs (`rollout_keys`: per prompt bucket the prefill and first token, a decode segment at each batch
-bucket x capacity of the ladder from rollout.first_capacity, and the moves between them: a growth at each bucket
-and capacity, a compaction at each: a layer's prefix and suffix rows, and the live rows with their prompts' masks
-and lengths; with run.eval_every validation's rollout too, each key once); the passes' (the score, reference and
+bucket (the read rungs from rollout.first_capacity inside it), and the moves between them: at each compaction a
+layer's prefix and suffix rows, and the live rows with their prompts' masks and lengths; with run.eval_every
+validation's rollout too, each key once); the passes' (the score, reference and
 gradient programs at each micro-batch shape of each prompt bucket, each moving its micro-batch's rows in and its
 results out itself, or with algorithm.packing a program per packed shape once, `packed_counts`); once per run the
 optimizer's init and step, the advantages and the method's own (`method_counts`); and the small ones by rule
@@ -22,7 +22,7 @@ program took here (the largest of each kind: an ESTIMATE for the smaller ones, w
 compiled here by the price model (`model_seconds`), the small programs at a move's. The run: run.total_steps steps
 of long-tailed responses (shapes.long_tailed_lengths), each the score, reference and update passes at
 ESTIMATE_MFU (`passes_step_s`), and the decode loop's segments (engine.decode_segments) at the HBM bandwidth, every
-decode step reading the decode weights and the K/V of each row's capacity and of the prompts' prefix
+decode step reading the decode weights and the K/V of each row's read rung and of the prompts' prefix
 (`decode_step_s`). `python -m g2rl_jax.bench ladder` prices the rollout's options with the same functions.
 """
 from __future__ import annotations
@@ -44,14 +44,11 @@ from g2rl_jax.train.packing import PackShape
 HOST_THREADS = warmup.MAX_AUTO_THREADS  # run.compile_threads=0 on a TPU VM: one per core, at most this many
 
 
-def rollout_counts(buckets: tuple[int, ...], capacities: tuple[int, ...]) -> dict[str, int]:
-    """Programs of one rollout (one prompt bucket) by kind: its segments, and the moves between them priced as
-    cache growths ("regroup"); prefill, first token and decode weights once."""
-    shrinks = len(buckets) - 1
-    moves = (len(buckets) * (len(capacities) - 1)  # growths
-             + shrinks * len(capacities)  # compactions: a layer's prefix and suffix rows, at each capacity
-             + shrinks)  # per compaction: the live rows with their prompts' masks and lengths
-    return {"prefill": 1, "start": 1, "decode_layers": 1, "segment": len(buckets) * len(capacities), "regroup": moves}
+def rollout_counts(buckets: tuple[int, ...]) -> dict[str, int]:
+    """Programs of one rollout (one prompt bucket) by kind: a segment per batch bucket, and the moves between them
+    ("regroup": per compaction a layer's prefix and suffix rows, and the live rows with their prompts' masks and
+    lengths); prefill, first token and decode weights once."""
+    return {"prefill": 1, "start": 1, "decode_layers": 1, "segment": len(buckets), "regroup": 2 * (len(buckets) - 1)}
 
 
 def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
@@ -169,7 +166,7 @@ def model_seconds(platform: str) -> dict[str, float]:
 
 def decode_seconds(cfg: Config, model, s: StepShapes, target, lengths_B, prompt_len: int) -> float:
     """Seconds of one rollout's decode loop at the HBM bandwidth: per decode step the decode weights (gathered over
-    fsdp) and the K/V of each row's capacity and of the prompts' prefix (one per prompt until the first compaction
+    fsdp) and the K/V of each row's read rung and of the prompts' prefix (one per prompt until the first compaction
     gives each row its own), per chip."""
     from g2rl_jax.memory import decode_weight_bytes, gathered_decode_weight_bytes, kv_token_bytes, resolve_mesh
     from g2rl_jax.memory import shards as mesh_shards
@@ -178,10 +175,10 @@ def decode_seconds(cfg: Config, model, s: StepShapes, target, lengths_B, prompt_
     weights = max(decode_weight_bytes(cfg, model, mesh), gathered_decode_weight_bytes(cfg, model, mesh))
     slot = model.num_hidden_layers * kv_token_bytes(cfg, model) / mesh_shards("kv_heads", mesh)
     total = 0.0
-    for rows, capacity, steps in engine.decode_segments(lengths_B, s.rows, cfg.rollout.max_new_tokens, s.shards,
-                                                        cfg.rollout.first_capacity):
+    for rows, start, steps in engine.decode_segments(lengths_B, s.rows, cfg.rollout.max_new_tokens, s.shards):
         prefixes = s.prompts if rows == s.rows else rows
-        total += steps * (weights + (prefixes * prompt_len + rows * capacity) / s.shards * slot)
+        read = float(engine.read_slots(np.arange(start, start + steps), s.reads).sum())  # step t reads t slots' rung
+        total += steps * (weights + prefixes * prompt_len / s.shards * slot) + rows * read / s.shards * slot
     return total / (target.hbm_gbps * 1e9)
 
 
@@ -202,7 +199,7 @@ def run_choice(cfg: Config, model, s: StepShapes, device: shapes_lib.Device, len
     return shapes_lib.choose_for(cfg, model, device, lengths, micro=cfg.algorithm.micro_batch_size,
                                  min_rows=s.shards, prompt_len=max(shapes_lib.prompt_shares(
                                      lengths, cfg.data.prompts_per_step)), resp_len=s.new_tokens,
-                                 step_rows=s.step_rows, rollout=rollout_counts(s.buckets, s.capacities))
+                                 step_rows=s.step_rows, rollout=rollout_counts(s.buckets))
 
 
 def passes_step_s(cfg: Config, model, s: StepShapes, device: shapes_lib.Device, lengths,
@@ -264,18 +261,17 @@ def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bi
 def rollout_keys(prompts: int, prompt_len: int, samples: int, budget: int, shards: int, spec,
                  first_capacity: int = 0) -> set[tuple]:
     """The programs one `generate` shape compiles (rollout/generate.py, rollout/prewarm.py), each as a key that
-    another rollout with the same shapes shares: prefill and first token, a segment at each batch bucket x capacity
-    of the engine's ladder (its buckets from the budget itself, the ladder from its bucket), a growth at each bucket,
-    and per compaction the live rows and a layer's prefix and suffix rows at each capacity."""
+    another rollout with the same shapes shares: prefill and first token, a segment at each batch bucket (its
+    buckets from the budget itself; the cache at the budget's bucket, the read rungs from it), and per compaction
+    the live rows and a layer's prefix and suffix rows."""
     T = batching.new_tokens_bucket(budget)
-    ladder, rows = engine.capacity_ladder(T, first_capacity), prompts * samples
+    reads, rows = engine.read_ladder(T, first_capacity), prompts * samples
     buckets = engine.batch_buckets(rows, shards, budget)
-    keys = {("prefill", prompts, prompt_len, samples, ladder[0]), ("start", prompts, samples, T, spec)}
-    keys |= {("segment", r, c, prompt_len, rows, T, spec) for r in buckets for c in ladder}
-    keys |= {("grow", r, old, new) for r in buckets for old, new in zip(ladder, ladder[1:])}
+    keys = {("prefill", prompts, prompt_len, samples, T), ("start", prompts, samples, T, spec)}
+    keys |= {("segment", r, prompt_len, rows, T, spec, reads) for r in buckets}
     for r, half in zip(buckets, buckets[1:]):
         keys.add(("live_rows", r, half, samples if r == rows else 1, prompt_len))
-        keys |= {("regroup", r, c, prompt_len, prompts if r == rows else r, half) for c in ladder}
+        keys.add(("regroup", r, T, prompt_len, prompts if r == rows else r, half))
     return keys
 
 
@@ -297,7 +293,7 @@ def rollout_programs(cfg: Config, model, shards: int, prompt_buckets: tuple[int,
                              spec_for(data.eval_temperature, 1.0, 0, vocab), ro.first_capacity)
     counts = {"decode_layers": 1}
     for key in keys:
-        kind = "regroup" if key[0] in ("grow", "live_rows", "regroup") else key[0]
+        kind = "regroup" if key[0] in ("live_rows", "regroup") else key[0]
         counts[kind] = counts.get(kind, 0) + 1
     return counts
 

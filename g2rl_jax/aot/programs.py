@@ -9,9 +9,9 @@ re-implemented and nothing is allocated. Shapes are the worst case of the config
 largest prompt bucket, every response reaching the budget. What a step compiles:
 
     optimizer init        once per run (each moment sharded like its parameter)
-    rollout               prefill; the first token; the decode weights; a decode segment for each KV capacity of the
-                          ladder (engine.capacity_ladder) at the full batch and at each smaller batch bucket that a
-                          compaction can reach (engine.batch_buckets); growing the cache one layer at a time
+    rollout               prefill; the first token; the decode weights; a decode segment (the read rungs of
+                          engine.read_ladder inside it) at the full batch and at each smaller batch bucket that a
+                          compaction can reach (engine.batch_buckets); the first compaction, one layer at a time
     score / reference     one program per (micro-batch rows, response width) of the finest candidate set of
                           train/shapes.py (every row count x the 4-per-octave width ladder), which holds every
                           shape any run of the config can take; with algorithm.packing, one per packed (rows,
@@ -20,7 +20,7 @@ largest prompt bucket, every response reaching the budget. What a step compiles:
     advantages            novelty, shaping and group advantages (one program); the EVOL embedder when configured
 
 scope="all" lists every shape; scope="largest" keeps, of each kind, the shape that holds the most bytes (the widest
-response width at the most rows, the largest capacity at the full batch): memory grows with every dimension, so
+response width at the most rows, the segment at the full batch): memory grows with every dimension, so
 these bound the peak of the others, and they compile in a fraction of the time.
 
 `Program.resident` counts the bytes per chip of run state that is alive while the program runs but is not among its
@@ -153,7 +153,7 @@ class StepShapes:
     samples: int  # m
     rows: int  # B = P * m rows the sampler decodes
     step_rows: int  # responses a step scores: data.prompts_per_step * m
-    capacities: tuple[int, ...]  # the KV capacity ladder
+    reads: tuple[int, ...]  # the decode's read rungs (engine.read_ladder); the cache holds new_tokens slots
     buckets: tuple[int, ...]  # decode batch buckets: B, then each smaller one a compaction reaches
     micro_rows: tuple[int, ...]  # rows of a micro-batch (micro.row_counts)
     widths: tuple[int, ...]  # response widths of a micro-batch
@@ -167,7 +167,7 @@ def step_shapes(cfg: Config, mesh) -> StepShapes:
     return StepShapes(shards=shards, prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
                                                                   batching.MIN_PROMPT_BUCKET),
                       new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
-                      capacities=engine.capacity_ladder(t, cfg.rollout.first_capacity),
+                      reads=engine.read_ladder(t, cfg.rollout.first_capacity),
                       buckets=engine.batch_buckets(prompts * m, shards, cfg.rollout.max_new_tokens),  # as generate
                       micro_rows=micro_lib.row_counts(cfg.algorithm.micro_batch_size, shards),
                       widths=micro_lib.width_ladder(t))
@@ -201,7 +201,7 @@ def step_programs(cfg: Config, model: Qwen3Config, mesh, scope: str = "all",
 
 def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphdef, params, resident: int,
              scope: str) -> list[Program]:
-    """Prefill, first token, decode weights, the decode segments of the ladder, and a cache growth."""
+    """Prefill, first token, decode weights, the decode segments of the batch buckets, and the first compaction."""
     mesh, G, L, K = a.mesh, model.num_key_value_heads, model.num_hidden_layers, model.head_dim
     kv_dtype = jnp.dtype(cfg.model.kv_cache_dtype)
     m, T = s.samples, s.new_tokens
@@ -211,14 +211,13 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
     f32, i32 = a.scalar(jnp.float32), a.scalar(jnp.int32)
     stops = a.scalar(jnp.int32, (2,))
     ids, mask = a.rows((s.prompts, s.prompt_len), jnp.int32), a.rows((s.prompts, s.prompt_len), jnp.bool_)
-    first = s.capacities[0]
 
     def prefix(rows: int) -> PrefixCache:
         kv = a.kv(rows, G, s.prompt_len, K, kv_dtype, L)
         return PrefixCache(k=kv, v=kv, mask=a.rows((rows, s.prompt_len), jnp.bool_), lengths=a.rows((rows,), jnp.int32))
 
-    def suffix(rows: int, capacity: int) -> SuffixCache:
-        kv = a.kv(rows, G, capacity, K, kv_dtype, L)
+    def suffix(rows: int) -> SuffixCache:
+        kv = a.kv(rows, G, T, K, kv_dtype, L)
         return SuffixCache(k=kv, v=kv)
 
     def decode_state(rows: int) -> engine.DecodeState:
@@ -231,33 +230,31 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
     in_mesh = lambda lower: functools.partial(_in_mesh, mesh, lower)  # noqa: E731
     progs = [
         Program(f"prefill {s.prompts} prompts x {s.prompt_len} tokens", "prefill", "rollout", in_mesh(functools.partial(
-            engine.prefill_fn(mesh, G, L).lower, graphdef, params, ids, mask, num_samples=m, capacity=first)),
+            engine.prefill_fn(mesh, G, L).lower, graphdef, params, ids, mask, num_samples=m, capacity=T)),
             resident),
         Program(f"first token of {s.rows} samples", "start", "rollout", in_mesh(functools.partial(
             engine.start_fn(mesh).lower, logits, key, f32, f32, stops, i32, num_samples=m, new_tokens=T, spec=spec)),
-            resident + per_chip_bytes((prefix(s.prompts), suffix(s.rows, first)))),
+            resident + per_chip_bytes((prefix(s.prompts), suffix(s.rows)))),
         Program("decode weights", "decode_layers", "rollout", in_mesh(functools.partial(
             engine.decode_layers_fn(mesh).lower, graphdef, params)),
-            resident + per_chip_bytes((prefix(s.prompts), suffix(s.rows, first), decode_state(s.rows)))),
+            resident + per_chip_bytes((prefix(s.prompts), suffix(s.rows), decode_state(s.rows)))),
     ]
     for rows in s.buckets:
-        caps = s.capacities if scope == "all" else s.capacities[-1:]
-        for capacity in caps:
-            pre = prefix(s.prompts if rows == s.rows else rows)
-            lower = functools.partial(engine.segment_fn(mesh, G, L).lower, graphdef, params, layers, pre,
-                                      suffix(rows, capacity), decode_state(rows), i32, i32, i32, key, f32, f32, stops,
-                                      spec=spec)
-            progs.append(Program(f"decode segment {rows} rows x {capacity} slots", "segment", "rollout",
-                                 in_mesh(lower), resident))
+        pre = prefix(s.prompts if rows == s.rows else rows)
+        lower = functools.partial(engine.segment_fn(mesh, G, L).lower, graphdef, params, layers, pre, suffix(rows),
+                                  decode_state(rows), i32, i32, i32, key, f32, f32, stops, spec=spec, reads=s.reads)
+        progs.append(Program(f"decode segment {rows} rows x {T} slots", "segment", "rollout", in_mesh(lower),
+                             resident))
         if scope == "largest":
             break
-    if len(s.capacities) > 1:  # the last growth of the full batch: one layer moves while the others wait
-        old, new = s.capacities[-2], s.capacities[-1]
-        one_old, one_new = a.kv(s.rows, G, old, K, kv_dtype, 1)[0], a.kv(s.rows, G, new, K, kv_dtype, 1)[0]
-        waiting = 2 * (L - 1) * per_chip_bytes(one_new)  # k and v of every other layer, at the new capacity
-        lower = functools.partial(engine.grow_fn(mesh, G).lower, one_old, one_old, capacity=new)
-        progs.append(Program(f"grow cache {old} -> {new} slots (one layer)", "regroup", "rollout", in_mesh(lower),
-                             resident + per_chip_bytes((params, layers, prefix(s.prompts), decode_state(s.rows)))
+    if len(s.buckets) > 1:  # the first compaction, one layer at a time: it peaks at the first layer's move,
+        half = s.buckets[1]  # while every other layer still holds its old rows
+        pk, sk = a.kv(s.prompts, G, s.prompt_len, K, kv_dtype, 1)[0], a.kv(s.rows, G, T, K, kv_dtype, 1)[0]
+        waiting = 2 * (L - 1) * per_chip_bytes((pk, sk))  # k and v of every other layer, not yet moved
+        rows_X = a.rows((half,), jnp.int32)
+        lower = functools.partial(engine.regroup_fn(mesh, G).lower, pk, pk, sk, sk, rows_X, rows_X)
+        progs.append(Program(f"compact the cache {s.rows} -> {half} rows (one layer)", "regroup", "rollout",
+                             in_mesh(lower), resident + per_chip_bytes((params, layers, decode_state(s.rows)))
                              + waiting))
     return progs
 

@@ -5,12 +5,13 @@ decode time, side by side; with --measure, one small real case on this machine t
         model.path=tests/assets/qwen3_tokenizer
     python -m g2rl_jax.bench ladder --measure          # the demo-size model on this CPU, long-tailed lengths
 
-Each row is one option: at most --buckets prompt buckets (data.prompt_buckets), capacities that grow --growth-fold
+Each row is one option: at most --buckets prompt buckets (data.prompt_buckets), read rungs that grow --growth-fold
 from --first slots (rollout.first_capacity) and batch buckets a --shrink-th of the rows before
-(engine.CAPACITY_GROWTH and BATCH_SHRINK, set here for the what-if only; the engine's are 2). A rollout's bounded set
-is a segment per (batch bucket, capacity) and a move per step between neighbours, and every prompt bucket is a
-copy of it, so each of these cuts programs; each also costs decode time: a step reads every slot of its capacity,
-carries up to a shrink-fold of the live rows, and pads its prompts to the next bucket. For each option this prints
+(engine.READ_GROWTH and BATCH_SHRINK, set here for the what-if only; the engine's are 2). A rollout's bounded set
+is a segment per batch bucket and a compaction between neighbours (the read rungs are branches inside each
+segment, no program of their own), and every prompt bucket is a copy of it, so fewer batch rungs and prompt
+buckets cut programs; each option also costs decode time: a step reads every slot of its read rung, carries up to
+a shrink-fold of the live rows, and pads its prompts to the next bucket. For each option this prints
 the whole run's programs (aot/bill.program_counts, the count tests/test_program_count.py checks: training and
 validation rollouts, the passes, the small ones), their compile seconds on the run's threads by the price model
 (aot/bill.model_seconds: no compiling), the decode's HBM roofline per long-tailed step (aot/bill.decode_step_s,
@@ -39,7 +40,7 @@ def _args(argv):
     p.add_argument("--target", default="v5p-8", help="a TPU slice as gcloud names it (v5p-8, ...)")
     p.add_argument("--buckets", action="append", type=int, default=[],
                    help="data.prompt_buckets (repeatable; default 0 (no limit), 2, 1)")
-    p.add_argument("--growth", action="append", type=int, default=[], help="capacity rung factor (default 2, 4)")
+    p.add_argument("--growth", action="append", type=int, default=[], help="read rung factor (default 2, 4)")
     p.add_argument("--shrink", action="append", type=int, default=[], help="batch rung factor (default 2, 4)")
     p.add_argument("--first", action="append", type=int, default=[],
                    help="rollout.first_capacity (default 128, 512)")
@@ -57,7 +58,7 @@ def _args(argv):
 def _set_ladder(growth: int, shrink: int) -> None:
     from g2rl_jax.rollout import engine
 
-    engine.CAPACITY_GROWTH, engine.BATCH_SHRINK = growth, shrink
+    engine.READ_GROWTH, engine.BATCH_SHRINK = growth, shrink
 
 
 def model_table(a) -> int:
@@ -86,7 +87,7 @@ def model_table(a) -> int:
           f"{base.run.eval_every}; prompt shares from {said}: "
           f"{', '.join(f'{b}: {p:.2f}' for b, p in shares.items())}; compile by the price model on {threads} "
           f"threads; {steps} steps\n"
-          f"| prompt buckets | capacity rungs | batch rungs | first capacity | rollout programs | programs | "
+          f"| prompt buckets | read rungs | batch rungs | first read | rollout programs | programs | "
           f"compile s | passes s per step | decode s per step | compile + {steps} steps s |\n|{'---|' * 10}")
     for most, growth, shrink, first in itertools.product(a.buckets or [0, 2, 1], a.growth or [2, 4],
                                                          a.shrink or [2, 4], a.first or [128, 512]):
@@ -124,7 +125,7 @@ def measure(a) -> int:
     from g2rl_jax.aot.bill import rollout_keys
     from g2rl_jax.model.qwen3 import Qwen3
     from g2rl_jax.plan import demo_architecture
-    from g2rl_jax.rollout import engine, prewarm
+    from g2rl_jax.rollout import batching, engine, prewarm
     from g2rl_jax.train.compiles import CompileClock
 
     cfg = dataclasses.replace(demo_architecture(), max_position_embeddings=2 * a.budget)  # its context: 256
@@ -137,7 +138,7 @@ def measure(a) -> int:
     slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # f32 K and V, all layers
     print(f"demo-size Qwen3 ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) on "
           f"this CPU: {len(prompts)} prompts x {samples} samples, budget {a.budget}, {len(stops)} stop ids (mean "
-          f"length ~{a.budget // 4}), 2 compile threads\n| capacity rungs | batch rungs | first capacity | "
+          f"length ~{a.budget // 4}), 2 compile threads\n| read rungs | batch rungs | first read | "
           f"programs | compile s | decode s | model decode MB | decode / first row's | model / first row's |\n"
           f"|{'---|' * 9}")
     options = [tuple(map(int, o.split(","))) for o in a.option] or [(2, 2, 128), (2, 2, 512), (4, 4, 128)]
@@ -162,9 +163,10 @@ def measure(a) -> int:
     base = None
     for (growth, shrink, first), seen in zip(options, found):
         _set_ladder(growth, shrink)
-        segs = engine.decode_segments(out.completion_lengths, rows, a.budget, 1, first)
-        bytes_ = sum(n * (weights + ((len(prompts) if r == rows else r) * out.prompt_ids_BxS.shape[1] + r * c) * slot)
-                     for r, c, n in segs)
+        segs = engine.decode_segments(out.completion_lengths, rows, a.budget, 1)
+        reads = engine.read_ladder(batching.new_tokens_bucket(a.budget), first)
+        bytes_ = sum(n * (weights + (len(prompts) if r == rows else r) * out.prompt_ids_BxS.shape[1] * slot)
+                     + r * slot * float(engine.read_slots(np.arange(t, t + n), reads).sum()) for r, t, n in segs)
         keys = rollout_keys(len(prompts), out.prompt_ids_BxS.shape[1], samples, a.budget, 1, None, first)
         decode_s = min(runs[(growth, shrink, first)])
         base = base or (decode_s, bytes_)

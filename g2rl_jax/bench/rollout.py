@@ -116,7 +116,7 @@ def _prefill_seconds(model, prompts, a) -> float:
     graphdef, state = nnx.split(model)
     cfg = model.config
     prefill = engine.prefill_fn(None, cfg.num_key_value_heads, cfg.num_hidden_layers)
-    capacity = engine.capacity_ladder(sizes.new_tokens)[0]
+    capacity = sizes.new_tokens  # the cache holds the budget (rollout/engine.py)
     jax.block_until_ready(prefill(graphdef, state, ids, mask, num_samples=a.samples, capacity=capacity))
     start = time.perf_counter()
     jax.block_until_ready(prefill(graphdef, state, ids, mask, num_samples=a.samples, capacity=capacity))
@@ -146,10 +146,10 @@ def decode_bytes_per_step(cfg: Qwen3Config, dtype_bytes: int, prompt_tokens: int
 
 def decode_bytes_touched(cfg: Qwen3Config, dtype_bytes: int, prefix_slots: int, batch: int, new_tokens: int) -> float:
     """Bytes our decode step reads, averaged over the steps: every weight once, the whole padded prefix cache,
-    and the suffix slots of the capacity bucket the step runs in (attention reads the bucket, masked)."""
+    and the suffix slots of the read rung the step reads (attention reads the rung, masked)."""
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-    ladder = engine.capacity_ladder(batching.new_tokens_bucket(new_tokens))
-    slots = [next(c for c in ladder if c > t) for t in range(new_tokens - 1)]  # step t writes slot t
+    ladder = engine.read_ladder(batching.new_tokens_bucket(new_tokens))
+    slots = engine.read_slots(np.arange(2, new_tokens + 1), ladder)  # step t writes slot t, reads t + 1
     return cfg.num_params() * dtype_bytes + kv_per_token * (prefix_slots + batch * float(np.mean(slots or [0])))
 
 

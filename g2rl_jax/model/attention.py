@@ -159,13 +159,31 @@ def _splash_local(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool,
 
 @functools.partial(jax.named_call, name="decode_attention")
 def decode_attention(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS,
-                     suffix_k_BxGxTxK, suffix_v_BxGxTxK, num_valid_suffix):
+                     suffix_k_BxGxTxK, suffix_v_BxGxTxK, num_valid_suffix, reads: tuple[int, ...] = ()):
     """One decode step for B = P*m samples: a joint softmax over prompt p's prefix and sample b's own suffix.
 
     Suffix slots t < num_valid_suffix are attended (the caller has already written the current token's K/V).
+    reads (static): the read rungs, ascending, the last at most T: the step reads only the first r slots of the
+    suffix, r the smallest rung >= num_valid_suffix (a lax.switch with a branch per rung, so one program serves
+    every step; the slots past r are empty and masked anyway). Empty: every slot.
+    """
+    args = (q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS, suffix_k_BxGxTxK, suffix_v_BxGxTxK,
+            num_valid_suffix)
+    if len(reads) <= 1:
+        return _attend(*args, read=reads[0] if reads else 0)
+    rung = jnp.minimum(jnp.searchsorted(jnp.asarray(reads, jnp.int32), num_valid_suffix), len(reads) - 1)
+    return jax.lax.switch(rung, [functools.partial(_attend, read=r) for r in reads], *args)
+
+
+def _attend(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS, suffix_k_BxGxTxK, suffix_v_BxGxTxK,
+            num_valid_suffix, *, read: int):
+    """decode_attention over the first `read` suffix slots (0: all of them).
+
     Only the queries and the prefix scores are reshaped to [P, m, ...]; the suffix cache is read in its own
     [B, ...] layout (a reshape of it made XLA copy the freshly updated cache on every step).
     """
+    if read and read < suffix_k_BxGxTxK.shape[2]:
+        suffix_k_BxGxTxK, suffix_v_BxGxTxK = suffix_k_BxGxTxK[:, :, :read], suffix_v_BxGxTxK[:, :, :read]
     B, H, K = q_BxHxK.shape
     P, G, S, _ = prefix_k_PxGxSxK.shape
     m, T, R = B // P, suffix_k_BxGxTxK.shape[2], H // G

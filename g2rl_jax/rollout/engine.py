@@ -1,39 +1,40 @@
-"""The jitted pieces of `generate`: prefill once per prompt, then decode in SEGMENTS that grow the cache and
-compact the batch between them, so a step costs the slots filled and the samples still running, not the budget.
+"""The jitted pieces of `generate`: prefill once per prompt, then decode in SEGMENTS that compact the batch
+between them, each decode step reading only the cache slots its position needs, so a step costs the slots filled and
+the samples still running, not the budget.
 
-    logits, prefix, suffix = prefill(...)            # suffix: `first_capacity` slots per sample
+    logits, prefix, suffix = prefill(...)            # suffix: the budget's slots per sample, empty
     state = start(logits, ...)                       # token 0 of every sample (from its prompt's logits)
     loop:  state, suffix, t, live = segment(..., t, t_end, min_live)   # a lax.while_loop of decode steps
-           rows = live_rows(state, new_batch); per layer: regroup(...) # compact and/or grow the cache
+           rows = live_rows(state, new_batch); per layer: regroup(...) # compact the cache
 
-A segment ends when the cache is full (t_end), when every sample has stopped, or as soon as at most `min_live`
-samples still run (a BATCH_SHRINK-th of the rows: then the next smaller batch bucket holds them; only while more
-than COMPACT_MIN_STEPS steps remain). Between segments the host (`generate.py`) picks the next capacity (a ladder
-that grows CAPACITY_GROWTH-fold, `capacity_ladder`) and batch bucket (a BATCH_SHRINK-th of the rows when it
-compacts; a segment that starts with fewer still running ends at once, and the batch shrinks again), and each
-layer's K/V buffers move to their new shape one layer at a time (the old buffers are freed as each moves), so a
-move never holds a second copy of the whole cache. Compaction gathers the live rows first (stable order); the
-first compaction also gives each row its own copy of its prompt's prefix (P = rows, m = 1), so rows of different
-prompts can share a batch.
+A segment ends when the budget is spent, when every sample has stopped, or as soon as at most `min_live` samples
+still run (a BATCH_SHRINK-th of the rows: then the next smaller batch bucket holds them; only while more than
+COMPACT_MIN_STEPS steps remain). Between segments the host (`generate.py`) picks the next batch bucket (a
+BATCH_SHRINK-th of the rows when it compacts; a segment that starts with fewer still running ends at once, and the
+batch shrinks again), and each layer's K/V buffers move to their new rows one layer at a time (the old buffers are
+freed as each moves), so a move never holds a second copy of the whole cache. Compaction gathers the live rows first
+(stable order); the first compaction also gives each row its own copy of its prompt's prefix (P = rows, m = 1), so
+rows of different prompts can share a batch.
 
-The rungs are a trade: a rollout's bounded set is a segment per (batch bucket, capacity) and a move per step
-between neighbours, so the count falls with the square of the rung factor (at an 8k budget, 256 rows on 4 batch
-shards: rungs of 4 compile 4 x 4 segments and 27 moves instead of 7 x 7 and 90), while a step reads up to R x the
-slots its position needs and carries up to R x the live rows. At 1.7B on v5p-8, by the HBM byte model of `python
--m g2rl_jax.bench ladder`, capacity rungs of 4 cost +30% decode time, batch rungs of 4 +33%, both +80%, far more
-than the compile they save, so both stay 2; a first capacity of 512 instead of 128 (rollout.first_capacity, the
-1.7B config's) cuts the ladder by two rungs for +0.7%.
+The cache holds the whole budget from the prefill on (memory.py prices every row at the budget: the worst case, a
+batch none of whose samples stops), and a decode step reads a prefix of it: the READ RUNGS (`read_ladder`: from
+rollout.first_capacity, READ_GROWTH-fold up to the budget; a step at position t reads the smallest rung >= t, so
+at most max(first, READ_GROWTH t) slots), one branch per rung of a lax.switch in each layer's attention. So a
+rollout's bounded set is a segment per batch bucket, a compaction per step between neighbours, and the rungs cost
+no program. (Until 2026-11-28 the rungs were cache capacities, each a copy of the segments and moves, with a
+growth between them: at the demo-size long-tailed run 71 rollout programs where this has 25.) Batch rungs are a
+trade: a step carries up to BATCH_SHRINK x the live rows, and each bucket is a segment and a move to compile (`python
+-m g2rl_jax.bench ladder`).
 
 Per-sample determinism: token t of sample b (b = p*m + j in the global batch) is drawn with the key
 fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the draws do not depend on the batch
-bucket, the compaction, the cache capacity, the budget or the sharding. Stopped rows keep being fed (static batch)
+bucket, the compaction, the read rung, the budget or the sharding. Stopped rows keep being fed (static batch)
 but record nothing; dummy rows (bucket padding) start stopped.
 
-Compiles: one executable per shape (prompt bucket, batch bucket, capacity) and static sampler spec, and one per
-move between shapes (the batch shrinks: its live rows with their prompts' masks and lengths, once per bucket, and
-each layer's prefix and suffix rows, once per bucket and capacity; the cache grows); the ladders are short, so a
-rollout has a bounded set, which rollout/prewarm.py compiles before the decode loop
-needs any of it. `TRACE_COUNTS` counts traces per function (tests read it).
+Compiles: one executable per shape (prompt bucket, batch bucket) and static sampler spec, and one per compaction
+(its live rows with their prompts' masks and lengths, and each layer's prefix and suffix rows, once per bucket);
+the ladder is short, so a rollout has a bounded set, which rollout/prewarm.py compiles before the decode loop needs
+any of it. `TRACE_COUNTS` counts traces per function (tests read it).
 """
 from __future__ import annotations
 
@@ -51,17 +52,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from g2rl_jax import parallel
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
 from g2rl_jax.parallel import DEFAULT_RULES
-from g2rl_jax.rollout.batching import new_tokens_bucket
 from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
-FIRST_CAPACITY = 128  # suffix slots of the first segment (the budget's bucket when smaller); rollout.first_capacity
+FIRST_READ = 128  # suffix slots the first decode steps read (the budget's bucket when smaller); rollout.first_capacity
 # A segment may end early to compact only while more than this many decode steps remain: a compaction (a gather per
 # layer, and one more segment executable per new batch bucket) cannot pay for itself over a few steps; short
 # budgets (the demo's 8 tokens) then decode in one segment, one batch bucket, one compiled shape.
 COMPACT_MIN_STEPS = 8
-CAPACITY_GROWTH = 2  # each capacity of the ladder is this many times the one before (module docstring)
+READ_GROWTH = 2  # each read rung is this many times the one before (module docstring)
 BATCH_SHRINK = 2  # a compaction cuts the batch bucket to this fraction of its rows
+REGROUP_CHUNK = 512  # suffix slots a compaction moves at a time (_take_rows)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -87,14 +88,19 @@ def batch_shards(mesh) -> int:
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in DEFAULT_RULES.mesh_axes("batch"))
 
 
-def capacity_ladder(new_tokens: int, first: int = 0) -> tuple[int, ...]:
-    """Suffix capacities a decode walks through: `first` (default FIRST_CAPACITY) growing CAPACITY_GROWTH-fold, the
-    last one `new_tokens` (the bucketed budget). A step at position t reads at most max(first, CAPACITY_GROWTH t)
-    slots."""
-    ladder = [min(first or FIRST_CAPACITY, new_tokens)]
+def read_ladder(new_tokens: int, first: int = 0) -> tuple[int, ...]:
+    """The read rungs: `first` (default FIRST_READ) growing READ_GROWTH-fold, the last one `new_tokens` (the
+    bucketed budget, the cache's slots). A step at position t reads at most max(first, READ_GROWTH t) slots."""
+    ladder = [min(first or FIRST_READ, new_tokens)]
     while ladder[-1] < new_tokens:
-        ladder.append(min(CAPACITY_GROWTH * ladder[-1], new_tokens))
+        ladder.append(min(READ_GROWTH * ladder[-1], new_tokens))
     return tuple(ladder)
+
+
+def read_slots(num_valid, reads: tuple[int, ...]) -> np.ndarray:
+    """The slots a step with `num_valid` filled suffix slots reads: the smallest rung >= it (decode_attention)."""
+    rungs = np.asarray(reads)
+    return rungs[np.minimum(np.searchsorted(rungs, num_valid), len(rungs) - 1)]
 
 
 def batch_bucket(live: int, shards: int) -> int:
@@ -118,52 +124,43 @@ def batch_buckets(rows: int, shards: int, new_tokens: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-def segment_bounds(rows: int, t: int, level: int, ladder: tuple[int, ...], max_new_tokens: int,
-                   shards: int) -> tuple[int, int]:
-    """(t_end, min_live) of the segment that starts at step t with `rows` rows and capacity ladder[level]: it runs
-    until the cache is full (t_end) or at most min_live samples still run (the next smaller bucket's rows, while a
-    compaction can pay for itself: more than COMPACT_MIN_STEPS steps left and a smaller bucket exists; else -1,
-    never)."""
+def min_live_rows(rows: int, t: int, max_new_tokens: int, shards: int) -> int:
+    """The segment that starts at step t with `rows` rows runs until the budget is spent or at most this many
+    samples still run: the next smaller bucket's rows, while a compaction can pay for itself (more than
+    COMPACT_MIN_STEPS steps left and a smaller bucket exists); else -1 (never)."""
     smaller = smaller_bucket(rows, shards)
-    compactable = smaller < rows and max_new_tokens - t > COMPACT_MIN_STEPS
-    return min(ladder[level] + 1, max_new_tokens), smaller if compactable else -1
+    return smaller if smaller < rows and max_new_tokens - t > COMPACT_MIN_STEPS else -1
 
 
-def next_shape(rows: int, t: int, live: int, min_live: int, level: int, ladder: tuple[int, ...],
-               max_new_tokens: int, shards: int) -> tuple[int, int] | None:
-    """After a segment stopped at step t with `live` samples running: None when the decode is done, else the
-    (rows, level) of the next segment (the next smaller batch bucket when it compacts, whatever number still
-    runs: it holds min_live rows; the next capacity when the cache is full)."""
+def next_rows(rows: int, t: int, live: int, min_live: int, max_new_tokens: int, shards: int) -> int | None:
+    """After a segment stopped at step t with `live` samples running: None when the decode is done, else the rows
+    of the next segment (the next smaller batch bucket when it compacts, whatever number still runs: it holds
+    min_live rows)."""
     if live == 0 or t >= max_new_tokens:
         return None
-    return (smaller_bucket(rows, shards) if live <= min_live else rows), level + (t > ladder[level])
+    return smaller_bucket(rows, shards) if live <= min_live else rows
 
 
-def decode_schedule(lengths_B, rows: int, max_new_tokens: int, shards: int) -> list[tuple[int, int]]:
-    """(rows, capacity) of each segment `generate` runs when its samples draw lengths_B tokens each (the stop token
+def decode_schedule(lengths_B, rows: int, max_new_tokens: int, shards: int) -> list[int]:
+    """The rows of each segment `generate` runs when its samples draw lengths_B tokens each (the stop token
     included; a sample at max_new_tokens never stops), starting from `rows` rows (the bucketed prompts x samples,
     dummies stopped): the decode loop of generate.py, with each segment's stopping step worked out on the host."""
-    return [(r, c) for r, c, _ in decode_segments(lengths_B, rows, max_new_tokens, shards)]
+    return [r for r, _, _ in decode_segments(lengths_B, rows, max_new_tokens, shards)]
 
 
-def decode_segments(lengths_B, rows: int, max_new_tokens: int, shards: int,
-                    first_capacity: int = 0) -> list[tuple[int, int, int]]:
-    """decode_schedule's segments with the decode steps each runs: (rows, capacity, steps); `first_capacity` the
-    ladder's first capacity (default FIRST_CAPACITY)."""
+def decode_segments(lengths_B, rows: int, max_new_tokens: int, shards: int) -> list[tuple[int, int, int]]:
+    """decode_schedule's segments with their steps: (rows, first step, steps); step t reads read_slots(t)."""
     lengths_B = np.sort(np.asarray(lengths_B))
-    ladder = capacity_ladder(new_tokens_bucket(max_new_tokens), first_capacity)
-    t, level, out = 1, 0, []
+    t, out = 1, []
     while True:
-        start = t
-        t_end, min_live = segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
+        start, min_live = t, min_live_rows(rows, t, max_new_tokens, shards)
         live = lambda t: int(len(lengths_B) - np.searchsorted(lengths_B, t, side="right"))  # noqa: E731 n_b > t
-        while t < t_end and live(t) > 0 and live(t) > min_live:
+        while t < max_new_tokens and live(t) > 0 and live(t) > min_live:
             t += 1
-        out.append((rows, ladder[level], t - start))
-        step = next_shape(rows, t, live(t), min_live, level, ladder, max_new_tokens, shards)
-        if step is None:
+        out.append((rows, start, t - start))
+        rows = next_rows(rows, t, live(t), min_live, max_new_tokens, shards)
+        if rows is None:
             return out
-        rows, level = step
 
 
 def _is_stop(tokens_X, stops_Z):
@@ -178,7 +175,8 @@ def _draw(logits_XxV, sample_X, t, key, temperature, top_p, spec: SamplerSpec):
 
 # ------------------------------------------------------------------------------------------------ the steps
 def _prefill(graphdef, state, ids_PxS, mask_PxS, *, num_samples: int, capacity: int):
-    """Last-token logits [P, V], the prompt K/V cache, and an empty suffix of `capacity` slots per sample."""
+    """Last-token logits [P, V], the prompt K/V cache, and an empty suffix of `capacity` slots per sample (the
+    budget's)."""
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     logits_PxV, prefix = model.prefill(ids_PxS, mask_PxS)
@@ -205,9 +203,10 @@ def _decode_layers(graphdef, state):
 
 
 def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, ds: DecodeState, t, t_end,
-             min_live, key, temperature, top_p, stops_Z, *, spec: SamplerSpec):
-    """Decode steps t, t+1, ... (step t feeds token t-1 into slot t-1 and draws token t) while t < t_end, some
-    row is live and more than `min_live` rows are. Returns (state, suffix, t, live rows)."""
+             min_live, key, temperature, top_p, stops_Z, *, spec: SamplerSpec, reads: tuple[int, ...]):
+    """Decode steps t, t+1, ... (step t feeds token t-1 into slot t-1 and draws token t, reading the read rung
+    that holds t slots) while t < t_end, some row is live and more than `min_live` rows are. Returns (state,
+    suffix, t, live rows)."""
     TRACE_COUNTS["segment"] += 1
     model = nnx.merge(graphdef, state)
     B = ds.lengths_B.shape[0]
@@ -219,7 +218,7 @@ def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, 
 
     def body(c):
         t, ds, suffix = c
-        logits_XxV, suffix = model.decode_step(ds.last_X, prefix, suffix, step=t - 1, layers=layers)
+        logits_XxV, suffix = model.decode_step(ds.last_X, prefix, suffix, step=t - 1, layers=layers, reads=reads)
         tok_X, lp_X = _draw(logits_XxV, ds.sample_X, t, key, temperature, top_p, spec)
         live_X = ~ds.stopped_X
         dest_X = jnp.where(live_X, ds.sample_X, B)  # stopped rows write nowhere (index B is dropped)
@@ -255,18 +254,24 @@ def compact(mesh, ds: DecodeState, prefix_mask, prefix_lengths, rows: int,
     return ds, keep_X, prefix_X, mask, lengths
 
 
-def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxWxK, suffix_v_XxGxWxK, prefix_X, keep_X):
-    """One layer's K/V at a compaction: prefix rows `prefix_X` and suffix rows `keep_X` (slots unchanged)."""
+def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxTxK, suffix_v_XxGxTxK, prefix_Y, keep_Y):
+    """One layer's K/V at a compaction: prefix rows `prefix_Y` and suffix rows `keep_Y` (slots unchanged)."""
     TRACE_COUNTS["regroup"] += 1
-    return (prefix_k_QxGxSxK[prefix_X], prefix_v_QxGxSxK[prefix_X], suffix_k_XxGxWxK[keep_X],
-            suffix_v_XxGxWxK[keep_X])
+    return (prefix_k_QxGxSxK[prefix_Y], prefix_v_QxGxSxK[prefix_Y], _take_rows(suffix_k_XxGxTxK, keep_Y),
+            _take_rows(suffix_v_XxGxTxK, keep_Y))
 
 
-def _grow(k_XxGxWxK, v_XxGxWxK, *, capacity: int):
-    """One layer's suffix K/V padded with empty slots up to `capacity`."""
-    TRACE_COUNTS["grow"] += 1
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, capacity - x.shape[2]), (0, 0)))  # noqa: E731
-    return pad(k_XxGxWxK), pad(v_XxGxWxK)
+def _take_rows(x_XxGxTxK, keep_Y):
+    """x's rows keep_Y, REGROUP_CHUNK slots at a time: XLA gathers rows of a batch-sharded array by first gathering
+    it whole onto every device, so a chunk, not a layer of the budget's slots, is what each device holds extra."""
+    _, G, T, K = x_XxGxTxK.shape
+    chunk = REGROUP_CHUNK if T % REGROUP_CHUNK == 0 else T
+
+    def body(i, out_YxGxTxK):
+        part_YxGxCxK = jax.lax.dynamic_slice_in_dim(x_XxGxTxK, i * chunk, chunk, axis=2)[keep_Y]
+        return jax.lax.dynamic_update_slice_in_dim(out_YxGxTxK, part_YxGxCxK, i * chunk, axis=2)
+
+    return jax.lax.fori_loop(0, T // chunk, body, jnp.zeros((keep_Y.shape[0], G, T, K), x_XxGxTxK.dtype))
 
 
 # ------------------------------------------------------------------------------------------------ shardings
@@ -323,7 +328,7 @@ def start_fn(mesh):
 @functools.lru_cache(maxsize=None)
 def segment_fn(mesh, num_kv_heads: int, num_layers: int):
     """jit(_segment) with the suffix cache and the decode state donated (updated in place)."""
-    static, donate = ("graphdef", "spec"), ("suffix", "ds")
+    static, donate = ("graphdef", "spec", "reads"), ("suffix", "ds")
     if mesh is None:
         return jax.jit(_segment, static_argnames=static, donate_argnames=donate)
     _, suffix = _caches_sharding(mesh, num_kv_heads, num_layers)
@@ -350,12 +355,3 @@ def regroup_fn(mesh, num_kv_heads: int):
     kv = _kv_sharding(mesh, num_kv_heads)
     return jax.jit(_regroup, out_shardings=(kv,) * 4)
 
-
-@functools.lru_cache(maxsize=None)
-def grow_fn(mesh, num_kv_heads: int):
-    """jit(_grow), one layer at a time (as regroup_fn)."""
-    kw = dict(static_argnames=("capacity",))
-    if mesh is None:
-        return jax.jit(_grow, **kw)
-    kv = _kv_sharding(mesh, num_kv_heads)
-    return jax.jit(_grow, out_shardings=(kv, kv), **kw)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -50,8 +49,8 @@ class Rollout:
       completion_lengths: int32 [B].
     decode_steps: length of the longest completion, i.e. how many tokens the decode loop generated before every
       sample had stopped (or max_new_tokens).
-    segments: (batch rows, cache capacity) of each decode segment, in order: the compiled shapes it ran
-      (engine.decode_schedule predicts them from the completion lengths).
+    segments: the batch rows of each decode segment, in order: the compiled shapes it ran (engine.decode_schedule
+      predicts them from the completion lengths).
     """
 
     completion_ids: list[list[int]]
@@ -65,7 +64,7 @@ class Rollout:
     logprobs_BxT: np.ndarray
     completion_lengths: np.ndarray
     decode_steps: int
-    segments: tuple[tuple[int, int], ...] = ()
+    segments: tuple[int, ...] = ()
 
 
 def _active_mesh(mesh):
@@ -91,8 +90,8 @@ def generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_
     reach (rollout/prewarm.py), that many at a time (0: each when the loop first meets it); the samples are the same.
     pad_to=(P, S): at least P prompts (over all processes) of S tokens, and responses at the budget's full width
     (`batching.new_tokens_bucket(max_new_tokens)`), so that every call of a run has the same shapes.
-    first_capacity: KV slots of the first decode segment (engine.capacity_ladder; rollout.first_capacity; 0:
-    engine.FIRST_CAPACITY).
+    first_capacity: the first read rung, the KV slots the first decode steps read (engine.read_ladder;
+    rollout.first_capacity; 0: engine.FIRST_READ).
     """
     cfg = model.config
     prompts = batching.validate(
@@ -166,17 +165,17 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
                first_capacity: int = 0):
     """Place parameters and prompts on `mesh`, prefill once, compile what the decode loop can reach
     (rollout/prewarm.py), decode segment by segment (see engine.py): (tokens [B, T], log-probs [B, T], lengths [B])
-    as device arrays, the decode steps taken and the segments' (rows, capacity). warm_only: stop before the
-    decode loop (None)."""
+    as device arrays, the decode steps taken and the segments' rows. warm_only: stop before the decode loop
+    (None)."""
     cfg = model.config
     G, L, shards = cfg.num_key_value_heads, cfg.num_hidden_layers, engine.batch_shards(mesh)
     graphdef, state = nnx.split(model)
     if mesh is not None:  # a no-op (zero-copy) when the parameters already sit on these shardings
         state = parallel.place(state, parallel.state_shardings(state, mesh))
         ids_PxS, mask_PxS = jax.device_put((ids_PxS, mask_PxS), engine.batch_sharding(mesh, 2))
-    ladder = engine.capacity_ladder(sizes.new_tokens, first_capacity)
+    reads = engine.read_ladder(sizes.new_tokens, first_capacity)
     logits_PxV, prefix, suffix = engine.prefill_fn(mesh, G, L)(
-        graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, capacity=ladder[0])
+        graphdef, state, ids_PxS, mask_PxS, num_samples=num_samples, capacity=sizes.new_tokens)
     key, temp, top_p, stops = (sampling.key(seed), np.float32(temperature), np.float32(top_p),
                                batching.stop_array(stop_token_ids))
     ds = engine.start_fn(mesh)(logits_PxV, key, temp, top_p, stops, np.int32(num_real_prompts * num_samples),
@@ -185,33 +184,29 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
     segment = engine.segment_fn(mesh, G, L)
     if compile_threads >= 1:
         prewarm.rollout(mesh, graphdef, state, layers, prefix, suffix, ds,
-                        (np.int32(1), np.int32(1), np.int32(1), key, temp, top_p, stops), spec, ladder,
+                        (np.int32(1), np.int32(1), np.int32(1), key, temp, top_p, stops), spec, reads,
                         engine.batch_buckets(ds.last_X.shape[0], shards, max_new_tokens), num_samples,
                         compile_threads)
     if warm_only:
         return None
-    t, level, per_prefix, segments = 1, 0, num_samples, []
-    while True:  # engine.decode_schedule predicts the (rows, capacity) of each segment from the lengths
+    t, per_prefix, segments = 1, num_samples, []
+    while True:  # engine.decode_schedule predicts the rows of each segment from the lengths
         rows = ds.last_X.shape[0]
-        t_end, min_live = engine.segment_bounds(rows, t, level, ladder, max_new_tokens, shards)
-        segments.append((rows, ladder[level]))
+        min_live = engine.min_live_rows(rows, t, max_new_tokens, shards)
+        segments.append(rows)
         ds, suffix, t_dev, live_dev = segment(
-            graphdef, state, layers, prefix, suffix, ds, np.int32(t), np.int32(t_end), np.int32(min_live), key, temp,
-            top_p, stops, spec=spec)
+            graphdef, state, layers, prefix, suffix, ds, np.int32(t), np.int32(max_new_tokens), np.int32(min_live),
+            key, temp, top_p, stops, spec=spec, reads=reads)
         t, live = int(t_dev), int(live_dev)  # replicated scalars: the same on every process
-        step = engine.next_shape(rows, t, live, min_live, level, ladder, max_new_tokens, shards)
-        if step is None:
+        new_rows = engine.next_rows(rows, t, live, min_live, max_new_tokens, shards)
+        if new_rows is None:
             return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t, segments
-        if step[0] < rows:  # compact: the live rows into a smaller bucket, each with its own prompt prefix
-            ds, keep_X, prefix_X, mask, lengths = engine.compact(mesh, ds, prefix.mask, prefix.lengths, step[0],
+        if new_rows < rows:  # compact: the live rows into a smaller bucket, each with its own prompt prefix
+            ds, keep_X, prefix_X, mask, lengths = engine.compact(mesh, ds, prefix.mask, prefix.lengths, new_rows,
                                                                  per_prefix)
             pk, pv, sk, sv = _per_layer(engine.regroup_fn(mesh, G), (prefix.k, prefix.v, suffix.k, suffix.v),
                                         prefix_X, keep_X)
             prefix, suffix, per_prefix = PrefixCache(k=pk, v=pv, mask=mask, lengths=lengths), SuffixCache(sk, sv), 1
-        if step[1] != level:  # the cache is full: grow it to the next capacity
-            suffix = SuffixCache(*_per_layer(functools.partial(engine.grow_fn(mesh, G), capacity=ladder[step[1]]),
-                                             (suffix.k, suffix.v)))
-        level = step[1]
 
 
 def _per_layer(fn, caches: tuple, *args) -> tuple:

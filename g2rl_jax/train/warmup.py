@@ -96,7 +96,7 @@ class RunWarmup:
 
         s = step_shapes(cfg, mesh)
         return cls(cfg, model, threads=resolve_threads(cfg.run.compile_threads), choice_file=run_dir / CHOICE_FILE,
-                   prompt_lengths=prompt_lengths, rollout=rollout_counts(s.buckets, s.capacities))
+                   prompt_lengths=prompt_lengths, rollout=rollout_counts(s.buckets))
 
     def prompt_len(self, longest: int) -> int:
         """The prompt length a step whose longest prompt has `longest` tokens pads to: the largest bucket until the
