@@ -208,18 +208,24 @@ def _np_decode_attention(q, pk, pv, pmask, sk, sv, valid, m):
     return ref
 
 
+def _decode_inputs(seed: int, m: int, T: int):
+    """(q, prefix k, v, suffix k, v, prefix mask) of 2 prompts x m samples, 4 prompt slots (the first prompt's first
+    masked), T suffix slots, 4 heads on 2 KV heads of 8 dims."""
+    rng = np.random.RandomState(seed)
+    P, S, H, G, K = 2, 4, 4, 2, 8
+    q = rng.randn(P * m, H, K)
+    pk, pv = rng.randn(P, S, G, K), rng.randn(P, S, G, K)
+    sk, sv = rng.randn(P * m, T, G, K), rng.randn(P * m, T, G, K)
+    return q, pk, pv, sk, sv, np.array([[0, 1, 1, 1], [1, 1, 1, 1]], bool)
+
+
 def _heads_first(a):
     return jnp.asarray(a.swapaxes(1, 2), jnp.float32)  # cache [rows, G, len, K]
 
 
 def test_decode_attention_matches_numpy():
     """One joint softmax over the prompt's prefix and the sample's own suffix, prefix shared by m samples."""
-    rng = np.random.RandomState(5)
-    P, m, S, T, H, G, K = 2, 3, 4, 3, 4, 2, 8
-    q = rng.randn(P * m, H, K)
-    pk, pv = rng.randn(P, S, G, K), rng.randn(P, S, G, K)
-    sk, sv = rng.randn(P * m, T, G, K), rng.randn(P * m, T, G, K)
-    pmask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], bool)
+    m, (q, pk, pv, sk, sv, pmask) = 3, _decode_inputs(seed=5, m=3, T=3)
     out = attn.decode_attention(jnp.asarray(q, jnp.float32), _heads_first(pk), _heads_first(pv), jnp.asarray(pmask),
                                 _heads_first(sk), _heads_first(sv), 2)
     np.testing.assert_allclose(np.asarray(out), _np_decode_attention(q, pk, pv, pmask, sk, sv, 2, m),
@@ -230,12 +236,7 @@ def test_decode_attention_matches_numpy():
 def test_decode_attention_read_rungs_match_numpy(valid):
     """Read rungs (2, 4, 8) of an 8-slot suffix, one jitted program for every `valid` (a lax.switch): the step
     reads the smallest rung that holds `valid` slots, and nothing past it (NaN there would poison the output)."""
-    rng = np.random.RandomState(6)
-    P, m, S, T, H, G, K = 2, 2, 4, 8, 4, 2, 8
-    q = rng.randn(P * m, H, K)
-    pk, pv = rng.randn(P, S, G, K), rng.randn(P, S, G, K)
-    sk, sv = rng.randn(P * m, T, G, K), rng.randn(P * m, T, G, K)
-    pmask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], bool)
+    m, (q, pk, pv, sk, sv, pmask) = 2, _decode_inputs(seed=6, m=2, T=8)
     rung = next(r for r in (2, 4, 8) if r >= valid)
     sk_read, sv_read = sk.copy(), sv.copy()
     sk_read[:, rung:], sv_read[:, rung:] = np.nan, np.nan

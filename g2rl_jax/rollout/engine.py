@@ -21,8 +21,8 @@ batch none of whose samples stops), and a decode step reads a prefix of it: the 
 rollout.first_capacity, READ_GROWTH-fold up to the budget; a step at position t reads the smallest rung >= t, so
 at most max(first, READ_GROWTH t) slots), one branch per rung of a lax.switch in each layer's attention. So a
 rollout's bounded set is a segment per batch bucket, a compaction per step between neighbours, and the rungs cost
-no program. (Until 2026-11-28 the rungs were cache capacities, each a copy of the segments and moves, with a
-growth between them: at the demo-size long-tailed run 71 rollout programs where this has 25.) Batch rungs are a
+no program (were they cache capacities, each would be a copy of the segments and moves, with a growth between
+them: 71 rollout programs instead of 25 at the demo-size long-tailed run, docs/performance.md). Batch rungs are a
 trade: a step carries up to BATCH_SHRINK x the live rows, and each bucket is a segment and a move to compile (`python
 -m g2rl_jax.bench ladder`).
 
