@@ -266,6 +266,8 @@ def _take_rows(x_XxGxTxK, keep_Y):
     it whole onto every device, so a chunk, not a layer of the budget's slots, is what each device holds extra."""
     _, G, T, K = x_XxGxTxK.shape
     chunk = REGROUP_CHUNK if T % REGROUP_CHUNK == 0 else T
+    if chunk == T:
+        return x_XxGxTxK[keep_Y]
 
     def body(i, out_YxGxTxK):
         part_YxGxCxK = jax.lax.dynamic_slice_in_dim(x_XxGxTxK, i * chunk, chunk, axis=2)[keep_Y]

@@ -148,8 +148,8 @@ def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate
                                      schedule=schedule))
     means = {k: float(v) for k, v in got["means"].items()}
     tokens, entropy = (float(x) for x in got["tokens"])
-    nu = {"novelty": means["novelty"]} if novelty else {}
-    return nu | {
+    out = {"novelty": means["novelty"]} if novelty else {}
+    out |= {
         "step": step + 1,
         "accuracy": means["accuracy"],
         "reward": means["reward"],
@@ -165,11 +165,16 @@ def step_metrics(batch, scores, signal, info, times, *, step: int, learning_rate
         "tokens_per_second": tokens / max(t4 - t0, 1e-9),
         "update_tokens_per_second": info["update_tokens"] / max(t4 - t3, 1e-9),
         "padding_fraction": info["padding"] / max(info["positions"], 1),
-    } | ({} if truncated_B is None else {"truncated_fraction": means["truncated_fraction"]}) | {
-        k: v for k, v in means.items() if k in class_means} | _masked_means(got["masked"], masked) | {
-        k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info} | dict(
-        sampling or {}) | ({} if drift is None else {"rollout_logprob_diff_mean": float(got["drift"][0]),
-                                                     "rollout_logprob_diff_max": float(got["drift"][1])})
+    }
+    if truncated_B is not None:
+        out["truncated_fraction"] = means["truncated_fraction"]
+    out |= {k: v for k, v in means.items() if k in class_means}  # in the order the program returns them
+    out |= _masked_means(got["masked"], masked)
+    out |= {k: info[k] for k in ("rollout_is_weight_mean", "rollout_is_capped_frac") if k in info}
+    out |= dict(sampling or {})
+    if drift is not None:
+        out["rollout_logprob_diff_mean"], out["rollout_logprob_diff_max"] = (float(x) for x in got["drift"])
+    return out
 
 
 def _summary_writer(*args, **kwargs):

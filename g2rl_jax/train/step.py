@@ -100,9 +100,10 @@ def mini_batches(step_rows: MiniBatch, keep_B: np.ndarray, size: int, extra_B=No
 def _kept_rows(step_rows: MiniBatch, keep_B, extra_B, start, *, size: int):
     """Rows [start, start + size) of every array of step_rows (response mask × keep_B) and of extra_B (start
     traced: one program for every mini-batch)."""
-    batch = dataclasses.replace(step_rows.batch, response_mask=step_rows.batch.response_mask * keep_B[:, None])
     rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)  # noqa: E731
-    return jax.tree.map(rows, dataclasses.replace(step_rows, batch=batch)), jax.tree.map(rows, extra_B)
+    mini = jax.tree.map(rows, step_rows)
+    batch = dataclasses.replace(mini.batch, response_mask=mini.batch.response_mask * rows(keep_B)[:, None])
+    return dataclasses.replace(mini, batch=batch), jax.tree.map(rows, extra_B)
 
 
 def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_mask_BxT, rewards_B, correct_B,
