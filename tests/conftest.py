@@ -2,9 +2,11 @@
 and compilation cache every test process shares; the order, and the grouping that `-n 2` runs the modules
 in; fixtures more than one module shares; the demo run.
 
-XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU);
-the demo run, a newcomer's command, runs without these flags; the same tests pass at both levels. XLA:CPU runs each
-fake device's share of a program on its own thread of one pool; with one thread per device a run could hang in a
+XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU),
+and XLA:CPU's elemental loop emitters instead of its MLIR fusion emitters (--xla_cpu_use_fusion_emitters=false) cut
+another third (a two-step trainer run on an empty cache: 19 -> 13 s of CPU, docs/testing.md). The demo run, a
+newcomer's command, runs without these flags; the same tests pass with and without them. XLA:CPU runs each fake
+device's share of a program on its own thread of one pool; with one thread per device a run could hang in a
 collective (or abort after --xla_cpu_collective_call_terminate_timeout_seconds, 40 s by default: one CI run aborted
 so in test_train.py), which importing g2rl_jax now prevents (PJRT_NPROC, tests/test_cpu_pool.py). The tests allow
 10 minutes. Tests that start processes with another device count take these flags from
@@ -22,7 +24,7 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-              "--xla_cpu_collective_call_terminate_timeout_seconds=600"):
+              "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_collective_call_terminate_timeout_seconds=600"):
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
