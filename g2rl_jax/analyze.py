@@ -282,9 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def analyze(args: argparse.Namespace) -> int:
     """The command after its flags are parsed: sample, score, write analysis.json and geometry.png."""
-    from transformers import AutoTokenizer
-
     from g2rl_jax.config import MeshConfig, ModelConfig
+    from g2rl_jax.data.tokenizer import load_tokenizer
     from g2rl_jax.figures import geometry_figure
     from g2rl_jax.model import load_pretrained
     from g2rl_jax.parallel import make_mesh
@@ -310,11 +309,11 @@ def analyze(args: argparse.Namespace) -> int:
         emb_cfg = ModelConfig(path=local_model_dir(args.embedding_model, "--embedding-model"))
         embedder = load_pretrained(emb_cfg.path, emb_cfg.param_dtype,
                                    runtime=runtime_config(emb_cfg, remat="none"), mesh=mesh)
-        embed_tokenizer = AutoTokenizer.from_pretrained(emb_cfg.path)
+        embed_tokenizer = load_tokenizer(emb_cfg.path)
     models = {}
     for source in sources:
         model, tokenizer_dir, template = load_source(source, mesh)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_dir)
         features = sample_group_features(model, tokenizer, examples, args.template or template, sampling, mesh)
         del model
         sem_cos = None

@@ -280,9 +280,9 @@ def score_responses(example: Example, texts: Sequence[str]) -> tuple[list[str | 
     return answers, [bool(s > 0) for s in scores], verifier_classes(answers)
 
 
-def load_tokenizer(args: argparse.Namespace, settings: RunSettings):
+def tokenizer_of(args: argparse.Namespace, settings: RunSettings):
     """--tokenizer, else the model folder's (for --checkpoint: the run's base model's)."""
-    from transformers import AutoTokenizer
+    from g2rl_jax.data.tokenizer import load_tokenizer
 
     if args.tokenizer or args.checkpoint is None:
         from g2rl_jax.model.sources import local_model_dir
@@ -292,10 +292,10 @@ def load_tokenizer(args: argparse.Namespace, settings: RunSettings):
         if not storage.is_dir(folder):
             raise FileNotFoundError(f"{flag} {folder!r} is not a directory here; pass a Hugging Face model folder "
                                     "(local, gs://..., or a Hugging Face id)")
-        return AutoTokenizer.from_pretrained(folder)
+        return load_tokenizer(folder)
     from g2rl_jax.train.checkpoint import base_model_dir
 
-    return AutoTokenizer.from_pretrained(base_model_dir(settings.model))
+    return load_tokenizer(base_model_dir(settings.model))
 
 
 def load_policy(args: argparse.Namespace, settings: RunSettings):
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         storage.check_readable(args.model_path or "", "--model-path")  # a server gone away: one line, not a hang
         settings = run_settings(args)
         datasets = {name: load_dataset(name, limit=args.limit) for name in args.datasets.split(",") if name}
-        tokenizer = load_tokenizer(args, settings)
+        tokenizer = tokenizer_of(args, settings)
         datasets, dropped = length_filtered(datasets, tokenizer, args)
     except (OSError, ValueError) as err:  # no model or tokenizer there, a bad dataset, or no prompt of one fits
         return cli.fail("eval", err)

@@ -42,3 +42,56 @@ def test_missing_chat_template_is_a_clear_error(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="template='plain'"):
         render_prompt(Example(id="m", problem="1+1?", answer="2"), tokenizer)
+
+
+def test_load_tokenizer_equals_autotokenizer_on_every_dataset(tokenizer):
+    """g2rl_jax's loader (no torch import) against AutoTokenizer on the real Qwen3 tokenizer: the same special
+    tokens, and the same ids for every vendored dataset's prompts through the chat template and the plain template,
+    with their references and solutions encoded and decoded."""
+    from g2rl_jax.data import dataset_names, load_dataset
+    from g2rl_jax.data.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(TOKENIZER_DIR)
+    assert type(ours) is not type(tokenizer)  # not AutoTokenizer's class: the comparison below compares two loaders
+    assert len(ours) == len(tokenizer) and ours.all_special_tokens == tokenizer.all_special_tokens
+    assert (ours.eos_token_id, ours.pad_token_id, ours.chat_template) == \
+        (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.chat_template)
+    for name in dataset_names():
+        examples = load_dataset(name, limit=300)
+        for template in ("chat", "plain"):
+            assert encode_prompts(examples, ours, template) == encode_prompts(examples, tokenizer, template), name
+        texts = [f"{ex.answer} \\boxed{{{ex.answer}}}<|im_end|>" for ex in examples]
+        ids = ours(texts)["input_ids"]
+        assert ids == tokenizer(texts)["input_ids"], name
+        assert ours.batch_decode(ids, skip_special_tokens=True) == tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_commands_load_tokenizers_without_importing_torch(tmp_path):
+    """Where torch is installed (this test extra), AutoTokenizer's import brings it in (about 1.2 s); the commands'
+    tokenizer loading does not, for the Qwen3 tokenizer and the demo's own."""
+    import subprocess
+    import sys
+
+    from g2rl_jax.demo.tokenizer import make_tokenizer
+
+    make_tokenizer().save_pretrained(tmp_path)
+    code = ("import sys\n"
+            "import g2rl_jax.train.loop, g2rl_jax.eval, g2rl_jax.analyze, g2rl_jax.train.sides\n"
+            "from g2rl_jax.data.tokenizer import load_tokenizer\n"
+            f"for folder in {str(TOKENIZER_DIR)!r}, {str(tmp_path)!r}:\n"
+            "    load_tokenizer(folder)('1+1')\n"
+            "print('torch before:', 'torch' in sys.modules)\n"
+            "from transformers import AutoTokenizer\n"
+            "print('torch after:', 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch before: False" in done.stdout and "torch after: True" in done.stdout, done.stdout
+
+
+def test_every_command_loads_tokenizers_through_load_tokenizer():
+    """One way in: no module but the loader itself (and `bench step`, which saves a tokenizer folder as
+    AutoTokenizer writes it) names AutoTokenizer, so no command's start imports torch for its tokenizer."""
+    root = Path(__file__).resolve().parents[1] / "g2rl_jax"
+    allowed = {root / "data" / "tokenizer.py", root / "bench" / "step.py"}
+    named = [p for p in root.rglob("*.py") if p not in allowed and "AutoTokenizer" in p.read_text()]
+    assert named == [], named

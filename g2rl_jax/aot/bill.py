@@ -89,13 +89,12 @@ def prompt_lengths(cfg: Config) -> np.ndarray | None:
     """The training prompts' token counts (under data.max_prompt_tokens), or None when model.path has no tokenizer
     that renders them (a preset's architecture alone, a directory with config.json only) or the data cannot be read
     here; the bill then says it assumed prompts at data.max_prompt_tokens."""
-    from transformers import AutoTokenizer
-
+    from g2rl_jax.data.tokenizer import load_tokenizer
     from g2rl_jax.train.setup import length_filter, load_examples
     from g2rl_jax.train.setup import prompt_lengths as lengths_of
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
         kept, _ = length_filter(load_examples(cfg.data.train_dataset, cfg.data), tokenizer, cfg.data)
     except (OSError, ValueError):  # ValueError: no chat template to render with, or a DataError
         return None

@@ -4,6 +4,7 @@
   name that cannot be read: the message names the file and line); vendored files in files/
   (sources and licenses in files/LICENSES.md).
 - prompts.py: the paper's system prompt through the chat template, a plain-text template, lettered choices.
+- tokenizer.py: `load_tokenizer(folder)`: a Hugging Face tokenizer folder, loaded without importing torch.
 - pipeline.py: `make_prompt_loader` (shuffled, repeated, batched, sharded by process; get_state/set_state,
   checkpointed by g2rl_jax.train.checkpoint).
 """

@@ -132,9 +132,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
-    from transformers import AutoTokenizer
-
     from g2rl_jax.data import load_dataset
+    from g2rl_jax.data.tokenizer import load_tokenizer
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -148,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, tokenizer_dir = load_pretrained(args.model_path, "float32"), args.model_path
     except cli.USER_ERRORS as err:  # no run or model there
         return cli.fail("demo.explore_eval", err)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     examples = load_dataset(args.dataset)
     texts, truncated, _ = sample(model, tokenizer, examples, samples=args.samples,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)

@@ -184,7 +184,7 @@ def _write_json(path: Path, value) -> None:
 
 
 def evaluate_dir(out: Path, model_or_run: Path, *, is_run: bool, examples, args) -> dict:
-    from transformers import AutoTokenizer
+    from g2rl_jax.data.tokenizer import load_tokenizer
 
     if is_run:
         from g2rl_jax.train.checkpoint import load_policy
@@ -195,7 +195,7 @@ def evaluate_dir(out: Path, model_or_run: Path, *, is_run: bool, examples, args)
 
         model, tokenizer_dir = load_pretrained(model_or_run, "float32"), model_or_run
     module, name = TASKS[args.task].judge.split(":")
-    return evaluate(model, AutoTokenizer.from_pretrained(tokenizer_dir), examples, samples=args.samples,
+    return evaluate(model, load_tokenizer(tokenizer_dir), examples, samples=args.samples,
                     geometry_samples=args.geometry_samples, max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, judge=getattr(importlib.import_module(module), name))
 

@@ -11,7 +11,7 @@ Special tokens: `<|endoftext|>` (id 0: end of sequence and padding, as in Qwen3 
 No chat template: the demo formats prompts with `data.prompt_template: plain`.
 
     tokenizer = make_tokenizer()                      # deterministic: same merges on every machine
-    tokenizer.save_pretrained(model_dir)              # AutoTokenizer.from_pretrained(model_dir) loads it back
+    tokenizer.save_pretrained(model_dir)              # load_tokenizer(model_dir) loads it back (data/tokenizer.py)
 """
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ class Trainer(SamplingRounds, UpdateRounds):
     def _setup(self, given: Config) -> None:
         """Every check, then models, data and optimizer; config.yaml and the history are written last, so a
         relaunch that fails a check leaves the run's files as they were."""
-        from transformers import AutoTokenizer  # heavy import, after the config has been checked
+        from g2rl_jax.data.tokenizer import load_tokenizer
 
         check_loggers(given.run.loggers)
         found = latest_step(self.run_dir)
@@ -141,7 +141,7 @@ class Trainer(SamplingRounds, UpdateRounds):
             check_model(self.run_dir, self.model_record)  # before anything is loaded or written
         self.mesh, rollout_mesh = parallel.split_meshes(cfg.mesh)  # rollout_mesh: None unless mesh.rollout_devices
         self.rollout_mesh = self.mesh if rollout_mesh is None else rollout_mesh
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward  # a reward function's file path made absolute, and checked in a worker
         if cfg.reward.function:
@@ -184,7 +184,7 @@ class Trainer(SamplingRounds, UpdateRounds):
             runtime = runtime_config(cfg.model, remat="none")  # frozen: in the base weights' dtype
             self.embedder = load_pretrained(cfg.algorithm.embedding_model, runtime.param_dtype, mesh=self.mesh,
                                             runtime=runtime)
-            self.embed_tokenizer = AutoTokenizer.from_pretrained(cfg.algorithm.embedding_model)
+            self.embed_tokenizer = load_tokenizer(cfg.algorithm.embedding_model)
         responses = cfg.data.prompts_per_step * cfg.rollout.num_samples
         if responses % cfg.algorithm.mini_batch_size:
             raise ConfigError(f"algorithm.mini_batch_size={cfg.algorithm.mini_batch_size} must divide the "

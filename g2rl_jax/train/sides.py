@@ -181,9 +181,8 @@ class RolloutSide(SamplingRounds):
     """The rollout process: draws every step's samples on its mesh with the versions the trainer sends."""
 
     def __init__(self, cfg):
-        from transformers import AutoTokenizer
-
         from g2rl_jax.data import make_prompt_loader
+        from g2rl_jax.data.tokenizer import load_tokenizer
         from g2rl_jax.rewards.custom import resolve_spec
         from g2rl_jax.train import warmup
         from g2rl_jax.train.setup import load_model, on_mesh, prompt_lengths, stop_token_ids, usable_examples
@@ -194,7 +193,7 @@ class RolloutSide(SamplingRounds):
         self.block, self.blocks = parallel.batch_block(self.mesh)  # the prompts this process holds: a block of each
         blocks_A = parallel.allgather(np.int32(self.block)).reshape(-1).tolist()  # the side's processes, in order
         self.sends = blocks_A.index(self.block) == sorted(parallel.side_processes()).index(jax.process_index())
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.reward_cfg = cfg.reward
         if cfg.reward.function:
