@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 
+from g2rl_jax import storage
+
 FAST_FILE = "tokenizer.json"
 
 
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer in `path` (a local folder, or what `AutoTokenizer.from_pretrained` accepts)."""
-    if os.path.isfile(os.path.join(path, FAST_FILE)):
+    if not storage.is_url(path) and storage.is_file(storage.path(path) / FAST_FILE):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
