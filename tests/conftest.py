@@ -1,5 +1,5 @@
 """Test set-up: JAX on CPU with 8 fake devices, so sharded code runs on a (data, fsdp, tensor) mesh; the XLA flags
-and compilation cache every test process shares; the order, and the grouping that `-n 2` runs the modules
+and compilation cache every test process shares; the order, and the grouping that `-n 3` runs the modules
 in; fixtures more than one module shares; the demo run.
 
 XLA flags: LLVM at -O0 compiles the CPU programs about a third faster (tests/test_micro.py: 114 -> 76 s of CPU),
@@ -43,11 +43,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# `-n 2` (the default, pyproject.toml) runs one module (one group) per worker at a time, so a module's fixtures and
+# `-n 3` (the default, pyproject.toml) runs one module (one group) per worker at a time, so a module's fixtures and
 # compiled programs serve all its tests. Modules that share a session fixture share a group. A worker takes the next
-# module of SLOW_FIRST when it is nearly done with its own, so the costliest go first (longest first: the two
+# module of SLOW_FIRST when it is nearly done with its own, so the costliest go first (longest first: the
 # workers end together), and those that mostly wait (timeouts, a GCS server's slow answers, a fake cloud's queue)
-# alternate with those that keep a core busy, so that both workers seldom wait at once; the rest follow in file
+# alternate with those that keep a core busy, so that the workers seldom all wait at once; the rest follow in file
 # order. Costs: `--durations=0` summed by module (worker seconds, 2026-11-27, docs/testing.md).
 GROUPS = {"test_colab.py": "test_demo_run.py"}  # the notebook starts from the policy the demo run built
 SLOW_FIRST = ("test_async_sides_train.py", "test_gcs.py", "test_multihost.py", "test_storage_midrun.py",
