@@ -4,7 +4,7 @@ etils `epath` and fsspec support), through the same calls.
     storage.check_writable("gs://my-bucket/runs/demo", "run.output_dir")  # one line for a missing bucket, ...
     run = storage.path("gs://my-bucket/runs/demo")                         # an etils epath.Path
     storage.write_text(run / "config.yaml", text)                          # whole, or not at all
-    storage.append_text(run / "metrics.jsonl", line)                       # GCS: a compose onto the object
+    storage.append_text(run / "metrics.jsonl", line)                       # GCS: a conditional compose onto it
     storage.create_exclusive(run / "run.lock", record)                     # GCS: ifGenerationMatch=0
 
 The choice: etils `epath`, the path type Orbax takes for its checkpoint directories and JAX's persistent compilation
@@ -15,11 +15,14 @@ client, one set of credentials and one emulator setting (STORAGE_EMULATOR_HOST).
 the checks at start that keep an unreachable endpoint from hanging a run: g2rl_jax/storage_clients.py.
 
 What an object store does not have, done here once:
-- append: `append_text` writes the new bytes as a small part object (named for host, pid and a random id) and
-  composes [object, part] onto the object (one compose request, whatever the object's size), so metrics.jsonl and
-  the TensorBoard events grow as one object; `Appender` and `Mirror` buffer and flush every $G2RL_JAX_FLUSH_SECONDS
-  (and when told); `remove_orphan_parts` deletes the parts a killed writer left (these live in storage_append.py and
-  are re-exported here);
+- append, exactly once: `append_text` writes the new bytes as a small part object (named for host, pid and a
+  random id) and composes [object, part] onto the object (one compose request, whatever the object's size), so
+  metrics.jsonl and the TensorBoard events grow as one object. Every append is conditional on the version its writer
+  last saw (a first write on the object's absence, ifGenerationMatch=0; a compose on its generation; locally the
+  same under an flock), so a retried request never doubles a line and another writer's change raises
+  `ObjectChanged` instead of being overwritten; `Appender` and `Mirror` buffer and flush every
+  $G2RL_JAX_FLUSH_SECONDS (and when told); `remove_orphan_parts` deletes the parts a killed writer left (these live
+  in storage_append.py and are re-exported here);
 - write rates: GCS allows about one update per second per object name; this process's gcsfs client waits out the
   rest of the second before updating an object again (storage_clients.py), so it is never answered 429;
 - an atomic create-if-absent (the run lock): a write with the precondition ifGenerationMatch=0, refused (412) when
@@ -50,15 +53,20 @@ from etils import epath
 
 from g2rl_jax.errors import ConfigError
 from g2rl_jax.storage_append import (  # noqa: F401 - part of this module's interface
+    ABSENT,
     FLUSH_ENV,
     PART,
     UPDATE_INTERVAL_S,
+    Appended,
     Appender,
     Mirror,
+    ObjectChanged,
+    Version,
     append_bytes,
     append_text,
     flush_seconds,
     remove_orphan_parts,
+    version,
 )
 
 PathLike = Union[str, os.PathLike]

