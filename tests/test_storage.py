@@ -35,6 +35,72 @@ def test_write_read_append_and_list(root):
     assert storage.names(f"{root}/nothing") == []
 
 
+def test_appends_are_conditional_on_the_version_last_seen(root):
+    """Two writers never overwrite each other, locally and on GCS: a first write only where nothing is, and an append
+    conditional on a version another writer changed since (an append, a rewrite) is refused with
+    storage.ObjectChanged and writes nothing; an Appender whose file another writer changed stops there."""
+    url = f"{root}/records.jsonl"
+    storage.makedirs(root)
+    first = storage.append_text(url, "a\n", expected=storage.ABSENT)
+    with pytest.raises(storage.ObjectChanged):
+        storage.append_text(url, "x\n", expected=storage.ABSENT)  # a second first write
+    second = storage.append_text(url, "b\n", expected=first.version)
+    with pytest.raises(storage.ObjectChanged):
+        storage.append_text(url, "x\n", expected=first.version)  # b came after what this writer saw
+    storage.write_text(url, "a\n")  # rewritten whole (a resumed run's truncation)
+    with pytest.raises(storage.ObjectChanged, match="changed by another writer"):
+        storage.append_text(url, "x\n", expected=second.version)
+    assert storage.read_text(url) == "a\n"
+    appender = storage.Appender(url)
+    appender.write("c\n")
+    appender.flush()
+    storage.append_text(url, "d\n")  # a one-off append reads the version itself
+    with pytest.raises(storage.ObjectChanged):
+        appender.write("x\n")  # locally written through at once
+        appender.flush()
+    assert storage.read_text(url) == "a\nc\nd\n"
+
+
+@pytest.mark.parametrize("fault", ["lost", "lost503"])
+def test_appends_applied_with_their_reply_lost_land_once(gcs, fault):
+    """'Applied, reply dropped' (g2rl_jax/bench/gcs_faults.py): the server applies the request and the client's
+    answer is a dropped connection (lost) or a 503 (lost503), so gcsfs retries a request that landed. Every first
+    write and compose of the object meets it here, and each line is in the object once: the retried compose fails its
+    precondition and what is stored shows that it landed (an unconditional compose doubled the line)."""
+    from g2rl_jax.bench.gcs_faults import Rule
+
+    url = gcs.url(f"storage/{fault}/metrics.jsonl")
+    appender = storage.Appender(url, interval=1.0)
+    for i in range(3):  # the first write, then two composes: each one's first attempt meets the fault
+        rule = gcs.proxy.plan.add(Rule(fault, kinds=("upload", "compose"), obj=url.removeprefix("gs://"), count=1))
+        appender.write(json.dumps({"step": i}) + "\n")
+        appender.flush()
+        assert rule.served == 1
+    appender.close()
+    assert [json.loads(line)["step"] for line in storage.read_text(url).splitlines()] == [0, 1, 2]
+    assert storage.names(gcs.url(f"storage/{fault}")) == ["metrics.jsonl"]
+
+
+def test_the_proxy_keeps_gcs_preconditions_of_compose_and_delete(gcs):
+    """fake-gcs-server applies a compose whatever its ifGenerationMatch, keeps the object's generation, and deletes
+    whatever a delete's ifGenerationMatch says; through the proxy each is as on GCS."""
+    fs, key = storage._fs(gcs.url("storage/preconditions/a"))
+    bucket, name = key.split("/", 1)
+    storage.write_text(gcs.url("storage/preconditions/a"), "1")
+    storage.write_text(gcs.url("storage/preconditions/b"), "2")
+    before = storage.generation(gcs.url("storage/preconditions/a"))
+    body = {"sourceObjects": [{"name": name}, {"name": name[:-1] + "b"}], "destination": {"name": name}}
+    reply = fs.call("POST", "b/{}/o/{}/compose", bucket, name, ifGenerationMatch=before, json=body, json_out=True)
+    assert reply["generation"] != before and storage.read_text(gcs.url("storage/preconditions/a")) == "12"
+    with pytest.raises(FileExistsError):  # 412: the generation moved on
+        fs.call("POST", "b/{}/o/{}/compose", bucket, name, ifGenerationMatch=before, json=body, json_out=True)
+    assert not storage.remove_if_generation(gcs.url("storage/preconditions/a"), before)
+    assert storage.read_text(gcs.url("storage/preconditions/a")) == "12"
+    assert storage.remove_if_generation(gcs.url("storage/preconditions/a"), str(reply["generation"]))
+    storage.remove(gcs.url("storage/preconditions/b"))
+    assert storage.names(gcs.url("storage/preconditions")) == []
+
+
 def test_exclusive_create_admits_one(root):
     storage.makedirs(root)
     assert storage.create_exclusive(f"{root}/run.lock", "first\n")
@@ -189,7 +255,7 @@ def test_buffered_appends_update_an_object_once_a_second_and_leave_no_part(gcs):
     assert min(b - a for a, b in zip(updates, updates[1:])) >= 0.95, updates  # at most one update a second
     assert storage.names(gcs.url("storage/buffered")) == ["metrics.jsonl"]
     orphan = gcs.url("storage/buffered/.metrics.jsonl.part.vm-a.123.0badf00d")  # a killed writer's
-    own = storage.append_bytes(url, b"x\n", delete_part=False)  # this process's, still in use
+    own = storage.append_bytes(url, b"x\n", delete_part=False).part  # this process's, still in use
     storage.write_text(orphan, "lost\n")
     assert storage.remove_orphan_parts(gcs.url("storage/buffered")) == [orphan.rsplit("/", 1)[1]]
     assert storage.exists(own) and not storage.exists(orphan)

@@ -319,10 +319,13 @@ class Trainer(SamplingRounds, UpdateRounds):
         run.eval_every > 0 it validates before the first update and after the last, and a finished run writes
         summary.json and curves.png (g2rl_jax/train/report.py).
 
-        Each step's checkpoint is saved before its validation. SIGTERM stops after the current step with a
-        checkpoint of it when the step's measured time fits run.preempt_grace_seconds, else ends the process at once
-        (lifecycle.StopSignal); a validation in progress is abandoned; `self.preempted` then says so. Ctrl-C during
-        a validation keeps the step's metrics and checkpoint too. The run directory is released at the end."""
+        Each step's record is written (and at a checkpoint flushed) before its checkpoint is saved, and both before
+        its validation, whose figures are a second record of the step: a kill at any moment loses no record of a
+        committed step, and a resumed run writes none twice (a validation the kill interrupted is run again first,
+        `_missing_validation`). SIGTERM stops after the current step with a checkpoint of it when the step's
+        measured time fits run.preempt_grace_seconds, else ends the process at once (lifecycle.StopSignal); a
+        validation in progress is abandoned; `self.preempted` then says so. Ctrl-C during a validation keeps the
+        step's checkpoint too. The run directory is released at the end."""
         cfg = self.cfg.run
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
         if self.lock is not None:
@@ -336,6 +339,9 @@ class Trainer(SamplingRounds, UpdateRounds):
             try:
                 if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
                     writer.write(0, self.validate())
+                elif self._missing_validation():  # a kill ended the restored step's validation: run it now
+                    validation = self.validate()
+                    writer.write(self.step, validation)
                 elif cfg.eval_every:  # a resumed run validates only later: compile its rollout now
                     self.warm_validation()
                 while self.step < last and not self._stop_requested():
@@ -343,20 +349,18 @@ class Trainer(SamplingRounds, UpdateRounds):
                     result = self.step_stages(self.step)
                     self.stop.end_step()
                     self.step += 1
-                    metrics = result.metrics
-                    if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
-                        writer.flush()  # the steps before this checkpoint's reach the run directory before it
-                    saved = self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
-                    validation = None
-                    if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.total_steps):
-                        validation = self._validate_step(writer, metrics)
-                        metrics.update(validation)
-                    metrics |= self.clock.step_figures(self.step, after_warmup=self.step > warm_step,
-                                                          strict=cfg.strict_compiles)
+                    metrics = result.metrics | self.clock.step_figures(self.step, after_warmup=self.step > warm_step,
+                                                                       strict=cfg.strict_compiles)
                     self.stop.less_compiles(metrics["compile_seconds"])  # what SIGTERM expects of the next step
-                    writer.write(self.step, metrics)
-                    if saved:  # and this step's record right after it (its save is still being written)
-                        writer.flush()
+                    writer.write(self.step, metrics)  # the step's record: before its checkpoint and its validation
+                    if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
+                        writer.flush()  # in the run directory before the checkpoint can commit
+                    self.ckpt.save(self.step, self.state(), self.loader, force=self.step == cfg.total_steps)
+                    validation = None
+                    if self._validates(self.step):
+                        validation = self._validate_step()
+                        writer.write(self.step, validation)  # the step's second record
+                        metrics = metrics | validation
                     bar.update(self.step, metrics)
                     history.append(metrics)
                 if self._stop_requested():
@@ -371,7 +375,7 @@ class Trainer(SamplingRounds, UpdateRounds):
                 raise
             finally:
                 self._close_run(bar, writer)
-        if self.step == cfg.total_steps and history and not self.preempted:
+        if self.step == cfg.total_steps and (history or validation) and not self.preempted:
             summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
                                     steps=self.step, seconds=time.perf_counter() - self.started,
                                     compiled=(sum(h["programs_compiled"] for h in history),
@@ -394,12 +398,26 @@ class Trainer(SamplingRounds, UpdateRounds):
             halt.exit_if_storage_failed(err, self.run_dir, self.step)
             raise
 
-    def _validate_step(self, writer: MetricsWriter, metrics: dict[str, float]) -> dict[str, float]:
-        """The validation of a finished step; if it is interrupted (SIGTERM, Ctrl-C), the step's own metrics are
-        written and its checkpoint saved before the interruption goes on."""
+    def _validates(self, step: int) -> bool:
+        """Whether step `step` (finished) is followed by a validation: every run.eval_every steps and the last."""
+        every = self.cfg.run.eval_every
+        return bool(every) and step > 0 and (step % every == 0 or step == self.cfg.run.total_steps)
+
+    def _missing_validation(self) -> bool:
+        """Whether the restored step is one to validate and metrics.jsonl has no validation record of it (a kill
+        after its checkpoint committed, before its validation's record reached the run directory); process 0's
+        reading, which every process follows."""
+        flag = self._validates(self.step) and not any(
+            k.startswith("val/") for r in read_metrics(self.run_dir) if r["step"] == self.step for k in r)
+        if parallel.host_count() > 1:
+            flag = bool(np.asarray(parallel.allgather(np.int32(flag))).reshape(-1)[0])
+        return flag
+
+    def _validate_step(self) -> dict[str, float]:
+        """The validation of a finished step (its record written, its checkpoint saved unless not due); Ctrl-C
+        during it saves the step's checkpoint before the interruption goes on (SIGTERM: run's own save)."""
         try:
             return self.validate()
-        except (Preempted, KeyboardInterrupt):
-            writer.write(self.step, metrics)
+        except KeyboardInterrupt:
             self.ckpt.save(self.step, self.state(), self.loader, force=True)
             raise

@@ -12,14 +12,21 @@ Only process 0 writes (on other processes every method is a no-op), so multi-hos
         bar.update(step, scalars)
     metrics.close(); bar.close()
 
+Each step's record is written once. The trainer writes a step's training record before its checkpoint and its
+validation, and the validation's figures (val/...) as a second record of the same step; `read_metrics` gives one
+record per step, the step's records merged in order (`metric_lines`: the lines as written). Every append is
+conditional on the version of the file this writer last wrote (g2rl_jax/storage_append.py), so a retried request
+never doubles a line, and a writer whose file another writer changed (a trainer that lost the run) raises
+storage.ObjectChanged and writes nothing.
+
 Storage (g2rl_jax.storage): run_dir may be a URL. On GCS, where an object cannot be appended to and an object may
 be updated about once a second, the records are buffered and composed onto metrics.jsonl (one part upload and one
 compose whatever the file's size) every $G2RL_JAX_FLUSH_SECONDS (default 5 s), at `flush()` (the trainer's every
-checkpoint) and at `close()`; TensorBoard's events, written to a local directory, have their new bytes composed onto
-their object on the same schedule; W&B keeps its local files in the cache (storage.scratch_dir). Compose parts left
-by a killed writer are deleted when the next writer opens the run (it holds the run lock). What a kill -9 loses is
-at most the records since the last flush, all of steps after the last checkpoint, which the resumed run recomputes
-(and rewrites: see Resuming).
+checkpoint, before the save) and at `close()`; TensorBoard's events, written to a local directory, have their new
+bytes composed onto their object on the same schedule; W&B keeps its local files in the cache
+(storage.scratch_dir). Compose parts left by a killed writer are deleted when the next writer opens the run (it
+holds the run lock). What a kill -9 loses is at most the records since the last flush, all of steps after the last
+checkpoint, which the resumed run recomputes (and rewrites: see Resuming).
 
 Resuming: a run restored from the checkpoint at step s writes steps s+1, s+2, ... again, so MetricsWriter first
 rewrites metrics.jsonl without the records past s (and a torn last line from a kill mid-write), making the file
@@ -231,8 +238,9 @@ def _wandb_run(run_dir, config: Mapping[str, Any] | None):
                       config=dict(config or {}), project=os.environ.get("WANDB_PROJECT", "g2rl_jax"))
 
 
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All complete records of run_dir/metrics.jsonl (a torn final line from a kill is ignored)."""
+def metric_lines(run_dir: str | os.PathLike) -> list[dict]:
+    """Every complete line of run_dir/metrics.jsonl as written (a torn final line from a kill is ignored): a
+    validated step has two, its training record and its validation's."""
     path = storage.path(run_dir) / METRICS_FILE
     if not storage.exists(path):
         return []
@@ -246,6 +254,19 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
                 raise ValueError(f"{path}:{number} is not valid JSON and is not the last line; "
                                  "the file was edited or corrupted, fix or delete that line") from None
     return records
+
+
+def merge_steps(lines: list[dict]) -> list[dict]:
+    """One record per step, in the order of each step's first line: the step's lines merged in order."""
+    by_step: dict[int, dict] = {}
+    for line in lines:
+        by_step.setdefault(line["step"], {}).update(line)
+    return list(by_step.values())
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of run_dir/metrics.jsonl, one per step (metric_lines merged by step)."""
+    return merge_steps(metric_lines(run_dir))
 
 
 def _move_aside(path):
@@ -266,13 +287,13 @@ def _truncate(run_dir, start_step: int) -> None:
     if start_step == 0 and storage.exists(path) and storage.path(path).stat().length:
         print(f"warning: no checkpoint to resume from, so this run starts at step 0; the existing {path} was "
               f"moved to {_move_aside(path)}", file=sys.stderr, flush=True)
-    kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step] if start_step > 0 else []
+    kept = [r for r in metric_lines(run_dir) if r["step"] <= start_step] if start_step > 0 else []
     storage.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MetricsWriter:
-    """Append one JSON line (and TensorBoard / W&B scalars, as `loggers` asks) per step; records past
-    `start_step` are dropped on open."""
+    """Append one JSON line (and TensorBoard / W&B scalars, as `loggers` asks) per `write`: a step's training
+    record, and a validated step's validation record; records past `start_step` are dropped on open."""
 
     def __init__(self, run_dir: str | os.PathLike, *, start_step: int, loggers=("jsonl", "tensorboard"),
                  config: Mapping[str, Any] | None = None):
