@@ -18,6 +18,7 @@ BENCHMARKS = {
     "ladder": "g2rl_jax.bench.ladder",     # the KV capacity ladder's first capacity: segments vs decode roofline
     "storage": "g2rl_jax.bench.storage",   # a run in a bucket vs local disk: checkpoints, metrics, first step
     "preempt": "g2rl_jax.bench.preempt",   # kill -9 at random moments (>= 20), relaunch as another host: lost steps
+    "chaos": "g2rl_jax.bench.chaos",       # >= 30 faults (kill, stop, outage, storms, lost replies): records once
     "tune-shapes": "g2rl_jax.bench.tune_shapes",  # measured shape tuning: a shape file run.shapes_file pins
     "programs": "g2rl_jax.bench.programs",  # what one run compiles: the listener's count beside the bill, by kind
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after

@@ -18,7 +18,7 @@ emulator does not:
         proxy.plan.add(Rule("lost", kinds=UPDATES, rate=0.3), seconds=20)   # replies dropped after apply, 20 s
     proxy.served_429, proxy.fault_counts, proxy.requests   # what it served
     proxy.log                                             # one Request per request: kind, object, bytes, status,
-                                                          # fault (with who=True each update's client pid)
+                                                          # fault (with who=f each update's client pid, f(pid))
 
 It counts every request (method, object, bytes each way), so a benchmark can say what each file costs
 (g2rl_jax/bench/storage.py). Used by `GcsEmulator(proxy=...)`, which starts the server with this proxy's address as
@@ -53,7 +53,8 @@ class Request:
     bytes_out: int     # response body
     status: int        # the server's answer when forwarded, else what the client got (429, 503, 0: dropped)
     t: float = 0.0     # when it arrived (time.monotonic())
-    pid: int | None = None  # the client's process: for the 429s it was served, and with who=True for every update
+    pid: int | None = None  # the client's process: for the 429s it was served, and with `who` for every update
+    who: object = None  # with `who`: what who(pid) named the client of an update
     fault: str | None = None  # the fault served (gcs_faults.py), None for none
     done: float = 0.0  # when the server's answer came (time.monotonic()); 0 when it was not forwarded
 
@@ -104,9 +105,10 @@ class _Server(http.server.ThreadingHTTPServer):
 
 class GcsProxy:
     def __init__(self, upstream: str, *, faults: Faults | None = None, update_interval: float = 1.0, port: int = 0,
-                 who: bool = False):
-        """who: log every update's client pid (Request.pid), found once per connection (the chaos soak tells the
-        writes of a fenced-out holder by it)."""
+                 who=None):
+        """who: a function of a client's pid; every update is logged with its client's pid and who(pid)
+        (Request.pid, Request.who), found once per connection (the chaos soak tells a fenced-out holder's writes by
+        it)."""
         self.upstream = urllib.parse.urlsplit(upstream)
         self.update_interval, self.who = update_interval, who
         self.plan = FaultPlan(faults or Faults())
@@ -197,6 +199,7 @@ class GcsProxy:
             protocol_version = "HTTP/1.1"
             _conn: http.client.HTTPConnection | None = None
             _pid: int | None = None
+            _who: object = None
 
             def log_message(self, *args):
                 pass
@@ -295,10 +298,11 @@ class GcsProxy:
                 query = {k: v[0] for k, v in urllib.parse.parse_qs(split.query).items()}
                 kind, obj = classify(self.command, split.path, query, body, proxy._uploads)
                 request = Request(self.command, kind, obj, len(body), 0, 0, time.monotonic())
-                if proxy.who and kind in (*UPDATES, "start"):
+                if proxy.who is not None and kind in (*UPDATES, "start"):
                     if self._pid is None:  # once per connection (a client keeps its connections alive)
                         self._pid = client_pid(self.client_address[1])
-                    request.pid = self._pid
+                        self._who = proxy.who(self._pid)
+                    request.pid, request.who = self._pid, self._who
                 fault, seconds = proxy.plan.draw(kind, obj)
                 request.fault = fault
                 if fault == "drop":
