@@ -205,3 +205,45 @@ def test_logprob_drift_matches_numpy():
     np.testing.assert_allclose([float(mean), float(largest)], [diff.mean(), diff.max()], rtol=1e-5)
     none = M._reductions({}, {}, drift=(a, a, np.zeros_like(a)))["drift"]
     assert [float(x) for x in none] == [0.0, 0.0]
+
+
+def test_each_record_once_when_replies_are_lost_after_apply(gcs, monkeypatch):
+    """On the emulator, the updates of metrics.jsonl, the TensorBoard events and eval's records meet 'applied, reply
+    dropped' (gcs_faults.py: the server applies the request, then the client's answer is a dropped connection or a
+    503, so its retry meets what the first attempt did) at a seeded rate of 15%: a writer, then a second one resuming
+    from step 2 (as a resumed trainer), leave each step's training and validation record in metrics.jsonl once, each
+    (tag, step) once in TensorBoard's reading of the events, and each eval record once."""
+    from g2rl_jax import storage
+    from g2rl_jax.bench.chaos_checks import event_counts, line_counts
+    from g2rl_jax.bench.gcs_faults import Rule
+
+    monkeypatch.setenv(storage.FLUSH_ENV, "1")
+    run = gcs.url("metrics/lost")
+    where = run.removeprefix("gs://")
+    rules = [gcs.proxy.plan.add(Rule("lost", rate=0.1, kinds=("upload", "compose"), obj=where)),
+             gcs.proxy.plan.add(Rule("lost503", rate=0.05 / 0.9, kinds=("upload", "compose"), obj=where))]
+    try:
+        for start, steps in ((0, range(1, 5)), (2, range(3, 7))):
+            writer = M.MetricsWriter(run, start_step=start)
+            for step in steps:
+                writer.write(step, _scalars(step))
+                if step % 2 == 0:
+                    writer.write(step, {"val/d/mean@2": 0.1 * step})
+                writer.flush()  # as at every checkpoint
+            writer.close()
+        with storage.Appender(f"{run}/records/key.jsonl", interval=1.0) as records:
+            for i in range(6):
+                records.write(json.dumps({"dataset": "d", "id": i}) + "\n")
+                records.flush()
+    finally:
+        for rule in rules:
+            gcs.proxy.plan.remove(rule)
+    assert sum(rule.served for rule in rules) >= 3, [rule.served for rule in rules]
+    want = {(s, "training"): 1 for s in range(1, 7)} | {(s, "validation"): 1 for s in (2, 4, 6)}
+    assert line_counts(M.metric_lines(run)) == want
+    events = event_counts(f"{run}/tensorboard")
+    assert set(events.values()) == {1}, {k: n for k, n in events.items() if n > 1}
+    assert {step for tag, step in events if tag == "reward"} == set(range(1, 7))
+    assert {step for tag, step in events if tag.startswith("val/d/mean")} == {2, 4, 6}  # TensorBoard's tag: mean_2
+    assert [json.loads(line)["id"] for line in storage.read_text(f"{run}/records/key.jsonl").splitlines()] == \
+        list(range(6))

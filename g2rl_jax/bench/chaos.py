@@ -318,7 +318,7 @@ class Soak:
         self.t0 = time.monotonic()
         want, want_events = self.reference()
         print(f"uninterrupted run: {self.opts.steps} steps, {self.span:.0f} s from launch to end; layout "
-              f"{self.opts.layout}; hosts by {'unshare -u' if self.prefix else 'none (one hostname)'}; lease "
+              f"{self.opts.layout}; hosts by {' '.join(self.prefix) if self.prefix else 'none (one hostname)'}; lease "
               f"{self.opts.lease:g} s", flush=True)
         pending, runs = self._schedule(), 0
         while pending:

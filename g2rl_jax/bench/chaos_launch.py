@@ -4,8 +4,9 @@ through the proxy's log.
 - `Layout`: the processes of one launch: "one" (one trainer), "two" (two trainer processes joined by
   jax.distributed, gloo on CPU), "sides" (a trainer and a rollout process: mesh.rollout_processes=1,
   rollout.max_staleness=1; docs/async.md); one fake CPU device each.
-- `Launch`: a launch's processes, each as host vm-<launch>-<process> (`unshare -u`, where it works) in a session of
-  its own (a kill -9 or a SIGSTOP reaches its children too), its log, its exit codes (a signal as 128 + signal).
+- `Launch`: a launch's processes, each as host vm-<launch>-<process> (`unshare -u -m`, where it works: its own
+  hostname, resolvable in its own /etc/hosts, which gloo needs) in a session of its own (a kill -9 or a SIGSTOP
+  reaches its children too), its log, its exit codes (a signal as 128 + signal).
 - `Saves`: the checkpoint steps written and committed under a run, from the proxy's log as it grows (Orbax on GCS
   writes a step's directory in place, commit_success.txt last), costing no request.
 """
@@ -53,19 +54,25 @@ def layout(name: str, overrides: list[str]) -> Layout:
 
 
 def unshare_prefix() -> list[str] | None:
-    """The command prefix that gives a process its own hostname (`unshare -u`, as root or in a user namespace);
-    None where neither works."""
-    for prefix in (["unshare", "-u"], ["unshare", "-r", "-u"]):
+    """The command prefix that gives a process its own hostname and mounts (`unshare -u -m`, as root or in a user
+    namespace); None where neither works."""
+    for prefix in (["unshare", "-u", "-m"], ["unshare", "-r", "-u", "-m"]):
         try:
-            if subprocess.run([*prefix, "sh", "-c", "hostname vm-x"], capture_output=True).returncode == 0:
+            if subprocess.run([*prefix, "sh", "-c", "mount --bind /etc/hosts /etc/hosts && hostname vm-x"],
+                              capture_output=True).returncode == 0:
                 return prefix
         except FileNotFoundError:
             return None
     return None
 
 
-def as_host(prefix: list[str] | None, host: str, cmd: list[str]) -> list[str]:
-    return [*prefix, "sh", "-c", f'hostname {host} && exec "$@"', "sh", *cmd] if prefix else cmd
+def as_host(prefix: list[str] | None, host: str, cmd: list[str], hosts: Path) -> list[str]:
+    """`cmd` as host `host`: its hostname, and an /etc/hosts of its own (the file `hosts`, written here) that
+    resolves it to loopback."""
+    if not prefix:
+        return cmd
+    hosts.write_text(f"127.0.0.1 localhost {host}\n::1 localhost\n")
+    return [*prefix, "sh", "-c", f'mount --bind {hosts} /etc/hosts && hostname {host} && exec "$@"', "sh", *cmd]
 
 
 def exit_code(returncode: int) -> int:
@@ -83,7 +90,8 @@ class Launch:
         self.procs = []
         for i, log in enumerate(self.logs):
             with open(log, "w") as fh:
-                cmd = as_host(prefix, f"vm-{number}-{i}", [*layout.command(i, port), f"run.output_dir={out}"])
+                host = f"vm-{number}-{i}"
+                cmd = as_host(prefix, host, [*layout.command(i, port), f"run.output_dir={out}"], logs / f"{host}.hosts")
                 self.procs.append(subprocess.Popen(cmd, env=localhost.cpu_env(1, env), stdout=fh,
                                                    stderr=subprocess.STDOUT, start_new_session=True))
         self.frozen_at = self.thawed_at = None
