@@ -152,6 +152,53 @@ def test_resume_equals_uninterrupted(assets, tmp_path, reference):
     _assert_same_metrics(read_metrics(tmp_path / "part"), reference["records"])
 
 
+def test_a_kill_in_a_validation_loses_no_record_and_the_resume_writes_none_twice(assets, tmp_path, reference):
+    """Validation before the first update, every 2 steps and after the last; the first run dies in step 2's
+    validation once step 2's checkpoint has committed (BaseException: nothing after it runs, as a kill). Step 2's
+    training record was written before (the old order wrote it after the validation, and lost it). The rerun resumes
+    from step 2, runs step 2's validation first (it never reached the run directory), and leaves each step's training
+    record and each validation record once: the training records the uninterrupted run's, step 2's validation the
+    one the first run had computed."""
+    from g2rl_jax.bench.chaos_checks import kind, line_counts
+    from g2rl_jax.train.metrics import metric_lines
+
+    evalset = tmp_path / "eval.jsonl"
+    evalset.write_text("".join(f'{{"problem": "{a}+{b}", "answer": "{a + b}"}}\n' for a, b in ((12, 30), (7, 8))))
+    extra = {"run.eval_every": 2, "data.eval_datasets": evalset, "data.eval_samples": 2,
+             "data.eval_max_new_tokens": 8}
+    out = tmp_path / "run"
+
+    class Killed(BaseException):
+        pass
+
+    first = Trainer(config(assets, out, steps=STEPS, **extra))
+    first.resume()
+    validate, seen = first.validate, {}
+
+    def dies_in_step_2():
+        result = validate()
+        if first.step == 2:
+            first.ckpt.wait()  # the checkpoint of step 2 committed
+            seen[2] = result
+            raise Killed
+        return result
+
+    first.validate = dies_in_step_2
+    with pytest.raises(Killed):
+        first.run()
+    assert [(r["step"], kind(r)) for r in metric_lines(out)] == [(0, "validation"), (1, "training"), (2, "training")]
+    again = Trainer(config(assets, out, steps=STEPS, **extra))
+    assert again.resume() == 2
+    again.run()
+    lines = metric_lines(out)
+    assert line_counts(lines) == {(0, "validation"): 1, (1, "training"): 1, (2, "training"): 1,
+                                  (2, "validation"): 1, (3, "training"): 1, (3, "validation"): 1}
+    _assert_same_metrics([r for r in lines if kind(r) == "training"], reference["records"])
+    assert {k: v for r in lines if r["step"] == 2 and kind(r) == "validation" for k, v in r.items() if k != "step"} \
+        == pytest.approx(seen[2])
+    assert (out / "summary.json").is_file()
+
+
 def _train_cmd(assets, out, steps):
     return [sys.executable, "-m", "g2rl_jax.train", "--config", str(ROOT / "configs" / "qwen3_1p7b_g2rl.yaml"),
             *overrides(assets, out, steps=steps)]

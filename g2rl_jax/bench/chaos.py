@@ -279,16 +279,17 @@ class Soak:
                     if launch is not old:
                         frozen.append(old)
                         fresh, resumed_at = False, None
-                    fire_at = self._moment(fresh) + (now - launch.started)
+                    fire_at = self._moment(fresh, now - launch.started)
             time.sleep(0.1)
         for old in frozen:  # a run that finished while a thawed holder still ran
             while not self._tend_frozen(old):
                 time.sleep(0.2)
 
-    def _moment(self, fresh: bool) -> float:
-        """Seconds after a launch's start for its next fault: uniform over a launch-to-end span (a relaunch's one
-        lease longer: it first waits out the killed holder's lease)."""
-        return self.rng.uniform(0, self.span + (0.0 if fresh else self.opts.lease))
+    def _moment(self, fresh: bool, elapsed: float = 0.0) -> float:
+        """Seconds after a launch's start for its next fault, `elapsed` seconds after it: uniform over what is left
+        of a launch-to-end span (a relaunch's one lease longer: it first waits out the killed holder's lease)."""
+        life = self.span + (0.0 if fresh else self.opts.lease)
+        return elapsed + self.rng.uniform(0, max(life - elapsed, 10.0))
 
     def _storage_window(self) -> bool:
         return any(f.kind in STORAGE and f.outcome is None for f in self.faults)
