@@ -116,7 +116,7 @@ class Soak:
             f"run.eval_every={opts.eval_every}", f"data.eval_datasets={evalset}", "data.eval_samples=2",
             "data.prompts_per_step=4", "rollout.num_samples=4", "algorithm.mini_batch_size=8",
             "algorithm.micro_batch_size=8", f"run.lock_lease_seconds={opts.lease:g}",
-            f"run.compilation_cache_dir={root / 'jax_cache'}"])
+            f"run.compilation_cache_dir={os.environ.get('JAX_COMPILATION_CACHE_DIR') or root / 'jax_cache'}"])
         self.launches: dict[int, Launch] = {}
         self.launch_of: dict[int, int] = {}  # pid -> launch
         self.proxy.who = self._who
@@ -266,7 +266,7 @@ class Soak:
                 launch.kill()
                 continue
             resumed_at = self._time_resume(launch, fresh, saves, resumed_at)
-            if pending and not self._storage_window() and launch.frozen_at is None:
+            if pending and not self._storage_window() and launch.frozen_at is None and launch.victim is None:
                 fault = pending[0]
                 due = (saves.newest() > committed if self.opts.after_checkpoint else
                        saves.saving(launch.started) if fault.at_save else now - launch.started >= fire_at)
