@@ -14,7 +14,7 @@ policy's architecture, random weights):
               the first step's metrics record, and the copy to the local cache alone (storage.local_copy).
   requests    (the proxy only) what each file costs the bucket, counted by the proxy: a trainer's steps
               (--request-steps records, --step-seconds apart, a checkpoint every --checkpoint-every steps with the
-              metrics flushed there) per step for metrics.jsonl, the TensorBoard events and per checkpoint;
+              metrics flushed before it) per step for metrics.jsonl, the TensorBoard events and per checkpoint;
               eval's records per problem (--problems, --problem-seconds apart), buffered as eval writes them and,
               for comparison, one append per record as before: requests, bytes each way, and the 429s the proxy served;
               and checkpoint saves as the Checkpointer writes them (one tensorstore transaction per process: one
@@ -184,12 +184,10 @@ def _requests(proxy, url: str, state, args) -> list[tuple[str, str, float, list[
     ckpt = Checkpointer(run, every=args.checkpoint_every, keep=2)
     for step in range(1, args.request_steps + 1):
         time.sleep(args.step_seconds)
-        if step % args.checkpoint_every == 0:
-            writer.flush()  # as the trainer does before and after a checkpoint
-        saved = ckpt.save(step, state, _Iterator())
         writer.write(step, {f"metric_{k}": float(v) for k, v in enumerate(rng.standard_normal(args.scalars))})
-        if saved:
-            writer.flush()
+        if step % args.checkpoint_every == 0:
+            writer.flush()  # as the trainer does: the step's record flushed before its checkpoint
+        ckpt.save(step, state, _Iterator())
     ckpt.close()
     writer.close()
     tally = _tally(proxy.log, f"{bucket_root}/requests_run")
