@@ -391,11 +391,14 @@ def soak(opts: Options) -> int:
         with GcsEmulator(bucket="chaos") as emulator:
             model, evalset = _assets(root)
             result = Soak(opts, root, emulator, model, evalset).soak()
+            if opts.keep:  # every request the proxy served, for reading the launches' logs against
+                storage.write_text(root / "proxy.jsonl", "".join(json.dumps(dataclasses.asdict(r)) + "\n"
+                                                                 for r in list(emulator.proxy.log)))
         keys = ("lost_records", "doubled_records", "metrics_differing", "fenced_out_writes", "human_steps")
         return 1 if any(result[k] for k in keys) else 0
     finally:
         if opts.keep:
-            print(f"the launches' logs: {root}/launch<N>.<process>.log")
+            print(f"the launches' logs: {root}/launch<N>.<process>.log; the proxy's: {root}/proxy.jsonl")
         else:
             shutil.rmtree(root, ignore_errors=True)
 
