@@ -255,6 +255,8 @@ class Soak:
             if launch.ended():
                 verdict = self._ended(launch)
                 if verdict == FINISHED:
+                    if fresh and not launch.faults:  # a whole warm launch (compiled programs cached): the new span
+                        self.span = launch.ended_at - launch.started
                     break
                 launch, fresh, resumed_at = self._launch(out), False, None
                 fire_at, committed = self._moment(fresh), saves.newest()
