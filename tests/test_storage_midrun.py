@@ -50,7 +50,7 @@ def failing(gcs, how: str):
         if how == "closed":  # a new proxy on the same port, sharing the old one's state
             port = int(gcs.endpoint.rsplit(":", 1)[1])
             fresh = GcsProxy(gcs.server, faults=healthy, port=port)
-            for shared in ("log", "fault_counts", "_last_update", "_uploads", "_rng", "_lock"):
+            for shared in ("log", "fault_counts", "_last_update", "_uploads", "_lock"):
                 setattr(fresh, shared, getattr(proxy, shared))
             gcs.proxy = fresh.start()
         else:

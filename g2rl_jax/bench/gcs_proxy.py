@@ -124,7 +124,12 @@ class GcsProxy:
 
     @property
     def faults(self) -> Faults:
+        """The seeded rates in force (the rules aside); set to serve others from now on."""
         return self.plan.faults
+
+    @faults.setter
+    def faults(self, faults: Faults) -> None:
+        self.plan.faults = faults
 
     # -------------------------------------------------------------------------------------------- counts
     @property
