@@ -335,7 +335,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
         history, validation = [], None
         warm_step = self.step + 1  # the step that compiles the run's programs; later ones compile none
-        carried = {"compile_seconds": 0.0, "programs_compiled": 0}  # after a step's record: in the next one
+        after = {"compile_seconds": 0.0, "programs_compiled": 0}  # compiled after the steps' records
         with self.stop:  # SIGTERM: the step finished within run.preempt_grace_seconds, or abandoned
             try:
                 if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
@@ -353,7 +353,7 @@ class Trainer(SamplingRounds, UpdateRounds):
                     figures = self.clock.step_figures(self.step, after_warmup=self.step > warm_step,
                                                       strict=cfg.strict_compiles)
                     self.stop.less_compiles(figures["compile_seconds"])  # what SIGTERM expects of the next step
-                    metrics = result.metrics | {k: v + carried[k] for k, v in figures.items()}
+                    metrics = result.metrics | figures
                     writer.write(self.step, metrics)  # the step's record: before its checkpoint and its validation
                     if self.step % cfg.checkpoint_every == 0 or self.step == cfg.total_steps:
                         writer.flush()  # in the run directory before the checkpoint can commit
@@ -363,10 +363,11 @@ class Trainer(SamplingRounds, UpdateRounds):
                         validation = self._validate_step()
                         writer.write(self.step, validation)  # the step's second record
                         metrics = metrics | validation
-                    # what the save and the validation compiled (the first save: its device-to-host programs),
-                    # checked as this step's, counted in the next record
-                    carried = self.clock.step_figures(self.step, after_warmup=self.step > warm_step,
-                                                      strict=cfg.strict_compiles)
+                    # what the save and the validation compiled (the first save: its device-to-host programs):
+                    # checked as this step's, counted in summary.json
+                    late = self.clock.step_figures(self.step, after_warmup=self.step > warm_step,
+                                                   strict=cfg.strict_compiles)
+                    after = {k: v + late[k] for k, v in after.items()}
                     bar.update(self.step, metrics)
                     history.append(metrics)
                 if self._stop_requested():
@@ -384,9 +385,9 @@ class Trainer(SamplingRounds, UpdateRounds):
         if self.step == cfg.total_steps and (history or validation) and not self.preempted:
             summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
                                     steps=self.step, seconds=time.perf_counter() - self.started,
-                                    compiled=(sum(h["programs_compiled"] for h in history) + carried[
+                                    compiled=(sum(h["programs_compiled"] for h in history) + after[
                                         "programs_compiled"], sum(h["compile_seconds"] for h in history)
-                                        + carried["compile_seconds"]))
+                                        + after["compile_seconds"]))
             if summary is not None:
                 keys = ("accuracy_before", "accuracy_after", *report.SHARES, "steps", "seconds", *report.COMPILE)
                 print(json.dumps({k: summary[k] for k in keys}))
