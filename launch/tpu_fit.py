@@ -42,7 +42,10 @@ def project_python() -> tuple[str | None, str]:
     """(an interpreter that can run the check, "") or (None, why none can)."""
     why = []
     for python in candidates():
-        lacks = missing(python) if os.path.exists(python) else None
+        if not os.path.exists(python):
+            why.append(f"{python} does not exist")
+            continue
+        lacks = missing(python)
         if lacks == []:
             return python, ""
         why.append(f"{python} does not run" if lacks is None else f"{python} has no {', '.join(lacks)}")
