@@ -13,27 +13,17 @@
     launch/tpu.sh ssh    --name g2rl --zone us-east5-a [--worker 0] [--command CMD]
     launch/tpu.sh delete --name g2rl --zone us-east5-a
 
-`create` first checks that the config fits the slice: `python -m g2rl_jax.plan --config FILE --target TYPE
---compile --programs largest` compiles the step's largest programs for that slice, in the project's environment
-(this python, else the checkout's .venv, whichever has jax and libtpu: pip install -e ".[tpu]", Linux x86-64), its
-output shown as it comes; a config that does not fit is refused unless --force (which also skips the check), and
-where the check cannot run it says so in one line. It then waits until the queued resource is ACTIVE (--no-wait
-returns at once). `v5e-N` is taken as gcloud's `v5litepod-N`.
-`setup` makes a Python >= 3.11 environment (<dir>/.venv, uv's managed CPython: the images' python3 is 3.10, too
-old for jax) on every worker and installs .[tpu,gcs] into it; train and python run from it.
-`create --bucket gs://BUCKET/DIR` keeps the bucket in the VM's metadata; `train` then
-writes the run to gs://BUCKET/DIR/runs/NAME and JAX's persistent compilation cache to gs://BUCKET/DIR/jax_cache,
-which every host of the slice shares and which outlive the VM (`train --bucket` names one directly). Without a bucket
-the cache is --compile-cache on each worker's disk, so a run resumed there does not compile everything again.
-
-Every subcommand takes --dry-run (print the exact commands, run nothing, here or on a worker) and --project. A TPU
-slice of several hosts runs the same command on every worker (`--worker=all`); JAX then finds its peers itself on TPU
-VMs. `train` starts the run, immune to hang-ups, on each worker with its output in <dir>/logs/worker-<ID>.log, its
-shell's pid in worker-<ID>.pid and its exit status in worker-<ID>.exit, ID being the worker number from the TPU VM
-metadata server. `watch` (launch/tpu_watch.py) supervises a run: it creates the queued resource if needed, sets up
-and trains once it is ACTIVE, relaunches or stops by the trainer's exit code, and on a preemption deletes and
-recreates the resource and the run resumes from the bucket; `--spot` needs `--bucket`, since a preempted VM's disk
-is gone. Standard library only: this runs on your laptop, not on the TPU.
+`create` first runs the fit check (launch/tpu_fit.py: `python -m g2rl_jax.plan --target TYPE --compile` in the
+project's environment; --force skips it), then waits until the queued resource is ACTIVE (--no-wait: it does not).
+`setup` makes a Python >= 3.11 environment (<dir>/.venv, uv's managed CPython: the images' python3 is 3.10) on every
+worker, installs .[tpu,gcs] into it and marks the worker set up. `train` starts the run on every worker (`--worker=all`;
+JAX finds its peers itself on TPU VMs) in the background, immune to hang-ups: its output in <dir>/logs/worker-ID.log,
+its shell's pid in worker-ID.pid, its exit status in worker-ID.exit (ID: the worker number from the TPU VM metadata
+server). With `create --bucket gs://BUCKET/DIR` (kept in the VM's metadata) or `train --bucket`, the run goes to
+gs://BUCKET/DIR/runs/NAME and JAX's compilation cache to gs://BUCKET/DIR/jax_cache, shared by the slice's hosts and
+outliving the VM; `--spot` needs a bucket. `watch` (launch/tpu_watch.py) supervises a run from any state: the table
+of docs/tpu_vm.md. Every subcommand takes --dry-run (print the exact commands, run nothing, here or on a worker) and
+--project; `v5e-N` is taken as gcloud's `v5litepod-N`. Standard library only: this runs on your laptop.
 """
 from __future__ import annotations
 

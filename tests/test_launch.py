@@ -19,7 +19,7 @@ WORKER_SOURCE = ("${TPU_WORKER_ID:-$(curl -s -H 'Metadata-Flavor: Google' "
 BUCKET_SOURCE = ("${G2RL_JAX_BUCKET-$(curl -s -f -H 'Metadata-Flavor: Google' "
                  "http://metadata.google.internal/computeMetadata/v1/instance/attributes/g2rl-jax-bucket || true)}")
 
-FAKE = """#!{python}
+FAKE = """#!{python} -S
 import json, os, shlex, sys
 with open({record!r}, "a") as fh:
     fh.write(json.dumps({{"argv": shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
@@ -51,7 +51,7 @@ def fakes(tmp_path):
 
 def run(script, args, env, timeout=60, **kw):
     # tpu.sh execs python3, which is faked on PATH: run tpu.py with the real interpreter instead.
-    cmd = [sys.executable, str(ROOT / "launch" / "tpu.py"), *args] if script == TPU else [str(script), *args]
+    cmd = [sys.executable, "-S", str(ROOT / "launch" / "tpu.py"), *args] if script == TPU else [str(script), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "launch"))
 import tpu_states  # noqa: E402 - launch/ is not a package: its scripts import each other by name
 import tpu_watch  # noqa: E402
 
-TPU = [sys.executable, str(ROOT / "launch" / "tpu.py")]
+TPU = [sys.executable, "-S", str(ROOT / "launch" / "tpu.py")]  # -S: the standard library only, as on a laptop
 BASE = ["--name", "g", "--zone", "z"]
 
 RECORD = """import json, os, shlex, sys, time
@@ -42,7 +42,7 @@ def record(name, argv):
     with open(os.path.join(os.environ.get("FAKE_DIR", {default!r}), "calls.jsonl"), "a") as fh:
         fh.write(json.dumps({{"time": time.time(), "argv": shlex.join([name, *argv]), "cwd": os.getcwd()}}) + "\\n")
 """
-UV = """#!{python}
+UV = """#!{python} -S
 {record}
 import shutil, pathlib
 args = sys.argv[1:]
@@ -54,7 +54,7 @@ if args[0] == "venv":
     bin_dir.mkdir(parents=True, exist_ok=True)
     (bin_dir / "python").write_text(
         '#!/bin/sh\\nif [ -n "$FAKE_TRAINER" ] && [ "$1 $2" = "-m g2rl_jax.train" ]; then shift 2; '
-        f'exec {{interpreter}} {trainer} "$@"; fi\\nexec {{interpreter}} "$@"\\n')
+        f'exec {{interpreter}} -S {trainer} "$@"; fi\\nexec {{interpreter}} "$@"\\n')
     (bin_dir / "python").chmod(0o755)
 elif args[:2] == ["pip", "install"]:
     time.sleep(float(os.environ.get("FAKE_SETUP_SECONDS", "0")))
@@ -64,7 +64,7 @@ elif args[:2] == ["pip", "install"]:
             fh.write("x")
         sys.exit("fake uv: pip install failed (the network, say)")
 """
-PYTHON3_310 = """#!{python}
+PYTHON3_310 = """#!{python} -S
 {record}
 import pathlib, shutil
 args = sys.argv[1:]
@@ -81,7 +81,7 @@ elif args[:1] == ["-c"]:
 else:
     sys.exit("python3 (3.10) shim: not meant for the project")
 """
-GIT = """#!{python}
+GIT = """#!{python} -S
 {record}
 args = sys.argv[1:]
 record("git", args)
@@ -111,7 +111,7 @@ def cloud(tmp_path):
     fake, bindir, worker_bin = tmp_path / "fake", tmp_path / "bin", tmp_path / "worker_bin"
     for d in (fake, bindir, worker_bin, tmp_path / "bucket"):
         d.mkdir()
-    _script(bindir / "gcloud", f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'fake_gcloud.py'} \"$@\"\n")
+    _script(bindir / "gcloud", f"#!/bin/sh\nexec {sys.executable} -S {ROOT / 'tests' / 'fake_gcloud.py'} \"$@\"\n")
     record = RECORD.format(default=str(fake))
     uv = fake_uv(tmp_path, sys.executable)  # not on any PATH: the python3 shim's `pip install uv` copies it
     _script(worker_bin / "python3", PYTHON3_310.format(python=sys.executable, record=record, uv=str(uv)))
@@ -166,21 +166,31 @@ def test_setup_refuses_an_env_on_python_3_10(cloud):
 
 # ----------------------------------------------------------------------------------------------------- create
 @pytest.mark.parametrize("states,code,lines", [
-    ([["ACCEPTED", 0.3], ["WAITING_FOR_RESOURCES", 0.6], ["PROVISIONING", 0.3], ["ACTIVE", 1]], 0,
+    (["ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"], 0,
      ["queued resource g: ACCEPTED, waiting for ACTIVE", "queued resource g: WAITING_FOR_RESOURCES, waiting for",
       "queued resource g: PROVISIONING, waiting for", "queued resource g: ACTIVE after"]),
-    ([["WAITING_FOR_RESOURCES", 0.3], ["FAILED", 1]], 1, ["queued resource g: FAILED while waiting for ACTIVE"]),
-    ([["WAITING_FOR_RESOURCES", 100]], 1, ["queued resource g: not ACTIVE after 1 s (still WAITING_FOR_RESOURCES)"]),
+    (["WAITING_FOR_RESOURCES", "FAILED"], 1, ["queued resource g: FAILED while waiting for ACTIVE"]),
+    (["WAITING_FOR_RESOURCES"], 1, ["queued resource g: not ACTIVE after 1 s (still WAITING_FOR_RESOURCES)"]),
 ])
-def test_create_waits_for_active(cloud, states, code, lines):
+def test_create_waits_for_active(cloud, tmp_path, states, code, lines):
+    """Each state is held until create has said it (a gate file per state, the last one held), so every state is
+    seen whatever the machine's load."""
     env, calls, fake = cloud
-    env["FAKE_STATES"] = json.dumps([states])
-    timeout = "1" if code else "30"
-    out = tpu(["create", *BASE, "--accelerator-type", "v5p-8", "--force", "--poll-seconds", "0.1", "--wait-timeout",
-               timeout], env)
-    assert out.returncode == code, out.stdout + out.stderr
+    gates = {name: tmp_path / f"gate-{name}" for name in states[:-1]}
+    env["FAKE_STATES"] = json.dumps([[[name, str(gates[name])] for name in states[:-1]] + [[states[-1], 100]]])
+    timeout = "1" if len(states) == 1 else "60"
+    proc = subprocess.Popen([*TPU, "create", *BASE, "--accelerator-type", "v5p-8", "--force", "--poll-seconds", "0.1",
+                             "--wait-timeout", timeout], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    output = ""
+    for line in proc.stdout:  # open each state's gate once create has reported the state
+        output += line
+        for name, gate in gates.items():
+            if f"queued resource g: {name}, waiting" in line:
+                gate.touch()
+    assert proc.wait(timeout=60) == code, output
     for line in lines:
-        assert line in out.stdout, out.stdout
+        assert line in output, output
     assert len(calls("gcloud compute tpus queued-resources describe g --zone z")) >= 2
 
 
@@ -292,14 +302,22 @@ def test_watch_a_resource_created_by_hand(cloud, tmp_path):
     """`create --no-wait`, then `watch`: it waits for ACTIVE, finds the workers bare (no setup mark, no trainer),
     sets up, trains, and ends when the trainer exits 0. The old watch polled such a slice forever."""
     env, calls, fake = cloud
-    _activate(env, fake, states=(("WAITING_FOR_RESOURCES", 0.6), ("ACTIVE", 1)))
+    capacity, log = tmp_path / "capacity", tmp_path / "watch.log"  # the queue holds until the test says so
+    _activate(env, fake, states=(("WAITING_FOR_RESOURCES", str(capacity)), ("ACTIVE", 1)))
     _fake_trainers(env, tmp_path, [{"steps": 3, "exit": 0}])
-    out = _watch(env, tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
+    proc = subprocess.Popen([*TPU, *WATCH, "--log", str(log)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: log.exists() and "WAITING_FOR_RESOURCES; waiting" in log.read_text(), 60, "the wait", proc)
+        capacity.touch()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    output = proc.stdout.read()
     for line in ("queued resource g: WAITING_FOR_RESOURCES; waiting", "the workers are not set up: setup, then train",
                  "setup done", "train done", "the run finished: the trainer exited 0 (exit 0 (worker 0)); "
                  "gs://b/d/runs/g/summary.json is written"):
-        assert line in out.stdout, out.stdout
+        assert line in output, output
     gcloud = calls("gcloud")
     assert [k for k in map(kind, gcloud) if k not in ("describe", "probe", "read")] == ["create", "setup", "train"]
     assert _steps(tmp_path) == [1, 2, 3]
