@@ -279,8 +279,9 @@ class Checkpointer:
                                           f"because the storage did not answer ({reason}); nothing was moved: run "
                                           "the same command again when the storage answers") from err
                 failed.append((step, reason))
-                print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
-                      "trying the previous one", file=sys.stderr, flush=True)
+                if step != steps[-1]:  # the last one's reason is in the error below: one line says it
+                    print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
+                          "trying the previous one", file=sys.stderr, flush=True)
                 continue
             self._set_aside([s for s, _ in failed])
             return step, state
