@@ -1,7 +1,7 @@
 """One of the two jax.distributed processes of tests/test_channel.py (CPU, gloo, loopback). Process 1 writes, as a
 rollout process does; process 0, which holds the store, reads, as the trainer does. Each check prints `ok NAME`.
 
-    python tests/channel_worker.py COORDINATOR PROCESS_ID channel|refuse MARKER
+    python tests/channel_worker.py COORDINATOR PROCESS_ID channel|refuse|sigterm MARKER
 
 `channel`: a value of a few MB in 256 KB chunks arrives whole through gets that poll every millisecond (a get of
 the whole value in such polls never arrives: it needs longer than one); a get whose bound passes while a chunk is
@@ -10,6 +10,9 @@ and the trainer's finish (control/stop.py) ending a get that waits on it with th
 `refuse`: process 1 plants pickles in the store (one whole, one as a chunk behind a well-formed manifest), whose
 unpickling would create MARKER; process 0's reads refuse each in one line, and its read of the sides' start stops
 both processes with that line and exit code 2.
+`sigterm`: both run the training loop's frame (lifecycle.StopSignal, a step in progress, collectives that need both)
+and print `running`; the test sends SIGTERM to process 1, which abandons its untimed step: the stop path ends process
+0 too, with the abandon's line and exit code 143.
 """
 import json
 import pickle
@@ -164,4 +167,18 @@ def refuse_checks() -> None:
     raise AssertionError("the planted start did not stop the run")
 
 
-channel_checks() if mode == "channel" else refuse_checks()
+def sigterm_checks() -> None:
+    from jax.experimental import multihost_utils
+
+    from g2rl_jax.train.lifecycle import StopSignal
+
+    with StopSignal(grace=5.0) as signal_stop:
+        multihost_utils.sync_global_devices("started")
+        print("running", flush=True)
+        signal_stop.begin_step()  # a step in progress, none timed yet: SIGTERM abandons it at once
+        while True:  # the step's collectives need both processes
+            multihost_utils.sync_global_devices("step")
+            time.sleep(0.05)
+
+
+{"channel": channel_checks, "refuse": refuse_checks, "sigterm": sigterm_checks}[mode]()

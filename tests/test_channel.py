@@ -7,13 +7,15 @@ object array, a dataclass the reader did not allow, fields or shapes its class d
 line, and nothing in it runs; in a notebook a stop raises Stopped in the main thread instead of ending the kernel.
 Between two real jax.distributed processes (CPU, gloo, loopback: tests/channel_worker.py): a few MB in 256 KB
 chunks through gets that poll every millisecond, the bound, the kept chunks, the `ended` hook, the trainer's finish;
-pickles planted in the store refused, and the sides' read of one stopping both processes with one line, exit 2.
+pickles planted in the store refused, and the sides' read of one stopping both processes with one line, exit 2;
+SIGTERM's abandoned step on one process ending the other with its line and exit code 143.
 
-Costs: two launches of two processes that import JAX and compile nothing.
+Costs: three launches of two processes that import JAX and compile nothing (the third one barrier program).
 """
 import dataclasses
 import io
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -211,3 +213,28 @@ def test_pickles_planted_in_the_store_are_refused_and_stop_the_run_in_one_line(t
         said = [x for x in log.splitlines() if x.startswith("run error:")]
         assert said == [line if i == 0 else f"{line} (process 0)"], (i, said)
     assert "ok refused planted/whole" in ran[0][1] and "ok refused planted/chunk" in ran[0][1], ran[0][1][-4000:]
+
+
+def test_sigterms_abandoned_step_ends_every_process_with_its_line(tmp_path):
+    """lifecycle.StopSignal announces an abandon on the stop path: process 0, waiting at a collective for process 1,
+    ends at once with process 1's line and exit code 143 (no gloo error, no heartbeat timeout)."""
+    worker = str(TESTS / "channel_worker.py")
+    with localhost.Processes(lambda i, port: [sys.executable, worker, f"127.0.0.1:{port}", str(i), "sigterm", "-"],
+                             devices=1, env=process_env(1)) as procs:
+        t0 = time.monotonic()
+        while not all("running" in procs.log(i) for i in range(2)):
+            assert time.monotonic() - t0 < HANG_S and all(p.poll() is None for p in procs.procs), \
+                [procs.log(i)[-3000:] for i in range(2)]
+            time.sleep(0.05)
+        procs.procs[1].send_signal(signal.SIGTERM)
+        t_signal = time.monotonic()
+        codes = procs.wait(60)
+        seconds = time.monotonic() - t_signal
+        logs = [procs.log(i) for i in range(2)]
+    line = ("SIGTERM received: the step in progress would not end within the 5 s grace (no step has been timed yet); "
+            "abandoning it, the last checkpoint stands")
+    assert codes == [Exit.PREEMPTED, Exit.PREEMPTED], (codes, logs)
+    assert line in logs[1].splitlines(), logs[1][-3000:]
+    assert f"{line} (process 1)" in logs[0].splitlines(), logs[0][-3000:]
+    assert "Traceback" not in logs[0] + logs[1], logs
+    assert seconds < 30, seconds  # the line through the channel, process 0's second to leave last, a loaded machine
