@@ -123,19 +123,18 @@ def _ms(seconds: float) -> int:
 
 
 class Channel:
-    """Keys and values over one jax.distributed client (see the module docstring)."""
+    """Keys and values over jax.distributed's client (see the module docstring); `pack=False` sends every chunk as
+    it is (bench channel compares)."""
 
-    def __init__(self, kv=None, *, chunk_bytes: int = CHUNK_BYTES, inline_bytes: int = INLINE_BYTES,
-                 poll_s: float = POLL_S, pack: bool = True):
-        self._kv, self.pack = kv, pack
-        self.chunk_bytes, self.inline_bytes, self.poll_s = chunk_bytes, inline_bytes, poll_s
+    def __init__(self, *, chunk_bytes: int = CHUNK_BYTES, poll_s: float = POLL_S, pack: bool = True):
+        self.chunk_bytes, self.poll_s, self.pack = chunk_bytes, poll_s, pack
         self._partial: dict[str, tuple[str, dict[int, bytes]]] = {}  # key -> (nonce, chunks received)
         self._lock = threading.Lock()
         self.chunks_fetched = 0  # chunks this channel has transferred (each once: see get)
 
     @property
     def kv(self):
-        kv = self._kv if self._kv is not None else client()
+        kv = client()
         if kv is None:
             raise RuntimeError("the key-value channel needs jax.distributed (parallel.initialize_distributed) first")
         return kv
@@ -144,8 +143,9 @@ class Channel:
     def full(key: str) -> str:
         return f"{PREFIX}/{key}"
 
-    def _call(self, key: str, fn, *args):
-        """`fn(*args)` of the store, its failures typed by their status code where they are raised."""
+    def _call(self, key: str, fn, *args, waits: bool = False):
+        """`fn(*args)` of the store, its failures typed by their status code where they are raised (a deadline is
+        _NotYet for a call that `waits` for a key, else the store not answering)."""
         import jax
 
         try:
@@ -154,7 +154,7 @@ class Channel:
             code = status(err)
             if code == "ALREADY_EXISTS":
                 raise Exists(key) from None
-            if code == "DEADLINE_EXCEEDED":
+            if code == "DEADLINE_EXCEEDED" and waits:
                 raise _NotYet(key) from None
             if code == "NOT_FOUND":
                 raise _Missing(key) from None
@@ -168,7 +168,7 @@ class Channel:
             raise ValueError(f"channel key {key!r}: no part may start with '.' (the chunks' own)")
         payload = wire.encode(value)
         full = self.full(key)
-        if len(payload) <= self.inline_bytes:
+        if len(payload) <= INLINE_BYTES:
             manifest = {"g2rl": 1, "inline": base64.b64encode(payload).decode("ascii")}
         else:
             nonce, count = secrets.token_hex(8), math.ceil(len(payload) / self.chunk_bytes)
@@ -198,7 +198,7 @@ class Channel:
     def _manifest(self, key: str, raw: bytes) -> dict[str, Any]:
         refused = wire.Refused(f"{self._where(key)}: not a value this version writes (JSON and arrays: a pickle, or "
                                "another program's bytes); refused, nothing in it was run")
-        if len(raw) > _MANIFEST_MAX + 2 * self.inline_bytes:
+        if len(raw) > _MANIFEST_MAX + 2 * INLINE_BYTES:
             raise refused
         try:
             m = json.loads(raw)
@@ -222,7 +222,8 @@ class Channel:
             if left <= 0:
                 raise Late(f"{self._where(key)}: nothing arrived (no process set it) within the bound")
             try:
-                return self._call(key, self.kv.blocking_key_value_get_bytes, full, _ms(min(self.poll_s, left)))
+                return self._call(key, self.kv.blocking_key_value_get_bytes, full, _ms(min(self.poll_s, left)),
+                                  waits=True)
             except _NotYet:
                 pass
             reason = ended() if ended is not None else None
@@ -261,7 +262,7 @@ class Channel:
                                "fetches only the rest")
                 try:
                     raw = self._call(key, self.kv.blocking_key_value_get_bytes, f"{full}/.chunk/{nonce}/{i}",
-                                     _ms(min(left, CHUNK_WAIT_S)))
+                                     _ms(min(left, CHUNK_WAIT_S)), waits=True)
                     self.chunks_fetched += 1
                     size = min(manifest["chunk"], manifest["bytes"] - i * manifest["chunk"])
                     parts[i] = _unpack(raw, size, self._where(key))
