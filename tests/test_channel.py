@@ -113,12 +113,25 @@ def _npz_with(arrays: dict, compression=zipfile.ZIP_STORED) -> bytes:
     return out.getvalue()
 
 
+def _npy_claiming(shape) -> bytes:
+    """An .npy entry whose header claims `shape` of float32, followed by 8 bytes."""
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return out.getvalue() + bytes(8)
+
+
 def test_a_pickle_inside_the_arrays_is_refused_and_never_run(tmp_path):
+    """Objects (a pickle inside the .npz), a compressed entry, and a header claiming more than was sent (an
+    allocation of 4 TB) are refused before anything is allocated or run."""
     marker = tmp_path / "ran"
     objects = np.array([Planted(marker)], dtype=object)
     tree = {"a": 0}
-    for npz, says in [(_npz_with({"0.npy": objects}), "cannot be read"),
-                      (_npz_with({"0.npy": np.arange(3)}, zipfile.ZIP_DEFLATED), "not the .npz this version writes")]:
+    claiming = io.BytesIO()
+    with zipfile.ZipFile(claiming, "w") as zf:
+        zf.writestr("0.npy", _npy_claiming((10 ** 12,)))
+    for npz, says in [(_npz_with({"0.npy": objects}), "cannot be read .*dtype object"),
+                      (_npz_with({"0.npy": np.arange(3)}, zipfile.ZIP_DEFLATED), "not the .npz this version writes"),
+                      (claiming.getvalue(), r"cannot be read .*shape \(1000000000000,\)")]:
         with pytest.raises(wire.Refused, match=says):
             wire.from_json({"wire": 1, "json": tree, "npz": __import__("base64").b64encode(npz).decode()}, where="f")
     assert not marker.exists()

@@ -9,8 +9,10 @@ launches two processes on localhost joined by jax.distributed (CPU, gloo). The w
 about `--mb` MB (`_value`: a step's samples' kind of content, or random floats) under a new key `--repeats` times;
 the other process gets each, checks it equals the value sent, and deletes it. It prints one JSON line: the value's
 encoded MB (control/wire.py), the put's and the get's seconds (the get timed from the moment the put ended, the
-value complete in the store) and MB/s (median of the repeats), and the get's seconds from the put's start (the
-reader waiting, as a trainer does).
+value complete in the store) and MB/s (median of the repeats), the get's seconds from the put's start (the
+reader waiting, as a trainer does), and the CPU seconds of each process for one value (the writer's put; the
+reader's wait and get, which include the store's own work: process 0 holds it), the figures to compare on a
+machine shared with other jobs.
 
 Each process runs `python -m g2rl_jax.bench.channel --worker I PORT ...`.
 """
@@ -88,18 +90,21 @@ def worker(a) -> None:
     ch = channel.Channel(chunk_bytes=int(a.chunk_mb * 1e6), pack=not a.no_pack)
     value = _value(a.mb, a.content)
     size = len(wire.encode(value))
-    puts, gets, waits = [], [], []
+    puts, gets, waits, put_cpu, get_cpu = [], [], [], [], []
     for r in range(a.repeats):
         if process_id == a.writer:
             ch.get(f"bench/ready/{r}", timeout_s=600)  # the reader waits for the value already
-            t0 = time.time()
+            t0, c0 = time.time(), time.process_time()
             ch.put(f"bench/value/{r}", value)
-            ch.put(f"bench/times/{r}", [t0, time.time()])
+            ch.put(f"bench/times/{r}", [t0, time.time(), time.process_time() - c0])
             continue
         ch.put(f"bench/ready/{r}", True)
+        c0 = time.process_time()
         got = ch.get(f"bench/value/{r}", timeout_s=600)
-        arrived = time.time()
-        started, put_end = ch.get(f"bench/times/{r}", timeout_s=60)
+        arrived, cpu = time.time(), time.process_time() - c0
+        started, put_end, cpu_put = ch.get(f"bench/times/{r}", timeout_s=60)
+        put_cpu.append(cpu_put)
+        get_cpu.append(cpu)
         assert _equal(got, value)
         ch.delete(f"bench/value/{r}")
         puts.append(put_end - started)
@@ -113,7 +118,9 @@ def worker(a) -> None:
                           "get_seconds": [round(x, 3) for x in gets], "from_put_start": [round(x, 3) for x in waits],
                           "put_mb_per_s": round(mb / statistics.median(puts), 1),
                           "get_mb_per_s": round(mb / statistics.median(gets), 1),
-                          "end_to_end_mb_per_s": round(mb / statistics.median(waits), 1)}), flush=True)
+                          "end_to_end_mb_per_s": round(mb / statistics.median(waits), 1),
+                          "writer_cpu_seconds": round(statistics.median(put_cpu), 2),
+                          "reader_cpu_seconds": round(statistics.median(get_cpu), 2)}), flush=True)
     ch.put(f"bench/done/{process_id}", True)
     ch.get(f"bench/done/{1 - process_id}", timeout_s=600)
 

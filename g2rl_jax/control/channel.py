@@ -44,7 +44,7 @@ CHUNK_BYTES = 4 << 20  # bench channel: 4 MB chunks move as fast as larger ones,
 INLINE_BYTES = 32 << 10  # at most this much rides in the manifest itself
 PACK_SAMPLE = 256 << 10  # the part of a chunk whose zlib says whether the chunk is worth packing
 POLL_S = 1.0  # a wait for a key, between looks at `ended()`
-CHUNK_WAIT_S = 600.0  # one fetch of a chunk known to exist, when the get's bound is longer (math.inf)
+CHUNK_WAIT_S = 600.0  # the most a chunk (written before its manifest) may take to arrive once its manifest has
 _MANIFEST_MAX = 4096  # a manifest (not inline) is far smaller: anything longer is not ours
 
 
@@ -260,14 +260,18 @@ class Channel:
                     raise Late(f"{self._where(key)}: {len(parts)} of its {count} chunks ({got / 1e6:.1f} of "
                                f"{manifest['bytes'] / 1e6:.1f} MB) arrived within the bound; the next get of it "
                                "fetches only the rest")
+                wait = min(left, CHUNK_WAIT_S)
                 try:
                     raw = self._call(key, self.kv.blocking_key_value_get_bytes, f"{full}/.chunk/{nonce}/{i}",
-                                     _ms(min(left, CHUNK_WAIT_S)), waits=True)
-                    self.chunks_fetched += 1
-                    size = min(manifest["chunk"], manifest["bytes"] - i * manifest["chunk"])
-                    parts[i] = _unpack(raw, size, self._where(key))
-                except _NotYet:  # cut off by the bound (the loop says so), or by CHUNK_WAIT_S (fetched again)
-                    pass
+                                     _ms(wait), waits=True)
+                except _NotYet:  # cut off by the bound (the loop says so), or absent though its manifest is there
+                    if wait == CHUNK_WAIT_S:
+                        raise Late(f"{self._where(key)}: chunk {i} of {count} is not in the store "
+                                   f"{CHUNK_WAIT_S:g} s after its manifest (deleted, or a manifest planted)") from None
+                    continue
+                self.chunks_fetched += 1
+                size = min(manifest["chunk"], manifest["bytes"] - i * manifest["chunk"])
+                parts[i] = _unpack(raw, size, self._where(key))
         payload = b"".join(parts[i] for i in range(count))
         with self._lock:
             self._partial.pop(full, None)

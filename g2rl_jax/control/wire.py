@@ -19,6 +19,7 @@ import base64
 import dataclasses
 import io
 import json
+import math
 import re
 import struct
 import types
@@ -96,28 +97,42 @@ def to_json(value) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ reading
+def _array(member, size: int) -> np.ndarray:
+    """One .npy entry of `size` bytes, its header checked before anything is allocated: a dtype of ARRAY_KINDS (no
+    objects, no fields) and a shape whose bytes are the entry's own (a header cannot claim more than was sent)."""
+    version = np.lib.format.read_magic(member)
+    shape, fortran, dtype = (np.lib.format.read_array_header_1_0(member) if version == (1, 0)
+                             else np.lib.format.read_array_header_2_0(member))
+    if dtype.kind not in ARRAY_KINDS or dtype.names is not None or dtype.hasobject:
+        raise ValueError(f"an array of dtype {dtype}")
+    count = math.prod(shape)
+    data = member.read()
+    if count * dtype.itemsize != len(data) or member.tell() != size:
+        raise ValueError(f"an array of shape {shape} and dtype {dtype} in {len(data)} bytes")
+    return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C").copy()
+
+
 def _arrays(data: bytes, where: str) -> list[np.ndarray]:
-    """The arrays of an .npz written by `_npz`: stored entries 0.npy … n-1.npy, no objects, nothing else."""
+    """The arrays of an .npz written by `_npz`: stored entries 0.npy … n-1.npy, no objects, nothing else (read
+    here entry by entry: `_array`)."""
     if not data:
         return []
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as zf:
             infos = zf.infolist()
-            names = [i.filename for i in infos]
-            if names != [f"{i}.npy" for i in range(len(infos))] or any(
+            if [i.filename for i in infos] != [f"{i}.npy" for i in range(len(infos))] or any(
                     i.compress_type != zipfile.ZIP_STORED for i in infos):
                 raise Refused(f"{where}: its arrays are not the .npz this version writes; refused, nothing in it "
                               "was run")
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            arrays = [npz[str(i)] for i in range(len(names))]
+            arrays = []
+            for info in infos:
+                with zf.open(info) as member:
+                    arrays.append(_array(member, info.file_size))
     except Refused:
         raise
     except Exception as err:  # noqa: BLE001 - any failure to parse foreign bytes is a refusal
         raise Refused(f"{where}: its arrays cannot be read ({type(err).__name__}: {err}); refused, nothing in it "
                       "was run") from None
-    bad = [a.dtype for a in arrays if a.dtype.kind not in ARRAY_KINDS or a.dtype.names is not None]
-    if bad:
-        raise Refused(f"{where}: an array of dtype {bad[0]}; refused, nothing in it was run")
     return arrays
 
 
@@ -193,13 +208,16 @@ class _Reader:
 def _structure(text: bytes, where: str):
     try:
         return json.loads(text)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise Refused(f"{where}: its structure is not JSON ({err}); refused, nothing in it was run") from None
 
 
 def _checked(tree, arrays, kinds, schema, where: str):
     reader = _Reader(arrays, kinds, where)
-    value = reader.value(tree)
+    try:
+        value = reader.value(tree)
+    except RecursionError:
+        raise reader.refuse("a structure nested deeper than Python reads") from None
     if len(reader.used) != len(arrays):
         raise reader.refuse(f"{len(arrays) - len(reader.used)} arrays that nothing refers to")
     problem = conforms(value, schema)
