@@ -175,8 +175,8 @@ def finish(step: int, code: int) -> None:
 
 
 def ended() -> Stop | None:
-    """The trainer's `finish` (or any stop) once this process's Watch has seen it, else None: the hook of a channel
-    get that waits on the trainer (its Watch must be entered)."""
+    """The trainer's `finish` once this process's Watch has seen it, else None: the hook of a channel get that waits
+    on the trainer (its Watch must be entered; a stop published now ends the process by itself)."""
     return _seen
 
 
@@ -205,10 +205,12 @@ class Watch:
             return
         except wire.Refused as err:
             refuse(err)
-        _seen = stop
+        if not stop.now:  # the trainer's finish: `ended` has it
+            _seen = stop
+            return
         me = processes()[0]
-        if not stop.now or stop.process == me or not _STOPPING.acquire(blocking=False):
-            return  # a finish (`ended` has it), or this process is stopping by itself
+        if stop.process == me or not _STOPPING.acquire(blocking=False):
+            return  # this process is stopping by itself
         print_own_line(f"{stop.line} (process {stop.process})")
         try:
             ch.put(f"{ACK_KEY}/{me}", True)
