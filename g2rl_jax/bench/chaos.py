@@ -6,8 +6,8 @@ a fresh run starts until every fault was served.
 
 Faults (--kinds):
   kill      kill -9 of one process of the launch (the trainer, the second trainer process, the rollout process)
-  stop      SIGSTOP of the whole launch; a new launch (other hosts) takes the run over once the lease lapsed; then
-            SIGCONT: the thawed holder must stop by itself, writing nothing
+  stop      SIGSTOP of the whole launch once it holds the lease; a new launch (other hosts) takes the run over once
+            the lease lapsed; then SIGCONT: the thawed holder must stop by itself, writing nothing
   outage    every request dropped for --outage-s seconds
   late      replies delayed 1-5 s (30% of requests) for --window-s seconds
   lost      replies dropped after the server applied the update, or a 503 instead of them (30% of updates)
@@ -147,12 +147,20 @@ class Soak:
         self.launch_of.update({pid: number for pid in launch.pids})
         return launch
 
-    def _lock_taken_by_other(self, launch: Launch, since: float) -> bool:
+    def _lock_writes(self, launch: Launch) -> list:
+        """The successful writes of `launch`'s run lock (by any launch), from the proxy's log."""
         from g2rl_jax.train.runlock import LOCK_FILE
 
         lock = f"{launch.out.removeprefix('gs://')}/{LOCK_FILE}"
-        return any(r.obj == lock and r.kind == "upload" and 200 <= r.status < 300 and r.who not in (None,
-                   launch.number) and r.t > since for r in list(self.proxy.log))
+        return [r for r in list(self.proxy.log) if r.obj == lock and r.kind == "upload" and 200 <= r.status < 300]
+
+    def _lock_taken_by_other(self, launch: Launch, since: float) -> bool:
+        return any(r.who not in (None, launch.number) and r.t > since for r in self._lock_writes(launch))
+
+    def _holds_lock(self, launch: Launch) -> bool:
+        """`launch` wrote the run lock (took the lease): a stop fault freezes a holder, not a launch still starting
+        (which, thawed, would only find the run held by the launch that took it meanwhile)."""
+        return any(r.who == launch.number and r.t >= launch.started for r in self._lock_writes(launch))
 
     # -------------------------------------------------------------------------------------------- the reference
     def reference(self) -> tuple[list[dict], Counter]:
@@ -272,6 +280,7 @@ class Soak:
                 fault = pending[0]
                 due = (saves.newest() > committed if self.opts.after_checkpoint else
                        saves.saving(launch.started) if fault.at_save else now - launch.started >= fire_at)
+                due = due and (fault.kind != "stop" or self._holds_lock(launch))
                 if due:
                     pending.pop(0)
                     old = launch
