@@ -316,6 +316,8 @@ class Soak:
             if "resumed from the checkpoint of step " in said:
                 self.resume_s.append(now - launch.started)
                 return int(said.split("resumed from the checkpoint of step ")[1].split()[0])
+        if resumed_at is not None and resumed_at >= 0:
+            saves.update()  # read here too: once every fault was served nothing else reads the proxy's log
         if resumed_at is not None and resumed_at >= 0 and any(
                 s > resumed_at and t >= launch.started for s, t in saves.written.items()):
             self.first_step_s.append(now - launch.started)
