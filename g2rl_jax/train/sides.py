@@ -279,7 +279,7 @@ def run_rollout_process(cfg) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM: the rollout process goes on until the trainer ends",
                                                   file=sys.stderr, flush=True))
-    lease = store.Lease(cfg.run.lock_lease_seconds).renew()
+    store.Lease(cfg.run.lock_lease_seconds).renew()  # until the process ends (see below)
     try:
         with stop.Watch():  # the trainer's stop (its end, a lost run lock, a storage failure) ends it too
             return RolloutSide(resolve_model_paths(cfg)).run()
@@ -292,5 +292,5 @@ def run_rollout_process(cfg) -> int:
         halt.exit_if_peer_gone(err)  # another rollout process (or a training one) is gone: one line, all stop
         traceback.print_exc()
         stop.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", Exit.BUG)
-    finally:
-        lease.stop()
+    # the lease is never stopped: after its last draw this process waits in jax.distributed's shutdown for the trainer,
+    # which still trains up to rollout.max_staleness steps and may take longer than a lease (its watch stops first)
