@@ -1,0 +1,200 @@
+"""The failures a run stops for, each a class raised where the failure happens, never chosen from an error's text.
+
+    StorageUnavailable     75  a storage client gave up on a request (g2rl_jax/storage_clients.py's gcsfs client,
+                               Orbax's save and restore in train/checkpoint.py, a bounded storage call)
+    LeaseLost              3   another trainer holds the run's lease, or this one cannot know that it still does
+                               (control/lease.py; a write the fence refused: control/fence.py)
+    DeviceOutOfMemory      4   a program ran out of accelerator memory (`device_failure`, at the stage boundary
+                               train/stages.py and the host collectives of g2rl_jax/parallel.py), with the planner's
+                               hint (control/oom.py)
+    RewardFunctionFailed   5   the user's reward.function raised, timed out or returned no number on a row
+                               (g2rl_jax/rewards/custom.py)
+    PeerLost               76  a process this one ran a collective with is gone (`device_failure`)
+
+Each is a RunFailure: `code` is its exit code (control/exits.py, the one table) and `line(step)` its one line. The
+trainer's top level (train/loop.py, train/command.py) prints that line without a traceback and exits with the code,
+on every process of the run (train/halt.py's stop_everywhere); in a notebook it raises instead, so the kernel lives.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from g2rl_jax.control.exits import Exit
+
+
+class RunFailure(Exception):
+    """A failure classified where it was raised: `code` is what ends the process, `line` what it prints."""
+
+    code: Exit = Exit.BUG
+
+    def line(self, step: int | None = None) -> str:
+        """The one line the process ends with (`step`: the last step finished, where the failure names it)."""
+        return " ".join(str(self).split())
+
+
+class StorageUnavailable(RunFailure):
+    """A storage client gave up on `url` (its retries spent, its deadline passed, the endpoint gone): `cause` is the
+    client's own error. `status` is the HTTP status of the last answer, when there was one (429, 503, ...)."""
+
+    code = Exit.STORAGE
+
+    def __init__(self, url, cause: BaseException, *, client: str = "gcsfs", verb: str = "write",
+                 status: int | None = None):
+        super().__init__(url, cause)
+        self.url, self.cause, self.client, self.verb, self.status = str(url), cause, client, verb, status
+        self._said: str | None = None
+
+    def explained(self) -> str:
+        """What failed and what to do (storage_clients.explain: a reachability probe, asked once)."""
+        if self._said is None:
+            from g2rl_jax import storage_clients
+
+            self._said = storage_clients.explain(self.url, self.cause, self.client, self.verb)
+        return self._said
+
+    def __str__(self) -> str:
+        return f"{self.client} could not {self.verb} {self.url}: {type(self.cause).__name__}: {self.cause}"
+
+    def line(self, step: int | None = None, run_dir=None) -> str:
+        after = "" if step is None else f" after step {step}"
+        kept = "" if run_dir is None else (f" Kept: the checkpoints already committed in {run_dir}/checkpoints (a "
+                                           "save in flight is discarded at the next start) and the metrics flushed "
+                                           "before;")
+        return (f"train error: run.output_dir: the storage failed{after}: {self.explained()}.{kept} run the same "
+                "command again once the storage answers: it resumes from the newest committed checkpoint")
+
+
+class LeaseLost(RunFailure):
+    """This process no longer holds the run's lease (taken over, deleted), or cannot know that it does (no renewal
+    confirmed in time, code 75 then): it writes nothing more. The message is the whole line."""
+
+    code = Exit.LEASE_LOST
+
+    def __init__(self, line: str, code: Exit = Exit.LEASE_LOST):
+        super().__init__(line)
+        self.code = code
+
+
+class DeviceOutOfMemory(RunFailure):
+    """A program of stage `where` could not allocate accelerator memory; `hint` is the planner's (control/oom.py),
+    added by the trainer, which knows the config."""
+
+    code = Exit.DEVICE_OOM
+
+    def __init__(self, where: str, detail: str, hint: str = ""):
+        super().__init__(where, detail)
+        self.where, self.detail, self.hint = where, detail, hint
+
+    def __str__(self) -> str:
+        hint = f"; {self.hint}" if self.hint else ""
+        return f"the device ran out of memory in {self.where} ({self.detail}){hint}"
+
+    def line(self, step: int | None = None) -> str:
+        return "train error: " + super().line(step)
+
+
+class RewardFunctionFailed(RunFailure):
+    """The user's reward function `function` failed on dataset row `row` (reward.on_error=raise): `what` says how
+    (raised X: ..., timed out, returned a non-number)."""
+
+    code = Exit.REWARD_FAILED
+
+    def __init__(self, function: str, row, what: str, detail: str = ""):
+        super().__init__(function, row, what)
+        self.function, self.row, self.what, self.detail = function, row, what, detail
+
+    def __str__(self) -> str:
+        return (f"reward function {self.function!r} {self.what} on row {self.row!r}{self.detail}; fix the function, "
+                "or set reward.on_error=fail to score such responses -1 (the least reward)")
+
+    def line(self, step: int | None = None) -> str:
+        return "train error: " + super().line(step)
+
+
+class PeerLost(RunFailure):
+    """A process this one ran a collective with is gone (`detail`: what the collective said)."""
+
+    code = Exit.PEER_LOST
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+    def line(self, step: int | None = None) -> str:
+        after = "" if step is None else f" after step {step}"
+        return (f"a process of this run is gone{after} ({self.detail}): it died (kill -9, a lost VM) or was ended. "
+                "The checkpoints committed stand: end every process that still runs, and relaunch every process "
+                "with the same command to resume from the newest")
+
+
+# ------------------------------------------------------------------------------------------------ the device boundary
+RESOURCE_EXHAUSTED = 8  # absl::StatusCode: what XLA's allocators answer when device memory runs out
+UNAVAILABLE = 14  # absl::StatusCode: jax.distributed's coordination service (in the trainer's process) is gone
+# gloo's TCP transport, when the process at the other end of a collective is gone: JAX passes this on only in the
+# runtime's message (status UNKNOWN), so `device_failure` reads that one message, of the error the program or host
+# collective raised itself, never an error it was wrapped in
+_GLOO_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def device_failure(err: BaseException, where: str) -> RunFailure | None:
+    """The typed failure of `err`, raised by a jitted program or a host collective of `where` (the call site itself:
+    train/stages.py's `stage`, parallel.py's host collectives): DeviceOutOfMemory for the runtime's
+    RESOURCE_EXHAUSTED status, PeerLost for a gloo connection to another process lost; None for anything else. A
+    JaxRuntimeError built from Python (a user's reward function, a test) has status UNKNOWN whatever its text."""
+    import jax
+
+    if not isinstance(err, jax.errors.JaxRuntimeError):
+        return None
+    message = str(err).strip()
+    first = message.splitlines()[0] if message else ""
+    if err.error_code == RESOURCE_EXHAUSTED:
+        return DeviceOutOfMemory(where, first[:300])
+    if "Gloo" in first and any(said in first for said in _GLOO_PEER_GONE):  # the one text test (see above)
+        return PeerLost(first[first.index("Gloo"):])
+    return None
+
+
+def host_collective(fn):
+    """The call site of a host collective (g2rl_jax/parallel.py's allgather, sync, broadcast): a peer process gone
+    from it raises PeerLost here (`device_failure`)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            typed = device_failure(err, f"the host collective {fn.__name__}")
+            if typed is None:
+                raise
+            raise typed from err
+
+    return call
+
+
+def in_notebook() -> bool:
+    """Whether this process is a notebook's kernel (which must survive a failed run: it raises, never exits)."""
+    import sys
+
+    return "ipykernel" in sys.modules
+
+
+def stop(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> None:
+    """End this process, and every other process of the run, with `err`'s line and code (train/halt.py's
+    stop_everywhere); in a notebook re-raise it instead. Nothing of the run is written after this is called
+    (control/fence.py closes first). A device out of memory gets the planner's hint for the run's `cfg` first."""
+    from g2rl_jax.control import fence
+
+    if isinstance(err, DeviceOutOfMemory) and not err.hint and cfg is not None:
+        from g2rl_jax.config import RESOLVED_NAME
+        from g2rl_jax.control import oom
+
+        err.hint = oom.hint(cfg, f"{run_dir}/{RESOLVED_NAME}" if run_dir is not None else "CONFIG")
+
+    line = err.line(step, run_dir) if isinstance(err, StorageUnavailable) else err.line(step)
+    fence.close(line)
+    if in_notebook():
+        raise err
+    from g2rl_jax.train import halt
+
+    halt.stop_everywhere(line, int(err.code))
+    os._exit(int(err.code))  # not reached: stop_everywhere ends the process
