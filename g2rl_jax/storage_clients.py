@@ -153,15 +153,23 @@ def configure() -> None:
     _CONFIGURED = True
 
 
+class _RequestFailures:
+    """A logging filter for gcsfs's logger: its retry loop's records of a request that failed ("out of retries",
+    "non-retriable exception") keep their one line and lose their traceback. Every such request failure reaches its
+    caller, typed (StorageUnavailable, FileExistsError for a failed precondition, ...), and is reported there."""
+
+    def filter(self, record) -> bool:
+        if record.exc_info and record.module == "retry":
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def _quiet_gcsfs_failures() -> None:
-    """gcsfs's record of a request out of retries carries no traceback when its error is a storage failure
-    (train/halt.py's filter): the caller reports the failure itself, in one line, and gcsfs_attempts() lets gcsfs
-    give up within the budget, before the caller's own deadline."""
     import logging
 
-    from g2rl_jax.train import halt
-
-    logging.getLogger("gcsfs").addFilter(halt.NoStoreTraceback())
+    logger = logging.getLogger("gcsfs")
+    if not any(isinstance(f, _RequestFailures) for f in logger.filters):
+        logger.addFilter(_RequestFailures())
 
 
 def set_orbax_retries(retries: dict) -> None:
@@ -238,22 +246,59 @@ def _body_bytes(kwargs: dict) -> bytes:
     return b""
 
 
+def _unavailable(err: BaseException) -> bool:
+    """Whether `err`, raised by a gcsfs request once its retries were spent (or by one not retried), says the store
+    did not serve it: a connection refused, dropped or timed out, an answer 408, 429 or 5xx, a token refresh that
+    could not reach its server. Not: a missing object (404), a failed precondition (412), a refusal (401, 403)."""
+    import aiohttp
+    import google.auth.exceptions
+    import requests
+    from gcsfs.retry import HttpError, errs
+
+    if isinstance(err, HttpError):
+        return err.code in errs
+    return isinstance(err, (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError,
+                            requests.exceptions.RequestException, google.auth.exceptions.TransportError))
+
+
+def _typed(err: BaseException, url: str, verb: str) -> BaseException:
+    """The error a caller gets for a failed gcsfs request: StorageUnavailable (the store did not serve it, with the
+    last status), PermissionError for a 403 (gcsfs raises a plain OSError for it, and for nothing else it lets
+    through), else `err` itself."""
+    from g2rl_jax.control.errors import StorageUnavailable
+
+    if _unavailable(err):
+        return StorageUnavailable(url, err, verb=verb, status=getattr(err, "code", None))
+    if type(err) is OSError:
+        return PermissionError(f"{url}: {err}")
+    return err
+
+
 def _register_paced_gcsfs() -> None:
     """gs:// and gcs:// served by a gcsfs filesystem that paces its own updates of one object to one a second
     (every file written through gcsfs, Orbax's metadata files included): a 429 avoided, not retried; each request
-    retried by gcsfs's own retry_request in gcsfs_attempts() attempts."""
+    retried by gcsfs's own retry_request in gcsfs_attempts() attempts, each update attempt let out only through the
+    fence (control/fence.py: this process holds the run's lease); a failure the caller gets is typed (`_typed`)."""
     import fsspec
     from gcsfs.retry import retry_request
 
     from g2rl_jax import storage_append
+    from g2rl_jax.control import fence
 
     base = fsspec.get_filesystem_class("gs")
     if getattr(base, "paced", False):
         return
     uploads: dict[str, str] = {}
     undecorated = getattr(base._request, "__wrapped__", None)  # gcsfs's _request without its 6-attempt retry
-    request = (retry_request(retries=gcsfs_attempts())(undecorated) if undecorated is not None
-               else lambda fs, *a, **kw: base._request(fs, *a, **kw))  # another gcsfs: its own 6 attempts
+
+    async def attempt(fs, method, path, *args, fenced=None, **kwargs):
+        if fenced is not None:  # every attempt: a retry after a freeze goes out only if the lease is still held
+            await fence.check_async(fenced)
+        if undecorated is None:  # another gcsfs: its own 6 attempts, fenced once
+            return await base._request(fs, method, path, *args, **kwargs)
+        return await undecorated(fs, method, path, *args, **kwargs)
+
+    request = retry_request(retries=gcsfs_attempts())(attempt) if undecorated is not None else attempt
 
     class PacedGCSFileSystem(base):
         paced = True
@@ -265,20 +310,36 @@ def _register_paced_gcsfs() -> None:
                                                                "cache_source")}).items()}
             query |= {k: v[0] for k, v in urllib.parse.parse_qs(url.query).items()}
             kind, obj = classify(method, url.path, query, _body_bytes(kwargs), uploads)
-            if obj is None or kind not in (*UPDATES, "start"):
-                return await request(self, method, path, *args, **kwargs)
-            key = f"gs://{obj}"
-            wait = storage_append.UPDATE_INTERVAL_S + 0.05 - storage_append._since_update(key)
-            if wait > 0 and "upload_id" not in query:  # a resumable upload waits at its start
-                await asyncio.sleep(wait)
-            result = await request(self, method, path, *args, **kwargs)
+            target = f"gs://{obj}" if obj else f"gs:/{url.path}"
+            updates = obj is not None and kind in (*UPDATES, "start")
+            try:
+                if not updates:
+                    return await request(self, method, path, *args, **kwargs)
+                wait = storage_append.UPDATE_INTERVAL_S + 0.05 - storage_append._since_update(target)
+                if wait > 0 and "upload_id" not in query:  # a resumable upload waits at its start
+                    await asyncio.sleep(wait)
+                result = await request(self, method, path, *args, fenced=target, **kwargs)
+            except Exception as err:  # noqa: BLE001 - typed for the caller (`_typed`), or re-raised as it is
+                typed = _typed(err, target, "write" if updates else "read")
+                if typed is err:
+                    raise
+                raise typed from err
             status, headers = result[0], result[1]
             if kind == "start" and "upload_id=" in headers.get("Location", ""):
                 uploads[urllib.parse.parse_qs(urllib.parse.urlsplit(headers["Location"]).query)["upload_id"][0]] = obj
             elif status < 300:
                 with storage_append._UPDATED_LOCK:
-                    storage_append._UPDATED[key] = time.monotonic()
+                    storage_append._UPDATED[target] = time.monotonic()
             return result
+
+        async def _get_file_request(self, rpath, lpath, *args, **kwargs):  # a download to a local file
+            try:
+                return await super()._get_file_request(rpath, lpath, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - typed for the caller, or re-raised as it is
+                typed = _typed(err, str(rpath), "read")
+                if typed is err:
+                    raise
+                raise typed from err
 
     for protocol in ("gs", "gcs"):
         fsspec.register_implementation(protocol, PacedGCSFileSystem, clobber=True)
@@ -318,6 +379,15 @@ def _tensorstore_probe(probe) -> None:
         store.write(name, b"ok").result()
 
 
+def _start_error(err: BaseException) -> type:
+    """The class of a start check's one line: StorageUnreachable when the store did not serve the check (the
+    trainer's exit code then is the storage's: relaunch later), else StorageError (what to fix)."""
+    from g2rl_jax import storage
+    from g2rl_jax.control.errors import StorageUnavailable
+
+    return storage.StorageUnreachable if isinstance(err, (StorageUnavailable, TimeoutError)) else storage.StorageError
+
+
 def check_writable(directory, key: str, probe_name: str = ".write_test") -> None:
     """StorageError naming `key`, the path and the fix when `directory` cannot be written: a bucket that does not
     exist, no credentials, permission denied, an endpoint that cannot be reached, an unwritable local directory.
@@ -342,7 +412,7 @@ def check_writable(directory, key: str, probe_name: str = ".write_test") -> None
         try:
             _within(deadline, client, step) if url else step()
         except Exception as err:  # noqa: BLE001 - every failure becomes the one line below, the cause named in it
-            raise storage.StorageError(f"{key}: {explain(directory, err, client)}") from None
+            raise _start_error(err)(f"{key}: {explain(directory, err, client)}") from None
 
 
 def check_readable(p, key: str) -> None:
@@ -356,7 +426,7 @@ def check_readable(p, key: str) -> None:
     try:
         _within(timeout_seconds(), "gcsfs", lambda: storage.exists(p))
     except Exception as err:  # noqa: BLE001 - every failure becomes the one line below, the cause named in it
-        raise storage.StorageError(f"{key}: {explain(p, err, 'gcsfs', 'read')}") from None
+        raise _start_error(err)(f"{key}: {explain(p, err, 'gcsfs', 'read')}") from None
 
 
 def _endpoint(client: str) -> str:
@@ -388,26 +458,34 @@ def _reachability(endpoint: str) -> str | None:
     return None
 
 
-def explain(directory, err: BaseException, client: str = "gcsfs", verb: str = "write") -> str:
-    """What a failed `verb` of `directory` through `client` means and what to do, from the client's error."""
-    from g2rl_jax import storage
+def _credentials_missing(err: BaseException) -> bool:
+    import google.auth.exceptions
 
+    return getattr(err, "code", None) == 401 or isinstance(err, (google.auth.exceptions.DefaultCredentialsError,
+                                                                 google.auth.exceptions.RefreshError))
+
+
+def explain(directory, err: BaseException, client: str = "gcsfs", verb: str = "write") -> str:
+    """What a failed `verb` of `directory` through `client` means and what to do, from the client's error's type
+    (and status) and, when the store did not serve it, a look at its endpoint (`_reachability`)."""
+    from g2rl_jax import storage
+    from g2rl_jax.control.errors import StorageUnavailable
+
+    if isinstance(err, StorageUnavailable):
+        err = err.cause
     detail = " ".join(str(err).split())[:300]
     if not storage.is_url(directory):
         return f"cannot write to {str(directory)!r} ({detail}); choose a writable directory"
     url = str(directory)
     bucket = url.split("://", 1)[1].split("/", 1)[0]
-    code = getattr(err, "code", None)
-    if isinstance(err, FileNotFoundError) or code == 404 or "NOT_FOUND" in detail and "bucket" in detail.lower():
+    if isinstance(err, FileNotFoundError) or getattr(err, "code", None) == 404:
         return (f"the bucket {storage.scheme(url)}://{bucket} does not exist (writing {url}); create it (gcloud "
                 f"storage buckets create {storage.scheme(url)}://{bucket}) or fix the name")
-    if code == 401 or "anonymous caller" in detail.lower() or "credentials" in detail.lower() or \
-            "UNAUTHENTICATED" in detail:
+    if _credentials_missing(err):
         return (f"no Google Cloud credentials to write {url} ({detail}); run `gcloud auth application-default "
                 "login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account key, or run on a VM whose service "
                 "account may write the bucket")
-    if isinstance(err, PermissionError) or code == 403 or detail.startswith("Forbidden") or \
-            "PERMISSION_DENIED" in detail:
+    if isinstance(err, PermissionError) or getattr(err, "code", None) == 403:
         return (f"permission denied writing {url} ({detail}); grant this machine's account roles/storage.objectUser "
                 f"on {storage.scheme(url)}://{bucket} (gcloud storage buckets add-iam-policy-binding), or choose a "
                 "bucket it may write")
@@ -417,4 +495,4 @@ def explain(directory, err: BaseException, client: str = "gcsfs", verb: str = "w
         return (f"{client} cannot reach {endpoint} to {verb} {url}: {why or detail} ({type(err).__name__}: {detail}); "
                 f"check STORAGE_EMULATOR_HOST / TENSORSTORE_GCS_HTTP_URL if you use an emulator, else the network "
                 f"(each storage call gives up after {TIMEOUT_ENV}={timeout_seconds():.0f} s)")
-    return f"{client} cannot write to {url} ({type(err).__name__}: {detail}); check the path and the network"
+    return f"{client} cannot {verb} {url} ({type(err).__name__}: {detail}); check the path and the network"
