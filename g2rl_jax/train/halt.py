@@ -3,7 +3,8 @@
 - `stop_everywhere(line, code, gone)`: print `line`, tell the other processes (jax.distributed's key-value store),
   give them up to ACK_S to say they stop too (not those `gone`, which the line is about), and end this process
   (os._exit: no cleanup that could wait on a store that no longer answers; the checkpoints already committed stand, a
-  save in flight is discarded at the next start).
+  save in flight is discarded at the next start). The fence closes first (control/fence.py): nothing of the run is
+  written in the seconds the stop takes.
 - `PeerWatch`: in every process of a multi-host run, a thread that ends the process with that same line when
   another process called `stop_everywhere` (a lost run lock on process 0, a storage failure on any), so none stalls
   at the next collective waiting for a process that is gone.
@@ -16,6 +17,8 @@ import os
 import sys
 import threading
 import time
+
+from g2rl_jax.control import fence
 
 STOP_KEY = "g2rl_jax/stop"  # in jax.distributed's key-value store: "<exit code>\n<line>"
 ACK_KEY = "g2rl_jax/stopped/"  # + process index: that process has the line and ends now
@@ -70,6 +73,7 @@ def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = ()) -> None:
     """Print `line` on stderr and end this process with `code`; in a multi-host run the other processes are told
     first (PeerWatch ends them with the same line) and given up to ACK_S to have it, but those known `gone` (the
     line is about them). Never returns."""
+    fence.close(line)  # from now on this process writes nothing of the run
     if not _STOPPING.acquire(blocking=False):  # another thread of this process is stopping it already
         time.sleep(ACK_S + 10)
         os._exit(code)
@@ -120,6 +124,7 @@ class PeerWatch:
                     continue
                 return
             code, _, line = value.partition("\n")
+            fence.close(line)
             if not _STOPPING.acquire(blocking=False):  # this process is stopping by itself
                 return
             print_own_line(line)
