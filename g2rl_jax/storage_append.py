@@ -72,7 +72,7 @@ def append_bytes(p: PathLike, data: bytes, *, known_to_exist: bool | None = None
     caller that knows whether `p` exists passes `known_to_exist` and saves a request. Writers that append often
     buffer with `Appender`."""
     if not storage.is_url(p):
-        with open(storage.path(p), "ab") as fh:
+        with storage.fence.guard(p), open(storage.path(p), "ab") as fh:  # the run's lease held (control/fence.py)
             fh.write(data)
         return ""
     fs, key = storage._fs(p)
@@ -151,8 +151,9 @@ class Appender:
 
     def write(self, text: str) -> None:
         if self._file is not None:
-            self._file.write(text)
-            self._file.flush()
+            with storage.fence.guard(self.path):  # the run's lease held (control/fence.py)
+                self._file.write(text)
+                self._file.flush()
             return
         self._pending.append(text)
         if time.monotonic() - self._flushed >= self._interval and _since_update(self.path) >= UPDATE_INTERVAL_S:
