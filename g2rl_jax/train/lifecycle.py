@@ -1,4 +1,4 @@
-"""What keeps a run directory whole across starts, stops and relaunches (the run lock: train/runlock.py).
+"""What keeps a run directory whole across starts, stops and relaunches (the run lock: control/runlock.py).
 
 - `pin_revision`: a Hugging Face id's resolved commit in model.revision, kept by every resume.
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
@@ -22,10 +22,10 @@ from typing import Any
 
 from g2rl_jax import storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, load_config, to_dict
+from g2rl_jax.control.exits import Exit
 from g2rl_jax.train import halt
 
 HISTORY_FILE = "config_history.jsonl"
-PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
 # keys that change how or how long the run is carried out or what it reports, never what a step computes
 FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
              "run.allow_config_change", "run.compilation_cache_dir", "run.lock_lease_seconds", "data.eval_datasets",
@@ -130,7 +130,7 @@ class StopSignal:
     waits on the accelerator) and decides with `step_fits`:
     - the step in progress fits the grace: `requested` is set, the loop stops after it and saves its checkpoint;
     - it does not (or no step has been timed yet): the step is abandoned at once: `on_abandon` (wait for a save in
-      flight, release the run lock) and the process exits with PREEMPTED_EXIT, the last checkpoint intact.
+      flight, release the run lock) and the process exits with Exit.PREEMPTED, the last checkpoint intact.
     Either way the process exits at the deadline if it still runs then, and a second SIGTERM abandons at once.
     The loop reports its steps with `begin_step` and `end_step`."""
 
@@ -143,7 +143,7 @@ class StopSignal:
         self._previous = None
         self._wakeup = self._pipe = None
         self._thread = None
-        self._peers, self._quiet = halt.PeerWatch(), halt.StoreTracebacksOff()
+        self._peers = halt.PeerWatch()
 
     def begin_step(self) -> None:
         self.step_started = time.monotonic()
@@ -173,7 +173,7 @@ class StopSignal:
                   "released; exiting now, the next launch takes the lock of this dead process over",
                   file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(PREEMPTED_EXIT)
+        os._exit(Exit.PREEMPTED)
 
     def _watch(self) -> None:
         deadline = None
@@ -207,7 +207,6 @@ class StopSignal:
 
     def __enter__(self) -> StopSignal:
         self._peers.__enter__()  # multi-host: another process that stops at once (train/halt.py) stops this one
-        self._quiet.__enter__()  # a storage failure's tracebacks left out of the clients' log records (halt.py)
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread (e.g. a notebook worker): no handler, nothing changes
@@ -222,7 +221,6 @@ class StopSignal:
 
     def __exit__(self, *exc) -> None:
         self._peers.__exit__()
-        self._quiet.__exit__()
         if self._previous is None:
             return
         signal.signal(signal.SIGTERM, self._previous)

@@ -32,13 +32,16 @@ from flax import nnx
 
 from g2rl_jax import methods, parallel, storage
 from g2rl_jax.config import Config, ConfigError, save_resolved, to_dict
+from g2rl_jax.control import fence
+from g2rl_jax.control.errors import RunFailure, stop
+from g2rl_jax.control.runlock import RunLock
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, sampling
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
-from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
+from g2rl_jax.train import compiles, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
@@ -52,7 +55,6 @@ from g2rl_jax.train.lifecycle import (
     pin_revision,
 )
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, step_metrics
-from g2rl_jax.train.runlock import RunLock
 from g2rl_jax.train.sampling_rounds import SamplingRounds
 from g2rl_jax.train.setup import (
     check_shared_output_dir,
@@ -365,10 +367,8 @@ class Trainer(SamplingRounds, UpdateRounds):
                 self.preempted = True
                 if self.step:
                     self.ckpt.save(self.step, self.state(), self.loader, force=True)
-            except Exception as err:  # a bucket that stopped answering: one line, every process stops (train/halt.py)
-                halt.exit_if_peer_gone(err, self.step)  # so does a process gone from a collective
-                halt.exit_if_storage_failed(err, self.run_dir, self.step)
-                raise
+            except RunFailure as err:  # classified where raised (control/errors.py): one line, every process stops
+                stop(err, self.step, self.run_dir, self.cfg)
             finally:
                 self._close_run(bar, writer)
         if self.step == cfg.total_steps and history and not self.preempted:
@@ -390,9 +390,11 @@ class Trainer(SamplingRounds, UpdateRounds):
             writer.close()
             self.ckpt.close()
             self.close()
-        except Exception as err:
-            halt.exit_if_storage_failed(err, self.run_dir, self.step)
-            raise
+        except RunFailure as err:
+            if fence.closed():  # a failure is being reported already (a notebook's): release what this run holds
+                self.close()
+                return
+            stop(err, self.step, self.run_dir, self.cfg)
 
     def _validate_step(self, writer: MetricsWriter, metrics: dict[str, float]) -> dict[str, float]:
         """The validation of a finished step; if it is interrupted (SIGTERM, Ctrl-C), the step's own metrics are

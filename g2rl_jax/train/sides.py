@@ -49,6 +49,9 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import parallel
+from g2rl_jax.control.errors import UNAVAILABLE, RunFailure, stop
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.lease import KeyLease
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
 from g2rl_jax.train import sides_store as store
@@ -78,7 +81,7 @@ class RemoteSampler:
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
         self.trainers = parallel.host_count()  # the training processes: each reads every step's samples
         self.block = parallel.batch_block(trainer.mesh)  # (i, n): the rows of each step this process keeps
-        self.lease = store.Lease(trainer.cfg.run.lock_lease_seconds)
+        self.lease = KeyLease(store.PREFIX, trainer.cfg.run.lock_lease_seconds)
         if jax.process_index() == 0:  # the training side's first process watches (its stop ends every process)
             self.lease.watch(list(range(self.trainers, jax.process_count())))
         self._closed = False
@@ -149,9 +152,7 @@ class RemoteSampler:
             return
         self._closed = True
         self.lease.stop()
-        from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
-
-        code = (0 if self.trainer.step >= self.total else PREEMPTED_EXIT if self.trainer.preempted
+        code = (0 if self.trainer.step >= self.total else Exit.PREEMPTED if self.trainer.preempted
                 else store.ENDED_EARLY_EXIT)
         store.end_rollout(self.trainer.step, code)
         if self._first is not None:
@@ -283,17 +284,18 @@ def run_rollout_process(cfg) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM: the rollout process goes on until the trainer ends",
                                                   file=sys.stderr, flush=True))
-    lease = store.Lease(cfg.run.lock_lease_seconds).renew()
+    lease = KeyLease(store.PREFIX, cfg.run.lock_lease_seconds).renew()
     try:
         with halt.PeerWatch():  # the trainer's halt.stop_everywhere (a lost run lock, a storage failure) ends it too
             return RolloutSide(resolve_model_paths(cfg)).run()
     except Exception as err:  # noqa: BLE001 - its traceback, then one line that ends the trainer too
-        if isinstance(err, jax.errors.JaxRuntimeError) and "UNAVAILABLE" in str(err):
+        if isinstance(err, jax.errors.JaxRuntimeError) and err.error_code == UNAVAILABLE:
             # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
             print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
                   "process ends; relaunch both processes together", file=sys.stderr, flush=True)
-            os._exit(halt.PEER_LOST_EXIT)
-        halt.exit_if_peer_gone(err)  # another rollout process (or a training one) is gone: one line, all stop
+            os._exit(Exit.PEER_LOST)
+        if isinstance(err, RunFailure):  # classified where raised (control/errors.py): its line and code, all stop
+            stop(err)
         traceback.print_exc()
         halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)
     finally:

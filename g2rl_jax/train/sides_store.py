@@ -3,33 +3,31 @@ under `g2rl_sides/` in jax.distributed's store, the waits on them, and how each 
 
 Keys: `version/V` (the training side announces each policy version), `sample/S/B` (the rollout side's block B of step
 S's samples), `read/sample/S/B` (how many training processes read it), `start` (the trainer's first step, position
-and restored samples), `stop` (the trainer's last step and exit code), `alive/P` (rollout process P's lease). Values
+and restored samples), `stop` (the trainer's last step and exit code), `alive/P` (rollout process P's lease,
+control/lease.py's KeyLease). Values
 are pickled host values of this run's own processes.
 
 When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
 process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
 finished run, else ENDED_EARLY_EXIT), so all leave jax.distributed cleanly. Each rollout process renews a lease
 (`g2rl_sides/alive/P`, every run.lock_lease_seconds / 3); the first training process, seeing no renewal of one for a
-whole lease, stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's
+whole lease, stops with one line and Exit.PEER_LOST (halt.stop_everywhere). A trainer that dies takes jax.distributed's
 coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
 errors"). Any other process that dies (kill -9 of training process 1 of 2, of one rollout process of 2) breaks the
 collectives of the processes it ran them with: the first of them to see its gloo connection lost stops every
-process with one line and PEER_LOST_EXIT (`halt.exit_if_peer_gone`; the trainer's loop and the rollout process call it
-on their error), at once rather than after jax.distributed's heartbeat timeout. A rollout process that fails otherwise
-stops all with its error's line (halt.stop_everywhere; the trainer's halt.PeerWatch ends it). The key-value store
-lives in the trainer process, so a relaunch starts from a store without the old keys.
+process with one line and Exit.PEER_LOST (a PeerLost raised where the collective is called, control/errors.py; the
+trainer's loop and the rollout process stop with it), at once rather than after jax.distributed's heartbeat timeout.
+A rollout process that fails otherwise stops all with its error's line (halt.stop_everywhere; the trainer's
+halt.PeerWatch ends it). The key-value store lives in the trainer process, so a relaunch starts from a store
+without the old keys.
 """
 from __future__ import annotations
 
 import contextlib
 import pickle
-import threading
-import time
 
 import jax
 from jax._src import distributed
-
-from g2rl_jax.train import halt
 
 PREFIX = "g2rl_sides"
 POLL_MS = 1000  # a wait for the other side's key, between looks at whether that side has ended
@@ -98,51 +96,3 @@ def told_if_failed(mesh_cfg):
 def trainer_ended():
     """(the trainer's last step, its exit code) once it has ended (it sets `stop`), else None."""
     return look("stop")
-
-
-class Lease:
-    """Each rollout process renews `g2rl_sides/alive/P` (P its process index) every `seconds` / 3 from a daemon
-    thread; the trainer's `watch` thread ends the run with one line when one of them has no renewal for `seconds`."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self._done = seconds, threading.Event()
-
-    def renew(self) -> Lease:
-        def renew_forever():
-            while not self._done.wait(self.seconds / 3):
-                try:
-                    client().key_value_increment(key, 1)
-                except jax.errors.JaxRuntimeError:  # the trainer (and the store with it) is gone: JAX ends us
-                    return
-
-        key = f"{PREFIX}/alive/{jax.process_index()}"
-        client().key_value_increment(key, 1)
-        threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
-        return self
-
-    def watch(self, rollout_processes: list[int]) -> Lease:
-        def watch_forever():
-            keys = [f"{PREFIX}/alive/{p}" for p in rollout_processes]
-            seen, since = dict.fromkeys(keys), dict.fromkeys(keys, time.monotonic())
-            while not self._done.wait(min(1.0, self.seconds / 9)):
-                try:
-                    now = {key: client().key_value_increment(key, 0) for key in keys}
-                except jax.errors.JaxRuntimeError:  # jax.distributed is shutting down: nothing left to watch
-                    return
-                for key in keys:
-                    if now[key] != seen[key]:
-                        seen[key], since[key] = now[key], time.monotonic()
-                late = [key for key in keys if time.monotonic() - since[key] >= self.seconds]
-                if late and not self._done.is_set():
-                    process = late[0].rsplit("/", 1)[1]
-                    halt.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
-                                         f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
-                                         "hangs. The checkpoints committed stand: end it if it still runs, and "
-                                         "relaunch every process with the same command to resume", halt.PEER_LOST_EXIT,
-                                         gone=(int(process),))
-
-        threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._done.set()
