@@ -26,16 +26,17 @@ from test_train import STEPS, _assert_same_metrics, _env, _train_cmd, assets, re
 
 from g2rl_jax import storage
 from g2rl_jax.config import ConfigError
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.runlock import LOCK_FILE, RunLock
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.lifecycle import HISTORY_FILE
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.runlock import LEASE_LOST_EXIT, LOCK_FILE, RunLock
 
 from _helpers import HANG_S, BucketWrites, kill_when, xla_flags
 
 LEASE = 9.0  # the smallest run.lock_lease_seconds: renewed every 3 s (a bucket's 1 update/s leaves others room)
 HOLD = ("import sys, time\n"
-        "from g2rl_jax.train.runlock import RunLock\n"
+        "from g2rl_jax.control.runlock import RunLock\n"
         "if len(sys.argv) > 3:\n"  # a racer: ready, then go at once when the go file appears
         "    print('ready', flush=True)\n"
         "    import os\n"
@@ -101,7 +102,7 @@ def test_live_holder_on_another_host_is_refused_and_a_frozen_one_taken_over(run_
         assert f"removing the stale lock {run_dir}/{LOCK_FILE} of pid {holder.pid} on host 'vm-a'" in err, err
         assert _lock(run_dir)["pid"] == os.getpid()
         holder.send_signal(signal.SIGCONT)  # thawed: its next renewal finds the lock taken
-        assert holder.wait(timeout=60) == LEASE_LOST_EXIT
+        assert holder.wait(timeout=60) == Exit.LEASE_LOST
         assert _lock(run_dir)["pid"] == os.getpid()  # the loser wrote nothing more, deleted nothing
         time.sleep(LEASE / 3 + 0.5)
         assert _lock(run_dir)["pid"] == os.getpid()  # and our renewals go on
@@ -119,7 +120,7 @@ def test_a_holder_taken_over_stops_at_once_in_one_line(run_dir):
         assert proc.stdout.readline().strip() == "held"
         other = json.dumps({"host": "vm-z", "pid": 7, "since": "now", "renewed": time.time(), "nonce": "x"})
         storage.write_text(f"{run_dir}/{LOCK_FILE}", other)  # as another trainer's takeover would
-        assert proc.wait(timeout=60) == LEASE_LOST_EXIT
+        assert proc.wait(timeout=60) == Exit.LEASE_LOST
         lines = proc.stderr.read().strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("run lock lost: ") and "pid 7 on host 'vm-z'" in lines[0]
         assert storage.read_text(f"{run_dir}/{LOCK_FILE}") == other  # not removed at exit
