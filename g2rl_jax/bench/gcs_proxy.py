@@ -6,7 +6,8 @@ emulator does not:
   Requests, with GCS's JSON error body, and counted;
 - faults at a seeded rate, each drawn per request before it is forwarded (so the server never applied it and a
   client's retry is safe): a 503 Service Unavailable, a slow answer (`slow_s` seconds late), or a dropped connection
-  (closed with no answer).
+  (closed with no answer);
+- targeted faults after the server applied an update (`after_apply`): its reply held back, or never sent.
 
     with GcsProxy(upstream="http://127.0.0.1:PORT", faults=Faults(rate_503=0.01, seed=0)) as proxy:
         ... clients pointed at proxy.endpoint ...
@@ -119,6 +120,7 @@ class GcsProxy:
         self._uploads: dict[str, str] = {}  # resumable upload id -> object
         self.log: list[Request] = []
         self.fault_counts: Counter = Counter()
+        self._after_apply: list[list] = []  # [object suffix, requests left, reply delay, drop]: after_apply
         self._server = _Server(("127.0.0.1", port), self._handler())
         self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
         self._thread: threading.Thread | None = None
@@ -135,6 +137,24 @@ class GcsProxy:
     def throttled(self) -> Counter:
         """Object -> 429s served for it."""
         return Counter(r.obj for r in self.log if r.status == 429)
+
+    def after_apply(self, suffix: str, *, delay_s: float = 0.0, drop: bool = False, count: int = 1) -> None:
+        """The next `count` updates of an object whose name ends with `suffix` are forwarded (the server applies
+        them), then their reply is held `delay_s` seconds, and with `drop` never sent (the connection is closed):
+        a reply delayed or lost after the store applied the request (each counted as fault "late" or "lost")."""
+        with self._lock:
+            self._after_apply.append([suffix, count, delay_s, drop])
+
+    def _applied_fault(self, kind: str, obj: str | None) -> tuple[float, bool] | None:
+        if kind not in UPDATES or obj is None:
+            return None
+        with self._lock:
+            for fault in self._after_apply:
+                if fault[1] > 0 and obj.endswith(fault[0]):
+                    fault[1] -= 1
+                    self.fault_counts["lost" if fault[3] else "late"] += 1
+                    return fault[2], fault[3]
+        return None
 
     def reset(self) -> None:
         with self._lock:
@@ -277,6 +297,15 @@ class GcsProxy:
                 status, headers, data = self._forward(body)
                 if kind in UPDATES and obj is not None:
                     proxy._settle(obj, previous, status)
+                applied = proxy._applied_fault(kind, obj)
+                if applied is not None:
+                    time.sleep(applied[0])
+                    if applied[1]:  # applied by the server, its reply never sent
+                        request.status, request.bytes_out = status, len(data)
+                        proxy._record(request)
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                 for name, value in headers:
                     if name.lower() == "location" and "upload_id=" in value and obj is not None:
                         upload_id = urllib.parse.parse_qs(urllib.parse.urlsplit(value).query)["upload_id"][0]
