@@ -201,7 +201,10 @@ class RunLock:
     def _renew(self, nonce: str, token) -> Renewed:
         """One renewal conditional on `token`; when the lock changed meanwhile, whose it is now: this process's own
         (a renewal of ours landed whose answer was lost: Renewed with its nonce), or another's, or none (Lost)."""
-        new = storage.replace_if_generation(self.path, self._record(nonce), token)
+        try:
+            new = storage.replace_if_generation(self.path, self._record(nonce), token)
+        except FileNotFoundError:  # a conditional write to an object that is gone (GCS may answer 404)
+            raise Lost(lost_line(self.path, None)) from None
         if new is not None:
             return Renewed(new)
         try:
