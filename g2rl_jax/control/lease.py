@@ -70,6 +70,7 @@ class Holder:
                  unreachable_line: Callable[[float, BaseException | None], RunFailure]):
         self.name, self.lease_s, self.margin_s = name, float(lease_s), MARGIN_SHARE * float(lease_s)
         self.token, self.confirmed_at = token, sent_at  # the newest renewal known to have landed: its send time
+        self._token_sent = sent_at  # the send time of the renewal that wrote `token`
         self._renew, self._on_end, self._unreachable = renew, on_end, unreachable_line
         self._sent: dict[str, float] = {nonce: sent_at}  # nonce -> send time, of the renewals since the start
         self._pending = 0
@@ -158,13 +159,13 @@ class Holder:
             return
         with self._cond:
             self._pending -= 1
-            landed = self._sent.get(outcome.nonce or nonce)
+            landed = self._sent.get(outcome.nonce or nonce)  # None: older than a renewal confirmed meanwhile
+            if landed is not None and landed >= self._token_sent:  # a late answer never brings an older token back
+                self.token, self._token_sent = outcome.token, landed
             if landed is not None and landed > self.confirmed_at:
-                self.confirmed_at, self.token, self._error = landed, outcome.token, None
+                self.confirmed_at, self._error = landed, None
                 # an older renewal can no longer land (its precondition is an older token)
                 self._sent = {n: t for n, t in self._sent.items() if t >= landed}
-            elif landed is None:  # ours, but a renewal whose send this holder did not record: the token only
-                self.token = outcome.token
             self._cond.notify_all()
 
     def _end(self, verdict: RunFailure) -> None:
