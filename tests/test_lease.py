@@ -192,16 +192,16 @@ def test_one_hostname_two_pid_namespaces_the_second_waits(tmp_path):
     run = str(tmp_path / "run")
     box = ["unshare", "-u", "-p", "-f", "--mount-proc", "--kill-child", "sh", "-c",
            'hostname vm-same && exec "$@"', "sh"]
-    first = _start(HOLD, run, 3.0, prefix=box)
+    first = _start(HOLD, run, LEASE, prefix=box)
     second = None
     try:
         assert first.stdout.readline().strip() == "held", first.stderr.read()[-3000:]
         assert _record(run)["pid"] == 1 and _record(run)["host"] == "vm-same"
-        second = _start(HOLD, run, 3.0, prefix=box)
+        second = _start(HOLD, run, LEASE, prefix=box)
         out, err = second.communicate(timeout=120)
         assert second.returncode == Exit.BAD_INPUT, (out, err[-3000:])
         assert out.startswith("refused run.output_dir:") and "pid 1 on host 'vm-same', PID namespace pid:[" in out
-        assert "waiting up to 3 s (its lease)" in err and first.poll() is None
+        assert f"waiting up to {LEASE:g} s (its lease)" in err and first.poll() is None
     finally:
         for proc in (first, second):
             if proc is not None:
