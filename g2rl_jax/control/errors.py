@@ -194,6 +194,10 @@ def stop(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> No
     fence.close(line)
     if in_notebook():
         raise err
+    if err.code not in (Exit.STORAGE, Exit.LEASE_LOST):  # the store answers and the lease is ours: let it go, so
+        from g2rl_jax.control import runlock  # that the next start need not wait for it to lapse
+
+        runlock.release_all()
     from g2rl_jax.train import halt
 
     halt.stop_everywhere(line, int(err.code))
