@@ -201,3 +201,23 @@ def test_an_async_save_that_fails_is_one_line_and_keeps_the_committed_checkpoint
     assert "accepts connections and closes them without an answer" in line, line
     assert "Traceback" not in stderr and seconds < BOUND_S, (seconds, stderr[-3000:])
     assert _committed(out) == [1]
+
+
+def test_a_restore_from_a_bucket_that_does_not_answer_sets_nothing_aside(gcs, tmp_path):
+    """The newest checkpoint's restore fails because the bucket's server is gone (its port closed): the restore
+    probes the store, which does not answer either, so the failure is the storage's (exit 75, one line), not a
+    corrupt checkpoint: nothing is moved aside, and with the server back both checkpoints are there."""
+    out = gcs.url("midrun/restore")
+    setup = ("import jax.numpy as jnp\nfrom g2rl_jax.train.checkpoint import Checkpointer\n"
+             "class It:\n    def get_state(self): return {'i': 0}\n    def set_state(self, s): pass\n"
+             f"ckpt = Checkpointer({out!r}, every=1, keep=3)\n"
+             "state = {'w': jnp.arange(4096.0)}\n"
+             "ckpt.save(1, state, It()); ckpt.save(2, state, It()); ckpt.close()\n"
+             f"reopened = Checkpointer({out!r}, every=1, keep=3)")
+    seconds, code, stderr = _run_until_told(tmp_path, out, setup, "reopened.restore_newest(state, It())", 2,
+                                            "closed", gcs)
+    line = _last_line(stderr)
+    assert code == Exit.STORAGE, stderr[-3000:]
+    assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
+    assert "nothing listens on port" in line and "Traceback" not in stderr and seconds < BOUND_S, (seconds, line)
+    assert _committed(out) == [1, 2] and not storage.exists(f"{out}/corrupt_checkpoints")
