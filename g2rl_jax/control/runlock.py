@@ -221,7 +221,9 @@ class RunLock:
         now, so this one stops with one line naming the URL and the likely cause."""
         from g2rl_jax import storage_clients
 
-        cause = storage_clients.explain(self.path, err, "gcsfs") if err is not None else "no renewal was answered"
+        if err is None:  # renewals still waiting on their answers (a store that drops or stalls each request)
+            err = TimeoutError(f"no renewal was answered in {seconds:.0f} s")
+        cause = storage_clients.explain(self.path, err, "gcsfs")
         return LeaseLost(f"train error: run.output_dir: could not renew the lease on {self.path} for {seconds:.0f} s,"
                          f" its whole lease ({cause}); another trainer may take the run over now, so this one stops, "
                          "writing nothing more. Kept: the checkpoints already committed (a save in flight is discarded "
