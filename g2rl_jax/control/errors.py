@@ -17,6 +17,7 @@ on every process of the run (train/halt.py's stop_everywhere); in a notebook it 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -155,18 +156,31 @@ def device_failure(err: BaseException, where: str) -> RunFailure | None:
     return None
 
 
+@contextlib.contextmanager
+def device_boundary(where: str):
+    """Around code that runs programs on the devices: a runtime error raised in it (by the call, or, since JAX
+    dispatches asynchronously, by the first use of its results) is typed here (`device_failure`); anything else
+    passes as it is. Used by train/stages.py's `stage`, the host collectives of g2rl_jax/parallel.py, the training
+    loop (what a step does outside its stages: metrics, the checkpoint's copy, the weight sync) and the rollout
+    process's draws."""
+    try:
+        yield
+    except RunFailure:
+        raise
+    except Exception as err:
+        typed = device_failure(err, where)
+        if typed is None:
+            raise
+        raise typed from err
+
+
 def host_collective(fn):
     """The call site of a host collective (g2rl_jax/parallel.py's allgather, sync, broadcast): a peer process gone
-    from it raises PeerLost here (`device_failure`)."""
+    from it raises PeerLost here (`device_boundary`)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        try:
+        with device_boundary(f"the host collective {fn.__name__}"):
             return fn(*args, **kwargs)
-        except Exception as err:
-            typed = device_failure(err, f"the host collective {fn.__name__}")
-            if typed is None:
-                raise
-            raise typed from err
 
     return call
 

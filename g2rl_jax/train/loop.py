@@ -33,7 +33,7 @@ from flax import nnx
 from g2rl_jax import methods, parallel, storage
 from g2rl_jax.config import Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.control import fence
-from g2rl_jax.control.errors import RunFailure, stop
+from g2rl_jax.control.errors import RunFailure, device_failure, stop
 from g2rl_jax.control.runlock import RunLock
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
@@ -367,8 +367,12 @@ class Trainer(SamplingRounds, UpdateRounds):
                 self.preempted = True
                 if self.step:
                     self.ckpt.save(self.step, self.state(), self.loader, force=True)
-            except RunFailure as err:  # classified where raised (control/errors.py): one line, every process stops
-                stop(err, self.step, self.run_dir, self.cfg)
+            except Exception as err:  # classified where raised (control/errors.py), or a program's runtime error
+                # surfacing outside its stage (JAX dispatches asynchronously): one line, every process stops
+                typed = err if isinstance(err, RunFailure) else device_failure(err, f"step {self.step + 1}")
+                if typed is None:
+                    raise
+                stop(typed, self.step, self.run_dir, self.cfg)
             finally:
                 self._close_run(bar, writer)
         if self.step == cfg.total_steps and history and not self.preempted:

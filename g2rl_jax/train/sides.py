@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import parallel
-from g2rl_jax.control.errors import UNAVAILABLE, RunFailure, stop
+from g2rl_jax.control.errors import UNAVAILABLE, RunFailure, device_failure, stop
 from g2rl_jax.control.exits import Exit
 from g2rl_jax.control.lease import KeyLease
 from g2rl_jax.model import lora
@@ -294,8 +294,9 @@ def run_rollout_process(cfg) -> int:
             print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
                   "process ends; relaunch both processes together", file=sys.stderr, flush=True)
             os._exit(Exit.PEER_LOST)
-        if isinstance(err, RunFailure):  # classified where raised (control/errors.py): its line and code, all stop
-            stop(err)
+        typed = err if isinstance(err, RunFailure) else device_failure(err, "the rollout process")
+        if typed is not None:  # classified where raised (control/errors.py): its line and code, all stop
+            stop(typed)
         traceback.print_exc()
         halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)
     finally:
