@@ -160,9 +160,9 @@ def device_failure(err: BaseException, where: str) -> RunFailure | None:
 def device_boundary(where: str):
     """Around code that runs programs on the devices: a runtime error raised in it (by the call, or, since JAX
     dispatches asynchronously, by the first use of its results) is typed here (`device_failure`); anything else
-    passes as it is. Used by train/stages.py's `stage`, the host collectives of g2rl_jax/parallel.py, the training
+    passes as it is. The host collectives of g2rl_jax/parallel.py run in it; train/stages.py's `stage`, the training
     loop (what a step does outside its stages: metrics, the checkpoint's copy, the weight sync) and the rollout
-    process's draws."""
+    process (its draws) apply `device_failure` to what they catch the same way."""
     try:
         yield
     except RunFailure:
