@@ -290,7 +290,11 @@ def test_a_lost_gloo_connection_is_a_peer_lost_where_the_collective_is_called():
     assert isinstance(gone, PeerLost) and gone.code == Exit.PEER_LOST and gone.detail == lost[len("UNKNOWN: "):]
     assert gone.line(3).startswith("a process of this run is gone after step 3 (Gloo all-reduce failed")
     assert device_failure(jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: bad size"), "x") is None
-    assert device_failure(ValueError("Gloo: Connection reset by peer"), "x") is None  # not a runtime's
+    assert device_failure(ValueError("Gloo: Connection reset by peer"), "x") is None  # not the runtime's status
+    assert device_failure(RuntimeError(lost), "x") is None
+    jitted = ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by "
+              "peer [127.0.0.1]:44228")  # what a jitted call raised as a ValueError when its peer was killed
+    assert device_failure(ValueError(jitted), "x").detail == jitted[len("UNKNOWN: "):]
     assert device_failure(StageError(lost), "x") is None  # a wrapper's text is never read
 
     @host_collective

@@ -133,25 +133,29 @@ class PeerLost(RunFailure):
 RESOURCE_EXHAUSTED = 8  # absl::StatusCode: what XLA's allocators answer when device memory runs out
 UNAVAILABLE = 14  # absl::StatusCode: jax.distributed's coordination service (in the trainer's process) is gone
 # gloo's TCP transport, when the process at the other end of a collective is gone: JAX passes this on only in the
-# runtime's message (status UNKNOWN), so `device_failure` reads that one message, of the error the program or host
-# collective raised itself, never an error it was wrapped in
+# runtime's message (status UNKNOWN), as a JaxRuntimeError or, from a jitted call, a ValueError carrying that status
+# (measured: a gloo AllGather whose peer was killed), so `device_failure` reads that one message, of the error the
+# program or host collective raised itself, never an error it was wrapped in
 _GLOO_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 def device_failure(err: BaseException, where: str) -> RunFailure | None:
     """The typed failure of `err`, raised by a jitted program or a host collective of `where` (the call site itself:
     train/stages.py's `stage`, parallel.py's host collectives): DeviceOutOfMemory for the runtime's
-    RESOURCE_EXHAUSTED status, PeerLost for a gloo connection to another process lost; None for anything else. A
-    JaxRuntimeError built from Python (a user's reward function, a test) has status UNKNOWN whatever its text."""
+    RESOURCE_EXHAUSTED status (its error code, never its text), PeerLost for a gloo connection to another process
+    lost; None for anything else. A JaxRuntimeError built from Python (a user's reward function, a test) has status
+    UNKNOWN whatever its text."""
     import jax
 
-    if not isinstance(err, jax.errors.JaxRuntimeError):
+    runtime = isinstance(err, jax.errors.JaxRuntimeError)
+    if not runtime and type(err) is not ValueError:
         return None
     message = str(err).strip()
     first = message.splitlines()[0] if message else ""
-    if err.error_code == RESOURCE_EXHAUSTED:
+    if runtime and err.error_code == RESOURCE_EXHAUSTED:
         return DeviceOutOfMemory(where, first[:300])
-    if "Gloo" in first and any(said in first for said in _GLOO_PEER_GONE):  # the one text test (see above)
+    status = runtime or first.startswith("UNKNOWN: ")  # a ValueError only with the runtime's status in front
+    if status and "Gloo" in first and any(said in first for said in _GLOO_PEER_GONE):  # the one text test (above)
         return PeerLost(first[first.index("Gloo"):])
     return None
 
