@@ -27,8 +27,8 @@ from test_async import _same
 from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import localhost
+from g2rl_jax.control import stop
 from g2rl_jax.control.exits import Exit
-from g2rl_jax.train import halt
 from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import process_env, run_processes, trainer_args
@@ -176,10 +176,10 @@ def test_a_killed_rollout_process_ends_the_trainer_in_one_line_within_its_lease(
 def test_a_stop_waits_for_no_answer_from_the_process_it_is_about():
     """The trainer that ends the run for a rollout process's lapsed lease waits for the others' answers, not that
     process's (none would come: it cost the stop ACK_S); any other process waits for process 0 alone."""
-    assert halt.awaited_acks(0, 2, gone=(1,)) == []
-    assert halt.awaited_acks(0, 4, gone=(2,)) == [1, 3]
-    assert halt.awaited_acks(0, 4) == [1, 2, 3]
-    assert halt.awaited_acks(2, 4) == [0] and halt.awaited_acks(1, 2, gone=(1,)) == [0]
+    assert stop.awaited_acks(0, 2, gone=(1,)) == []
+    assert stop.awaited_acks(0, 4, gone=(2,)) == [1, 3]
+    assert stop.awaited_acks(0, 4) == [1, 2, 3]
+    assert stop.awaited_acks(2, 4) == [0] and stop.awaited_acks(1, 2, gone=(1,)) == [0]
 
 
 def test_stops_and_relaunches_give_the_uninterrupted_run(runs, stopped):

@@ -11,6 +11,9 @@
   fence.py    the fence every change of run state passes: the lease held, or nothing is written
   commits.py  Orbax's commits and deletes behind the fence, its failure logs, a restore's failure told apart
   oom.py      the planner's hint when a device runs out of memory
+  channel.py  the one key-value channel between a run's processes (jax.distributed's store): chunks, bounded gets
+  wire.py     values that cross a process or a file: JSON plus arrays, checked when read, never pickle
+  stop.py     the one stop path: publish "stop with code C and line L", watch for it, the trainer's end
 
 The states a run goes through (every process; the lease and the fence on the process that holds the run lock):
 
@@ -39,6 +42,6 @@ The states a run goes through (every process; the lease and the fence on the pro
      └─── total_steps reached: summary, release the lease ─────────────────────────────────► exit 0
 
 Every failure path closes the fence first (nothing more is written), then prints its one line and ends every
-process of the run with its code (train/halt.py's stop_everywhere); in a notebook the failure is raised in the main
+process of the run with its code (control/stop.py), and in a notebook the failure is raised in the main
 thread instead, and the kernel lives.
 """

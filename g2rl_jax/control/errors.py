@@ -10,10 +10,15 @@
     RewardFunctionFailed   5   the user's reward.function raised, timed out or returned no number on a row
                                (g2rl_jax/rewards/custom.py)
     PeerLost               76  a process this one ran a collective with is gone (`device_failure`)
+    BadInput               2   a value read from a file or another process that fails its checks (control/wire.py's
+                               Refused: a planted pickle, another version's bytes; nothing in it ran), a checkpoint
+                               that cannot be used (train/checkpoint.py's CheckpointError)
 
 Each is a RunFailure: `code` is its exit code (control/exits.py, the one table) and `line(step)` its one line. The
 trainer's top level (train/loop.py, train/command.py) prints that line without a traceback and exits with the code,
-on every process of the run (train/halt.py's stop_everywhere); in a notebook it raises instead, so the kernel lives.
+on every process of the run (control/stop.py's stop_everywhere); in a notebook it raises instead, so the kernel lives.
+`exit_code(err)` is the one mapping from whatever ends the trainer to its exit code (train/command.py, and the code
+the rollout processes of a split run end with, train/sides.py).
 """
 from __future__ import annotations
 
@@ -129,6 +134,34 @@ class PeerLost(RunFailure):
                 "with the same command to resume from the newest")
 
 
+class BadInput(RunFailure):
+    """Input the run refuses, the message naming it and what to do: a value this version did not write, read from a
+    file or from another process of the run (control/wire.py's Refused: nothing in it was run), a checkpoint that
+    cannot be used (train/checkpoint.py's CheckpointError). `kind` starts its line."""
+
+    code = Exit.BAD_INPUT
+    kind = "run"
+
+    def line(self, step: int | None = None) -> str:
+        return f"{self.kind} error: " + super().line(step)
+
+
+def exit_code(err: BaseException | None) -> Exit:
+    """The exit code the trainer's process ends with when `err` ends it: DONE for None; a RunFailure's own code; a
+    run directory whose store did not answer the start's check, the storage's; a setting, a dataset row or a path
+    the trainer refuses (g2rl_jax/cli.py's USER_ERRORS), bad input; anything else a bug (its traceback)."""
+    from g2rl_jax import cli
+    from g2rl_jax.storage import StorageUnreachable
+
+    if err is None:
+        return Exit.DONE
+    if isinstance(err, RunFailure):
+        return err.code
+    if isinstance(err, StorageUnreachable):
+        return Exit.STORAGE
+    return Exit.BAD_INPUT if isinstance(err, cli.USER_ERRORS) else Exit.BUG
+
+
 # ------------------------------------------------------------------------------------------------ the device boundary
 RESOURCE_EXHAUSTED = 8  # absl::StatusCode: what XLA's allocators answer when device memory runs out
 UNAVAILABLE = 14  # absl::StatusCode: jax.distributed's coordination service (in the trainer's process) is gone
@@ -189,18 +222,15 @@ def host_collective(fn):
     return call
 
 
-def in_notebook() -> bool:
-    """Whether this process is a notebook's kernel (which must survive a failed run: it raises, never exits)."""
-    import sys
-
-    return "ipykernel" in sys.modules
-
-
 def stop(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> None:
-    """End this process, and every other process of the run, with `err`'s line and code (train/halt.py's
-    stop_everywhere); in a notebook re-raise it instead. Nothing of the run is written after this is called
-    (control/fence.py closes first). A device out of memory gets the planner's hint for the run's `cfg` first."""
+    """End this process, and every other process of the run, with `err`'s line and code (control/stop.py's
+    stop_everywhere); in a notebook's main thread re-raise it instead. Nothing of the run is written after this is
+    called (control/fence.py closes first). A device out of memory gets the planner's hint for the run's `cfg`
+    first."""
+    import threading
+
     from g2rl_jax.control import fence
+    from g2rl_jax.control import stop as stopping
 
     if isinstance(err, DeviceOutOfMemory) and not err.hint and cfg is not None:
         from g2rl_jax.config import RESOLVED_NAME
@@ -210,13 +240,11 @@ def stop(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> No
 
     line = err.line(step, run_dir) if isinstance(err, StorageUnavailable) else err.line(step)
     fence.close(line)
-    if in_notebook():
+    if stopping.in_notebook() and threading.current_thread() is threading.main_thread():
         raise err
     if err.code not in (Exit.STORAGE, Exit.LEASE_LOST):  # the store answers and the lease is ours: let it go, so
         from g2rl_jax.control import runlock  # that the next start need not wait for it to lapse
 
         runlock.release_all()
-    from g2rl_jax.train import halt
-
-    halt.stop_everywhere(line, int(err.code))
+    stopping.stop_everywhere(line, int(err.code))
     os._exit(int(err.code))  # not reached: stop_everywhere ends the process

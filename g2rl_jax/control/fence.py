@@ -15,7 +15,7 @@ until `disarm`, every change under that directory but the lock's own objects pas
   check and the write: the lock's content is the fencing token.
 
 `close(line)`: this process decided to stop (a lost lease, a failure on its way to the exit code): nothing more is
-written under an armed directory, whatever the lease says, through the seconds the stop takes (train/halt.py waits
+written under an armed directory, whatever the lease says, through the seconds the stop takes (control/stop.py waits
 for the other processes).
 
 Not fenced: what tensorstore (Orbax's array writer) sends itself. It writes only into a step directory that is not

@@ -1,6 +1,6 @@
 """The lease: what the run lock (control/runlock.py, an object in the run directory) and the rollout processes'
-liveness (`KeyLease`, a counter in jax.distributed's key-value store) both are. A holder renews it every third of
-the lease; anyone else watches it and counts it lapsed once it saw no change for a whole lease.
+liveness (`KeyLease`, a counter in the run's key-value channel, control/channel.py) both are. A holder renews it
+every third of the lease; anyone else watches it and counts it lapsed once it saw no change for a whole lease.
 
 The timing, with L the lease and M = MARGIN_SHARE x L the margin:
 
@@ -39,9 +39,9 @@ MIN_LEASE_S = 3.0  # the smallest lease a holder takes (the run lock's own floor
 
 def warn(message: str) -> None:
     """A warning on stderr on a line of its own (the renewal thread warns while the progress bar is drawn)."""
-    from g2rl_jax.train import halt
+    from g2rl_jax.control import stop
 
-    halt.print_own_line(f"warning: {message}")
+    stop.print_own_line(f"warning: {message}")
 
 
 class Renewed:
@@ -209,28 +209,25 @@ class Watch:
 # ---------------------------------------------------------------------------------------------- in the key-value store
 class KeyLease:
     """The rollout processes' liveness (mesh.rollout_processes, train/sides.py): rollout process P holds
-    `<prefix>/alive/P` in jax.distributed's key-value store, a counter it increments every third of `seconds` (a
-    `Holder` whose renewal always lands); the first training process `watch`es every rollout process's counter and,
-    when one has not changed for `seconds` (a `Watch`), stops the run with PEER_LOST (the process died or hangs)."""
+    `<prefix>/alive/P`, a counter in the run's key-value channel (control/channel.py) that it increments every third
+    of `seconds` (a `Holder` whose renewal always lands); the first training process `watch`es every rollout
+    process's counter and, when one has not changed for `seconds` (a `Watch`), stops the run with PEER_LOST (the
+    process died or hangs)."""
 
     def __init__(self, prefix: str, seconds: float):
         self.prefix, self.seconds = prefix, float(seconds)
         self._done = threading.Event()
         self._holder: Holder | None = None
 
-    @staticmethod
-    def _client():
-        from jax._src import distributed
-
-        return distributed.global_state.client
-
     def renew(self) -> KeyLease:
         import jax
+
+        from g2rl_jax.control import channel
 
         key = f"{self.prefix}/alive/{jax.process_index()}"
 
         def increment(nonce, token) -> Renewed:
-            return Renewed(self._client().key_value_increment(key, 1))
+            return Renewed(channel.default().increment(key, 1))
 
         sent = time.monotonic()
         first = increment(None, None).token
@@ -240,23 +237,21 @@ class KeyLease:
 
     def watch(self, rollout_processes: list[int]) -> KeyLease:
         def watch_forever():
-            import jax
-
+            from g2rl_jax.control import channel, stop
             from g2rl_jax.control.exits import Exit
-            from g2rl_jax.train import halt
 
             keys = {p: f"{self.prefix}/alive/{p}" for p in rollout_processes}
             seen = {p: Watch(self.seconds) for p in rollout_processes}
             while not self._done.wait(min(1.0, self.seconds / 9)):
                 try:
-                    now = {p: self._client().key_value_increment(key, 0) for p, key in keys.items()}
-                except jax.errors.JaxRuntimeError:  # jax.distributed is shutting down: nothing left to watch
+                    now = {p: channel.default().increment(key, 0) for p, key in keys.items()}
+                except channel.StoreGone:  # jax.distributed is shutting down: nothing left to watch
                     return
                 for p in keys:
                     seen[p].look(now[p])
                 late = [p for p in keys if seen[p].lapsed()]
                 if late and not self._done.is_set():
-                    halt.stop_everywhere(f"the rollout process {late[0]} (mesh.rollout_processes) has not renewed "
+                    stop.stop_everywhere(f"the rollout process {late[0]} (mesh.rollout_processes) has not renewed "
                                          f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
                                          "hangs. The checkpoints committed stand: end it if it still runs, and "
                                          "relaunch every process with the same command to resume",

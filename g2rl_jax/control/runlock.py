@@ -14,7 +14,7 @@ The holder renews from a thread (control/lease.py: the timing, the margin) and a
 (control/fence.py): every change of run state checks that the lease is held. A renewal that finds another's record,
 or none, means the run was taken over: one line, exit 3 (Exit.LEASE_LOST); no renewal confirmed for a whole lease:
 one line naming the storage's failure, exit 75. In a multi-host run every process then stops with that line
-(train/halt.py); in a notebook the main thread gets the LeaseLost instead, and the kernel lives.
+(control/stop.py); in a notebook the main thread gets the LeaseLost instead, and the kernel lives.
 """
 from __future__ import annotations
 
@@ -108,10 +108,10 @@ def _interrupt_main(verdict: RunFailure) -> None:
 
 def _end_run(verdict: RunFailure) -> None:
     """A lost (or not known held) lease: nothing more is written, and the run stops with the verdict's line."""
-    from g2rl_jax.control import errors
+    from g2rl_jax.control import errors, stop
 
     fence.close(verdict.line())
-    if errors.in_notebook():
+    if stop.in_notebook():
         _interrupt_main(verdict)
         return
     errors.stop(verdict)

@@ -7,8 +7,8 @@
   metrics.py     MetricsWriter (run.loggers: jsonl + TensorBoard / W&B, process 0 only, truncated on resume),
                  ProgressBar
   lifecycle.py   SIGTERM within the grace, the config a resume may change, the config history, the model revision
-                 (the run lock, the lease and the exit codes: g2rl_jax/control); halt.py: ending every process of a
-                 run with one line; iterator_state.py: a checkpoint's data-iterator item
+                 (the run lock, the lease, the stop path and the exit codes: g2rl_jax/control);
+                 iterator_state.py: a checkpoint's data-iterator item
   dynamic.py     DAPO dynamic sampling: which groups a step keeps over rollout rounds, merging the rounds
   loop.py        the Trainer; command.py: `python -m g2rl_jax.train`; its rollout rounds and validation:
                  sampling_rounds.py; its update (rows kept, mini-batches, PPO epochs): update_rounds.py;

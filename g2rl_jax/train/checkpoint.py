@@ -56,13 +56,15 @@ from etils import epath
 
 from g2rl_jax import parallel, storage
 from g2rl_jax.control import commits as control
-from g2rl_jax.control.errors import RunFailure, StorageUnavailable
+from g2rl_jax.control import wire
+from g2rl_jax.control.errors import BadInput, RunFailure, StorageUnavailable
 from g2rl_jax.train import identity
 from g2rl_jax.train.iterator_state import (
     IteratorStateHandler,
     IteratorStateRestore,
     IteratorStateSave,
     encode_state,
+    process_file,
 )
 
 CHECKPOINT_DIR = "checkpoints"
@@ -100,8 +102,11 @@ def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     return registry
 
 
-class CheckpointError(RuntimeError):
-    """No checkpoint of the run can be read; the message names the directory and what to do."""
+class CheckpointError(BadInput, RuntimeError):
+    """No checkpoint of the run can be read, or one was trained on another model; the message names the directory
+    and what to do (bad input: exit 2)."""
+
+    kind = "checkpoint"
 
 
 class IteratorWithState(Protocol):
@@ -227,7 +232,11 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardRestore(abstract), DATA_ITEM: IteratorStateRestore()}))
-        data_iter.set_state(restored[DATA_ITEM])
+        try:
+            data_iter.set_state(restored[DATA_ITEM])
+        except wire.Refused as err:  # a value that is not ours (control/wire.py): the line names the file
+            raise wire.Refused(f"{process_file(self._manager.directory / str(step) / DATA_ITEM)}: "
+                               f"{err}") from None
         return restored[STATE_ITEM]
 
     def restore_newest(self, abstract_state: Any, data_iter: IteratorWithState) -> tuple[int | None, Any]:
@@ -239,14 +248,15 @@ class Checkpointer:
         for step in steps:
             try:
                 state = self.restore(step, abstract_state, data_iter)
-            except RunFailure:  # the store did not serve a read (a typed client failure): nothing is set aside
-                raise
             except Exception as err:  # noqa: BLE001 - reported, and re-raised below when nothing restores
+                if isinstance(err, RunFailure) and not isinstance(err, BadInput):
+                    raise  # the store did not serve a read (a typed client failure): nothing is set aside
                 reason = f"{type(err).__name__}: {str(err)[:500]}"
                 control.probe(self._manager.directory / str(step), err)  # the store failed, not the checkpoint?
                 failed.append((step, reason))
-                print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
-                      "trying the previous one", file=sys.stderr, flush=True)
+                if step != steps[-1]:  # the last one's reason is in the error below: one line says it
+                    print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
+                          "trying the previous one", file=sys.stderr, flush=True)
                 continue
             self._set_aside([s for s, _ in failed])
             return step, state

@@ -11,7 +11,7 @@ import jax
 
 from g2rl_jax import cli, parallel
 from g2rl_jax.config import RESOLVED_NAME, ConfigError
-from g2rl_jax.control.errors import RunFailure, StorageUnavailable, stop
+from g2rl_jax.control.errors import RunFailure, exit_code, stop
 from g2rl_jax.control.exits import Exit
 from g2rl_jax.data import DataError
 from g2rl_jax.storage import StorageUnreachable
@@ -24,16 +24,18 @@ from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 
 
 def _setup_failure(err: BaseException) -> int:
-    """The one line of a Trainer that could not open the run: a check's error (config, data, a path given that is
-    not usable) is a config error; a file or object that a read or write did not find, or was refused, is a storage
-    error, named with its type (a storage client's message may be only the object's path). A run directory whose
-    store did not answer the start's check ends as the storage's failure (exit 75: relaunch later)."""
+    """The one line of a Trainer that could not open the run, and its exit code (control/errors.py's `exit_code`,
+    the one mapping): a check's error (config, data, a path given that is not usable) is a config error; a file or
+    object that a read or write did not find, or was refused, is a storage error, named with its type (a storage
+    client's message may be only the object's path). A run directory whose store did not answer the start's check
+    ends as the storage's failure (exit 75: relaunch later)."""
     if isinstance(err, StorageUnreachable):
         print(f"train error: {cli.one_line(err)}", file=sys.stderr, flush=True)
-        return int(StorageUnavailable.code)
-    if isinstance(err, (ConfigError, DataError)):
-        return cli.fail("config", err)
-    return cli.fail("storage", f"{type(err).__name__}: {err}")
+    elif isinstance(err, (ConfigError, DataError)):
+        cli.fail("config", err)
+    else:
+        cli.fail("storage", f"{type(err).__name__}: {err}")
+    return int(exit_code(err))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ def decode_state(text: str) -> Any:
     return base64.b64decode(record["state"]) if record["encoding"] == "base64" else record["state"]
 
 
-def _process_file(directory: epath.Path) -> epath.Path:
+def process_file(directory: epath.Path) -> epath.Path:
     return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
@@ -34,10 +34,10 @@ class IteratorStateHandler(ocp.CheckpointHandler):
     """Orbax handler writing this process's iterator state (already captured as JSON text) to its own file."""
 
     def save(self, directory: epath.Path, args: IteratorStateSave) -> None:
-        _process_file(directory).write_text(args.text)
+        process_file(directory).write_text(args.text)
 
     def restore(self, directory: epath.Path, args: IteratorStateRestore | None = None) -> Any:
-        path = _process_file(directory)
+        path = process_file(directory)
         if not path.exists():
             present = sorted(p.name for p in directory.iterdir())
             raise FileNotFoundError(f"no data-iterator state {path} for this process; the checkpoint has "
