@@ -164,8 +164,10 @@ def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bo
 
 def refuse(err: wire.Refused):
     """Stop every process for a value that is not ours (a pickle planted in the store, another version's
-    process): its one line, bad input."""
-    stop_everywhere(f"run error: {err}", Exit.BAD_INPUT)
+    process): a control/errors.py BadInput, its one line and exit 2 (errors.stop)."""
+    from g2rl_jax.control import errors
+
+    errors.stop(err)
 
 
 def finish(step: int, code: int) -> None:
