@@ -250,3 +250,32 @@ def test_failures_are_classified_where_raised_never_by_their_text():
         oom = device_failure(real, "stage 'update'")
     assert isinstance(oom, DeviceOutOfMemory) and oom.code == Exit.DEVICE_OOM
     assert oom.line().startswith("train error: the device ran out of memory in stage 'update' (RESOURCE_EXHAUSTED")
+
+
+def test_what_ends_the_trainer_maps_to_its_code_in_one_place():
+    """control/errors.py's exit_code, the one mapping (train/command.py's setup failures, and the code the rollout
+    processes of a split run end with): a value that fails the wire's checks (a planted pickle) is a typed bad input,
+    exit 2 with its one line, as an unusable checkpoint is; a RunFailure keeps its own code; a start whose store does
+    not answer is the storage's; a config, dataset or path error is bad input; anything else a bug."""
+    from g2rl_jax.control import wire
+    from g2rl_jax.control.errors import BadInput, DeviceOutOfMemory, LeaseLost, StorageUnavailable, exit_code
+    from g2rl_jax.data import DataError
+    from g2rl_jax.storage import StorageUnreachable
+    from g2rl_jax.train.checkpoint import CheckpointError
+
+    refused = wire.Refused("key g2rl/sides/start: not a value this version writes; refused, nothing in it was run")
+    assert isinstance(refused, BadInput) and isinstance(refused, ValueError) and refused.code == Exit.BAD_INPUT
+    assert refused.line() == f"run error: {refused}"
+    with pytest.raises(wire.Refused) as err:
+        wire.decode(b"\x80\x04K\x01.", where="a planted pickle")
+    assert exit_code(err.value) == Exit.BAD_INPUT and "\n" not in err.value.line()
+    unusable = CheckpointError("no checkpoint in /r/checkpoints can be restored;\n delete it")
+    assert exit_code(unusable) == Exit.BAD_INPUT and unusable.line().startswith("checkpoint error: no checkpoint")
+    assert exit_code(None) == Exit.DONE
+    assert exit_code(LeaseLost("run lock lost")) == Exit.LEASE_LOST
+    assert exit_code(DeviceOutOfMemory("stage 'update'", "RESOURCE_EXHAUSTED")) == Exit.DEVICE_OOM
+    assert exit_code(StorageUnavailable("gs://b/r", ConnectionError("refused"))) == Exit.STORAGE
+    assert exit_code(StorageUnreachable("gs://b/r: no answer")) == Exit.STORAGE
+    for bad in (ConfigError("algorithm.lr: not a number"), DataError("rows.jsonl:3: no answer"), FileNotFoundError()):
+        assert exit_code(bad) == Exit.BAD_INPUT, bad
+    assert exit_code(KeyError("a bug")) == exit_code(RuntimeError("a bug")) == Exit.BUG
