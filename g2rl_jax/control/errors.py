@@ -246,5 +246,5 @@ def stop(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> No
         from g2rl_jax.control import runlock  # that the next start need not wait for it to lapse
 
         runlock.release_all()
-    stopping.stop_everywhere(line, int(err.code))
+    stopping.stop_everywhere(line, int(err.code), error=err)
     os._exit(int(err.code))  # not reached: stop_everywhere ends the process

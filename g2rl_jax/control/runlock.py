@@ -19,11 +19,9 @@ one line naming the storage's failure, exit 75. In a multi-host run every proces
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import sys
-import threading
 import time
 import uuid
 from typing import Any
@@ -99,22 +97,11 @@ def verdict(record: dict[str, Any], watched_s: float, lease_s: float) -> tuple[s
     return "watch", ""
 
 
-def _interrupt_main(verdict: RunFailure) -> None:
-    """Raise `verdict` in the main thread (a notebook's kernel: it must not end), at its next Python instruction."""
-    line, code = verdict.line(), verdict.code
-    cls = type("LeaseLost", (LeaseLost,), {"__init__": lambda self, *_: LeaseLost.__init__(self, line, code)})
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident), ctypes.py_object(cls))
-
-
 def _end_run(verdict: RunFailure) -> None:
     """A lost (or not known held) lease: nothing more is written, and the run stops with the verdict's line."""
-    from g2rl_jax.control import errors, stop
+    from g2rl_jax.control import errors
 
-    fence.close(verdict.line())
-    if stop.in_notebook():
-        _interrupt_main(verdict)
-        return
-    errors.stop(verdict)
+    errors.stop(verdict)  # in a notebook the main thread gets the verdict (control/stop.py), the kernel lives
 
 
 _LEASES: dict[str, Holder] = {}  # lock files this process holds

@@ -108,43 +108,56 @@ def publish(stop: Stop) -> bool:
         return False
 
 
-def _deliver(stop: Stop):
-    """In a notebook: `Stopped` in the main thread (raised here when this is it; else set pending there, and this
-    thread ends quietly)."""
+def _as_raised(error: BaseException) -> type:
+    """A class that PyThreadState_SetAsyncExc can raise (it calls the class with no arguments) whose instances are
+    `error` again: its type, arguments and attributes."""
+    def init(self, *_):
+        Exception.__init__(self, *error.args)
+        self.__dict__.update(error.__dict__)
+
+    return type(type(error).__name__, (type(error),), {"__init__": init, "__module__": type(error).__module__})
+
+
+def _deliver(stop: Stop, error: BaseException | None = None):
+    """In a notebook: `error` (a typed failure, control/errors.py), else `Stopped`, in the main thread (raised here
+    when this is it; else set pending there, and this thread ends quietly)."""
     global _delivered
     _delivered = stop
     if _STOPPING.locked():
         _STOPPING.release()  # the kernel lives on: a later run may stop again
     if threading.current_thread() is threading.main_thread():
-        raise Stopped(stop)
+        raise error if error is not None else Stopped(stop)
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
-                                               ctypes.py_object(Stopped))
+                                               ctypes.py_object(Stopped if error is None else _as_raised(error)))
     raise SystemExit  # ends this thread without a traceback
 
 
-def _end(stop: Stop, me: int | None):
-    """os._exit(stop.code) (Stopped in a notebook); process 0 of several first waits COORDINATOR_LAST_S, since its
-    exit takes jax.distributed's coordination service down and a process still on its way out would be aborted by
-    JAX's client (SIGABRT and a stack trace instead of the one line and its exit code)."""
+def _end(stop: Stop, me: int | None, error: BaseException | None = None):
+    """os._exit(stop.code) (in a notebook `error`, or Stopped); process 0 of several first waits COORDINATOR_LAST_S,
+    since its exit takes jax.distributed's coordination service down and a process still on its way out would be
+    aborted by JAX's client (SIGABRT and a stack trace instead of the one line and its exit code)."""
     sys.stdout.flush()
     if in_notebook():
-        _deliver(stop)
+        _deliver(stop, error)
     if me == 0:  # meanwhile this process's own collectives fail (the others are gone): their errors are not the line
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
         time.sleep(COORDINATOR_LAST_S)
     os._exit(int(stop.code))
 
 
-def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bool = True, within: float = ACK_S):
+def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bool = True, within: float = ACK_S,
+                    error: BaseException | None = None):
     """Print `line` on stderr (unless `say` is False: the caller did) and end this process with `code`; in a run of
     several processes the others are told first (their Watch ends them with the same line) and given up to `within`
-    seconds to have it, but those known `gone` (the line is about them). Never returns (Stopped in a notebook).
+    seconds to have it, but those known `gone` (the line is about them). Never returns: in a notebook the main
+    thread gets `error` (the typed failure the stop is for, control/errors.py's `stop`) or else Stopped.
     The fence closes first (control/fence.py): nothing of the run is written in the seconds the stop takes."""
     fence.close(line)
     if not _STOPPING.acquire(blocking=False):  # another thread of this process is stopping it already
         if in_notebook():
-            raise Stopped(Stop(int(code), line, -1)) if threading.current_thread() is threading.main_thread() \
-                else SystemExit
+            if threading.current_thread() is not threading.main_thread():
+                raise SystemExit
+            raise error if error is not None else Stopped(Stop(int(code), line, -1))
         time.sleep(ACK_S + 10)
         os._exit(int(code))
     if say:
@@ -159,7 +172,7 @@ def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bo
                 channel.default().get(f"{ACK_KEY}/{other}", timeout_s=max(deadline - time.monotonic(), 0.001))
             except (channel.Late, channel.StoreGone, wire.Refused):  # no answer in time: it ends by itself, or has
                 break
-    _end(Stop(int(code), line, me if me is not None else 0), me)
+    _end(Stop(int(code), line, me if me is not None else 0), me, error)
 
 
 def refuse(err: wire.Refused):
