@@ -2,8 +2,9 @@
 
   exits.py    the exit codes of every process and what a supervisor does with each (stdlib only; the one table)
   errors.py   the failures a run stops for, each raised where it happens (StorageUnavailable, LeaseLost,
-              DeviceOutOfMemory, RewardFunctionFailed, PeerLost) with its code and one line; `stop` ends every
-              process with it; `device_failure` classifies a program's or a host collective's runtime error
+              DeviceOutOfMemory, RewardFunctionFailed, PeerLost, BadInput) with its code and one line; `stop` ends
+              every process with it; `device_failure` classifies a program's or a host collective's runtime error;
+              `exit_code` maps whatever ends the trainer to its code
   holder.py   who holds a lease: host, boot id, PID namespace, pid, start time; whether that process is gone
   lease.py    the lease itself: its holder's renewals and clock (writes stop a margin before anyone may take it
               over), a watcher's view; `KeyLease`, the rollout processes' liveness in the key-value store
@@ -32,6 +33,7 @@ The states a run goes through (every process; the lease and the fence on the pro
      │       ├─ a program ran out of device memory ─────────── DeviceOutOfMemory (+hint) ──► exit 4
      │       ├─ reward.function raised on a row ────────────── RewardFunctionFailed ───────► exit 5
      │       ├─ a peer process vanished from a collective ──── PeerLost ───────────────────► exit 76
+     │       ├─ a value this version did not write (a pickle) ── BadInput (wire.Refused) ──► exit 2
      │       ├─ SIGTERM ── finish the step and save, or abandon it (the grace) ────────────► exit 143
      │       └─ anything else: a bug, its traceback ───────────────────────────────────────► exit 1
      │
