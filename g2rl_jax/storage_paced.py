@@ -60,7 +60,7 @@ def register() -> None:
     from gcsfs.retry import retry_request
 
     from g2rl_jax import storage_append, storage_clients
-    from g2rl_jax.control import fence
+    from g2rl_jax.control import errors, fence
 
     base = fsspec.get_filesystem_class("gs")
     if getattr(base, "paced", False):
@@ -120,23 +120,6 @@ def register() -> None:
 
     for protocol in ("gs", "gcs"):
         fsspec.register_implementation(protocol, PacedGCSFileSystem, clobber=True)
-    _quiet_failures()
-
-
-class _RequestFailures:
-    """A logging filter for gcsfs's logger: its retry loop's records of a request that failed ("out of retries",
-    "non-retriable exception") keep their one line and lose their traceback. Every such request failure reaches its
-    caller, typed (StorageUnavailable, FileExistsError for a failed precondition, ...), and is reported there."""
-
-    def filter(self, record) -> bool:
-        if record.exc_info and record.module == "retry":
-            record.exc_info = record.exc_text = None
-        return True
-
-
-def _quiet_failures() -> None:
-    import logging
-
-    logger = logging.getLogger("gcsfs")
-    if not any(isinstance(f, _RequestFailures) for f in logger.filters):
-        logger.addFilter(_RequestFailures())
+    # gcsfs's retry loop logs a request that failed ("out of retries", "non-retriable exception"): its caller gets it
+    # typed (StorageUnavailable, FileExistsError for a failed precondition, ...) and reports it
+    errors.one_line_records("gcsfs", "a failed request", lambda record: record.module == "retry")

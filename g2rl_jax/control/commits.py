@@ -10,8 +10,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from g2rl_jax import storage
-from g2rl_jax.control import fence
+from g2rl_jax.control import errors, fence
 from g2rl_jax.control.errors import StorageUnavailable
+
+ORBAX = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"  # in the path of Orbax's modules
 
 
 def fenced_commits(directory: epath.Path) -> type:
@@ -46,22 +48,10 @@ class FencedDeleter:
         self._deleter.close()
 
 
-class _OrbaxFailures:
-    """A logging filter for absl's logger: Orbax's records of a failed save or finalize lose their traceback (the
-    failure reaches the Checkpointer's `save`/`wait`, which reports it in one line or re-raises it)."""
-
-    def filter(self, record) -> bool:
-        if record.exc_info and f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in record.pathname:
-            record.exc_info = record.exc_text = None
-        return True
-
-
 def quiet_orbax_failures() -> None:
-    import logging
-
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxFailures) for f in logger.filters):
-        logger.addFilter(_OrbaxFailures())
+    """Orbax's records of a failed save or finalize (absl's logger) lose their traceback: the failure reaches the
+    Checkpointer's `save`/`wait`, which reports it in one line or re-raises it."""
+    errors.one_line_records("absl", "a failed save", lambda record: ORBAX in record.pathname)
 
 
 def probe(directory: epath.Path, err: BaseException) -> None:

@@ -222,6 +222,29 @@ def host_collective(fn):
     return call
 
 
+class _OneLine:
+    """A logging filter: the records `whose` picks (a client's report of a failure its caller gets typed and
+    reports) keep their one line and lose their traceback."""
+
+    def __init__(self, what: str, whose):
+        self.what, self.whose = what, whose
+
+    def filter(self, record) -> bool:
+        if record.exc_info and self.whose(record):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def one_line_records(logger: str, what: str, whose) -> None:
+    """Once per process: `logger`'s records that `whose(record)` picks (`what` names them) lose their traceback (see
+    _OneLine); the storage clients' (g2rl_jax/storage_paced.py) and Orbax's (control/commits.py)."""
+    import logging
+
+    log = logging.getLogger(logger)
+    if not any(isinstance(f, _OneLine) and f.what == what for f in log.filters):
+        log.addFilter(_OneLine(what, whose))
+
+
 def stop(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> None:
     """End this process, and every other process of the run, with `err`'s line and code (control/stop.py's
     stop_everywhere); in a notebook's main thread re-raise it instead. Nothing of the run is written after this is
