@@ -127,11 +127,12 @@ FIGURE = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?\s?(?:s|ms|min|minutes|hours?
                     r"(?![\w/])|\b\d\.\d+ → \d\.\d+")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 # a command (in backticks), or the page that holds it
-SOURCE = re.compile(r"`(?:[A-Z_]+=\S+ )*(?:python|pytest|bash|du|uv|pip|launch/)[^`]*`|\]\((?:docs/)?[\w/]+\.md")
+SOURCE = re.compile(r"`(?:[A-Z_][A-Z0-9_]*=\S+ )*(?:python|pytest|bash|du|uv|pip|launch/)[^`]*`"
+                    r"|\]\((?:docs/)?[\w/]+\.md")
 BOUND = re.compile(r"\b(?:estimated?s?|modell?ed|model|not measured|at most|at least|default|up to|within|limit|"
                    r"below|above)\b", re.I)
-FIGURE_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in
-                                      ("demos", "gpu", "layout", "lora", "rewards", "testing", "tpu_vm"))]
+FIGURE_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in (
+    "async", "demos", "gpu", "layout", "lora", "rewards", "testing", "tpu_vm"))]
 # figures a model produced, with the subject that identifies them: wherever quoted, the sentence says estimate
 ESTIMATES = [re.compile(r"\b147\b.{0,40}\b1\.7B\b|\b1\.7B\b.{0,40}\b147\b")]
 
@@ -170,6 +171,8 @@ def test_the_figure_rules_catch_what_they_are_for():
     assert undated("Expect, in a few minutes on two CPU cores (150–190 s):")
     assert not undated("Two runs, 2026-11-27 (`python -m g2rl_jax.train`): 189 s and 150 s.")
     assert not undated("A backoff of at most 30 s.")
+    # an environment variable's name may hold digits
+    assert not undated("The full demo took 273 s of CPU, 2026-11-27 (`G2RL_FULL_DEMO=1 python -m pytest -q`).")
     old = "A run compiles once: 59 programs for a demo-size run, 147 at 1.7B on v5p-8: [perf](docs/performance.md)."
     assert unmarked_estimates(old) and not unmarked_estimates(old.replace("147", "147 (an estimate)"))
 
