@@ -132,19 +132,22 @@ SOURCE = re.compile(r"`(?:[A-Z_][A-Z0-9_]*=\S+ )*(?:python|pytest|bash|du|uv|pip
 BOUND = re.compile(r"\b(?:estimated?s?|modell?ed|model|not measured|at most|at least|default|up to|within|limit|"
                    r"below|above)\b", re.I)
 FIGURE_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in (
-    "async", "demos", "gpu", "layout", "lora", "rewards", "testing", "tpu_vm"))]
+    "async", "demos", "gpu", "layout", "lora", "rewards", "testing", "tpu", "tpu_vm"))]
 # figures a model produced, with the subject that identifies them: wherever quoted, the sentence says estimate
 ESTIMATES = [re.compile(r"\b147\b.{0,40}\b1\.7B\b|\b1\.7B\b.{0,40}\b147\b")]
 
 
 def figure_blocks(text: str):
-    """(sentence, its paragraph with the paragraph before a table) of the prose and table rows, code left out."""
+    """(sentence, its paragraph with the paragraph before a table) of the prose and table rows, code left out. A
+    heading is a title, judged with the paragraph under it, which carries the date and command of what it names."""
     text = re.sub(r"```.*?```", "", text, flags=re.S)
+    blocks = re.split(r"\n\s*\n", text)
     before = ""
-    for block in re.split(r"\n\s*\n", text):
+    for i, block in enumerate(blocks):
         rows = block.splitlines()[2:] if block.lstrip().startswith("|") else None
+        under = blocks[i + 1] if re.fullmatch(r"#{1,6} [^\n]+", block.strip()) and i + 1 < len(blocks) else ""
         for part in rows if rows is not None else re.split(r"(?<=[.;:])\s+(?=[A-Z(`*])", block):
-            yield " ".join(part.split()), block + (before if rows is not None else "")
+            yield " ".join(part.split()), block + (before if rows is not None else under)
         before = block if rows is None else before
 
 
@@ -171,6 +174,9 @@ def test_the_figure_rules_catch_what_they_are_for():
     assert undated("Expect, in a few minutes on two CPU cores (150–190 s):")
     assert not undated("Two runs, 2026-11-27 (`python -m g2rl_jax.train`): 189 s and 150 s.")
     assert not undated("A backoff of at most 30 s.")
+    # a heading's figure is dated by the paragraph under it, not by the page's other paragraphs
+    assert undated("### The bill: 263 programs\n\nA table.\n\nOn 2026-11-27, `python -m x`.")
+    assert not undated("### The bill: 263 programs\n\nThe bill of 2026-11-27, `python -m x`.\n\nNo figure.")
     # an environment variable's name may hold digits
     assert not undated("The full demo took 273 s of CPU, 2026-11-27 (`G2RL_FULL_DEMO=1 python -m pytest -q`).")
     old = "A run compiles once: 59 programs for a demo-size run, 147 at 1.7B on v5p-8: [perf](docs/performance.md)."
