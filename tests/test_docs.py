@@ -3,8 +3,8 @@ points outside the repository, no page carries a commit hash, an issue number or
 short enough to read to the end, and docs/config.md is exactly what `python -m g2rl_jax.train --help` prints now.
 What a user runs from the docs works: a run directory the docs read is one a config or the page's own command writes,
 every launcher's `--help` exits 0 and tpu.sh's header names every subcommand, and every TPU type the docs name is one
-`launch/tpu.sh` understands. The README's and docs/tpu_vm.md's figures are dated, with their command (or the page
-that holds it), or called what they are (an estimate, a model, a bound).
+`launch/tpu.sh` understands. The figures of the README and of the docs pages in FIGURE_PAGES are dated, with their
+command (or the page that holds it), or called what they are (an estimate, a model, a bound).
 
 `python tests/test_docs.py` rewrites docs/config.md from the current help."""
 
