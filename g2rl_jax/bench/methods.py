@@ -73,7 +73,7 @@ def time_method(trainer, result, algo, step: int) -> dict[str, float]:
     jax.block_until_ready(trainer.params)
     t3 = time.perf_counter()
     trainer._update(batch, scores.logp_BxT, result.ref_logp, signal["advantages"], in_loss, None, scores.entropy_BxT,
-                    step)
+                    step, token_weight=signal.get("token_weight"))
     jax.block_until_ready(trainer.params)
     t4 = time.perf_counter()
     trainer.cfg, trainer.method, trainer.settings, trainer.params, trainer.opt_state = saved

@@ -7,8 +7,9 @@
         --problems 8 --samples 4 run.total_steps=2                    # key=value: overrides for every run
 
 The grid: every variant of VARIANTS (GRPO and the G2RL paper's baselines, G2RL with single_class_groups shaped and
-zero, the published alternatives of docs/peers.md at their papers' settings, and the two G2RL variants that follow
-the first study's diagnosis) with seeds 0 .. --seeds−1, seeds interleaved (seed 0 of every variant first); then, for
+zero, the published alternatives of docs/peers.md at their papers' settings, the two G2RL variants that follow
+the first study's diagnosis, and the methods that target single-class groups: Miner and G2RL's novelty added after
+the standardisation) with seeds 0 .. --seeds−1, seeds interleaved (seed 0 of every variant first); then, for
 whichever of g2rl_shaped and g2rl_zero has the higher mean held-out pass@1 (ties: shaped, the paper's equations),
 λ ∈ LAMBDAS besides the config's 0.5 with seeds 0 .. --lambda-seeds−1. A run is the real training command
 (`g2rl_jax.train.command.main` with the task's config and the run's overrides: run.seed = data.shuffle_seed = seed)
@@ -57,9 +58,17 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     # gradient-guided variants that follow the first study's diagnosis (docs/peers.md)
     "g2rl_mixed_correct": ("algorithm.exploration=g2rl_mixed_correct",),
     "g2rl_correct_peers": ("algorithm.exploration=g2rl_correct_peers", "algorithm.single_class_groups=zero"),
+    # the methods that target single-class groups (docs/peers.md): Miner, and G2RL's novelty term added after the
+    # group standardisation (ExTra's placement) in the paper's two readings of eq. scale
+    "miner": ("algorithm.exploration=miner",),
+    "g2rl_after_text": ("algorithm.exploration=g2rl", "algorithm.novelty_placement=advantage",
+                        "algorithm.shaping_mode=text"),
+    "g2rl_after_literal": ("algorithm.exploration=g2rl", "algorithm.novelty_placement=advantage",
+                           "algorithm.shaping_mode=literal"),
 }
 G2RL_VARIANTS = ("g2rl_shaped", "g2rl_zero")  # the pair the λ points follow
 PEERS = ("entropy_bonus", "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking")
+# --best-from chooses among PEERS and GRADIENT_GUIDED (the first grid's families)
 GRADIENT_GUIDED = ("g2rl_shaped", "g2rl_zero", "g2rl_mixed_correct", "g2rl_correct_peers")
 LAMBDAS = (0.25, 1.0)
 EVAL_FILE = "study_eval.json"

@@ -33,7 +33,11 @@ TRAINING = ("train accuracy", "held-out − train", "single-class share", "all-w
             "A(most novel), single-class", "A(least novel), single-class", "A(most novel), all-wrong",
             "A(least novel), all-wrong")
 ORDER = ("warmstart", "grpo", "entropy_bonus", "g2rl_shaped", "g2rl_zero", "clip_cov", "kl_cov", "passk",
-         "unlikeliness", "nsr", "w_reinforce", "forking", "g2rl_mixed_correct", "g2rl_correct_peers")
+         "unlikeliness", "nsr", "w_reinforce", "forking", "g2rl_mixed_correct", "g2rl_correct_peers", "miner",
+         "g2rl_after_text", "g2rl_after_literal")
+# differences besides those against grpo, where both variants ran: the paper's shaping against GRPO's outcome for
+# single-class groups, the novelty term's placement (after the standardisation against the paper's), its reading
+PAIRS = (("g2rl_shaped", "g2rl_zero"), ("g2rl_after_text", "g2rl_shaped"), ("g2rl_after_literal", "g2rl_after_text"))
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -135,8 +139,8 @@ def per_problem(runs: Sequence[dict], key: str, k: str | None) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ the report
 def summarise(variants: dict[str, list[dict]]) -> dict:
-    """Every measure of every variant with its interval, and the differences against grpo (and shaped vs zero,
-    and each λ point against its variant at the config's λ)."""
+    """Every measure of every variant with its interval, and the differences against grpo (and PAIRS, and each λ
+    point against its variant at the config's λ)."""
     n = str(next(iter(variants.values()))[0]["samples"])
     measures = {name.format(n=n): (key, n if k == "n" else k) for name, (key, k) in HELD_OUT.items()}
     table: dict[str, dict] = {}
@@ -154,8 +158,7 @@ def summarise(variants: dict[str, list[dict]]) -> dict:
                     row[name] = bootstrap_runs(values)
         table[variant] = {"seeds": len(runs), **row}
     pairs = [(v, "grpo") for v in variants if v not in ("grpo", "warmstart") and "grpo" in variants]
-    if {"g2rl_shaped", "g2rl_zero"} <= set(variants):
-        pairs.append(("g2rl_shaped", "g2rl_zero"))
+    pairs += [pair for pair in PAIRS if set(pair) <= set(variants)]
     pairs += [(v, _base(v)) for v in variants if _base(v) != v and _base(v) in variants]  # a λ point may run alone
     diffs = {}
     for a, b in pairs:
