@@ -291,7 +291,8 @@ def test_loss_terms_match_numpy(mini):
 # ------------------------------------------------------------------------------------------------ registry, config
 def test_registry_names_every_method_once_and_the_config_checks_them():
     assert set(methods.NAMES) == {"grpo", "entropy_bonus", "evol", "g2rl", "g2rl_mixed_correct", "g2rl_correct_peers",
-                                  "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking"}
+                                  "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking",
+                                  "miner"}
     for name in methods.NAMES:
         method = methods.get(name)
         assert method.name == name and "arXiv" in method.summary, name
