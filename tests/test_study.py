@@ -236,7 +236,9 @@ def test_every_variant_is_a_config_and_belongs_to_a_family():
         for overrides in study.VARIANTS.values():
             cfg = load_config(task.config, list(overrides))
             assert cfg.algorithm.exploration in overrides[0]
-    assert {"grpo", *study.PEERS, *study.GRADIENT_GUIDED} == set(study.VARIANTS)
+    assert {"grpo", *study.PEERS, *study.GRADIENT_GUIDED, *study.SINGLE_CLASS} == set(study.VARIANTS)
+    assert study.VARIANTS["g2rl_after_literal"][1:] == ("algorithm.novelty_placement=advantage",
+                                                        "algorithm.shaping_mode=literal")
     assert study.variant_overrides("g2rl_zero_lam0.25")[-1] == "algorithm.lam=0.25"
     assert study.VARIANTS["g2rl_correct_peers"][-1] == "algorithm.single_class_groups=zero"
 

@@ -70,6 +70,7 @@ G2RL_VARIANTS = ("g2rl_shaped", "g2rl_zero")  # the pair the λ points follow
 PEERS = ("entropy_bonus", "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking")
 # --best-from chooses among PEERS and GRADIENT_GUIDED (the first grid's families)
 GRADIENT_GUIDED = ("g2rl_shaped", "g2rl_zero", "g2rl_mixed_correct", "g2rl_correct_peers")
+SINGLE_CLASS = ("miner", "g2rl_after_text", "g2rl_after_literal")  # the methods that target single-class groups
 LAMBDAS = (0.25, 1.0)
 EVAL_FILE = "study_eval.json"
 TIME_FILE = "study_time.json"

@@ -2,7 +2,7 @@
 2601.04731): the policy's own uncertainty rewards the all-correct groups GRPO leaves at zero advantage.
 
 Transcribed from the authors' code (github.com/pixas/Miner, `baselines/core_algos.py`, the `miner` advantage
-estimator, commit 4d2a76c), with the settings its README gives to train Miner (credit_method=focal, γ = 2,
+estimator, as of 2026-04-09), with the settings its README gives to train Miner (credit_method=focal, γ = 2,
 incorrect_scale=0, clip_high=0, scale_by_normal=0.0015, correct_scale=1, group-level means); the paper's method
 section could not be read here, so its equations are the code's. With ℓ_i the mean token log-prob of response i
 under the behaviour policy, p_{i,t} = exp(log π_old(y_t)) and L_i its response length:
