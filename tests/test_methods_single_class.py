@@ -1,13 +1,12 @@
 """The methods that target single-class groups against float64 NumPy transcriptions: Miner (arXiv 2601.04731),
 transcribed row by row as the authors' `compute_ent_inc_advantage` loops, its focal token credit as a loss weight
 against per-token advantages in the PPO loss, and G2RL's novelty term added after the group standardisation
-(`algorithm.novelty_placement=advantage`, both readings of eq. scale); plus one real Trainer step with Miner's token
-weights."""
+(`algorithm.novelty_placement=advantage`, both readings of eq. scale). Miner's token weights in a real Trainer step:
+tests/test_methods.py, whose module has the tiny model."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_g2rl import np_advantages, np_novelty, np_shape
-from test_train import assets, config  # noqa: F401 - the module-scoped tiny-model fixture and its config
 
 from g2rl_jax import losses, methods
 from g2rl_jax.config import AlgorithmConfig, ConfigError, load_config
@@ -203,27 +202,3 @@ def test_novelty_placement_is_g2rl_s_only():
     with pytest.raises(ConfigError, match="algorithm.miner_calibration: must be > 0 or null"):
         load_config("configs/study_countdown.yaml", ["algorithm.exploration=miner", "algorithm.miner_calibration=0"])
     load_config("configs/study_countdown.yaml", ["algorithm.novelty_placement=advantage"])
-
-
-# ------------------------------------------------------------------------------------------------ in the trainer
-def test_miner_token_weights_reach_the_trainers_loss(assets, tmp_path, monkeypatch):  # noqa: F811
-    """A real Trainer step with Miner's rewards stage run and its output replaced by advantages of 1 (the tiny
-    random policy is always wrong, so its own are 0) and token weights of 0, no KL term: the loss is exactly 0 and
-    so is the gradient, which holds only if the weights reach every micro-batch's loss (without them it is −1)."""
-    import dataclasses
-
-    from g2rl_jax.train.loop import Trainer
-
-    def zero_weights(group, algo):
-        signal = miner.rewards(group, algo)
-        assert signal.token_weight is not None
-        return dataclasses.replace(signal, advantages=jnp.ones_like(signal.advantages),
-                                   token_weight=jnp.zeros_like(signal.token_weight))
-
-    monkeypatch.setitem(methods.REGISTRY, "miner", dataclasses.replace(methods.get("miner"), rewards=zero_weights))
-    # a γ no other test uses: the jitted advantage stage traces the patched method, not a cached one
-    trainer = Trainer(config(assets, tmp_path / "miner", mode="miner", steps=1,
-                             **{"algorithm.kl_coef": 0.0, "algorithm.miner_gamma": 1.5}))
-    trainer.resume()
-    record = trainer.run()[-1]
-    assert record["loss"] == 0.0 and record["grad_norm"] == 0.0 and record["skipped_updates"] == 0
