@@ -3,6 +3,7 @@
     python -m g2rl_jax.demo.study --out runs/study                    # the whole grid, then the report
     python -m g2rl_jax.demo.study --out runs/study --report-only      # the report of the runs finished so far
     python -m g2rl_jax.demo.study --task sumprod --out runs/study_sumprod --best-from runs/study   # the second task
+    python -m g2rl_jax.demo.study --out runs/study --report-only --earlier-report docs/study.md  # + earlier rows
     python -m g2rl_jax.demo.study --out /tmp/s --variants grpo,g2rl_shaped --seeds 1 --lambda-seeds 0 \\
         --problems 8 --samples 4 run.total_steps=2                    # key=value: overrides for every run
 
@@ -229,6 +230,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="evaluation budget (default: 16, sumprod 128)")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call in the evaluation")
     p.add_argument("--report-only", action="store_true", help="write the report from the finished runs only")
+    p.add_argument("--earlier-report", type=Path, default=None,
+                   help="another study's study.md: tradeoff.png also draws its variants this study did not run")
     p.add_argument("--reevaluate", action="store_true",
                    help="evaluate finished runs again (after a change to the evaluation); their training is kept")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
@@ -240,6 +243,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             setattr(args, name, value)
     if args.best_from is not None and args.variants is not None:
         p.error("--best-from chooses the variants; drop --variants (or --best-from)")
+    if args.earlier_report is not None and not args.earlier_report.is_file():
+        p.error(f"--earlier-report {args.earlier_report}: no such file; name a study's study.md")
     if args.best_from is not None and not (args.best_from / "runs").is_dir():
         p.error(f"--best-from {args.best_from}: no finished study there (no runs/); run that study first")
     variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
@@ -362,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i, run in enumerate(lambda_runs(better, args.lambdas, args.lambda_seeds), start=len(runs) + 1):
                 do_run(run, i, total, args.out, examples, args, started)
         print(f"study: {(time.perf_counter() - started) / 60:.1f} min wall for this invocation", flush=True)
-    paths = write_report(args.out)
+    paths = write_report(args.out, args.earlier_report)
     print("wrote " + ", ".join(str(p) for p in paths), flush=True)
     return 0
 
