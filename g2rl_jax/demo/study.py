@@ -66,12 +66,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                         "algorithm.shaping_mode=text"),
     "g2rl_after_literal": ("algorithm.exploration=g2rl", "algorithm.novelty_placement=advantage",
                            "algorithm.shaping_mode=literal"),
+    # the same with single-class groups zeroed: how much of its effect comes from those groups
+    "g2rl_after_literal_mixed": ("algorithm.exploration=g2rl", "algorithm.novelty_placement=advantage",
+                                 "algorithm.shaping_mode=literal", "algorithm.single_class_groups=zero"),
 }
 G2RL_VARIANTS = ("g2rl_shaped", "g2rl_zero")  # the pair the λ points follow
 PEERS = ("entropy_bonus", "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking")
 # --best-from chooses among PEERS and GRADIENT_GUIDED (the first grid's families)
 GRADIENT_GUIDED = ("g2rl_shaped", "g2rl_zero", "g2rl_mixed_correct", "g2rl_correct_peers")
-SINGLE_CLASS = ("miner", "g2rl_after_text", "g2rl_after_literal")  # the methods that target single-class groups
+# the methods that target single-class groups, and the control that zeroes those groups
+SINGLE_CLASS = ("miner", "g2rl_after_text", "g2rl_after_literal", "g2rl_after_literal_mixed")
 LAMBDAS = (0.25, 1.0)
 EVAL_FILE = "study_eval.json"
 TIME_FILE = "study_time.json"

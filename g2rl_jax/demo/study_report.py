@@ -35,10 +35,12 @@ TRAINING = ("train accuracy", "held-out − train", "single-class share", "all-w
             "A(least novel), all-wrong")
 ORDER = ("warmstart", "grpo", "entropy_bonus", "g2rl_shaped", "g2rl_zero", "clip_cov", "kl_cov", "passk",
          "unlikeliness", "nsr", "w_reinforce", "forking", "g2rl_mixed_correct", "g2rl_correct_peers", "miner",
-         "g2rl_after_text", "g2rl_after_literal")
+         "g2rl_after_text", "g2rl_after_literal", "g2rl_after_literal_mixed")
 # differences besides those against grpo, where both variants ran: the paper's shaping against GRPO's outcome for
-# single-class groups, the novelty term's placement (after the standardisation against the paper's), its reading
-PAIRS = (("g2rl_shaped", "g2rl_zero"), ("g2rl_after_text", "g2rl_shaped"), ("g2rl_after_literal", "g2rl_after_text"))
+# single-class groups, the novelty term's placement (after the standardisation against the paper's), its reading,
+# and what the single-class groups contribute to it
+PAIRS = (("g2rl_shaped", "g2rl_zero"), ("g2rl_after_text", "g2rl_shaped"), ("g2rl_after_literal", "g2rl_after_text"),
+         ("g2rl_after_literal", "g2rl_after_literal_mixed"))
 
 
 # ------------------------------------------------------------------------------------------------ statistics
