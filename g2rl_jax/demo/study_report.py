@@ -313,7 +313,7 @@ def tradeoff_figure(variants: dict[str, list[dict]], path: Path, earlier: dict[s
     warm start marked: which methods trade breadth (pass@n) for accuracy (pass@1). `earlier` (earlier_rows): the
     variants of another report that this study did not run, drawn hollow beside them."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8.5, 6.5))
+    fig, ax = plt.subplots(figsize=(11.5, 6.5))
     n = str(next(iter(variants.values()))[0]["samples"])
     points = {v: (len(runs), bootstrap(per_problem(runs, "pass", "1")), bootstrap(per_problem(runs, "pass", n)), True)
               for v, runs in variants.items()}
@@ -335,7 +335,7 @@ def tradeoff_figure(variants: dict[str, list[dict]], path: Path, earlier: dict[s
     ax.set(title=f"accuracy against breadth (held-out, 95% intervals; dashed: the warm start{hollow})",
            xlabel="pass@1", ylabel=f"pass@{n}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="variant (seeds)", title_fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
 
