@@ -125,7 +125,8 @@ def test_update_benchmark_out_of_device_memory_is_one_line(monkeypatch, capsys):
 
 
 def test_methods_benchmark_on_a_tiny_model(tmp_path, capsys):
-    """bench methods times every method it is given against GRPO on one step of a tiny random model."""
+    """bench methods times every method it is given against GRPO on one step of a tiny random model: a token rule,
+    a method with per-step token weights that needs the log-probs (miner), and a method with options (OPTIONS)."""
     import json
 
     from g2rl_jax.demo import countdown as cd
@@ -140,11 +141,12 @@ def test_methods_benchmark_on_a_tiny_model(tmp_path, capsys):
     tok.save_pretrained(model)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(ex.as_row()) + "\n" for ex in cd.examples("test")[:16]))
-    argv = ["methods", "--repeats", "1", "--methods", "kl_cov,unlikeliness", "--config", "configs/study_countdown.yaml",
+    argv = ["methods", "--repeats", "1", "--methods", "kl_cov,miner,g2rl_after_literal", "--config",
+            "configs/study_countdown.yaml",
             f"model.path={model}", f"data.train_dataset={data}", f"data.eval_datasets={data}",
             "data.prompts_per_step=2", "rollout.num_samples=4", "algorithm.mini_batch_size=8",
             "algorithm.micro_batch_size=8", "run.loggers=jsonl"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for needle in ("| grpo |", "| kl_cov |", "| unlikeliness |", "step vs grpo"):
+    for needle in ("| grpo |", "| kl_cov |", "| miner |", "| g2rl_after_literal |", "step vs grpo"):
         assert needle in out, (needle, out[-2000:])
