@@ -148,7 +148,7 @@ def _run_until_told(tmp_path, out: str, setup: str, then: str, step: int, how: s
     body = "\n".join("    " + line for line in then.splitlines())
     code = (f"import sys\nfrom g2rl_jax.control import errors\n{setup}\nprint('ready', flush=True)\n"
             f"sys.stdin.readline()\ntry:\n{body}\n"
-            f"except errors.RunFailure as err:\n    errors.stop(err, {step}, {out!r})\n"
+            f"except errors.RunFailure as err:\n    errors.end_run(err, {step}, {out!r})\n"
             "print('no error', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=_env_for(tmp_path), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -2,7 +2,7 @@
 
   exits.py    the exit codes of every process and what a supervisor does with each (stdlib only; the one table)
   errors.py   the failures a run stops for, each raised where it happens (StorageUnavailable, LeaseLost,
-              DeviceOutOfMemory, RewardFunctionFailed, PeerLost, BadInput) with its code and one line; `stop` ends
+              DeviceOutOfMemory, RewardFunctionFailed, PeerLost, BadInput) with its code and one line; `end_run` ends
               every process with it; `device_failure` classifies a program's or a host collective's runtime error;
               `exit_code` maps whatever ends the trainer to its code
   holder.py   who holds a lease: host, boot id, PID namespace, pid, start time; whether that process is gone

@@ -245,7 +245,7 @@ def one_line_records(logger: str, what: str, whose) -> None:
         log.addFilter(_OneLine(what, whose))
 
 
-def stop(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> None:
+def end_run(err: RunFailure, step: int | None = None, run_dir=None, cfg=None) -> None:
     """End this process, and every other process of the run, with `err`'s line and code (control/stop.py's
     stop_everywhere); in a notebook's main thread re-raise it instead. Nothing of the run is written after this is
     called (control/fence.py closes first). A device out of memory gets the planner's hint for the run's `cfg`

@@ -101,7 +101,7 @@ def _end_run(verdict: RunFailure) -> None:
     """A lost (or not known held) lease: nothing more is written, and the run stops with the verdict's line."""
     from g2rl_jax.control import errors
 
-    errors.stop(verdict)  # in a notebook the main thread gets the verdict (control/stop.py), the kernel lives
+    errors.end_run(verdict)  # in a notebook the main thread gets the verdict (control/stop.py), the kernel lives
 
 
 _LEASES: dict[str, Holder] = {}  # lock files this process holds

@@ -150,7 +150,7 @@ def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bo
     """Print `line` on stderr (unless `say` is False: the caller did) and end this process with `code`; in a run of
     several processes the others are told first (their Watch ends them with the same line) and given up to `within`
     seconds to have it, but those known `gone` (the line is about them). Never returns: in a notebook the main
-    thread gets `error` (the typed failure the stop is for, control/errors.py's `stop`) or else Stopped.
+    thread gets `error` (the typed failure the stop is for, control/errors.py's `end_run`) or else Stopped.
     The fence closes first (control/fence.py): nothing of the run is written in the seconds the stop takes."""
     fence.close(line)
     if not _STOPPING.acquire(blocking=False):  # another thread of this process is stopping it already
@@ -177,10 +177,10 @@ def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bo
 
 def refuse(err: wire.Refused):
     """Stop every process for a value that is not ours (a pickle planted in the store, another version's
-    process): a control/errors.py BadInput, its one line and exit 2 (errors.stop)."""
+    process): a control/errors.py BadInput, its one line and exit 2 (errors.end_run)."""
     from g2rl_jax.control import errors
 
-    errors.stop(err)
+    errors.end_run(err)
 
 
 def finish(step: int, code: int) -> None:

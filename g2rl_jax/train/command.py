@@ -11,7 +11,7 @@ import jax
 
 from g2rl_jax import cli, parallel
 from g2rl_jax.config import RESOLVED_NAME, ConfigError
-from g2rl_jax.control.errors import RunFailure, exit_code, stop
+from g2rl_jax.control.errors import RunFailure, end_run, exit_code
 from g2rl_jax.control.exits import Exit
 from g2rl_jax.data import DataError
 from g2rl_jax.storage import StorageUnreachable
@@ -67,20 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         return cli.fail("checkpoint", err)
     except RunFailure as err:  # classified where raised: its line and exit code (control/errors.py)
-        stop(err, None, cfg.run.output_dir, cfg)
+        end_run(err, None, cfg.run.output_dir, cfg)
     try:
         start = trainer.resume()
     except CheckpointError as err:
         trainer.close()
         return cli.fail("checkpoint", err)
     except RunFailure as err:
-        stop(err, None, trainer.run_dir, trainer.cfg)
+        end_run(err, None, trainer.run_dir, trainer.cfg)
     if start and jax.process_index() == 0:
         print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
     try:
         trainer.run()
     except RunFailure as err:  # after the loop (summary.json): the loop itself stops with it
-        stop(err, trainer.step, trainer.run_dir, trainer.cfg)
+        end_run(err, trainer.step, trainer.run_dir, trainer.cfg)
     if trainer.preempted:
         saved = (f"the checkpoint of step {trainer.step} is in {checkpoint_dir(trainer.run_dir)}" if trainer.step
                  else "no step had finished, so there is no checkpoint")

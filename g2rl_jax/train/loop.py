@@ -33,7 +33,7 @@ from flax import nnx
 from g2rl_jax import methods, parallel, storage
 from g2rl_jax.config import Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.control import fence
-from g2rl_jax.control.errors import RunFailure, device_failure, stop
+from g2rl_jax.control.errors import RunFailure, device_failure, end_run
 from g2rl_jax.control.runlock import RunLock
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
@@ -374,7 +374,7 @@ class Trainer(SamplingRounds, UpdateRounds):
                 typed = err if isinstance(err, RunFailure) else device_failure(err, f"step {self.step + 1}")
                 if typed is None:
                     raise
-                stop(typed, self.step, self.run_dir, self.cfg)
+                end_run(typed, self.step, self.run_dir, self.cfg)
             finally:
                 self._close_run(bar, writer)
         if self.step == cfg.total_steps and history and not self.preempted:
@@ -400,7 +400,7 @@ class Trainer(SamplingRounds, UpdateRounds):
             if fence.closed():  # a failure is being reported already (a notebook's): release what this run holds
                 self.close()
                 return
-            stop(err, self.step, self.run_dir, self.cfg)
+            end_run(err, self.step, self.run_dir, self.cfg)
 
     def _validate_step(self, writer: MetricsWriter, metrics: dict[str, float]) -> dict[str, float]:
         """The validation of a finished step; if it is interrupted (SIGTERM, Ctrl-C), the step's own metrics are

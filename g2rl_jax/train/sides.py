@@ -293,7 +293,7 @@ def run_rollout_process(cfg) -> int:
             os._exit(Exit.PEER_LOST)
         typed = err if isinstance(err, RunFailure) else device_failure(err, "the rollout process")
         if typed is not None:  # classified where raised (control/errors.py): its line and code, all stop
-            errors.stop(typed)
+            errors.end_run(typed)
         traceback.print_exc()
         stop.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", Exit.BUG)
     finally:
