@@ -3,6 +3,8 @@ seed samples the same completions whatever the budget, the read rungs, the batch
 sharding, and a run compiles a bounded set of shapes. One tiny random Qwen3 per module."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,14 +139,27 @@ def test_decode_temporaries_do_not_grow_with_the_cache(model):
     assert temp_big - temp_small <= 4 * scores_growth < layer_kv / 2, (temp_small, temp_big, scores_growth)
 
 
-@pytest.mark.parametrize("chunk", [16, 24, 64])
-def test_a_compaction_moves_the_rows_it_keeps(monkeypatch, chunk):
-    """The suffix rows a compaction keeps, moved REGROUP_CHUNK slots at a time (one chunk when it does not divide
-    the slots), equal NumPy's row take."""
+def _np_move_rows(x, src, filled, shards, chunk):
+    """NumPy: rows src of x copied to the first len(src) / shards rows of each shard's block, over the filled
+    slots rounded up to the chunk (all slots when the chunk does not divide them); every other slot unchanged."""
+    B, T, Y = x.shape[0], x.shape[2], len(src)
+    moved = T if T % chunk else min(T, -(-filled // chunk) * chunk)
+    dst = [i // (Y // shards) * (B // shards) + i % (Y // shards) for i in range(Y)]
+    out = x.copy()
+    out[dst, :, :moved] = x[src, :, :moved]
+    return out
+
+
+@pytest.mark.parametrize("chunk,shards,filled", [(16, 1, 20), (16, 2, 33), (24, 1, 5), (64, 2, 64), (16, 2, 0)])
+def test_a_compaction_moves_the_filled_slots_of_the_rows_it_keeps(monkeypatch, chunk, shards, filled):
+    """The suffix rows a compaction keeps, moved in place REGROUP_CHUNK slots at a time (one chunk when it does not
+    divide the slots), over the filled slots only, into the first rows of each shard's block: NumPy's row copy."""
     monkeypatch.setattr(engine, "REGROUP_CHUNK", chunk)
     x = np.random.default_rng(0).normal(size=(8, 2, 64, 4)).astype(np.float32)
-    keep = np.array([6, 1, 3, 0], np.int32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(engine._take_rows)(x, keep)), x[keep])
+    src = np.array([6, 1, 3, 0], np.int32)
+    move = jax.jit(functools.partial(engine._move_rows, shards=shards))  # a new function: traced with this chunk
+    got = np.asarray(move(jnp.asarray(x), src, jnp.int32(filled)))
+    np.testing.assert_array_equal(got, _np_move_rows(x, src, filled, shards, chunk))
 
 
 def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
