@@ -71,9 +71,10 @@ def parts(out: Path, tiny: bool) -> list[Part]:
         update = ["--preset", "tiny", "--rows", "4", "--prompt-len", "8", "--iters", "1", "--long-tail"]
         variants = ["--variant", "micro=2", "--variant", "micro=2,layout=packed"]
         up_1k, up_8k = [*update, "--response-len", "16", *variants], [*update, "--response-len", "32", *variants]
+        # 8 responses: rows for up to 8 devices (the tests' fake ones)
         step = ["--config", "configs/demo.yaml", "--steps", "1", f"model.path={out / 'tiny_model'}",
-                "data.prompts_per_step=2", "rollout.num_samples=2", "algorithm.mini_batch_size=4",
-                "algorithm.micro_batch_size=4", "rollout.max_new_tokens=8"]
+                "data.prompts_per_step=4", "rollout.num_samples=2", "algorithm.mini_batch_size=8",
+                "algorithm.micro_batch_size=8", "rollout.max_new_tokens=8"]
     else:
         decode = ["--preset", "qwen3-1.7b", "--dtype", "bfloat16", "--prompts", "16", "--samples", "16",
                   "--prompt-len", "256", "--new-tokens", "1024"]
