@@ -24,4 +24,5 @@ BENCHMARKS = {
     "async": "g2rl_jax.bench.ahead",       # rollout ahead of the update (k = 0, 1, 2) vs colocated, side by side
     "async_sides": "g2rl_jax.bench.async_sides",  # one process per side: the weight sync's seconds and bytes
     "gpu": "g2rl_jax.bench.gpu",           # the GPU batch: decode vs roofline, long tail, update MFU, step, cold/warm
+    "channel": "g2rl_jax.bench.channel",   # the key-value channel between two processes: MB/s of a large value
 }
