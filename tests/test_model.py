@@ -247,35 +247,6 @@ def test_decode_attention_read_rungs_match_numpy(valid):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shards", [1, 2])
-def test_cache_rows_and_write_slots_address_each_shards_first_rows(shards):
-    """A batch of 4 rows in a buffer of 8 holds the first 4 / shards rows of each shard's block: the slots it
-    writes land there (NumPy), nothing else moves, and cache_rows reads them back with the first `read` slots."""
-    x = np.random.default_rng(1).normal(size=(8, 2, 16, 3)).astype(np.float32)
-    new = np.random.default_rng(2).normal(size=(4, 2, 5, 3)).astype(np.float32)
-    rows = [i // (4 // shards) * (8 // shards) + i % (4 // shards) for i in range(4)]
-    want = x.copy()
-    want[rows, :, 6:11] = new
-    got = jax.jit(attn.write_slots, static_argnames="shards")(jnp.asarray(x), jnp.asarray(new), 6, shards=shards)
-    np.testing.assert_array_equal(np.asarray(got), want)
-    read = jax.jit(attn.cache_rows, static_argnums=(1, 2, 3))(got, 4, shards, 12)
-    np.testing.assert_array_equal(np.asarray(read), want[rows, :, :12])
-
-
-def test_decode_attention_reads_the_batchs_rows_of_a_larger_buffer():
-    """The 4 samples' suffix in a buffer of 8 rows over 2 shards (rows 0, 1, 4, 5: where a compaction leaves
-    them), NaN in every other row and past the rung: the same output as NumPy on the samples' own rows."""
-    m, (q, pk, pv, sk, sv, pmask) = 2, _decode_inputs(seed=7, m=2, T=8)
-    rows = [0, 1, 4, 5]
-    big_k, big_v = np.full((8, 8, 2, 8), np.nan), np.full((8, 8, 2, 8), np.nan)
-    big_k[rows, :4], big_v[rows, :4] = sk[:, :4], sv[:, :4]
-    step = jax.jit(attn.decode_attention, static_argnames=("reads", "shards"))
-    out = step(jnp.asarray(q, jnp.float32), _heads_first(pk), _heads_first(pv), jnp.asarray(pmask),
-               _heads_first(big_k), _heads_first(big_v), jnp.int32(3), reads=(2, 4, 8), shards=2)
-    np.testing.assert_allclose(np.asarray(out), _np_decode_attention(q, pk, pv, pmask, sk, sv, 3, m),
-                               rtol=1e-5, atol=1e-5)
-
-
 # ---- KV cache ----
 
 def _prompts(seed=6, lens=(5, 8, 3), S=8, T=4, m=3, vocab=128):

@@ -3,8 +3,6 @@ seed samples the same completions whatever the budget, the read rungs, the batch
 sharding, and a run compiles a bounded set of shapes. One tiny random Qwen3 per module."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,27 +137,29 @@ def test_decode_temporaries_do_not_grow_with_the_cache(model):
     assert temp_big - temp_small <= 4 * scores_growth < layer_kv / 2, (temp_small, temp_big, scores_growth)
 
 
-def _np_move_rows(x, src, filled, shards, chunk):
-    """NumPy: rows src of x copied to the first len(src) / shards rows of each shard's block, over the filled
-    slots rounded up to the chunk (all slots when the chunk does not divide them); every other slot unchanged."""
-    B, T, Y = x.shape[0], x.shape[2], len(src)
+def _np_take_filled(x, keep, filled, chunk):
+    """NumPy: x's rows `keep`, their filled slots rounded up to the chunk (all slots when the chunk does not divide
+    them) copied, every other slot zero."""
+    T = x.shape[2]
     moved = T if T % chunk else min(T, -(-filled // chunk) * chunk)
-    dst = [i // (Y // shards) * (B // shards) + i % (Y // shards) for i in range(Y)]
-    out = x.copy()
-    out[dst, :, :moved] = x[src, :, :moved]
+    out = np.zeros((len(keep), *x.shape[1:]), x.dtype)
+    out[:, :, :moved] = x[keep, :, :moved]
     return out
 
 
-@pytest.mark.parametrize("chunk,shards,filled", [(16, 1, 20), (16, 2, 33), (24, 1, 5), (64, 2, 64), (16, 2, 0)])
-def test_a_compaction_moves_the_filled_slots_of_the_rows_it_keeps(monkeypatch, chunk, shards, filled):
-    """The suffix rows a compaction keeps, moved in place REGROUP_CHUNK slots at a time (one chunk when it does not
-    divide the slots), over the filled slots only, into the first rows of each shard's block: NumPy's row copy."""
+@pytest.mark.parametrize("chunk,filled", [(16, 20), (16, 33), (24, 5), (64, 64), (16, 0)])
+def test_a_compaction_moves_the_filled_slots_of_the_rows_it_keeps(monkeypatch, chunk, filled):
+    """The suffix rows a compaction keeps, moved REGROUP_CHUNK slots at a time (one chunk when it does not divide
+    the slots) over the filled slots only, the rest zeros: NumPy's; and with every slot past the filled ones zero
+    (as the decode leaves them), bit for bit the whole rows' take."""
     monkeypatch.setattr(engine, "REGROUP_CHUNK", chunk)
     x = np.random.default_rng(0).normal(size=(8, 2, 64, 4)).astype(np.float32)
-    src = np.array([6, 1, 3, 0], np.int32)
-    move = jax.jit(functools.partial(engine._move_rows, shards=shards))  # a new function: traced with this chunk
-    got = np.asarray(move(jnp.asarray(x), src, jnp.int32(filled)))
-    np.testing.assert_array_equal(got, _np_move_rows(x, src, filled, shards, chunk))
+    keep = np.array([6, 1, 3, 0], np.int32)
+    take = jax.jit(lambda x, keep, filled: engine._take_filled(x, keep, filled))  # a new function: this chunk
+    np.testing.assert_array_equal(np.asarray(take(jnp.asarray(x), keep, jnp.int32(filled))),
+                                  _np_take_filled(x, keep, filled, chunk))
+    x[:, :, filled:] = 0
+    np.testing.assert_array_equal(np.asarray(take(jnp.asarray(x), keep, jnp.int32(filled))), x[keep])
 
 
 def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):

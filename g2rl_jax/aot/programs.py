@@ -241,16 +241,16 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
     ]
     for rows in s.buckets:
         pre = prefix(s.prompts if rows == s.rows else rows)
-        lower = functools.partial(engine.segment_fn(mesh, G, L).lower, graphdef, params, layers, pre, suffix(s.rows),
+        lower = functools.partial(engine.segment_fn(mesh, G, L).lower, graphdef, params, layers, pre, suffix(rows),
                                   decode_state(rows), i32, i32, i32, key, f32, f32, stops, spec=spec, reads=s.reads)
         progs.append(Program(f"decode segment {rows} rows x {T} slots", "segment", "rollout", in_mesh(lower),
                              resident))
         if scope == "largest":
             break
     if len(s.buckets) > 1:  # the first compaction, one layer at a time: it peaks at the first layer's move,
-        half = s.buckets[1]  # while every other layer holds its buffers (the suffix moves in place)
+        half = s.buckets[1]  # while every other layer still holds its old rows
         pk, sk = a.kv(s.prompts, G, s.prompt_len, K, kv_dtype, 1)[0], a.kv(s.rows, G, T, K, kv_dtype, 1)[0]
-        waiting = 2 * (L - 1) * per_chip_bytes((pk, sk))  # k and v of every other layer
+        waiting = 2 * (L - 1) * per_chip_bytes((pk, sk))  # k and v of every other layer, not yet moved
         rows_X = a.rows((half,), jnp.int32)
         lower = functools.partial(engine.regroup_fn(mesh, G).lower, pk, pk, sk, sk, rows_X, rows_X, i32)
         progs.append(Program(f"compact the cache {s.rows} -> {half} rows (one layer)", "regroup", "rollout",

@@ -57,8 +57,8 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def scanned_decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step, layers=None, read: int = 0,
-                        shards: int = 1):
+def scanned_decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step, layers=None,
+                        reads: tuple[int, ...] = ()):
     """Qwen3.decode_step with its layers under lax.scan: prefix and suffix K/V stacked [layers, ...], `layers` the
     stacked weights in the compute dtype; the suffix is carried and written with a dynamic-update-slice."""
     cfg, rt = self.config, self.runtime
@@ -74,8 +74,8 @@ def scanned_decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache
                                              (i, 0, 0, step, 0))
         suf_v = jax.lax.dynamic_update_slice(suf_v, v_Bx1xGxK.transpose(0, 2, 1, 3)[None].astype(suf_v.dtype),
                                              (i, 0, 0, step, 0))
-        a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, attn.cache_rows(suf_k[i], B, shards, read),
-                                  attn.cache_rows(suf_v[i], B, shards, read), step + 1)
+        a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, suf_k[i], suf_v[i], step + 1,
+                                  reads)
         return (self._rows_sharded(_out_and_mlp(x, a[:, None], p, cfg)), suf_k, suf_v), None
 
     L = cfg.num_hidden_layers
@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
                             logprobs_BxT=ab.rows((B, T), jnp.float32), lengths_B=ab.rows((B,), jnp.int32))
     scalars = (i32, i32, i32, key, f32, f32, stops)
     phased = a.reads == "phased" or (a.reads == "platform" and engine.run_platform(mesh) in engine.PHASED_READS)
-    segment = functools.partial(engine._segment, shards=engine.batch_shards(mesh), phased=phased)
+    segment = functools.partial(engine._segment, phased=phased)
     fn = jax.jit(segment, static_argnames=("graphdef", "spec", "reads"), donate_argnames=("suffix", "ds"),
                  compiler_options=engine.CPU_PHASED_OPTIONS if phased and engine.run_platform(mesh) == "cpu" else None)
     reads = engine.read_ladder(capacity, cfg.rollout.first_capacity)

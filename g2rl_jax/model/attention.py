@@ -18,8 +18,7 @@ The splash kernel is a Mosaic custom call, which XLA cannot partition: on a mesh
 
 `decode_attention` is the one-token step used with the KV cache: the queries of sample b = p*m + j attend
 jointly (one softmax) to the shared prefix K/V of prompt p and to their own suffix K/V, without copying the
-prefix m times. `cache_rows` and `write_slots` read and write the decode batch's rows of a suffix buffer that holds
-the rollout's whole batch (a compaction moves the live rows to the front of each batch shard's block, in place).
+prefix m times.
 """
 from __future__ import annotations
 
@@ -158,69 +157,33 @@ def _splash_local(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask_BxL, *, interpret: bool,
     return out_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(B, Lp, H, K)[:, :L].astype(q_BxLxHxK.dtype)
 
 
-def cache_rows(x_BxGxTxK, rows: int, shards: int, read: int = 0):
-    """The decode batch's `rows` rows of a suffix buffer that holds B >= rows rows, and their first `read` slots
-    (0: all). The buffer's rows are `shards` blocks, one per batch shard; a batch of `rows` rows sits in the first
-    rows / shards rows of every block, so each row stays on its shard whatever the batch bucket."""
-    B, G, T, K = x_BxGxTxK.shape
-    read = read or T
-    if rows == B and read == T:
-        return x_BxGxTxK
-    if shards == 1:
-        return x_BxGxTxK[:rows, :, :read]
-    blocks_SxbxGxTxK = x_BxGxTxK.reshape(shards, B // shards, G, T, K)
-    return blocks_SxbxGxTxK[:, :rows // shards, :, :read].reshape(rows, G, read, K)
-
-
-def write_slots(x_BxGxTxK, new_XxGxCxK, start, shards: int):
-    """x with slots start .. start + C of the decode batch's X rows (cache_rows) set to new_XxGxCxK, in place."""
-    B, G, T, K = x_BxGxTxK.shape
-    X, _, C, _ = new_XxGxCxK.shape
-    new_XxGxCxK = new_XxGxCxK.astype(x_BxGxTxK.dtype)
-    if X == B or shards == 1:
-        return jax.lax.dynamic_update_slice(x_BxGxTxK, new_XxGxCxK, (0, 0, start, 0))
-    blocks_SxbxGxTxK = jax.lax.dynamic_update_slice(x_BxGxTxK.reshape(shards, B // shards, G, T, K),
-                                                    new_XxGxCxK.reshape(shards, X // shards, G, C, K),
-                                                    (0, 0, 0, start, 0))
-    return blocks_SxbxGxTxK.reshape(B, G, T, K)
-
-
 @functools.partial(jax.named_call, name="decode_attention")
-def decode_attention(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS, suffix_k_ZxGxTxK,
-                     suffix_v_ZxGxTxK, num_valid_suffix, reads: tuple[int, ...] = (), shards: int = 1):
+def decode_attention(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS,
+                     suffix_k_BxGxTxK, suffix_v_BxGxTxK, num_valid_suffix, reads: tuple[int, ...] = ()):
     """One decode step for B = P*m samples: a joint softmax over prompt p's prefix and sample b's own suffix.
 
-    Suffix slots t < num_valid_suffix are attended (the caller has already written the current token's K/V). The
-    suffix buffers hold Z >= B rows, the B samples' where `cache_rows` says (the first B / shards of each of the
-    `shards` blocks). reads (static): the read rungs, ascending, the last at most T: the step reads only the first
-    r slots, r the smallest rung >= num_valid_suffix (with several rungs a lax.switch with a branch per rung, so one
-    program serves every step; the slots past r are empty and masked anyway). Empty: every slot.
+    Suffix slots t < num_valid_suffix are attended (the caller has already written the current token's K/V).
+    reads (static): the read rungs, ascending, the last at most T: the step reads only the first r slots of the
+    suffix, r the smallest rung >= num_valid_suffix (a lax.switch with a branch per rung, so one program serves
+    every step; the slots past r are empty and masked anyway). Empty: every slot.
     """
-    B = q_BxHxK.shape[0]
-    args = (q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS, suffix_k_ZxGxTxK, suffix_v_ZxGxTxK,
+    args = (q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS, suffix_k_BxGxTxK, suffix_v_BxGxTxK,
             num_valid_suffix)
-    read = functools.partial(_read_and_attend, rows=B, shards=shards)
     if len(reads) <= 1:
-        return read(*args, read=reads[0] if reads else 0)
+        return _attend(*args, read=reads[0] if reads else 0)
     rung = jnp.minimum(jnp.searchsorted(jnp.asarray(reads, jnp.int32), num_valid_suffix), len(reads) - 1)
-    return jax.lax.switch(rung, [functools.partial(read, read=r) for r in reads], *args)
-
-
-def _read_and_attend(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS, suffix_k_ZxGxTxK,
-                     suffix_v_ZxGxTxK, num_valid_suffix, *, rows: int, shards: int, read: int):
-    """_attend over the batch's rows and the first `read` slots of the suffix buffers (cache_rows)."""
-    return _attend(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS,
-                   cache_rows(suffix_k_ZxGxTxK, rows, shards, read), cache_rows(suffix_v_ZxGxTxK, rows, shards, read),
-                   num_valid_suffix)
+    return jax.lax.switch(rung, [functools.partial(_attend, read=r) for r in reads], *args)
 
 
 def _attend(q_BxHxK, prefix_k_PxGxSxK, prefix_v_PxGxSxK, prefix_mask_PxS, suffix_k_BxGxTxK, suffix_v_BxGxTxK,
-            num_valid_suffix):
-    """decode_attention over exactly the suffix slots given.
+            num_valid_suffix, *, read: int):
+    """decode_attention over the first `read` suffix slots (0: all of them).
 
     Only the queries and the prefix scores are reshaped to [P, m, ...]; the suffix cache is read in its own
     [B, ...] layout (a reshape of it made XLA copy the freshly updated cache on every step).
     """
+    if read and read < suffix_k_BxGxTxK.shape[2]:
+        suffix_k_BxGxTxK, suffix_v_BxGxTxK = suffix_k_BxGxTxK[:, :, :read], suffix_v_BxGxTxK[:, :, :read]
     B, H, K = q_BxHxK.shape
     P, G, S, _ = prefix_k_PxGxSxK.shape
     m, T, R = B // P, suffix_k_BxGxTxK.shape[2], H // G

@@ -279,15 +279,13 @@ class Qwen3(nnx.Module):
             layers = [self.adapters.decode_layer(layer, i) for i, layer in enumerate(layers)]
         return tuple({name: w.astype(dt) for name, w in layer.items()} for layer in layers)
 
-    def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step, layers=None,
-                    reads: tuple[int, ...] = (), shards: int = 1) -> tuple[jax.Array, SuffixCache]:
+    def decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step,
+                    layers=None, reads: tuple[int, ...] = ()) -> tuple[jax.Array, SuffixCache]:
         """Feed token `step` of every sample; logits [B, V] (float32) and the suffix with slot `step` written.
 
         The layer loop is unrolled: each layer's suffix buffer is updated in place and read where it lies.
         `layers`: `decode_layers()`, made once by the caller (default: sliced here from the stacked weights).
-        `reads`: the read rungs (attention.decode_attention): the step reads the first r >= step + 1 slots.
-        The suffix buffers may hold more rows than the B samples fed: theirs are the first B / shards rows of each
-        of the `shards` blocks of rows (`attention.cache_rows`, where a compaction leaves the live rows)."""
+        `reads`: the read rungs (attention.decode_attention): the step reads the first r >= step + 1 slots."""
         cfg, rt = self.config, self.runtime
         P, B = prefix.mask.shape[0], tokens_B.shape[0]
         if B % P:
@@ -299,10 +297,12 @@ class Qwen3(nnx.Module):
         suf_k, suf_v = list(suffix.k), list(suffix.v)
         for i, p in enumerate(layers):
             q, k_Bx1xGxK, v_Bx1xGxK = _qkv(x_Bx1xD, p, positions_Bx1, cfg)
-            suf_k[i] = attn.write_slots(suf_k[i], k_Bx1xGxK.transpose(0, 2, 1, 3), step, shards)
-            suf_v[i] = attn.write_slots(suf_v[i], v_Bx1xGxK.transpose(0, 2, 1, 3), step, shards)
+            suf_k[i] = jax.lax.dynamic_update_slice(
+                suf_k[i], k_Bx1xGxK.transpose(0, 2, 1, 3).astype(suf_k[i].dtype), (0, 0, step, 0))
+            suf_v[i] = jax.lax.dynamic_update_slice(
+                suf_v[i], v_Bx1xGxK.transpose(0, 2, 1, 3).astype(suf_v[i].dtype), (0, 0, step, 0))
             a_BxHxK = attn.decode_attention(q[:, 0], prefix.k[i], prefix.v[i], prefix.mask, suf_k[i], suf_v[i],
-                                            step + 1, reads, shards)
+                                            step + 1, reads)
             x_Bx1xD = self._rows_sharded(_out_and_mlp(x_Bx1xD, a_BxHxK[:, None], p, cfg))
         h = rms_norm(x_Bx1xD, self.norm[...], cfg.rms_norm_eps)
         return self.logits(h)[:, 0], SuffixCache(k=tuple(suf_k), v=tuple(suf_v))

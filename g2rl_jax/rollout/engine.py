@@ -15,12 +15,14 @@ batch shrinks again). Compaction gathers the live rows first (stable order); the
 row its own copy of its prompt's prefix (P = rows, m = 1, a new buffer per layer: prompt-sized), so rows of
 different prompts can share a batch.
 
-The suffix cache holds every sample's row and the whole budget from the prefill on, and keeps that shape to the end
-(memory.py prices every row at the budget: the worst case, a batch none of whose samples stops): a batch of X rows
-sits in the first X / S rows of each of the S batch shards' blocks of rows (`attention.cache_rows`), so a row
-never leaves its shard by shrinking, and a compaction moves the kept rows there IN PLACE (the buffer donated), over
-the slots filled so far only, REGROUP_CHUNK at a time (`_move_rows`): it moves what the rows hold, not the budget's
-slots, and allocates nothing. Every slot past the filled ones is the prefill's zero in every row.
+The suffix cache holds a row per decode row and the whole budget from the prefill on (memory.py prices every row at
+the budget: the worst case, a batch none of whose samples stops). A compaction gives each layer a new suffix buffer
+of the new batch's rows and copies into it the slots filled so far only, REGROUP_CHUNK at a time (`_take_filled`):
+it moves what the rows hold, not the budget's slots; the rest of the new buffer is zeros, as in the old rows. Each
+layer moves in turn and its old buffers are freed at once (generate.per_layer), so a move never holds a second copy
+of the whole cache. The segment programs see the same buffers as before the move was cut to the filled slots, so
+they and their numbers are unchanged (a cache kept at the full batch's rows and compacted in place changed XLA's
+fusions and the log-probs' last bits: docs/performance.md).
 
 A decode step reads a prefix of the cache: the READ RUNGS (`read_ladder`: from rollout.first_capacity,
 READ_GROWTH-fold up to the budget; a step at position t reads the smallest rung >= t, so at most
@@ -77,7 +79,7 @@ READ_GROWTH = 2  # each read rung is this many times the one before (module docs
 # (then segment_fn.cache_clear()).
 PHASED_READS: tuple[str, ...] = ("gpu",)
 BATCH_SHRINK = 2  # a compaction cuts the batch bucket to this fraction of its rows
-REGROUP_CHUNK = 128  # suffix slots a compaction moves at a time (_move_rows), and the filled slots' rounding
+REGROUP_CHUNK = 128  # suffix slots a compaction moves at a time (_take_filled), and the filled slots' rounding
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -218,8 +220,7 @@ def _decode_layers(graphdef, state):
 
 
 def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, ds: DecodeState, t, t_end,
-             min_live, key, temperature, top_p, stops_Z, *, spec: SamplerSpec, reads: tuple[int, ...], shards: int,
-             phased: bool):
+             min_live, key, temperature, top_p, stops_Z, *, spec: SamplerSpec, reads: tuple[int, ...], phased: bool):
     """Decode steps t, t+1, ... (step t feeds token t-1 into slot t-1 and draws token t, reading the read rung
     that holds t slots) while t < t_end, some row is live and more than `min_live` rows are. Returns (state,
     suffix, t, live rows). One while loop whose steps choose their rung by a lax.switch in each layer's attention,
@@ -236,8 +237,7 @@ def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, 
 
     def step(reads, c):
         t, ds, suffix = c
-        logits_XxV, suffix = model.decode_step(ds.last_X, prefix, suffix, step=t - 1, layers=layers, reads=reads,
-                                               shards=shards)
+        logits_XxV, suffix = model.decode_step(ds.last_X, prefix, suffix, step=t - 1, layers=layers, reads=reads)
         tok_X, lp_X = _draw(logits_XxV, ds.sample_X, t, key, temperature, top_p, spec)
         live_X = ~ds.stopped_X
         dest_X = jnp.where(live_X, ds.sample_X, B)  # stopped rows write nowhere (index B is dropped)
@@ -259,56 +259,50 @@ def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, 
     return ds, suffix, t, jnp.sum(~ds.stopped_X)
 
 
-def _live_rows(last_X, sample_X, stopped_X, mask_QxS, lengths_Q, *, rows: int, per_prefix: int, shards: int,
-               full: int):
-    """The per-row state cut to `rows` rows, live rows first (in their current order); the suffix buffer row of
-    each one's old row (a buffer of `full` rows, the X rows in the first X / shards rows of each shard's block:
-    attention.cache_rows), the prefix row each reads (old row // per_prefix: the rows that share one prompt's
-    prefix), and that prefix row's mask and length (the prefix's Q rows: the prompts, or one per batch row after a
-    compaction)."""
+def _live_rows(last_X, sample_X, stopped_X, mask_QxS, lengths_Q, *, rows: int, per_prefix: int):
+    """The per-row state cut to `rows` rows, live rows first (in their current order), the old row of each, the
+    prefix row each reads (old row // per_prefix: the rows that share one prompt's prefix), and that prefix row's
+    mask and length (the prefix's Q rows: the prompts, or one per batch row after a compaction)."""
     TRACE_COUNTS["live_rows"] += 1
     keep_Y = jnp.argsort(stopped_X, stable=True)[:rows].astype(jnp.int32)
-    per_block = last_X.shape[0] // shards
-    src_Y = keep_Y // per_block * (full // shards) + keep_Y % per_block
     prefix_Y = keep_Y // per_prefix
-    return (last_X[keep_Y], sample_X[keep_Y], stopped_X[keep_Y], src_Y, prefix_Y, mask_QxS[prefix_Y],
+    return (last_X[keep_Y], sample_X[keep_Y], stopped_X[keep_Y], keep_Y, prefix_Y, mask_QxS[prefix_Y],
             lengths_Q[prefix_Y])
 
 
 def compact(mesh, ds: DecodeState, prefix_mask, prefix_lengths, rows: int,
             per_prefix: int) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`ds` with its live rows first in a batch of `rows`, the suffix buffer row of each new row's old one, its
-    prefix row, and the prefix mask and lengths of the new rows."""
-    last_X, sample_X, stopped_X, src_Y, prefix_Y, mask, lengths = live_rows_fn(mesh)(
-        ds.last_X, ds.sample_X, ds.stopped_X, prefix_mask, prefix_lengths, rows=rows, per_prefix=per_prefix,
-        full=ds.lengths_B.shape[0])
+    """`ds` with its live rows first in a batch of `rows`, the old row of each new one, its prefix row, and the
+    prefix mask and lengths of the new rows."""
+    last_X, sample_X, stopped_X, keep_Y, prefix_Y, mask, lengths = live_rows_fn(mesh)(
+        ds.last_X, ds.sample_X, ds.stopped_X, prefix_mask, prefix_lengths, rows=rows, per_prefix=per_prefix)
     ds = dataclasses.replace(ds, last_X=last_X, sample_X=sample_X, stopped_X=stopped_X)
-    return ds, src_Y, prefix_Y, mask, lengths
+    return ds, keep_Y, prefix_Y, mask, lengths
 
 
-def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_BxGxTxK, suffix_v_BxGxTxK, prefix_Y, src_Y, filled, *,
-             shards: int):
-    """One layer's K/V at a compaction: prefix rows `prefix_Y` (a new buffer), and in the suffix buffer (donated)
-    the filled slots of rows src_Y moved to the new batch's rows (attention.cache_rows)."""
+def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxTxK, suffix_v_XxGxTxK, prefix_Y, keep_Y, filled):
+    """One layer's K/V at a compaction: prefix rows `prefix_Y`, and suffix rows `keep_Y` over their filled slots
+    (_take_filled); new buffers."""
     TRACE_COUNTS["regroup"] += 1
-    return (prefix_k_QxGxSxK[prefix_Y], prefix_v_QxGxSxK[prefix_Y], _move_rows(suffix_k_BxGxTxK, src_Y, filled, shards),
-            _move_rows(suffix_v_BxGxTxK, src_Y, filled, shards))
+    return (prefix_k_QxGxSxK[prefix_Y], prefix_v_QxGxSxK[prefix_Y], _take_filled(suffix_k_XxGxTxK, keep_Y, filled),
+            _take_filled(suffix_v_XxGxTxK, keep_Y, filled))
 
 
-def _move_rows(x_BxGxTxK, src_Y, filled, shards: int):
-    """x with its rows src_Y copied to the rows of a batch of Y (the first Y / shards rows of each shard's block), in
-    place, over the first `filled` slots only (rounded up to REGROUP_CHUNK: what the rows hold, not the budget's
-    slots), a chunk at a time: XLA gathers rows of a batch-sharded array by first gathering it whole onto every
-    device, so a chunk is what each device holds extra. Every slot past the filled ones is still the prefill's zero
-    in every row, so the result is what a gather of whole rows would give."""
-    T = x_BxGxTxK.shape[2]
+def _take_filled(x_XxGxTxK, keep_Y, filled):
+    """x's rows keep_Y, in a new buffer of the same slots: its first `filled` slots (rounded up to REGROUP_CHUNK)
+    copied, REGROUP_CHUNK slots at a time, the rest zeros. Every slot past the filled ones is zero in every row of
+    x (the prefill's), so this is x[keep_Y], bit for bit, at the cost of the slots the rows hold, not the budget's.
+    A chunk at a time: XLA gathers rows of a batch-sharded array by first gathering it whole onto every device, so
+    a chunk is what each device holds extra."""
+    _, G, T, K = x_XxGxTxK.shape
     chunk = REGROUP_CHUNK if T % REGROUP_CHUNK == 0 else T
 
-    def body(i, x_BxGxTxK):
-        part_YxGxCxK = jax.lax.dynamic_slice_in_dim(x_BxGxTxK, i * chunk, chunk, axis=2)[src_Y]
-        return attn.write_slots(x_BxGxTxK, part_YxGxCxK, i * chunk, shards)
+    def body(i, out_YxGxTxK):
+        part_YxGxCxK = jax.lax.dynamic_slice_in_dim(x_XxGxTxK, i * chunk, chunk, axis=2)[keep_Y]
+        return jax.lax.dynamic_update_slice_in_dim(out_YxGxTxK, part_YxGxCxK, i * chunk, axis=2)
 
-    return jax.lax.fori_loop(0, (filled + chunk - 1) // chunk, body, x_BxGxTxK)
+    out_YxGxTxK = jnp.zeros((keep_Y.shape[0], G, T, K), x_XxGxTxK.dtype)
+    return jax.lax.fori_loop(0, (filled + chunk - 1) // chunk, body, out_YxGxTxK)
 
 
 # ------------------------------------------------------------------------------------------------ shardings
@@ -379,7 +373,7 @@ def segment_fn(mesh, num_kv_heads: int, num_layers: int):
     """jit(_segment) with the suffix cache and the decode state donated (updated in place)."""
     static, donate = ("graphdef", "spec", "reads"), ("suffix", "ds")
     phased = run_platform(mesh) in PHASED_READS
-    segment = functools.partial(_segment, shards=batch_shards(mesh), phased=phased)
+    segment = functools.partial(_segment, phased=phased)
     options = CPU_PHASED_OPTIONS if phased and run_platform(mesh) == "cpu" else None
     if mesh is None:
         return jax.jit(segment, static_argnames=static, donate_argnames=donate, compiler_options=options)
@@ -391,21 +385,18 @@ def segment_fn(mesh, num_kv_heads: int, num_layers: int):
 
 @functools.lru_cache(maxsize=None)
 def live_rows_fn(mesh):
-    static = ("rows", "per_prefix", "full")
-    live_rows = functools.partial(_live_rows, shards=batch_shards(mesh))
+    static = ("rows", "per_prefix")
     if mesh is None:
-        return jax.jit(live_rows, static_argnames=static)
+        return jax.jit(_live_rows, static_argnames=static)
     b1, b2, replicated = batch_sharding(mesh, 1), batch_sharding(mesh, 2), NamedSharding(mesh, PartitionSpec())
-    return jax.jit(live_rows, static_argnames=static, out_shardings=(b1, b1, b1, replicated, replicated, b2, b1))
+    return jax.jit(_live_rows, static_argnames=static, out_shardings=(b1, b1, b1, replicated, replicated, b2, b1))
 
 
 @functools.lru_cache(maxsize=None)
 def regroup_fn(mesh, num_kv_heads: int):
-    """jit(_regroup), one layer at a time, the suffix buffers donated (moved in place); the caller frees each old
-    prefix buffer as soon as its layer has moved."""
-    regroup = functools.partial(_regroup, shards=batch_shards(mesh))
-    donate = ("suffix_k_BxGxTxK", "suffix_v_BxGxTxK")
+    """jit(_regroup), one layer at a time (the caller frees each old layer as soon as it has moved; donation would
+    not help: the outputs have other shapes)."""
     if mesh is None:
-        return jax.jit(regroup, donate_argnames=donate)
+        return jax.jit(_regroup)
     kv = _kv_sharding(mesh, num_kv_heads)
-    return jax.jit(regroup, donate_argnames=donate, out_shardings=(kv,) * 4)
+    return jax.jit(_regroup, out_shardings=(kv,) * 4)

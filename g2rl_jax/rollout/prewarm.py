@@ -26,7 +26,7 @@ from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
 from g2rl_jax.rollout import engine
 
 WARMED: set = set()  # keys of the programs compiled here (in this process)
-_ROWS: dict[tuple, tuple] = {}  # live rows program key -> its compiled outputs' (suffix row, prefix row) templates
+_ROWS: dict[tuple, tuple] = {}  # live rows program key -> its compiled outputs' (old row, prefix row) templates
 
 
 def _like(x, shape) -> jax.ShapeDtypeStruct:
@@ -43,15 +43,14 @@ def _template(x, committed: bool) -> jax.ShapeDtypeStruct:
 
 def segment_args(prefix: PrefixCache, suffix: SuffixCache, ds, rows: int):
     """(prefix, suffix, decode state) as the decode loop passes them to the segment of `rows` rows: before any
-    compaction (rows = the full batch) the prompts' prefix, after one a prefix row per batch row; the suffix
-    buffers always hold the full batch's rows (a compaction moves rows inside them)."""
+    compaction (rows = the full batch) the prompts' prefix, after one a prefix row per batch row."""
     full = ds.tokens_BxT.shape[0]
     if rows != full:
         prefix = PrefixCache(k=tuple(_like(x, (rows, *x.shape[1:])) for x in prefix.k),
                              v=tuple(_like(x, (rows, *x.shape[1:])) for x in prefix.v),
                              mask=_like(prefix.mask, (rows, *prefix.mask.shape[1:])),
                              lengths=_like(prefix.lengths, (rows,)))
-    cache = lambda xs: tuple(_like(x, x.shape) for x in xs)  # noqa: E731
+    cache = lambda xs: tuple(_like(x, (rows, *x.shape[1:])) for x in xs)  # noqa: E731
     row = lambda x: _like(x, (rows,))  # noqa: E731
     ds = dataclasses.replace(ds, last_X=row(ds.last_X), sample_X=row(ds.sample_X), stopped_X=row(ds.stopped_X))
     return prefix, SuffixCache(k=cache(suffix.k), v=cache(suffix.v)), ds
@@ -84,7 +83,7 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
         """The live rows program's arguments and static arguments at the compaction of `rows` rows."""
         pre, _, d = segment_args(prefix, suffix, ds, rows)
         return (d.last_X, d.sample_X, d.stopped_X, pre.mask, pre.lengths), dict(
-            rows=half, per_prefix=num_samples if rows == full else 1, full=full)
+            rows=half, per_prefix=num_samples if rows == full else 1)
 
     # the live rows of each compaction first (their outputs are the K/V gathers' row indices)
     moves = {}
@@ -106,9 +105,9 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
         key = _key("live_rows", *args, static=tuple(static.items()))
         if key not in _ROWS:
             continue
-        src_Y, prefix_Y = _ROWS[key]
+        keep_X, prefix_X = _ROWS[key]
         pre, suf, _ = segment_args(prefix, suffix, ds, rows)
-        move = (pre.k[0], pre.v[0], suf.k[0], suf.v[0], prefix_Y, src_Y, scalars[0])
+        move = (pre.k[0], pre.v[0], suf.k[0], suf.v[0], prefix_X, keep_X, scalars[0])
         add(_key("regroup", *move), functools.partial(regroup.lower, *move))
     done = compile_all(list(jobs.values()), threads) if jobs else []
     WARMED.update(key for key, t in zip(jobs, done) if t.error is None)
