@@ -29,8 +29,8 @@ READ_GROWTH-fold up to the budget; a step at position t reads the smallest rung 
 max(first, READ_GROWTH t) slots). On CPU and TPU a step picks its rung by a lax.switch in each layer's attention
 (one branch per rung: the step compiles once). On a GPU, where a conditional makes the host wait for the device to
 say which branch, a segment is a while loop per rung instead (PHASED_READS), one after the other, each running the
-steps whose position its rung holds: no conditional in a step, the step compiled once per rung (4.4x the compile
-seconds of the switch at 1.7B, measured for TPU, 2026-11-29). Either way the rungs are inside the segment: a
+steps whose position its rung holds: no conditional in a step, the step compiled once per rung (a compile that
+grows with the rungs, which is why CPU and TPU keep the switch). Either way the rungs are inside the segment: a
 rollout's bounded set is a segment per batch bucket and a compaction per step between neighbours (were the rungs
 cache capacities, each would be a copy of the segments and moves, with a growth between them: 71 rollout programs
 instead of 25 at the demo-size long-tailed run, docs/performance.md). Batch rungs are a trade: a step carries up to
@@ -74,9 +74,8 @@ FIRST_READ = 128  # suffix slots the first decode steps read (the budget's bucke
 COMPACT_MIN_STEPS = 8
 READ_GROWTH = 2  # each read rung is this many times the one before (module docstring)
 # platforms whose decode segments run a while loop per read rung (no conditional in a step: on a GPU each waits for
-# the device); elsewhere a step picks its rung by a lax.switch in each layer (the step compiled once, not per rung:
-# at 1.7B on v5p-8 the phased segment took 4.4x the CPU seconds to compile). The benches set it for comparisons
-# (then segment_fn.cache_clear()).
+# the device); elsewhere a step picks its rung by a lax.switch in each layer (the step compiled once, not per rung).
+# The benches set it for comparisons (then segment_fn.cache_clear()).
 PHASED_READS: tuple[str, ...] = ("gpu",)
 BATCH_SHRINK = 2  # a compaction cuts the batch bucket to this fraction of its rows
 REGROUP_CHUNK = 128  # suffix slots a compaction moves at a time (_take_filled), and the filled slots' rounding
