@@ -87,9 +87,10 @@ def test_unknown_benchmark_lists_the_known_ones(capsys):
 def test_rollout_long_tail_prints_its_figures(capsys):
     tiny = ["--vocab", "512", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads",
             "1", "--head-dim", "32", "--prompts", "2", "--samples", "2", "--prompt-len", "8", "--repeats", "1"]
-    assert main(["rollout", "--long-tail", *tiny, "--new-tokens", "16", "--budget-ratio", "2"]) == 0
+    assert main(["rollout", "--long-tail", *tiny, "--new-tokens", "16", "--budget-ratio", "2", "--split"]) == 0
     out = capsys.readouterr().out
-    for needle in ("lengths mean", "p90", "useful tokens/s", "budget independence", "completions the same"):
+    for needle in ("lengths mean", "p90", "useful tokens/s", "budget independence", "completions the same",
+                   "budget 32, CPU s by piece", "decode segments", "compactions"):
         assert needle in out, (needle, out)
 
 

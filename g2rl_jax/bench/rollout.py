@@ -74,6 +74,8 @@ def _args(argv):
                    "before 2026-11-28)")
     p.add_argument("--compile-threads", type=int, default=0, help="--long-tail: compile every program the decode "
                    "loop can reach on this many threads first (generate's compile_threads; 0: each when met)")
+    p.add_argument("--split", action="store_true", help="--long-tail: also print each budget's CPU seconds by "
+                   "jitted piece (prefill, decode segments, compactions, ...), each timed alone (blocked on it)")
     p.add_argument("--json", default="", help="also write the figures to this JSON file (bench gpu reads it)")
     return p.parse_args(argv)
 
@@ -295,6 +297,37 @@ def _long_tail_kw(a, budget: int, stops) -> dict:
                 num_samples=a.samples, stop_token_ids=stops, seed=1, compile_threads=a.compile_threads)
 
 
+SPLIT = {"prefill_fn": "prefill", "start_fn": "first token", "decode_layers_fn": "decode weights",
+         "segment_fn": "decode segments", "live_rows_fn": "live rows", "regroup_fn": "compactions"}
+
+
+@contextlib.contextmanager
+def split_seconds(acc: dict):
+    """While inside, each engine piece `generate` calls (SPLIT) adds this process's CPU seconds to acc[its name],
+    blocked on its result (so a piece's time is its own, at the price of the overlap between them)."""
+    def timed(name, factory):
+        def make(*args, **kw):
+            fn = factory(*args, **kw)
+
+            def call(*x, **k):
+                start = time.process_time()
+                out = jax.block_until_ready(fn(*x, **k))
+                acc[name] = acc.get(name, 0.0) + time.process_time() - start
+                return out
+            call.lower = fn.lower
+            return call
+        return make
+
+    originals = {f: getattr(engine, f) for f in SPLIT}
+    for f, name in SPLIT.items():
+        setattr(engine, f, timed(name, originals[f]))
+    try:
+        yield
+    finally:
+        for f, fn in originals.items():
+            setattr(engine, f, fn)
+
+
 def _timed_rounds(model, prompts, a, budgets: list[int], stops) -> tuple[dict, dict, dict]:
     """{budget: Rollout}, {budget: [warm wall s]}, {budget: [warm CPU s of this process]}: one long-tailed generate
     per budget first (it compiles), then a.repeats rounds with the budgets interleaved, so the machine's load falls
@@ -308,6 +341,17 @@ def _timed_rounds(model, prompts, a, budgets: list[int], stops) -> tuple[dict, d
             rollouts[b] = generate(model, prompts, **_long_tail_kw(a, b, stops))
             wall[b].append(time.perf_counter() - start)
             cpu[b].append(time.process_time() - start_cpu)
+    if a.split:  # more rounds, each piece timed alone: what each budget's CPU seconds go to
+        split: dict[int, list[dict]] = {b: [] for b in budgets}
+        for _ in range(a.repeats):
+            for b in budgets:
+                acc, start_cpu = {}, time.process_time()
+                with split_seconds(acc):
+                    generate(model, prompts, **_long_tail_kw(a, b, stops))
+                split[b].append(dict(acc, total=time.process_time() - start_cpu))
+        for b in budgets:
+            print(f"budget {b}, CPU s by piece (medians of {a.repeats}): " + ", ".join(
+                f"{k} {statistics.median(r.get(k, 0.0) for r in split[b]):.3f}" for k in [*SPLIT.values(), "total"]))
     return rollouts, wall, cpu
 
 
