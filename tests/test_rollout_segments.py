@@ -164,15 +164,24 @@ def test_a_compaction_moves_the_filled_slots_of_the_rows_it_keeps(monkeypatch, c
 
 def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
     """A budget of COMPACT_MIN_STEPS tokens decodes without compacting (one batch bucket, no new segment shape),
-    even though most rows stop early; budget 24 compacts the same prompts."""
-    calls = []
-    real = engine.compact
+    even though most rows stop early; budget 24 compacts the same prompts. After a compaction each segment gets
+    suffix buffers of exactly its batch's rows: the segment programs are those of a batch that size from the start
+    (a cache kept at the full batch's rows made XLA fuse the step otherwise and moved the log-probs' last bits)."""
+    calls, rows = [], []
+    real, real_segment_fn = engine.compact, engine.segment_fn
     monkeypatch.setattr(engine, "compact", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+
+    def segment_fn(*fn_args):
+        segment = real_segment_fn(*fn_args)
+        return lambda *a, **k: rows.append((a[4].k[0].shape[0], a[5].last_X.shape[0])) or segment(*a, **k)
+
+    monkeypatch.setattr(engine, "segment_fn", segment_fn)
     kw = dict(KW, stop_token_ids=tuple(range(0, 128, 5)))  # most rows stop within a few tokens
     short = generate(model, PROMPTS, max_new_tokens=engine.COMPACT_MIN_STEPS, **kw)
     assert short.finish_reasons.count("stop") >= 20 and calls == [], (short.finish_reasons, calls)
     generate(model, PROMPTS, max_new_tokens=24, **kw)
     assert calls, "budget 24 should compact"
+    assert len(set(rows)) > 1 and all(cache == batch for cache, batch in rows), rows
 
 
 def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_budget, first_capacity_16):
