@@ -12,7 +12,8 @@ from g2rl_jax.aot import bill
 from g2rl_jax.aot import programs as programs_lib
 from g2rl_jax.config import load_config
 from g2rl_jax.model.config import Qwen3Config
-from g2rl_jax.train.packing import PackShape
+from g2rl_jax.shapes.layouts import PackShape
+from g2rl_jax.shapes.step import step_shapes
 
 TINY = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
@@ -30,7 +31,7 @@ def _setup(tmp_path, overrides=()):
                                                         *SMALL, *overrides])
     assert cfg.algorithm.packing, "the shipped config packs"
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:2])
-    return cfg, mesh, programs_lib.step_shapes(cfg, mesh)
+    return cfg, mesh, step_shapes(cfg, mesh)
 
 
 def _warmup_layout(cfg, s) -> PackShape:

@@ -309,16 +309,20 @@ def bill(a) -> int:
     from g2rl_jax.aot import report as report_lib
     from g2rl_jax.config import load_config
     from g2rl_jax.plan import model_config
+    from g2rl_jax.shapes import choice as choice_lib
+    from g2rl_jax.shapes.step import step_shapes
 
     cfg = load_config(a.config, a.overrides)
     model, source = model_config(cfg, a.preset)
     target = parse_target(a.target)
     mesh = parallel.make_mesh(cfg.mesh, target.devices())
-    shapes = programs.step_shapes(cfg, mesh)
-    progs = programs.step_programs(cfg, model, mesh, scope="largest")
+    shapes = step_shapes(cfg, mesh)
+    lengths = choice_lib.training_prompt_lengths(cfg)
+    packed = choice_lib.run_choice(cfg, model, shapes, bill_lib.target_device(target), lengths).packed
+    progs = programs.step_programs(cfg, model, mesh, scope="largest", packed=packed)
     print(f"compiling the largest program of each kind of {a.config} ({source}) for {target.name}", flush=True)
     results = report_lib.compile_programs(progs, lambda line: print(line, flush=True), a.threads, target.kernel_mark)
-    after = bill_lib.bill(cfg, model, shapes, results, target, bill_lib.prompt_lengths(cfg))
+    after = bill_lib.bill(cfg, model, shapes, results, target, lengths)
     seconds = {r.program.kind: (r.seconds, r.lower_seconds) for r in results if r.error is None}
     payload = json.dumps({"config": a.config, "overrides": a.overrides, "preset": a.preset, "target": a.target,
                           "seconds": seconds, "threads": after.threads, "steps": after.steps})
