@@ -366,13 +366,11 @@ def _embed_width(cfg: Config) -> int:
 def _embedder_config(cfg: Config) -> Qwen3Config:
     import json
 
-    from g2rl_jax import storage
-    from g2rl_jax.demo.build import SCHEME
+    from g2rl_jax import registry, storage
 
-    if cfg.algorithm.embedding_model.startswith(SCHEME):  # the demo's embedder: the demo policy's backbone
-        from g2rl_jax.plan import demo_architecture
-
-        return demo_architecture()
+    scheme = registry.architecture(cfg.algorithm.embedding_model)
+    if scheme is not None:  # the demo's embedder: the demo policy's backbone
+        return scheme
     path = storage.path(cfg.algorithm.embedding_model) / "config.json"  # local or gs://...
     return Qwen3Config.from_hf_dict(json.loads(storage.read_text(path)), str(path))
 

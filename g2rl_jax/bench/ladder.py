@@ -124,8 +124,8 @@ def measure(a) -> int:
     from flax import nnx
 
     from g2rl_jax.aot.bill import rollout_keys
+    from g2rl_jax.demo.build import demo_architecture
     from g2rl_jax.model.qwen3 import Qwen3
-    from g2rl_jax.plan import demo_architecture
     from g2rl_jax.rollout import batching, engine, prewarm
     from g2rl_jax.train.compiles import CompileClock
 
