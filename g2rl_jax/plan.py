@@ -269,7 +269,8 @@ def _gib(n: int) -> str:
 
 
 def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform: str = "tpu", target=None) -> str:
-    """The plan's text; with mesh.rollout_devices > 0 the table is the colocated run's, and each side's follows
+    """The plan's text; with a split run (mesh.rollout_devices or rollout_processes) the table is the colocated run's,
+    and each side's follows
     (aot/sides.py), with its fit and the step-time model when `target` (a slice) is given."""
     from g2rl_jax.aot import sides
 
@@ -297,7 +298,7 @@ def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform:
         need = "does not fit in any slice tried" if chips is None else (
             f"{acc.label(chips):14s} {_gib(fp.peak).strip()} GiB/chip of {acc.hbm_gib} GiB, mesh {fp.mesh}")
         lines.append(f"  {acc.name:5s} {need}")
-    if split.mesh.rollout_devices:
+    if split.mesh.rollout_devices or split.mesh.rollout_processes:
         lines += ["", *sides.plan_lines(split, model, devices, target.hosts if target else 1, platform, target)]
     return "\n".join(lines)
 

@@ -133,7 +133,7 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
     header = (f"compiling {len(progs)} programs ({picked}) for {target.name}: {target.chips} chips of "
               f"{target.hbm_gib:.0f} GiB, {target.hosts} host(s), topology {target.topology}, mesh {sizes}")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    if cfg.mesh.rollout_devices:  # a split run: each side on its own mesh (aot/sides.py)
+    if cfg.mesh.rollout_devices or cfg.mesh.rollout_processes:  # a split run: each side on its own mesh
         from g2rl_jax.aot.sides import check_sides
 
         fits, lines = check_sides(cfg, model, target, scope, say, threads, only)
