@@ -63,6 +63,19 @@ def test_once_update_cost_per_response_token(tmp_path):
     assert update_us_per_token(tmp_path) == 1e6 * (0.25 + 0.75) / (8 * 20.0 + 8 * 30.0)
 
 
+def test_once_step_split(tmp_path):
+    """bench once's step split: each part's seconds summed over steps 3 on, and their sum."""
+    import json
+
+    from g2rl_jax.bench.once import step_split
+
+    parts = ("rollout_seconds", "reward_seconds", "score_seconds", "update_seconds")
+    steps = [{"step": s, **{k: s * (i + 1) for i, k in enumerate(parts)}} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert step_split(tmp_path) == {"rollout_seconds": 7, "reward_seconds": 14, "score_seconds": 21,
+                                    "update_seconds": 28, "step": 70}
+
+
 def test_once_rollout_runs_both_checkouts(capsys):
     """`bench once` at its cheapest: the rollout mode, this checkout against itself, one new seed."""
     from g2rl_jax.bench.once import ROOT

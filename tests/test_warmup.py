@@ -24,6 +24,7 @@ from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train.compiles import COMPILE_EVENT
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
+from g2rl_jax.train.sampling_rounds import SamplingRounds
 
 HEAVY = ("score_micro", "ref_micro", "accumulate")
 # 16 responses of up to 64 tokens in micro-batches of 8 or 4 rows; decode buckets 16, 8, 4
@@ -240,7 +241,8 @@ def _untimed(path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def twice(assets, policy, tmp_path_factory):  # noqa: F811
-    """Two fresh 2-step runs of one config, the second beside two busy Python loops: their run directories."""
+    """Two fresh 2-step runs of one config, the second beside two busy Python loops and with each step's rewards
+    computed before its passes, not beside them (train/sampling_rounds.PendingRewards): their run directories."""
     import subprocess
     import sys
 
@@ -251,6 +253,8 @@ def twice(assets, policy, tmp_path_factory):  # noqa: F811
         try:
             with pytest.MonkeyPatch.context() as mp:
                 fresh_process(mp)
+                if busy:  # the order before the overlap: the rewards, then the passes
+                    mp.setattr(Trainer, "_sample", lambda self, step, overlap=False: SamplingRounds._sample(self, step))
                 cfg = _config(assets, policy, out, threads=2, steps=2)
                 Trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, eval_every=0))).run()
         finally:
@@ -261,7 +265,7 @@ def twice(assets, policy, tmp_path_factory):  # noqa: F811
     return dirs
 
 
-def test_two_fresh_runs_give_the_same_numbers_under_any_load(twice):
+def test_two_fresh_runs_give_the_same_numbers_under_any_load_with_the_rewards_beside_the_passes_or_not(twice):
     quiet, busy = twice
     assert (quiet / CHOICE_FILE).read_bytes() == (busy / CHOICE_FILE).read_bytes()
     assert json.loads((quiet / CHOICE_FILE).read_text())["source"] == "model"

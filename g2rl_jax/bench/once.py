@@ -19,7 +19,8 @@ counted once), by the time each step's metrics line appeared (step 1's count inc
 validation before training). --random-model: model.path is a random Qwen3 of the
 demo's architecture (with the demo tokenizer and 1,024 positions), whose responses are long-tailed up to the
 budget. Printed: per checkout the wall time, the programs and compile seconds in all and after step 1, the per-step
-counts, the update's microseconds per response token trained over steps 3 on (metrics.jsonl), and the ratios.
+counts, the update's microseconds per response token trained over steps 3 on (metrics.jsonl), the step's split
+over the same steps (rollout, rewards, score, update: their seconds' shares of the steps'), and the ratios.
 
 study: one run of `python -m g2rl_jax.demo.study` (variant g2rl_shaped, seed 0, --steps steps, 64 held-out
 problems x 8 samples) on a random policy of the study's architecture and tokenizer (no warm start is built): the
@@ -142,7 +143,8 @@ def _trainer_once(checkout: Path, config: str, overrides: list[str], tmp: Path, 
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     return {"wall": data["wall"], "programs": len(data["events"]), "per_step": per_step, "summary": summary,
             "compile_s": _union([(t - s, t) for t, s in data["events"]]), "after_programs": sum(per_step[1:]),
-            "after_s": _union(after), "steps": len(lines), "update_us": update_us_per_token(run_dir)}
+            "after_s": _union(after), "steps": len(lines), "update_us": update_us_per_token(run_dir),
+            "split": step_split(run_dir)}
 
 
 def update_us_per_token(run_dir: Path, first: int = 3) -> float:
@@ -156,6 +158,17 @@ def update_us_per_token(run_dir: Path, first: int = 3) -> float:
     steps = [m for m in steps if m.get("step", 0) >= first and "update_seconds" in m]
     tokens = sum(m["response_length"] * rows for m in steps)
     return 1e6 * sum(m["update_seconds"] for m in steps) / tokens if tokens else float("nan")
+
+
+SPLIT = ("rollout_seconds", "reward_seconds", "score_seconds", "update_seconds")
+
+
+def step_split(run_dir: Path, first: int = 3) -> dict[str, float]:
+    """Seconds of each part of a step (SPLIT, metrics.jsonl) summed over steps >= `first`, and "step" their sum."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in steps if m.get("step", 0) >= first and "update_seconds" in m]
+    out = {k: sum(m[k] for m in steps) for k in SPLIT}
+    return {**out, "step": sum(out.values())}
 
 
 def trainer(a) -> int:
@@ -177,6 +190,11 @@ def trainer(a) -> int:
     for name, r in results.items():
         print(f"| {name} | {r['wall']:.1f} | {r['programs']} | {r['compile_s']:.1f} | {r['compile_s'] / r['wall']:.1%} "
               f"| {r['after_programs']} | {r['after_s']:.1f} | {r['update_us']:.1f} |")
+    print("\n| code | step s (steps 3+) | rollout | rewards | score | update |\n|---|---|---|---|---|---|")
+    for name, r in results.items():
+        s = r["split"]
+        print(f"| {name} | {s['step']:.2f} | " + " | ".join(f"{s[k] / max(s['step'], 1e-9):.1%}" for k in SPLIT)
+              + " |")
     for name, r in results.items():
         print(f"{name}: programs per step {r['per_step']}")
         accuracy = {k: v for k, v in r["summary"].items() if k.startswith("accuracy")}

@@ -129,6 +129,12 @@ def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_
     )
 
 
+def with_rewards(batch: Batch, rewards_B, correct_B) -> Batch:
+    """`batch` with these rewards and correctness (placed as its own were): a batch built while its rewards were
+    still coming (train/sampling_rounds.PendingRewards) completed. Nothing before the advantages reads them."""
+    return dataclasses.replace(batch, rewards=rewards_B, correct=correct_B)
+
+
 def response_hidden(model, batch: Batch):
     """Hidden states that predict the response tokens: hidden[:, S−1 : S−1+T] of the joined sequence."""
     h_BxLxD = model.hidden_states(batch.input_ids, batch.attention_mask)
