@@ -170,7 +170,7 @@ def test_choose_weighs_the_packed_layouts_against_the_grouped_ones():
         want = {}
         for name, pack in packs.items():
             n = len(pack.micros)
-            compile_s = (n * 9.0 + len(prompts) * 30.0) / 4
+            compile_s = (n * 9.0 * prices_lib.PACKED_COMPILE + len(prompts) * 30.0) / 4
             step = packed_loads[name]["score"] * 1e-5 + packed_loads[name]["gradient"] * 3e-5
             want[name] = compile_s + steps * step
         assert {e.name: e.run_s for e in packed.table if e.packed} == pytest.approx(want)

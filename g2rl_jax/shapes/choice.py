@@ -18,7 +18,8 @@ fewer compile faster. The candidates:
         data.prompt_buckets;
     packed (train/packing.py, unless algorithm.packing is false): rows of W = the largest bucket + the budget at
         every halving of micro ("all") or every other one ("sparse"), and narrower rows at 3, 1 or 0 widths per
-        octave over the three octaves below W (layouts.PackShape.of); one set of passes for every prompt bucket.
+        octave over the three octaves below W (layouts.PackShape.of); one set of passes for every prompt bucket,
+        each program prices.PACKED_COMPILE times a grouped one to compile.
         Their prompt buckets are those the grouped estimate takes when the passes compile once (the grouped
         passes' prompt padding stands in for the rollout's, which the model does not price).
 `choose` takes the candidate of least estimated run time: the compile seconds of its programs spread over the
@@ -40,7 +41,7 @@ import functools
 import numpy as np
 
 from g2rl_jax.shapes.layouts import Layout, PackShape, ShapeSet, group, micro_cost, row_counts, width_ladder
-from g2rl_jax.shapes.prices import MODEL_THREADS, Device, Prices, model_prices, rollout_price
+from g2rl_jax.shapes.prices import MODEL_THREADS, PACKED_COMPILE, Device, Prices, model_prices, rollout_price
 from g2rl_jax.shapes.step import StepShapes, rollout_counts
 
 STEPS_PER_OCTAVE = (4, 2, 1)
@@ -220,14 +221,16 @@ class Choice:
 def _estimates(layouts: dict, loads, shares, prices: Prices, prompt_sets_: list[tuple[int, ...]], *, rollout,
                steps: int, threads: int, once: bool, packed: bool) -> list[Estimate]:
     """The estimate of every (prompt buckets, layout) pair; once: the passes compile once for every bucket.
-    loads: {prompt bucket: step_load} (grouped), or one packed_load (packed: no prompt padding)."""
+    loads: {prompt bucket: step_load} (grouped), or one packed_load (packed: no prompt padding, each program
+    PACKED_COMPILE times a grouped one to compile)."""
     kinds = prices.compile_s.keys()
+    per_shape = sum(prices.compile_s.values()) * (PACKED_COMPILE if packed else 1.0)
     out = []
     for prompts in prompt_sets_:
         copies = 1 if once else len(prompts)
         for name, layout in layouts.items():
             n = len(layout.shapes)
-            compile_s = (copies * n * sum(prices.compile_s.values()) + len(prompts) * rollout[1]) / max(threads, 1)
+            compile_s = (copies * n * per_shape + len(prompts) * rollout[1]) / max(threads, 1)
             if packed:
                 step_s = sum(loads[name]["gradient" if k == "gradient" else "score"] * prices.unit_s[k] for k in kinds)
             else:

@@ -9,7 +9,8 @@ The prices come from a model, never from a clock, so two runs of one config on o
 shapes whatever else the machine is doing: a pass's compute is its FLOPs (`train_flops`) at the device's effective
 FLOP/s (`Device.flops`: the chips' bf16 peak at ESTIMATE_MFU on TPU and GPU, CPU_FLOPS for a CPU host); the largest
 score program compiles in SCORE_COMPILE_S[platform] seconds (the layers are scanned, so that barely moves with
-depth), a reference program alike, a gradient program GRADIENT_COMPILE times it (measured: 4.68 / 1.33 s at the demo
+depth), a reference program alike, a gradient program GRADIENT_COMPILE times it, a packed pass's program
+PACKED_COMPILE times the grouped one of its kind (measured: 4.68 / 1.33 s at the demo
 size on the 2-core CPU, 65.8 / 19.5 s for Qwen3-1.7B compiled for v5p-8), a rollout's segments, prefill and first
 token alike and its moves MOVE_COMPILE of it; the compile threads are run.compile_threads, or
 MODEL_THREADS[platform] when that is 0 (the host's core count is not the config's). The gradient runs 3 times a
@@ -28,6 +29,11 @@ GRADIENT_COMPILE = 3.5  # a gradient program's compile seconds / its score progr
 # docs/performance.md), Qwen3-1.7B's on v5p-8 (19.5 s), on an H100 the 1.7B update's 43.9 s / GRADIENT_COMPILE
 SCORE_COMPILE_S = {"cpu": 3.0, "gpu": 12.5, "tpu": 19.5}
 MOVE_COMPILE = 0.1  # a rollout's cache or row move: this share of a score program's compile seconds
+# a packed pass's program against a grouped one of the same kind and positions (the segment masks, the blocked
+# attention's bands, Φ's per-slot scan): measured 2.05x (score) and 2.1x (gradient) of the compiler's CPU seconds at
+# the demo size, 64 rows x 544 positions, interleaved on the 2-core CPU (1.35x and 1.2x at 48 positions);
+# docs/performance.md. Not measured for TPU or GPU, where it is assumed alike.
+PACKED_COMPILE = 2.0
 MODEL_THREADS = {"cpu": 4, "gpu": 32, "tpu": 32}  # compile threads assumed when run.compile_threads is 0
 # effective FLOP/s of a CPU host: the demo-size score program of 64 x 528 positions (35.8 GFLOP) in 1.394 s on the
 # project's 2-core CPU (docs/performance.md)
