@@ -3,6 +3,8 @@
     python -m g2rl_jax.bench once trainer --before DIR --config configs/demo.yaml --random-model \\
         rollout.max_new_tokens=512 data.prompts_per_step=16 run.total_steps=20 run.eval_every=0
     python -m g2rl_jax.bench once trainer --before DIR --config configs/demo.yaml      # the demo, 200 steps
+    python -m g2rl_jax.bench once trainer --before DIR --config configs/demo.yaml --random-model --budgets 128,512 \
+        data.prompts_per_step=16 run.total_steps=10 run.eval_every=0               # the update per token by budget
     python -m g2rl_jax.bench once study --before DIR --steps 10                        # one study run's time
     python -m g2rl_jax.bench once rollout --before DIR --new-seeds 6                   # new lengths every call
     python -m g2rl_jax.bench once bill --before DIR --config configs/qwen3_1p7b_g2rl.yaml --preset qwen3-1.7b \\
@@ -20,7 +22,11 @@ validation before training). --random-model: model.path is a random Qwen3 of the
 demo's architecture (with the demo tokenizer and 1,024 positions), whose responses are long-tailed up to the
 budget. Printed: per checkout the wall time, the programs and compile seconds in all and after step 1, the per-step
 counts, the update's microseconds per response token trained over steps 3 on (metrics.jsonl), the step's split
-over the same steps (rollout, rewards, score, update: their seconds' shares of the steps'), and the ratios.
+over the same steps (rollout, rewards, score, update: their seconds' shares of the steps'), and the ratios. With
+--budgets B1,B2,... each checkout runs at each response budget (rollout.max_new_tokens), the runs interleaved
+(budget by budget, the two checkouts one after the other, --repeats times over), and it prints each run's
+update microseconds per response token and, per checkout, their ratio of the last budget to the first (medians
+over the repeats): what the update's padding costs as responses grow.
 
 study: one run of `python -m g2rl_jax.demo.study` (variant g2rl_shaped, seed 0, --steps steps, 64 held-out
 problems x 8 samples) on a random policy of the study's architecture and tokenizer (no warm start is built): the
@@ -171,7 +177,40 @@ def step_split(run_dir: Path, first: int = 3) -> dict[str, float]:
     return {**out, "step": sum(out.values())}
 
 
+def budgets(a) -> int:
+    """--budgets: the update's cost per response token of both checkouts at each budget (module docstring)."""
+    import statistics
+
+    sizes = [int(b) for b in a.budgets.split(",")]
+    per: dict[tuple[str, int], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="g2rl_once_") as tmp:
+        tmp = Path(tmp)
+        overrides = list(a.overrides)
+        if a.random_model:
+            overrides.append(f"model.path={random_model(tmp / 'model')}")
+        print(f"trainer runs of {a.config} {' '.join(a.overrides)} at budgets {sizes}, {a.repeats} round(s), "
+              "interleaved, each with an empty compilation cache\n| round | budget | code | run s | update µs per "
+              "response token (steps 3+) | layout |\n|---|---|---|---|---|---|", flush=True)
+        for rnd in range(a.repeats):
+            for size in sizes:
+                for name, checkout in (("before", Path(a.before)), ("after", ROOT)):
+                    tag = f"{name}_{size}_{rnd}"
+                    r = _trainer_once(checkout, a.config, [*overrides, f"rollout.max_new_tokens={size}"], tmp, tag)
+                    shapes = tmp / f"{tag}_run" / "micro_shapes.json"
+                    layout = json.loads(shapes.read_text())["name"] if shapes.exists() else "?"
+                    per.setdefault((name, size), []).append(r["update_us"])
+                    print(f"| {rnd} | {size} | {name} | {r['wall']:.1f} | {r['update_us']:.1f} | {layout} |",
+                          flush=True)
+    for name in ("before", "after"):
+        first, last = (statistics.median(per[name, s]) for s in (sizes[0], sizes[-1]))
+        print(f"{name}: {last:.1f} / {first:.1f} µs per response token = {last / first:.2f}x at budget "
+              f"{sizes[-1]} against {sizes[0]}", flush=True)
+    return 0
+
+
 def trainer(a) -> int:
+    if a.budgets:
+        return budgets(a)
     with tempfile.TemporaryDirectory(prefix="g2rl_once_") as tmp:
         tmp = Path(tmp)
         overrides = list(a.overrides)
@@ -365,6 +404,8 @@ def _args(argv):
     p.add_argument("--before", required=True, help="a checkout of the code to compare with")
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     p.add_argument("--random-model", action="store_true", help="trainer: a random demo-size model.path")
+    p.add_argument("--budgets", help="trainer: comma-separated response budgets, each checkout at each (interleaved)")
+    p.add_argument("--repeats", type=int, default=1, help="trainer --budgets: rounds over the budgets")
     p.add_argument("--steps", type=int, default=10, help="study: training steps of the run")
     p.add_argument("--preset", help="bill: architecture preset")
     p.add_argument("--target", default="v5p-8", help="bill: the TPU slice")
