@@ -27,6 +27,8 @@ over the same steps (rollout, rewards, score, update: their seconds' shares of t
 (budget by budget, the two checkouts one after the other, --repeats times over), and it prints each run's
 update microseconds per response token and, per checkout, their ratio of the last budget to the first (medians
 over the repeats): what the update's padding costs as responses grow.
+With --keep DIR the runs stay in DIR and it says whether the two metrics.jsonl are equal, every key but the
+clock's (seconds, throughputs, programs compiled) compared.
 
 study: one run of `python -m g2rl_jax.demo.study` (variant g2rl_shaped, seed 0, --steps steps, 64 held-out
 problems x 8 samples) on a random policy of the study's architecture and tokenizer (no warm start is built): the
@@ -50,6 +52,7 @@ number of steps. The estimated run time is this checkout's (aot/bill.py), the sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -208,10 +211,33 @@ def budgets(a) -> int:
     return 0
 
 
+def _workdir(a):
+    """--keep DIR (the runs stay there to read) or a temporary directory."""
+    if a.keep:
+        Path(a.keep).mkdir(parents=True, exist_ok=True)
+        return contextlib.nullcontext(a.keep)
+    return tempfile.TemporaryDirectory(prefix="g2rl_once_")
+
+
+TIMING = ("seconds", "per_second", "tokens_per_s", "programs_compiled", "mfu")  # metrics that measure the clock
+
+
+def metrics_differ(before: Path, after: Path) -> list[str]:
+    """The metrics.jsonl keys whose values differ between two runs (`step: key`), timings (TIMING) aside."""
+    def rows(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not any(t in k for t in TIMING)} for x in lines if x]
+
+    b, n = rows(before), rows(after)
+    if len(b) != len(n):
+        return [f"records: {len(b)} before, {len(n)} after"]
+    return [f"{x.get('step')}: {k}" for x, y in zip(b, n) for k in sorted(x.keys() | y.keys()) if x.get(k) != y.get(k)]
+
+
 def trainer(a) -> int:
     if a.budgets:
         return budgets(a)
-    with tempfile.TemporaryDirectory(prefix="g2rl_once_") as tmp:
+    with _workdir(a) as tmp:
         tmp = Path(tmp)
         overrides = list(a.overrides)
         if a.random_model:
@@ -239,6 +265,9 @@ def trainer(a) -> int:
         accuracy = {k: v for k, v in r["summary"].items() if k.startswith("accuracy")}
         if accuracy:  # the numbers the run reached: the shape set moves padding, not results (tests/test_warmup.py)
             print(f"{name}: summary.json {accuracy}")
+    differ = metrics_differ(tmp / "before_run", tmp / "after_run") if a.keep else None
+    if differ is not None:  # the same rewards and metrics, the clock's numbers aside (TIMING)
+        print("metrics.jsonl, timings aside: " + ("equal" if not differ else f"{len(differ)} differ: {differ[:8]}"))
     b, n = results["before"], results["after"]
     print(f"after / before: run time {n['wall'] / b['wall']:.2f}x, programs {n['programs'] / b['programs']:.2f}x, "
           f"compile seconds {n['compile_s'] / max(b['compile_s'], 1e-9):.2f}x", flush=True)
@@ -405,6 +434,7 @@ def _args(argv):
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     p.add_argument("--random-model", action="store_true", help="trainer: a random demo-size model.path")
     p.add_argument("--budgets", help="trainer: comma-separated response budgets, each checkout at each (interleaved)")
+    p.add_argument("--keep", help="trainer: keep the runs in this directory and compare their metrics.jsonl")
     p.add_argument("--repeats", type=int, default=1, help="trainer --budgets: rounds over the budgets")
     p.add_argument("--steps", type=int, default=10, help="study: training steps of the run")
     p.add_argument("--preset", help="bill: architecture preset")

@@ -9,10 +9,10 @@ The prices come from a model, never from a clock, so two runs of one config on o
 shapes whatever else the machine is doing: a pass's compute is its FLOPs (`train_flops`) at the device's effective
 FLOP/s (`Device.flops`: the chips' bf16 peak at ESTIMATE_MFU on TPU and GPU, CPU_FLOPS for a CPU host); the largest
 score program compiles in SCORE_COMPILE_S[platform] seconds (the layers are scanned, so that barely moves with
-depth), a reference program alike, a gradient program GRADIENT_COMPILE times it, a packed pass's program
-PACKED_COMPILE times the grouped one of its kind (measured: 4.68 / 1.33 s at the demo
-size on the 2-core CPU, 65.8 / 19.5 s for Qwen3-1.7B compiled for v5p-8), a rollout's segments, prefill and first
-token alike and its moves MOVE_COMPILE of it; the compile threads are run.compile_threads, or
+depth), a reference program alike, a gradient program GRADIENT_COMPILE times it (measured: 4.68 / 1.33 s at the
+demo size on the 2-core CPU, 65.8 / 19.5 s for Qwen3-1.7B compiled for v5p-8), a packed pass's program
+PACKED_COMPILE times the grouped one of its kind, a rollout's segments, prefill and first token alike and its moves
+MOVE_COMPILE of it; the compile threads are run.compile_threads, or
 MODEL_THREADS[platform] when that is 0 (the host's core count is not the config's). The gradient runs 3 times a
 forward (4 with model.remat). Only the training mesh's chips count: with mesh.rollout_devices the rollout's devices
 run no pass.
