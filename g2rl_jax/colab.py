@@ -2,6 +2,7 @@
 
     runtime = detect()              # Runtime(kind='gpu', name='Tesla T4', memory_gib=15.0, compute_capability=(7, 5))
     install_args(runtime)           # pip arguments: the project with this runtime's jax extra
+    run_shown([sys.executable, "-m", "pip", *install_args(runtime)])   # pip's lines shown as they come
     choice = choose(runtime)        # the config that fits, its overrides, the model and why
     backend_problem(runtime, jax.default_backend())   # None, or what to do when jax did not get the hardware
 
@@ -115,9 +116,20 @@ def with_device_memory(runtime: Runtime, devices) -> Runtime:
 
 
 def install_args(runtime: Runtime, project: str = "g2rl_jax") -> list[str]:
-    """`pip install` arguments for the project with the jax that drives this runtime's hardware."""
+    """`pip install` arguments for the project with the jax that drives this runtime's hardware; pip's lines
+    (collecting, downloading, installing) stay, its progress bars (terminal control codes) go."""
     extra = {"tpu": "[tpu]", "gpu": "[cuda]"}.get(runtime.kind, "")
-    return ["install", "-q", "-e", f"{project}{extra}"]
+    return ["install", "--progress-bar", "off", "-e", f"{project}{extra}"]
+
+
+def run_shown(cmd: list[str], say=print) -> int:
+    """Run `cmd`, passing each line of its output (stderr included) to `say` as it comes (a notebook cell shows what
+    Python prints, not what a subprocess writes to the kernel's own stdout, so a long install would be silent).
+    Returns its exit status."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            say(line.rstrip("\n"))
+    return proc.returncode
 
 
 def lora_fits(runtime: Runtime) -> bool:

@@ -8,46 +8,39 @@
     launch/tpu.sh python --name g2rl --zone us-east5-a -- -m g2rl_jax.eval --checkpoint ...   (the VM's env)
     launch/tpu.sh status --name g2rl --zone us-east5-a [--bucket gs://B/DIR]
     launch/tpu.sh watch  --name g2rl --zone us-east5-a --accelerator-type v5p-32 --bucket gs://B/DIR --spot
-                         --repo URL --config FILE [key=value ...]         (create, setup, train; recreate on preemption)
+                         --repo URL --config FILE [key=value ...]   (brings the run up from any state, keeps it going)
     launch/tpu.sh logs   --name g2rl --zone us-east5-a [--follow | --collect DIR]
     launch/tpu.sh ssh    --name g2rl --zone us-east5-a [--worker 0] [--command CMD]
     launch/tpu.sh delete --name g2rl --zone us-east5-a
 
-`create` first checks, on this machine, that the config fits the slice: `python -m g2rl_jax.plan --config FILE
---target TYPE --compile --programs largest` compiles the step's largest programs for that slice (needs jax and
-libtpu here: pip install -e ".[tpu]") and prints its verdict; a config that does not fit is refused unless --force
-(which also skips the check); it then waits until the queued resource is ACTIVE (--no-wait returns at once).
-`setup` makes a Python >= 3.11 environment (<dir>/.venv, uv's managed CPython: the images' python3 is 3.10, too
-old for jax) on every worker and installs .[tpu,gcs] into it; train and python run from it.
-`create --bucket gs://BUCKET/DIR` keeps the bucket in the VM's metadata; `train` then
-writes the run to gs://BUCKET/DIR/runs/NAME and JAX's persistent compilation cache to gs://BUCKET/DIR/jax_cache,
-which every host of the slice shares and which outlive the VM (`train --bucket` names one directly). Without a bucket
-the cache is --compile-cache on each worker's disk, so a run resumed there does not compile everything again.
-
-Every subcommand takes --dry-run (print the exact gcloud command lines, run nothing) and --project. A TPU slice
-of several hosts runs the same command on every worker (`--worker=all`); JAX then finds its peers itself on TPU
-VMs. `train` starts the run, immune to hang-ups, on each worker with its output in <dir>/logs/worker-<ID>.log and
-its exit status in <dir>/logs/worker-<ID>.exit, ID being the worker number from the TPU VM metadata server. `watch`
-(launch/tpu_watch.py) keeps a spot run going: on a preemption it deletes and recreates the queued resource, runs
-setup and train again, and the run resumes from the bucket; `--spot` needs `--bucket`, since a preempted VM's disk
-is gone. Standard library only: this runs on your laptop, not on the TPU.
+`create` first runs the fit check (launch/tpu_fit.py: `python -m g2rl_jax.plan --target TYPE --compile` in the
+project's environment; --force skips it), then waits until the queued resource is ACTIVE (--no-wait: it does not).
+`setup` makes a Python >= 3.11 environment (<dir>/.venv, uv's managed CPython: the images' python3 is 3.10) on every
+worker, installs .[tpu,gcs] into it and marks the worker set up. `train` starts the run on every worker (`--worker=all`;
+JAX finds its peers itself on TPU VMs) in the background, immune to hang-ups: its output in <dir>/logs/worker-ID.log,
+its shell's pid in worker-ID.pid, its exit status in worker-ID.exit (ID: the worker number from the TPU VM metadata
+server). With `create --bucket gs://BUCKET/DIR` (kept in the VM's metadata) or `train --bucket`, the run goes to
+gs://BUCKET/DIR/runs/NAME and JAX's compilation cache to gs://BUCKET/DIR/jax_cache, shared by the slice's hosts and
+outliving the VM; `--spot` needs a bucket. `watch` (launch/tpu_watch.py) supervises a run from any state: the table
+of docs/tpu_vm.md. Every subcommand takes --dry-run (print the exact commands, run nothing, here or on a worker) and
+--project; `v5e-N` is taken as gcloud's `v5litepod-N`. Standard library only: this runs on your laptop.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
+import tpu_fit
 import tpu_watch
 
 DEFAULT_DIR = "~/g2rl_jax"  # checkout location on every worker
 DEFAULT_PYTHON = "3.11"  # the oldest CPython that jax, flax, orbax-checkpoint and grain accept
 VENV = ".venv"  # the worker's environment, inside the checkout
 DEFAULT_CACHE = "~/.cache/g2rl_jax/jax"  # JAX's compilation cache on each worker's persistent (boot) disk
-REPO = Path(__file__).resolve().parents[1]
+SETUP_MARK = ".g2rl-setup-done"  # in <dir>/.venv: setup ran to its end on this worker
+TAIL_LINES = 20  # of each worker's log, copied into watch's log when the trainer stopped
 # Runtime (software) version per TPU generation, from the Cloud TPU docs; --runtime-version overrides.
 RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
                     "v6e": "v2-alpha-tpuv6e"}
@@ -70,6 +63,12 @@ def _ssh(args, command: str | None, worker: str) -> list[str]:
     return cmd + ([f"--command={command}"] if command is not None else [])
 
 
+def accelerator_type(value: str) -> str:
+    """gcloud's name of a TPU type: `v5e-N`, as the product is called, is `v5litepod-N`."""
+    value = value.strip().lower()
+    return "v5litepod-" + value.removeprefix("v5e-") if value.startswith("v5e-") else value
+
+
 def runtime_version(accelerator_type: str) -> str:
     """The default runtime for an accelerator type such as v5p-32 (its family is the part before '-')."""
     family = accelerator_type.split("-", 1)[0]
@@ -77,27 +76,6 @@ def runtime_version(accelerator_type: str) -> str:
         raise SystemExit(f"tpu.py create: no default --runtime-version for accelerator type {accelerator_type!r} "
                          f"(known families: {', '.join(RUNTIME_VERSIONS)}); pass --runtime-version explicitly")
     return RUNTIME_VERSIONS[family]
-
-
-def check_command(args) -> list[str]:
-    """The local fit check `create` runs first (the largest program of each kind bounds the others' memory)."""
-    return [sys.executable, "-m", "g2rl_jax.plan", "--config", args.config, "--target", args.accelerator_type,
-            "--compile", "--programs", "largest", *args.overrides]
-
-
-def check_fit(args) -> int:
-    """Run the fit check; 0 when the config fits the slice, else the status to exit with (after saying why)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    print(f"checking that {args.config} fits {args.accelerator_type}: {shlex.join(check_command(args))}", flush=True)
-    done = subprocess.run(check_command(args), env=env, stdout=subprocess.PIPE, text=True)
-    verdict = [line for line in done.stdout.splitlines() if line.startswith("VERDICT:")]
-    print(verdict[-1] if verdict else done.stdout.strip()[-2000:], flush=True)
-    if done.returncode == 0:
-        return 0
-    what = "does not fit" if done.returncode == 1 else "could not be checked"
-    print(f"tpu.py create: {args.config} {what} on {args.accelerator_type}; no VM was created. Change the config or "
-          "the accelerator type, or pass --force to create it anyway", file=sys.stderr, flush=True)
-    return done.returncode or 1
 
 
 def create(args) -> list[list[str]]:
@@ -110,7 +88,8 @@ def create(args) -> list[list[str]]:
 
 
 def setup_script(args) -> str:
-    """Clone (or fast-forward) the repository, then a Python >= 3.11 environment in <dir>/.venv with .[tpu,gcs].
+    """Clone (or fast-forward) the repository, then a Python >= 3.11 environment in <dir>/.venv with .[tpu,gcs];
+    <dir>/.venv/SETUP_MARK once all of it succeeded (what `watch` reads as "set up").
 
     uv (one static binary from PyPI, put in ~/.local/bin by the image's pip, else by its installer) creates the
     environment with a CPython it downloads (--python-preference only-managed: never the image's 3.10, nor any other
@@ -119,7 +98,7 @@ def setup_script(args) -> str:
     want = "(" + ", ".join(args.python.split(".")) + ")"
     return (f"set -e; if [ -d {d}/.git ]; then git -C {d} fetch origin {branch} && git -C {d} checkout {branch} "
             f"&& git -C {d} pull --ff-only origin {branch}; else git clone --branch {branch} {repo} {d}; fi; "
-            f'cd {d}; export PATH="$HOME/.local/bin:$PATH"; '
+            f'cd {d}; rm -f {VENV}/{SETUP_MARK}; export PATH="$HOME/.local/bin:$PATH"; '
             "command -v uv > /dev/null || python3 -m pip install --user --quiet uv "
             "|| curl -LsSf https://astral.sh/uv/install.sh | sh; "
             f"uv venv --allow-existing --python-preference only-managed --python {py} {VENV}; "
@@ -127,7 +106,7 @@ def setup_script(args) -> str:
             f"|| {{ echo \"setup: {d}/{VENV} is not Python {args.python}+\" >&2; exit 1; }}; "
             f"uv pip install --python {VENV}/bin/python -e '.[tpu,gcs]'; "
             f"{VENV}/bin/python -c 'import sys, jax; print(\"python\", sys.version.split()[0], \"jax\", "
-            "jax.__version__)'")
+            f"jax.__version__)'; touch {VENV}/{SETUP_MARK}")
 
 
 def setup(args) -> list[list[str]]:
@@ -136,7 +115,7 @@ def setup(args) -> list[list[str]]:
 
 def train_script(args) -> str:
     """The shell line each worker runs: the environment's python -m g2rl_jax.train in the background, hang-ups
-    ignored (as nohup), one log and one exit-status file per worker."""
+    ignored (as nohup), one log, one pid file and one exit-status file per worker."""
     train = shlex.join([f"{VENV}/bin/python", "-m", "g2rl_jax.train", "--config", args.config, *args.overrides])
     env = shlex.join(["PYTHONUNBUFFERED=1", *args.env])
     bucket = shlex.quote(args.bucket.rstrip("/")) if args.bucket else BUCKET_SOURCE
@@ -146,17 +125,46 @@ def train_script(args) -> str:
         train += f" {shlex.quote('run.compilation_cache_dir=' + args.compile_cache)}"
     elif not any(o.startswith("run.compilation_cache_dir=") for o in args.overrides):  # the bucket's, else the disk's
         train += f' "run.compilation_cache_dir=${{CACHE:-{DEFAULT_CACHE}}}"'
-    log, status = f"{args.log_dir}/worker-$WORKER.log", f"{args.log_dir}/worker-$WORKER.exit"
-    # JAX_PLATFORMS is unset so JAX picks the TPU; TPU_* variables set by the VM image are left alone.
+    log, status, pid = (f"{args.log_dir}/worker-$WORKER.{ext}" for ext in ("log", "exit", "pid"))
+    # JAX_PLATFORMS is unset so JAX picks the TPU; TPU_* variables set by the VM image are left alone. The exit file
+    # appears whole (renamed into place); the pid file names the subshell that writes it, before ssh returns.
     return (f"set -e; cd {args.dir}; mkdir -p {args.log_dir}; WORKER={WORKER_ID}; BUCKET={bucket}; "
-            f"CACHE=${{BUCKET:+$BUCKET/jax_cache}}; rm -f {status}; "
-            f"( trap '' HUP; trap true TERM; set +e; env -u JAX_PLATFORMS {env} {train}; echo $? > {status} ) "
-            f"> {log} 2>&1 < /dev/null & "
+            f"CACHE=${{BUCKET:+$BUCKET/jax_cache}}; rm -f {status} {pid}; "
+            f"( trap '' HUP; trap true TERM; set +e; env -u JAX_PLATFORMS {env} {train}; echo $? > {status}.tmp; "
+            f"mv {status}.tmp {status} ) > {log} 2>&1 < /dev/null & echo $! > {pid}; "
             f"echo \"worker $WORKER: started, log $PWD/{log}\"")
 
 
 def train(args) -> list[list[str]]:
     return [_ssh(args, train_script(args), "all")]
+
+
+def probe_script(args) -> str:
+    """What `watch` and `status` read on each worker, as one line: `g2rl-worker ID setup=ok|none trainer=STATE`,
+    STATE being `never` (no pid file, no exit file), `running` (the pid file's shell runs the trainer's line),
+    `exited:CODE` (the exit file) or `lost` (a pid file whose process is gone, and no exit file: killed)."""
+    logs = f"{args.dir}/{args.log_dir}"
+    return (f"W={WORKER_ID}; S=none; [ -f {args.dir}/{VENV}/{SETUP_MARK} ] && S=ok; "
+            f"P={logs}/worker-$W.pid; X={logs}/worker-$W.exit; "
+            'if [ -s "$X" ]; then T="exited:$(cat "$X")"; '
+            'elif [ -f "$P" ] && grep -qs g2rl_jax.train "/proc/$(cat "$P")/cmdline"; then T=running; '
+            'elif [ -f "$P" ]; then T=lost; else T=never; fi; echo "g2rl-worker $W setup=$S trainer=$T"')
+
+
+def probe(args) -> list[list[str]]:
+    return [_ssh(args, probe_script(args), "all")]
+
+
+def stop(args) -> list[list[str]]:
+    """SIGTERM to each worker's trainer still running (the processes its pid file's shell started)."""
+    pid = f"{args.dir}/{args.log_dir}/worker-$W.pid"
+    return [_ssh(args, f'W={WORKER_ID}; [ -f {pid} ] && pkill -TERM -P "$(cat {pid})"; true', "all")]
+
+
+def tail(args) -> list[list[str]]:
+    """Each worker's last log lines, each line prefixed with its worker."""
+    log = f"{args.dir}/{args.log_dir}/worker-$W.log"
+    return [_ssh(args, f'W={WORKER_ID}; tail -n {TAIL_LINES} {log} 2>/dev/null | sed "s/^/worker $W: /"', "all")]
 
 
 def logs(args) -> list[list[str]]:
@@ -201,14 +209,14 @@ def parser() -> argparse.ArgumentParser:
         return p
 
     def create_args(p, bucket_help: str) -> None:
-        p.add_argument("--accelerator-type", required=True, help="e.g. v5p-32, v5litepod-16, v6e-8")
+        p.add_argument("--accelerator-type", required=True, type=accelerator_type,
+                       help="e.g. v5p-32, v5litepod-16 (or v5e-16), v6e-8")
         p.add_argument("--runtime-version", help=f"TPU software version (default per family: {RUNTIME_VERSIONS})")
         p.add_argument("--spot", action="store_true", help="spot (preemptible) capacity; needs --bucket")
         p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help=bucket_help)
         p.add_argument("--wait-timeout", type=float, default=7200.0, metavar="S",
-                       help="wait this long for the queued resource to be ACTIVE (default: 7200)")
-        p.add_argument("--poll-seconds", type=float, default=30.0, metavar="S",
-                       help="ask for its state this often while waiting (default: 30)")
+                       help="wait this long for the queued resource to be ACTIVE (watch: in any one waiting state) "
+                       "(default: 7200)")
 
     def setup_args(p) -> None:
         p.add_argument("--repo", required=True, help="git URL of the g2rl_jax repository")
@@ -232,6 +240,8 @@ def parser() -> argparse.ArgumentParser:
             "compile cache to gs://BUCKET/DIR/jax_cache, storage every host of the slice shares")
     p = sub("create", create, "request a TPU slice as a queued resource and wait until it is ACTIVE")
     create_args(p, kept)
+    p.add_argument("--poll-seconds", type=float, default=30.0, metavar="S",
+                   help="ask for its state this often while waiting (default: 30)")
     p.add_argument("--config", help="training config YAML, checked here to fit the slice before the VM is created")
     p.add_argument("--force", action="store_true", help="create the VM without (or despite) the fit check")
     p.add_argument("--no-wait", action="store_true", help="return once the request is made, without waiting")
@@ -254,20 +264,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", default="all", help="worker index or 'all' (default: all)")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="python's arguments, after --")
 
-    p = sub("status", None, "the queued resource's state and the run's last step and checkpoints (in the bucket)")
+    p = sub("status", None, "the queued resource's state, the trainer's (while ACTIVE) and the run's last step "
+            "and checkpoints (in the bucket)")
     p.add_argument("--bucket", metavar="gs://BUCKET/DIR", help="the bucket given to create, where the run is")
+    dir_arg(p)
+    p.add_argument("--log-dir", default="logs", help="log directory relative to --dir (default: logs)")
 
-    p = sub("watch", None, "keep a (spot) run going: create if needed, setup, train; on a preemption delete, "
-            "recreate, setup and train again (no fit check: run create once for it)")
+    p = sub("watch", None, "supervise a (spot) run from any state: create if needed, setup and train once ACTIVE, "
+            "relaunch or stop by the trainer's exit code, delete and recreate on a preemption (no fit check: run "
+            "create once for it); the table of docs/tpu_vm.md")
     create_args(p, kept + " (required: the run must outlive the VM)")
     setup_args(p)
     p.add_argument("--config", required=True, help="config YAML, relative to --dir on the workers")
     dir_arg(p)
     train_args(p)
     p.add_argument("--interval", type=float, default=60.0, metavar="S", help="poll every S seconds (default: 60)")
-    p.add_argument("--max-recoveries", type=int, default=20, help="give up after this many (default: 20)")
+    p.add_argument("--backoff", type=float, default=60.0, metavar="S",
+                   help="the first wait before a retry or a relaunch that waits; it doubles each time in a row, up "
+                   "to 32 times (default: 60)")
+    p.add_argument("--max-relaunches", type=int, default=5,
+                   help="stop after the trainer ended this many times in a row without a new step (default: 5)")
+    p.add_argument("--max-tries", type=int, default=3,
+                   help="stop after create, delete, setup or train failed this many times in a row (default: 3)")
+    p.add_argument("--max-recoveries", type=int, default=20,
+                   help="stop after this many preemptions recovered (default: 20)")
     p.add_argument("--log", metavar="FILE", help="append every event here too (default: tpu-watch-NAME.log)")
-    p.add_argument("--delete-when-done", action="store_true", help="delete the queued resource once the run ends")
+    p.add_argument("--delete-when-done", action="store_true",
+                   help="delete the queued resource when watch ends, however it ends (the workers' last log lines "
+                   "are in --log)")
 
     p = sub("logs", logs, "show (tail) or --collect the per-worker training logs")
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"checkout directory on the workers (default: {DEFAULT_DIR})")
@@ -323,10 +347,11 @@ def _check(args, top: argparse.ArgumentParser) -> None:
 
 
 class Steps:
-    """What `watch` runs: the command lists of create, delete, setup and train for its arguments, and their runner."""
+    """What `status` and `watch` run: the command lists of each step for their arguments, and how they run them."""
 
-    BUILDERS = {"create": create, "delete": delete, "setup": setup, "train": train}
-    ssh = staticmethod(_ssh)
+    BUILDERS = {"create": create, "delete": delete, "setup": setup, "train": train, "probe": probe, "stop": stop,
+                "tail": tail}
+    line = staticmethod(shlex.join)
 
     def __init__(self, args):
         self.args = args
@@ -336,6 +361,12 @@ class Steps:
 
     def call(self, cmds: list[list[str]]) -> int:
         return call(cmds, self.args)
+
+    @staticmethod
+    def capture(cmd: list[str]) -> str | None:
+        """A read's output (stdout), None when it failed."""
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else None
 
 
 def call(cmds: list[list[str]], args) -> int:
@@ -355,14 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     args = top.parse_args(argv)
     _check(args, top)
     if args.subcommand == "status":
-        return tpu_watch.status(args, _target(args))
+        return tpu_watch.status(args, _target(args), Steps(args))
     if args.subcommand == "watch":
         args.log = args.log or f"tpu-watch-{args.name}.log"
         return tpu_watch.watch(args, _target(args), Steps(args))
     if args.subcommand == "create" and not args.force:
         if args.dry_run:
-            print(shlex.join(check_command(args)))
-        elif (status := check_fit(args)) != 0:
+            tpu_fit.dry_run(args)
+        elif (status := tpu_fit.check_fit(args)) != 0:
             return status
     rc = call(args.fn(args), args)
     if rc or args.subcommand != "create" or args.no_wait:

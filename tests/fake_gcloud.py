@@ -3,7 +3,8 @@
 
 Environment: FAKE_DIR (state.json, calls.jsonl, vm-<generation>/ homes), FAKE_BUCKET (the local directory a
 gs://BUCKET maps to: gs://b/x is FAKE_BUCKET/b/x), FAKE_STATES (JSON: for each created generation of the queued
-resource, [[state, seconds], ...]: the states it goes through after `create`, the last one held), FAKE_SHIM_PATH
+resource, [[state, seconds], ...]: the states it goes through after `create`, the last one held; seconds given as a
+path: held until that file exists), FAKE_SHIM_PATH
 (the PATH the fake ssh gives a worker). `tpu-vm ssh --command=C` runs C with bash on this machine as worker 0 of the
 current VM: HOME is the VM's own directory (a recreated VM starts with an empty disk), in its own process group,
 which `preempt()` in the test sends SIGTERM, as a preempted VM's shutdown does; gs:// in the command becomes
@@ -48,6 +49,10 @@ def current(state: dict) -> str:
     script = json.loads(os.environ["FAKE_STATES"])[state["generation"]]
     elapsed = time.time() - state["created"]
     for name, seconds in script:
+        if isinstance(seconds, str):  # held until that file exists (a test's gate)
+            if not Path(seconds).exists():
+                return name
+            continue
         if elapsed < seconds:
             return name
         elapsed -= seconds

@@ -7,8 +7,12 @@ the lag, float64, weight-sync, resume and kill -9 tests; the runs compared with 
 Covers: max_staleness=0 on split meshes gives the colocated run's metrics; max_staleness=1 draws each step's samples
 with the previous step's policy (and the first step's with its own), and its importance weights match a float64
 NumPy transcription; a resumed one-step-off run, and one killed with -9 mid-run, equal the uninterrupted run; the
-weight sync moves exactly the params (the adapters only with LoRA); bad settings fail in one line.
+weight sync moves exactly the params (the adapters only with LoRA); bad settings fail in one line; a pickle planted
+in a gs:// run's data-iterator file (the samples drawn ahead) is refused in one line naming the file, and never run.
 """
+import base64
+import json
+import pickle
 import subprocess
 import sys
 
@@ -18,9 +22,10 @@ import pytest
 from flax import nnx
 from test_train import DETERMINISTIC, ROOT, _env, assets, overrides  # noqa: F401 - assets is a fixture
 
-from g2rl_jax import losses, parallel
+from g2rl_jax import losses, parallel, storage
 from g2rl_jax.config import ConfigError, MeshConfig, load_config
 from g2rl_jax.train import step as train_step
+from g2rl_jax.train.checkpoint import CheckpointError
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
 
@@ -172,3 +177,40 @@ def test_kill_9_during_an_overlapped_step_resumes_exactly(assets, tmp_path, one_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from the checkpoint of step" in done.stdout, done.stdout[-2000:]
     _same(read_metrics(out), one_step_off["records"])
+
+
+class _Planted:
+    """What an attacker writes: unpickling it creates the file `path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickle_planted_in_the_iterator_file_on_a_bucket_is_refused(assets, gcs, tmp_path, capsys):  # noqa: F811
+    """A one-step-off run on the bucket (GCS emulator) checkpoints step 1 with step 2's samples in its data-iterator
+    file; that file replaced by a pickle (the format versions before 2026-11-29 wrote), the relaunch's resume
+    refuses it in one line naming the file, and the pickle never runs (its unpickling would create `marker`)."""
+    out = gcs.url("runs/planted_iterator")
+    part = Trainer(_config(assets, out, **ONE_STEP_OFF))
+    part.resume()
+    part.run(stop_after=1)
+    data_file = f"{out}/checkpoints/1/data/process_0-of-1.json"
+    assert '"ahead": {"wire": 1' in storage.read_text(data_file)  # JSON plus arrays, written by this version
+    marker = tmp_path / "ran"
+    planted = base64.b64encode(pickle.dumps(_Planted(marker))).decode()
+    storage.write_text(data_file, json.dumps({"encoding": "json", "state": {"ahead": planted}}))
+    again = Trainer(_config(assets, out, **ONE_STEP_OFF))
+    try:
+        with pytest.raises(CheckpointError) as err:
+            again.resume()
+    finally:
+        again.close()
+    assert not marker.exists(), "the planted pickle was run"
+    said = f"{data_file}: the samples drawn ahead: pickled (what versions before 2026-11-29 wrote, or a payload planted"
+    assert said in str(err.value) and "refused, nothing in it was run" in str(err.value), err.value
+    assert "\n" not in str(err.value)
+    assert [line for line in capsys.readouterr().err.splitlines() if data_file in line] == [], \
+        "the error alone names the file, in its one line (one checkpoint: no fallback, no warning)"

@@ -28,7 +28,7 @@ from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import localhost
 from g2rl_jax.cli import BAD_INPUT_EXIT
-from g2rl_jax.train import halt
+from g2rl_jax.control import stop
 from g2rl_jax.train.halt import PEER_LOST_EXIT
 from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.metrics import read_metrics
@@ -178,10 +178,10 @@ def test_a_killed_rollout_process_ends_the_trainer_in_one_line_within_its_lease(
 def test_a_stop_waits_for_no_answer_from_the_process_it_is_about():
     """The trainer that ends the run for a rollout process's lapsed lease waits for the others' answers, not that
     process's (none would come: it cost the stop ACK_S); any other process waits for process 0 alone."""
-    assert halt.awaited_acks(0, 2, gone=(1,)) == []
-    assert halt.awaited_acks(0, 4, gone=(2,)) == [1, 3]
-    assert halt.awaited_acks(0, 4) == [1, 2, 3]
-    assert halt.awaited_acks(2, 4) == [0] and halt.awaited_acks(1, 2, gone=(1,)) == [0]
+    assert stop.awaited_acks(0, 2, gone=(1,)) == []
+    assert stop.awaited_acks(0, 4, gone=(2,)) == [1, 3]
+    assert stop.awaited_acks(0, 4) == [1, 2, 3]
+    assert stop.awaited_acks(2, 4) == [0] and stop.awaited_acks(1, 2, gone=(1,)) == [0]
 
 
 def test_stops_and_relaunches_give_the_uninterrupted_run(runs, stopped):

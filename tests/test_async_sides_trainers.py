@@ -168,7 +168,7 @@ def _check_stopped_and_resumed(killed, split, victim: int, lines: tuple[str, ...
 @slow
 def test_a_killed_second_training_process_stops_all_in_one_line_and_the_relaunch_resumes(training_1_killed, split):
     """Training process 0 loses the update's gloo all-reduce with process 1: it stops the rollout process too (its
-    halt.PeerWatch), each with the line, within seconds (ACK_S for the dead process's answer, a loaded machine)."""
+    stop.Watch), each with the line, within seconds (ACK_S for the dead process's answer, a loaded machine)."""
     _check_stopped_and_resumed(training_1_killed, split, 1, (GONE,), bound_s=60)
 
 

@@ -1,9 +1,11 @@
-"""launch/colab.ipynb runs top to bottom on CPU (nbclient, a real Jupyter kernel): it loads the demo model
+"""launch/colab.ipynb runs top to bottom on CPU (nbclient, a real Jupyter kernel started in launch/, as a local
+Jupyter opened on the notebook starts it: the notebook finds the checkout above it): it loads the demo model
 (`demo:DIR`, built once for the session; the build itself is tested in test_demo_assets.py), samples a group,
 shows Φ, ν, shaped rewards and advantages, runs one training step, and one with LoRA. Its GPU and TPU paths are
 g2rl_jax.colab's detection and choice, run here with mocked nvidia-smi output, /dev entries and jax devices."""
 import pathlib
 import subprocess
+import sys
 import types
 
 import nbformat
@@ -24,7 +26,8 @@ def test_colab_notebook_executes(tmp_path, monkeypatch, demo_model_dir):
     monkeypatch.setenv("XLA_FLAGS", xla_flags(1))  # one CPU device, as in a fresh Colab CPU runtime
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(ROOT / "launch" / "colab.ipynb", as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT / "launch")}}).execute()  # the kernel's folder
     outputs = {i: "".join(o.get("text", "") for o in cell.get("outputs", [])) for i, cell in enumerate(nb.cells)
                if cell.cell_type == "code"}
     text = "\n".join(outputs.values())
@@ -32,21 +35,46 @@ def test_colab_notebook_executes(tmp_path, monkeypatch, demo_model_dir):
     assert "accuracy" in text and "novelty" in text and "grad_norm" in text
     assert "LoRA rank 8:" in text and "base unchanged: True" in text  # the LoRA cell
     assert "runtime: Runtime(kind='cpu'" in text and "configs/demo.yaml: the embedded demo" in text
-    assert "python -m g2rl_jax.train --config configs/demo.yaml model.path=demo:" in text  # the whole-run cell
+    assert f"working in {ROOT}" in text
+    restart, command = outputs[max(outputs)].splitlines()  # the whole-run cell: restart first, then the command
+    assert restart.startswith("Restart the runtime first (Runtime > Restart session)")
+    assert command.startswith(f"!cd {ROOT} && python -m g2rl_jax.train --config configs/demo.yaml model.path=demo:")
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
 
 
 def test_install_cell_in_colab_without_a_repo_says_what_to_set(tmp_path, monkeypatch):
     """In Colab with no checkout and no REPO, the install cell stops with an error naming REPO / G2RL_REPO."""
-    import sys
-
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     monkeypatch.delenv("G2RL_REPO", raising=False)
     monkeypatch.chdir(tmp_path)
     install = nbformat.read(ROOT / "launch" / "colab.ipynb", as_version=4).cells[1].source
     with pytest.raises(ValueError, match="set REPO in this cell \\(or G2RL_REPO\\)"):
         exec(compile(install, "colab install cell", "exec"), {})
+
+
+def test_the_notebook_opens_with_an_open_in_colab_link_and_says_to_restart_before_the_full_run():
+    cells = nbformat.read(ROOT / "launch" / "colab.ipynb", as_version=4).cells
+    assert cells[0].source.startswith("[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+                                      "(https://colab.research.google.com/github/")
+    assert "**Restart the runtime first**" in cells[-2].source
+
+
+def test_the_install_is_shown_as_it_runs(tmp_path):
+    """run_shown hands each line of pip's output over as it comes: the child holds its second line until the first
+    arrived (a buffered or quiet install would hang here, then fail on the timeout)."""
+    gate = tmp_path / "gate"
+    child = ("import os, sys, time\nprint('Collecting g2rl_jax', flush=True)\n"
+             f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\n"
+             "print('Installing collected packages', file=sys.stderr, flush=True)\nsys.exit(3)\n")
+    seen = []
+
+    def say(line):
+        seen.append(line)
+        gate.touch()
+
+    assert colab.run_shown([sys.executable, "-c", child], say=say) == 3
+    assert seen == ["Collecting g2rl_jax", "Installing collected packages"]
 
 
 def smi(*answers):
@@ -77,7 +105,7 @@ def test_gpu_runtime_installs_cuda_and_picks_lora(tmp_path, line, cc, attention_
     runtime = colab.detect({}, run=smi(line + "\n"), dev=tmp_path)
     assert runtime.kind == "gpu" and runtime.compute_capability == cc and runtime.name == line.split(",")[0]
     assert runtime.memory_gib == round(int(line.split(",")[1]) / 1024, 1)
-    assert colab.install_args(runtime, ".") == ["install", "-q", "-e", ".[cuda]"]
+    assert colab.install_args(runtime, ".") == ["install", "--progress-bar", "off", "-e", ".[cuda]"]
     choice = colab.choose(runtime)
     assert choice.config == colab.LORA_CONFIG and choice.model_path == colab.LORA_MODEL
     assert ("model.attention=xla" in choice.overrides) == attention_override
@@ -104,7 +132,7 @@ def test_tpu_v5e_1_installs_tpu_jax_and_picks_lora(tmp_path):
     (tmp_path / "vfio" / "0").touch()
     runtime = colab.detect({"TPU_ACCELERATOR_TYPE": "v5litepod-1"}, run=NO_GPU, dev=tmp_path)
     assert runtime == colab.Runtime("tpu", "v5litepod-1", 16, None, 1)
-    assert colab.install_args(runtime, ".") == ["install", "-q", "-e", ".[tpu]"]
+    assert colab.install_args(runtime, ".") == ["install", "--progress-bar", "off", "-e", ".[tpu]"]
     choice = colab.choose(runtime)
     assert choice.config == colab.LORA_CONFIG and choice.overrides == ()  # splash attention, as auto picks
     assert colab.backend_problem(runtime, "tpu") is None
@@ -126,7 +154,7 @@ def test_cpu_runtime_and_the_quiet_tpu_variables(tmp_path):
     quiet = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "G2RL_JAX_QUIET_TPU": "TPU_ACCELERATOR_TYPE,TPU_WORKER_HOSTNAMES"}
     runtime = colab.detect(quiet, run=NO_GPU, dev=tmp_path)
     assert runtime == colab.Runtime("cpu")
-    assert colab.install_args(runtime) == ["install", "-q", "-e", "g2rl_jax"]
+    assert colab.install_args(runtime) == ["install", "--progress-bar", "off", "-e", "g2rl_jax"]
     assert colab.choose(runtime).config == colab.DEMO_CONFIG and colab.backend_problem(runtime, "cpu") is None
     with pytest.raises(ValueError, match="pick a T4, L4, A100 or TPU v5e-1 runtime"):
         colab.choose(runtime, "models/Qwen3-1.7B-Base")

@@ -318,7 +318,9 @@ def test_hugging_face_id_from_the_cache_and_one_line_when_absent(assets, tmp_pat
     cmd = [*_train_cmd(assets, tmp_path / "run", steps=1), "model.path=tiny-org/not-cached"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     _one_line_failure(done, "model.path: 'tiny-org/not-cached' is not a local directory, and as a Hugging Face id",
-                      "HF_HUB_OFFLINE=1", "huggingface-cli download tiny-org/not-cached")
+                      "HF_HUB_OFFLINE=1", "The hub said: LocalEntryNotFoundError: ",
+                      "set 'HF_HUB_OFFLINE=0' as environment variable.", "hf download tiny-org/not-cached",
+                      "huggingface_hub.snapshot_download('tiny-org/not-cached')")
 
 
 def test_the_bucket_served_no_429(gcs):

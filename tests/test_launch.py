@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
 TPU, GPU, SLURM = ROOT / "launch" / "tpu.sh", ROOT / "launch" / "gpu.sh", ROOT / "launch" / "slurm_example.sbatch"
 WORKER_SOURCE = ("${TPU_WORKER_ID:-$(curl -s -H 'Metadata-Flavor: Google' "
                  "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)}")
 BUCKET_SOURCE = ("${G2RL_JAX_BUCKET-$(curl -s -f -H 'Metadata-Flavor: Google' "
                  "http://metadata.google.internal/computeMetadata/v1/instance/attributes/g2rl-jax-bucket || true)}")
 
-FAKE = """#!{python}
+FAKE = """#!{python} -S
 import json, os, shlex, sys
 with open({record!r}, "a") as fh:
     fh.write(json.dumps({{"argv": shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
@@ -50,7 +51,7 @@ def fakes(tmp_path):
 
 def run(script, args, env, timeout=60, **kw):
     # tpu.sh execs python3, which is faked on PATH: run tpu.py with the real interpreter instead.
-    cmd = [sys.executable, str(ROOT / "launch" / "tpu.py"), *args] if script == TPU else [str(script), *args]
+    cmd = [sys.executable, "-S", str(ROOT / "launch" / "tpu.py"), *args] if script == TPU else [str(script), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
@@ -102,6 +103,33 @@ def test_dry_run_prints_exact_commands_and_runs_nothing(fakes):
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 1
     assert shlex.split(out.stdout)[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "g", "--zone", "z"]
     assert calls() == []
+
+
+def test_v5e_is_understood_as_v5litepod(fakes):
+    env, calls = fakes
+    out = run(TPU, ["create", "--name", "g", "--zone", "z", "--accelerator-type", "v5e-8", "--force", "--no-wait"], env)
+    assert out.returncode == 0, out.stderr
+    assert calls()[0]["argv"] == ("gcloud compute tpus queued-resources create g --node-id g --zone z "
+                                  "--accelerator-type v5litepod-8 --runtime-version v2-alpha-tpuv5-lite")
+
+
+BASE = ["--name", "g", "--zone", "z"]
+DRY = {  # every subcommand, as a user would call it
+    "create": ["--accelerator-type", "v5p-8", "--config", "c.yaml", "--bucket", "gs://b/d", "--spot"],
+    "setup": ["--repo", "r"], "train": ["--config", "c.yaml"], "python": ["--", "-m", "g2rl_jax.eval", "--help"],
+    "status": ["--bucket", "gs://b/d"], "logs": ["--follow"], "ssh": [], "delete": [],
+    "watch": ["--accelerator-type", "v5p-8", "--spot", "--bucket", "gs://b/d", "--repo", "r", "--config", "c.yaml",
+              "--delete-when-done"],
+}
+
+
+@pytest.mark.parametrize("subcommand", sorted(DRY))
+def test_dry_run_runs_nothing_anywhere(fakes, subcommand):
+    """--dry-run prints what it would run and runs nothing: no gcloud, no python (the fit check's either)."""
+    env, calls = fakes
+    out = run(TPU, [subcommand, *BASE, "--dry-run", *DRY[subcommand]], env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and calls() == []
 
 
 def _venv_python(checkout: Path, env: dict) -> None:
@@ -169,13 +197,14 @@ def test_train_command_on_all_workers(fakes):
                      "--worker=all"]
     assert command == (
         f"set -e; cd ~/g2rl_jax; mkdir -p logs; WORKER={WORKER_SOURCE}; BUCKET={BUCKET_SOURCE}; "
-        "CACHE=${BUCKET:+$BUCKET/jax_cache}; rm -f logs/worker-$WORKER.exit; "
+        "CACHE=${BUCKET:+$BUCKET/jax_cache}; rm -f logs/worker-$WORKER.exit logs/worker-$WORKER.pid; "
         "( trap '' HUP; trap true TERM; set +e; env -u JAX_PLATFORMS PYTHONUNBUFFERED=1 HF_HOME=/mnt/hf "
         ".venv/bin/python -m g2rl_jax.train --config configs/qwen3_4b_g2rl.yaml run.total_steps=3 mesh.tensor=2 "
         '${BUCKET:+"run.output_dir=$BUCKET/runs/g"} '
-        '"run.compilation_cache_dir=${CACHE:-~/.cache/g2rl_jax/jax}"; echo $? > logs/worker-$WORKER.exit ) '
-        "> logs/worker-$WORKER.log 2>&1 "
-        "< /dev/null & echo \"worker $WORKER: started, log $PWD/logs/worker-$WORKER.log\"")
+        '"run.compilation_cache_dir=${CACHE:-~/.cache/g2rl_jax/jax}"; echo $? > logs/worker-$WORKER.exit.tmp; '
+        "mv logs/worker-$WORKER.exit.tmp logs/worker-$WORKER.exit ) > logs/worker-$WORKER.log 2>&1 "
+        "< /dev/null & echo $! > logs/worker-$WORKER.pid; "
+        "echo \"worker $WORKER: started, log $PWD/logs/worker-$WORKER.log\"")
 
 
 def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
@@ -208,6 +237,7 @@ def test_train_script_runs_per_worker_with_its_own_log(fakes, tmp_path):
         while not (status.exists() and status.read_text()) and time.time() < deadline:
             time.sleep(0.1)
         assert log.read_text() == "fake python ran\n" and status.read_text() == "0\n"
+        assert (workdir / "logs" / f"worker-{worker}.pid").read_text().strip().isdigit()
 
 
 def test_create_bucket_points_the_run_and_the_compile_cache_there(fakes, tmp_path):
@@ -310,15 +340,17 @@ def test_gpu_sh_runs_one_process_over_the_chosen_gpus(fakes, tmp_path):
     out = run(GPU, ["--gpus", "0,1,2,3", "--mem-fraction", "0.85", "--log", str(log), "--config", "cfg.yaml",
                     "mesh.tensor=2", "run.total_steps=5"], {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--foo"})
     assert out.returncode == 0, out.stderr
-    (call,) = calls()
-    assert call["argv"] == "python -m g2rl_jax.train --config cfg.yaml mesh.tensor=2 run.total_steps=5"
-    assert call["env"] == {**dict.fromkeys(ENV_KEYS), "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
-                           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.85",
-                           "XLA_FLAGS": "--foo --xla_gpu_enable_latency_hiding_scheduler=true"}
+    check, train = calls()  # the GPU check first, with the environment the run gets
+    assert check["argv"].startswith("python -c ") and "jax.devices(\"gpu\")" in check["argv"]
+    assert train["argv"] == "python -m g2rl_jax.train --config cfg.yaml mesh.tensor=2 run.total_steps=5"
+    for call in (check, train):
+        assert call["env"] == {**dict.fromkeys(ENV_KEYS), "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+                               "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.85",
+                               "XLA_FLAGS": "--foo --xla_gpu_enable_latency_hiding_scheduler=true"}
     assert log.read_text() == "fake python ran\n"
 
 
-def test_gpu_sh_dry_run_and_exit_status(fakes):
+def test_gpu_sh_dry_run_and_exit_status(fakes, tmp_path):
     env, calls = fakes
     out = run(GPU, ["--dry-run", "--config", "c.yaml"], env)
     assert out.returncode == 0, out.stderr
@@ -326,7 +358,29 @@ def test_gpu_sh_dry_run_and_exit_status(fakes):
                                   "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
                                   "python -m g2rl_jax.train --config c.yaml")
     assert calls() == []
-    assert run(GPU, ["--config", "c.yaml"], {**env, "FAKE_EXIT": "3"}).returncode == 3
+    trainer = tmp_path / "exits3"  # passes the GPU check, then the run exits 3
+    trainer.write_text("#!/bin/sh\n[ \"$1\" = -c ] && echo 'gpu.sh: 1 GPU(s), fake' && exit 0\nexit 3\n")
+    trainer.chmod(0o755)
+    assert run(GPU, ["--config", "c.yaml"], {**env, "PYTHON": str(trainer)}).returncode == 3
+
+
+def test_gpu_sh_refuses_a_jax_that_cannot_use_a_gpu(fakes, tmp_path):
+    """--gpus with a CPU-only jax (no CUDA plugin), and with this environment's jax (its CUDA plugin, no GPU here):
+    one line each, exit 2, and no training starts (the old gpu.sh trained on the CPU without a word)."""
+    env, calls = fakes
+    cpu_only = tmp_path / "python-cpu-jax"  # this interpreter, with jax's CUDA plugins hidden
+    cpu_only.write_text(f"#!{sys.executable}\nimport sys\nsys.modules.update(jax_cuda12_plugin=None, "
+                        "jax_cuda13_plugin=None)\nassert sys.argv[1] == '-c'\nsys.argv = sys.argv[2:]\n"
+                        "exec(compile(sys.argv[0], '-c', 'exec'), {'__name__': '__main__'})\n")
+    cpu_only.chmod(0o755)
+    for python, line in ((cpu_only, f"gpu.sh: --gpus 0: the jax of {sys.executable} has no CUDA support (a CPU-only "
+                                    "jax): install the GPU build with pip install -e \".[cuda]\", then run again"),
+                         (sys.executable, f"gpu.sh: --gpus 0: the jax of {sys.executable} (jax_cuda12_plugin) cannot "
+                                          "use a GPU here: ")):
+        out = run(GPU, ["--gpus", "0", "--config", "c.yaml"], {**env, "PYTHON": str(python)}, timeout=120)
+        assert out.returncode == 2 and out.stderr.startswith(line), out.stderr
+        assert len(out.stderr.splitlines()) == 1 and out.stdout == ""
+    assert calls() == []
 
 
 @pytest.mark.parametrize("args,message", [
@@ -340,7 +394,7 @@ def test_gpu_sh_dry_run_and_exit_status(fakes):
 def test_gpu_sh_bad_input(fakes, args, message):
     env, calls = fakes
     out = run(GPU, args, env)
-    assert out.returncode == 2 and message in out.stderr and "usage" not in out.stdout
+    assert out.returncode == 2 and message in out.stderr and out.stdout == ""
     assert calls() == []
 
 
@@ -367,6 +421,13 @@ def test_slurm_example_passes_distributed_overrides_per_task(fakes, tmp_path):
     assert all(c["env"]["JAX_PLATFORMS"] is None and c["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"
                for c in runs)
     assert (tmp_path / "logs" / "slurm-42-host1.log").read_text() == "fake python ran\n"
+
+
+def test_slurm_log_is_written_where_sbatch_runs():
+    """sbatch opens --output before the job's script runs, so its directory must exist at submission: the job's
+    log goes to the directory sbatch runs in (no subdirectory), the per-host logs to logs/, which the job makes."""
+    outputs = [line.split("=", 1)[1] for line in SLURM.read_text().splitlines() if line.startswith("#SBATCH --output")]
+    assert outputs == ["%x-%j.out"] and "/" not in outputs[0]
 
 
 # ------------------------------------------------------------------------------------- create's fit check
@@ -404,7 +465,7 @@ def test_create_runs_the_fit_check_first_and_refuses_what_does_not_fit(fakes, tm
                        num_attention_heads=128, num_key_value_heads=8, head_dim=128)
     big = _tiny_config(tmp_path, wide)
     out = run(TPU, [*base, "--config", str(big)], env, timeout=600)
-    assert out.returncode == 1, (out.stdout, out.stderr[-3000:])
+    assert out.returncode == 2, (out.stdout, out.stderr[-3000:])
     assert "VERDICT: DOES NOT FIT on v5litepod-4" in out.stdout and "Change:" in out.stdout
     assert "no VM was created" in out.stderr and "--force" in out.stderr
     assert calls() == []
@@ -424,9 +485,91 @@ def test_create_needs_a_config_or_force_and_dry_run_prints_the_check(fakes, tmp_
     assert out.returncode == 2 and "--config FILE is required" in out.stderr and "--force" in out.stderr
     out = run(TPU, [*base, "--config", "c.yaml", "--dry-run", "run.seed=2"], env)
     assert out.returncode == 0, out.stderr
-    check, create, wait = out.stdout.splitlines()
+    which, check, create, wait = out.stdout.splitlines()
+    tried = ", ".join(dict.fromkeys([sys.executable, str(ROOT / ".venv" / "bin" / "python")]))  # one when they agree
+    assert which.startswith(f"# the fit check, run by the first of {tried} that has ") and "libtpu" in which
     assert wait.startswith("gcloud compute tpus queued-resources describe g")
     assert shlex.split(check)[1:] == ["-m", "g2rl_jax.plan", "--config", "c.yaml", "--target", "v5p-8", "--compile",
                                       "--programs", "largest", "run.seed=2"]
     assert create.startswith("gcloud compute tpus queued-resources create g")
     assert calls() == []
+
+
+FAKE_PLAN = """import os, sys, time
+print("plan: the report", flush=True)
+print("compiling 3 programs", file=sys.stderr, flush=True)
+gate = os.environ.get("FAKE_PLAN_GATE")
+while gate and not os.path.exists(gate):  # held until the test has seen the first line
+    time.sleep(0.05)
+ending = os.environ["FAKE_PLAN"]
+if ending == "traceback":
+    raise RuntimeError("a bug in the check")
+print({"fits": "VERDICT: FITS on v5p-8: ...", "no": "VERDICT: DOES NOT FIT on v5p-8: ...",
+       "unknown": "VERDICT: cannot tell, 1 program(s) did not compile; first: ..."}[ending], flush=True)
+sys.exit(0 if ending == "fits" else 1)
+"""
+
+
+def _checkout(tmp_path) -> Path:
+    """A checkout of launch/ and the exit codes' table, whose g2rl_jax.plan is FAKE_PLAN."""
+    root = tmp_path / "checkout"
+    (root / "g2rl_jax" / "control").mkdir(parents=True)
+    for name in ("tpu.py", "tpu_fit.py", "tpu_states.py", "tpu_watch.py"):
+        (root / "launch").mkdir(exist_ok=True)
+        (root / "launch" / name).write_text((ROOT / "launch" / name).read_text())
+    (root / "g2rl_jax" / "control" / "exits.py").write_text((ROOT / "g2rl_jax" / "control" / "exits.py").read_text())
+    (root / "g2rl_jax" / "__init__.py").write_text("")
+    (root / "g2rl_jax" / "plan.py").write_text(FAKE_PLAN)
+    return root
+
+
+def test_create_says_in_one_line_where_the_fit_cannot_be_checked(fakes, tmp_path):
+    """A python3 without the project (the launcher needs only python3 and gcloud), no .venv in the checkout: one
+    line saying why and how to check, exit 2, no VM; never "does not fit" (the old check printed a traceback and
+    then that)."""
+    env, calls = fakes
+    root = _checkout(tmp_path)
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    out = subprocess.run([str(bare / "bin" / "python"), str(root / "launch" / "tpu.py"), "create", *BASE,
+                          "--accelerator-type", "v5p-8", "--config", "c.yaml"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr == (f"tpu.py create: cannot check here that c.yaml fits v5p-8: {bare}/bin/python has no jax, "
+                          f"flax, libtpu; {root}/.venv/bin/python does not exist (libtpu installs on Linux x86-64 "
+                          f"only). Install the project with the TPU compiler (pip install -e '.[tpu]' in {root}) and "
+                          "run create again, or pass --force to create the VM without the check\n")
+    assert calls() == []
+
+
+@pytest.mark.parametrize("ending,code,message", [
+    ("fits", 0, None),
+    ("no", 2, "tpu.py create: c.yaml does not fit v5p-8 (the verdict above); no VM was created"),
+    ("unknown", 2, "tpu.py create: the fit check ended with status 1 before a verdict that c.yaml fits v5p-8 "
+                   "(VERDICT: cannot tell, 1 program(s) did not compile; first: ...); no VM was created"),
+    ("traceback", 2, "tpu.py create: the fit check ended with status 1 before a verdict that c.yaml fits v5p-8 (its "
+                     "output above says why); no VM was created"),
+])
+def test_create_shows_the_checks_progress_and_refuses_only_on_its_verdict(fakes, tmp_path, ending, code, message):
+    """The check's output shows as it comes (the test holds the check until tpu.py has printed its first line);
+    only a DOES NOT FIT verdict says so; a check that ended otherwise says it could not tell."""
+    env, calls = fakes
+    root, gate = _checkout(tmp_path), tmp_path / "gate"
+    proc = subprocess.Popen([sys.executable, str(root / "launch" / "tpu.py"), "create", *BASE, "--accelerator-type",
+                             "v5p-8", "--config", "c.yaml", "--no-wait"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**env, "FAKE_PLAN": ending, "FAKE_PLAN_GATE": str(gate)})
+    try:
+        assert proc.stdout.readline().startswith(f"checking that c.yaml fits v5p-8: {sys.executable} -m g2rl_jax.plan")
+        assert proc.stdout.readline() == "plan: the report\n"  # while the check still runs
+        gate.touch()
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, stderr
+    assert ("compiling 3 programs" in stderr) and ("does not fit" in stdout + stderr) == (ending == "no")
+    if message:
+        assert message in stderr and "--force" in stderr and calls() == []
+    else:
+        assert [c["argv"].split()[:5] for c in calls()] == [["gcloud", "compute", "tpus", "queued-resources",
+                                                             "create"]]

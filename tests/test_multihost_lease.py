@@ -1,6 +1,6 @@
 """A multi-host run whose run lock is taken over: process 0 holds the lease, and when its renewal finds the lock
 replaced it stops with one line. Every other process must stop with that line too, at once, not stall at its next
-collective waiting for process 0 (train/halt.py: the line goes through jax.distributed's key-value store). Two real
+collective waiting for process 0 (control/stop.py: the line goes through the run's key-value channel). Two real
 jax.distributed processes (CPU, gloo) running tests/lease_multihost_worker.py."""
 import json
 import os

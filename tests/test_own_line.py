@@ -4,7 +4,8 @@ import sys
 
 from tqdm import tqdm
 
-from g2rl_jax.train import halt, runlock
+from g2rl_jax.control import stop
+from g2rl_jax.train import runlock
 
 
 def _lines_while_a_bar_is_drawn(say, capsys) -> list[str]:
@@ -21,7 +22,7 @@ def test_the_lease_warning_starts_its_own_line_under_a_progress_bar(capsys):
 
 
 def test_the_stop_line_starts_its_own_line_under_a_progress_bar(capsys):
-    lines = _lines_while_a_bar_is_drawn(lambda: halt.print_own_line("the run stops"), capsys)
+    lines = _lines_while_a_bar_is_drawn(lambda: stop.print_own_line("the run stops"), capsys)
     assert "the run stops" in lines, lines
 
 

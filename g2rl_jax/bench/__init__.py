@@ -23,4 +23,5 @@ BENCHMARKS = {
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
     "async": "g2rl_jax.bench.ahead",       # rollout ahead of the update (k = 0, 1, 2) vs colocated, side by side
     "async_sides": "g2rl_jax.bench.async_sides",  # one process per side: the weight sync's seconds and bytes
+    "channel": "g2rl_jax.bench.channel",   # the key-value channel between two processes: MB/s of a large value
 }

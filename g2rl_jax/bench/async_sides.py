@@ -9,9 +9,9 @@ the rollout mesh (parallel.side_meshes), the others the training mesh; `--pin` p
 training side builds a random Qwen3 (`--model`: the demo's architecture, `tiny`, or a preset such as
 qwen3-0.6b), then `--pushes` times changes its params (one jitted step on the training mesh) and pushes them
 (train/weight_sync.SideSync); after each push every rollout process computes the logits of a fixed batch on its
-mesh with the params it received, and checks them against the training side's, sent through jax.distributed's
-key-value store. It prints one JSON line: bytes per push, seconds per push (on the rollout side, from both sides
-meeting to the arrival), and the largest logit difference.
+mesh with the params it received, and checks them against the training side's, sent through the run's key-value
+channel (control/channel.py). It prints one JSON line: bytes per push, seconds per push (on the rollout side, from
+both sides meeting to the arrival), and the largest logit difference.
 
 Each process runs `python -m g2rl_jax.bench.async_sides --worker I PORT ...` (tests/test_async_sides.py uses it).
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import sys
 import time
 
@@ -64,6 +63,7 @@ def worker(a) -> None:
 
     from g2rl_jax import parallel
     from g2rl_jax.config import DistributedConfig, MeshConfig
+    from g2rl_jax.control import channel
     from g2rl_jax.model import Qwen3
     from g2rl_jax.model.config import RuntimeConfig
     from g2rl_jax.train.weight_sync import SideSync, enable_cross_host_transfers, shardings_on
@@ -96,13 +96,13 @@ def worker(a) -> None:
             logits = parallel.gather(forward(nnx.merge(graphdef, params), parallel.global_rows(train_mesh, ids[
                 parallel.process_rows(train_mesh, BATCH[0])], BATCH[0])))
             if process_id == 0:
-                client.key_value_set_bytes(f"sides/logits/{v}", pickle.dumps(logits))
+                channel.default().put(f"bench/logits/{v}", np.asarray(logits))
         client.wait_at_barrier(f"sides/push/{v}", WAIT_MS)  # both sides meet: the push's seconds start here
         received = sync.push(params if training else abstract)
         if not training:
             x = jax.device_put(ids, parallel.batch_sharding(rollout_mesh))
             got = forward(nnx.merge(graphdef, received), x)
-            want = pickle.loads(client.blocking_key_value_get_bytes(f"sides/logits/{v}", WAIT_MS))  # noqa: S301
+            want = channel.default().get(f"bench/logits/{v}", schema=np.ndarray, timeout_s=WAIT_MS / 1000)
             diff = max(float(np.max(np.abs(np.asarray(s.data) - want[s.index]))) for s in got.addressable_shards)
             figures.append((sync.seconds, diff))
     client.wait_at_barrier("sides/done", WAIT_MS)

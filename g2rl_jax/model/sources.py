@@ -7,7 +7,8 @@ model.lora.init_from, --model-path) into a local directory, before any model loa
   and read slice by slice (model/hf_io.py: each device's slice of each tensor), which costs a request per slice on
   an object store and nothing extra on a local disk; the tokenizer loads from a local directory too;
 - a Hugging Face id (`org/name`, not a local directory): huggingface_hub's snapshot in its cache (HF_HOME), downloaded
-  there on first use; with HF_HUB_OFFLINE=1 only the cache is read. Neither there nor downloadable: one line. The
+  there on first use; with HF_HUB_OFFLINE=1 only the cache is read. Neither there nor downloadable: one line that
+  quotes the hub's error whole and names `hf download ORG/NAME` and huggingface_hub.snapshot_download. The
   cache is content-addressed already (`snapshots/<commit>`, files written under its own file locks), so processes
   that fetch the same commit at once share it. `hub_commit` names the commit a revision (a branch, a tag, "" for
   main) resolves to; the trainer records it as model.revision (train/lifecycle.pin_revision) so every resume loads
@@ -58,8 +59,15 @@ def hub_snapshot(repo_id: str, key: str, revision: str = "") -> str:
         return snapshot_download(repo_id, revision=revision or None, allow_patterns=HUB_FILES)
     except (OSError, ValueError) as err:  # not cached and offline, no such repository, gated, no network
         offline = " (HF_HUB_OFFLINE=1: the cache only)" if constants.HF_HUB_OFFLINE else ""
-        reason = " ".join(str(err).split())[:200]
-        fetch = f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise ConfigError(f"{key}: {repo_id!r} is not a local directory, and as a Hugging Face id{at} it is neither in "
-                          f"the cache {constants.HF_HUB_CACHE}{offline} nor downloadable ({reason}); fetch it with "
-                          f"`{fetch}` where there is network, or point {key} at a model directory") from None
+                          f"the cache {constants.HF_HUB_CACHE}{offline} nor downloadable. The hub said: "
+                          f"{type(err).__name__}: {' '.join(str(err).split())} Fetch it into that cache where there "
+                          f"is network: {fetch_commands(repo_id, revision)}; or point {key} at a model "
+                          "directory") from None
+
+
+def fetch_commands(repo_id: str, revision: str = "") -> str:
+    """The two ways to put a hub model in the cache: huggingface_hub's command line and its Python call."""
+    cli = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+    call = f"huggingface_hub.snapshot_download({repo_id!r}" + (f", revision={revision!r}" if revision else "") + ")"
+    return f"`{cli}` (or in Python `{call}`)"

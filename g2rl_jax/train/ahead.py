@@ -15,14 +15,16 @@ AReaL, Fu et al. 2025, uses the same split). Φ and novelty come from that score
 Checkpoints. The sampler stands in for the data iterator the Checkpointer saves (`get_state` / `set_state`).
 After step t the checkpoint holds the params of version t+1; the samples of steps t+1 … t+k were drawn from
 older versions, which the checkpoint does not hold, so they are saved with it (waiting for them if still in
-flight), beside the iterator position before step t+k+1's draw. A resumed run takes those samples, and redraws
-everything later from the checkpointed params, RNG key and iterator position.
+flight), beside the iterator position before step t+k+1's draw, as JSON plus arrays (control/wire.py): read back,
+every field is checked and nothing is unpickled (a pickle planted in the file is refused in one line). A resumed
+run takes those samples, and redraws everything later from the checkpointed params, RNG key and iterator
+position.
 
 Several processes. Each process's rollout mesh is its own devices (parallel.split_meshes) and samples its block
 of the step's prompts: the driver thread runs no device collective across processes, whose order against the
 trainer's collectives could differ between processes and hang them. What the processes must agree on before a
-rollout (the prompt bucket, dynamic sampling's correctness) goes host to host through jax.distributed's key-value
-store (`exchange`).
+rollout (the prompt bucket, dynamic sampling's correctness) goes host to host through the run's key-value channel
+(`exchange`, control/channel.py).
 
 A step's samples in blocks (also train/sides.py's, whose rollout and training meshes split the rows in blocks of
 their own): `joined` puts the rollout blocks together, `block_of` cuts a training process's block out, and
@@ -33,9 +35,8 @@ with the next one.
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
-import pickle
+import math
 import threading
 import time
 from typing import Any
@@ -43,10 +44,20 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax._src import distributed
 
+from g2rl_jax.control import channel, stop, wire
+from g2rl_jax.data.datasets import Example
+from g2rl_jax.rewards.scoring import RewardResult
+from g2rl_jax.rollout.generate import Rollout
 from g2rl_jax.train.sampling_rounds import picked
 from g2rl_jax.train.weight_sync import WeightSync
+
+SAMPLE_KINDS = (Example, Rollout, RewardResult)
+# a step's samples as SamplingRounds._sample returns them: examples, rollout, texts, rewards, rollout seconds, and
+# each round's correctness (dynamic sampling)
+Sample = tuple[list[Example], Rollout, list[str], RewardResult, float, list[np.ndarray]]
+# what get_state saves beside the position: the samples drawn ahead by step, with the version and seconds of each
+PENDING = dict[int, tuple[Sample, int, float]]
 
 
 class _Closed(Exception):
@@ -119,7 +130,7 @@ class Rounds:
     global correctness. The rounds went on as the whole batch decides (one block), and the trainer picks the
     groups from the joined rounds (sampling_rounds.picked): the choice of one process holding the whole mesh."""
 
-    rounds: list[tuple]
+    rounds: list[tuple[list[Example], Rollout, list[str], RewardResult]]
     seconds: float
     correct: list[np.ndarray]
 
@@ -145,16 +156,22 @@ def lag_figures(step: int, drawn: Drawn, waited: float, rollout_idle: float) -> 
     return (examples, rollout, texts, scored, waited, sampled_correct), figures
 
 
-def saved(position, pending: dict[int, Drawn]) -> dict[str, str]:
-    """What `get_state` saves: the data-iterator position and the samples drawn ahead by step."""
-    return {"ahead": _encode((position, {s: (d.sample, d.version, d.seconds) for s, d in pending.items()}))}
+def saved(position, pending: dict[int, Drawn]) -> dict[str, Any]:
+    """What `get_state` saves in each process's data-iterator file (a JSON file of the checkpoint): the
+    data-iterator position and the samples drawn ahead by step, as JSON plus arrays (control/wire.py)."""
+    return {"ahead": wire.to_json((position, {s: (d.sample, d.version, d.seconds) for s, d in pending.items()}))}
 
 
-def restored(state) -> tuple[Any, dict[int, Drawn]]:
-    """(data-iterator position, samples drawn ahead by step) of what `get_state` saved; a plain iterator state,
-    from a run without a sampler ahead, is taken as the position."""
+def restored(state, where: str = "the samples drawn ahead") -> tuple[Any, dict[int, Drawn]]:
+    """(data-iterator position, samples drawn ahead by step) of what `get_state` saved, every field checked
+    (wire.Refused, naming `where`, for anything else: a pickle planted in the file, or the pickled state older
+    versions wrote); a plain iterator state, from a run without a sampler ahead, is taken as the position."""
     if isinstance(state, dict) and set(state) == {"ahead"}:
-        position, pending = _decode(state["ahead"])
+        if isinstance(state["ahead"], str):
+            raise wire.Refused(f"{where}: pickled (what versions before 2026-11-29 wrote, or a payload planted in "
+                               "the file); refused, nothing in it was run: resume this run with the "
+                               "version that wrote it, or start it anew in another run.output_dir")
+        position, pending = wire.from_json(state["ahead"], SAMPLE_KINDS, tuple[Any, PENDING], where)
         return position, {s: Drawn(*v) for s, v in pending.items()}
     return state, {}
 
@@ -248,32 +265,27 @@ class AheadSampler:
                 self._cond.notify_all()
 
     def exchange(self, name: str, value, block: int) -> list[np.ndarray]:
-        """Every process block's `value` in block order (each block once), on every process, through
-        jax.distributed's key-value store: host to host. The driver thread issues no device collective across
-        processes: its order against the trainer's could differ between processes and hang both."""
-        client, key = distributed.global_state.client, f"g2rl_ahead/{name}"
+        """Every process block's `value` in block order (each block once), on every process, through the run's
+        key-value channel: host to host. The driver thread issues no device collective across processes: its
+        order against the trainer's could differ between processes and hang both."""
+        ch, key = channel.default(), f"ahead/{name}"
         mine = f"{key}/{jax.process_index()}"
-        client.key_value_set_bytes(mine, pickle.dumps((block, np.asarray(value))))
+        ch.put(mine, (block, np.asarray(value)))
         by_block: dict[int, np.ndarray] = {}
         for process in range(jax.process_count()):
-            b, v = pickle.loads(self._get(client, f"{key}/{process}"))  # noqa: S301 - this run's own processes
+            try:  # no bound: a closed sampler (the trainer's end) or a gone process's stop ends the wait
+                b, v = ch.get(f"{key}/{process}", schema=tuple[int, np.ndarray], timeout_s=math.inf,
+                              ended=lambda: True if self._closing else None)
+            except channel.Ended:
+                raise _Closed(key) from None
+            except wire.Refused as err:
+                stop.refuse(err)
             by_block.setdefault(b, v)
         # every process set this key after reading all of the previous exchange's: that one can go
         if self._held is not None:
-            client.key_value_delete(self._held)
+            ch.delete(self._held)
         self._held = mine
         return [by_block[b] for b in sorted(by_block)]
-
-    def _get(self, client, key: str) -> bytes:
-        """The value of `key` once another process has set it; stops when the trainer closes the sampler."""
-        while True:
-            try:
-                return client.blocking_key_value_get_bytes(key, 1000)
-            except jax.errors.JaxRuntimeError as err:
-                if "DEADLINE_EXCEEDED" not in str(err):
-                    raise
-                if self._closing:
-                    raise _Closed(key) from None
 
     def _wait(self, done) -> None:
         while not done() and self._error is None:
@@ -333,12 +345,3 @@ class AheadSampler:
         position, self._drawn = restored(state)
         self.loader.set_state(position)
 
-
-def _encode(value) -> str:
-    """A Python value (iterator state, samples: numpy arrays, lists, dataclasses) as ASCII text for the
-    checkpoint's JSON file."""
-    return base64.b64encode(pickle.dumps(value)).decode("ascii")
-
-
-def _decode(text: str):
-    return pickle.loads(base64.b64decode(text))  # noqa: S301 - the run's own checkpoint

@@ -50,6 +50,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from g2rl_jax import parallel, storage
+from g2rl_jax.control import wire
 from g2rl_jax.train import halt, identity
 
 CHECKPOINT_DIR = "checkpoints"
@@ -255,7 +256,11 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardRestore(abstract), DATA_ITEM: IteratorStateRestore()}))
-        data_iter.set_state(restored[DATA_ITEM])
+        try:
+            data_iter.set_state(restored[DATA_ITEM])
+        except wire.Refused as err:  # a value that is not ours (control/wire.py): the line names the file
+            raise wire.Refused(f"{_process_file(self._manager.directory / str(step) / DATA_ITEM)}: "
+                               f"{err}") from None
         return restored[STATE_ITEM]
 
     def restore_newest(self, abstract_state: Any, data_iter: IteratorWithState) -> tuple[int | None, Any]:
@@ -274,8 +279,9 @@ class Checkpointer:
                                           f"because the storage did not answer ({reason}); nothing was moved: run "
                                           "the same command again when the storage answers") from err
                 failed.append((step, reason))
-                print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
-                      "trying the previous one", file=sys.stderr, flush=True)
+                if step != steps[-1]:  # the last one's reason is in the error below: one line says it
+                    print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
+                          "trying the previous one", file=sys.stderr, flush=True)
                 continue
             self._set_aside([s for s, _ in failed])
             return step, state

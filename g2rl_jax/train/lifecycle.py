@@ -5,7 +5,8 @@
   optim, seeds), listed old -> new; the trainer refuses them unless run.allow_config_change=true.
 - `append_history`: every start appends its resolved config to `<run>/config_history.jsonl`.
 - `StopSignal`: SIGTERM (preemption) ends the run within run.preempt_grace_seconds: the step in progress is finished
-  and checkpointed when its measured time fits the grace, else abandoned at once (the last checkpoint stands).
+  and checkpointed when its measured time fits the grace, else abandoned at once (the last checkpoint stands), the
+  abandon announced on control/stop.py's one stop path so that every other process of the run ends with it.
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ from typing import Any
 
 from g2rl_jax import storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, load_config, to_dict
+from g2rl_jax.control import stop
+from g2rl_jax.control.exits import Exit
 from g2rl_jax.train import halt
 
 HISTORY_FILE = "config_history.jsonl"
-PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
+PREEMPTED_EXIT = Exit.PREEMPTED  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
 # keys that change how or how long the run is carried out or what it reports, never what a step computes
 FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
              "run.allow_config_change", "run.compilation_cache_dir", "run.lock_lease_seconds", "data.eval_datasets",
@@ -108,6 +111,7 @@ def append_history(cfg: Config, run_dir, **facts: Any):
 
 # ------------------------------------------------------------------------------------------------ signals
 SAVE_SHARE = 0.2  # the share of the grace kept for the checkpoint of a step finished after SIGTERM
+STOP_LAST_S = 1.0  # the least an abandon gives the run's other processes to have its line
 
 
 class Preempted(BaseException):
@@ -130,7 +134,8 @@ class StopSignal:
     waits on the accelerator) and decides with `step_fits`:
     - the step in progress fits the grace: `requested` is set, the loop stops after it and saves its checkpoint;
     - it does not (or no step has been timed yet): the step is abandoned at once: `on_abandon` (wait for a save in
-      flight, release the run lock) and the process exits with PREEMPTED_EXIT, the last checkpoint intact.
+      flight, release the run lock) and the process exits with PREEMPTED_EXIT, the last checkpoint intact; in a run
+      of several processes the others end with it and its line (stop.stop_everywhere).
     Either way the process exits at the deadline if it still runs then, and a second SIGTERM abandons at once.
     The loop reports its steps with `begin_step` and `end_step`."""
 
@@ -143,7 +148,7 @@ class StopSignal:
         self._previous = None
         self._wakeup = self._pipe = None
         self._thread = None
-        self._peers, self._quiet = halt.PeerWatch(), halt.StoreTracebacksOff()
+        self._peers, self._quiet = stop.Watch(), halt.StoreTracebacksOff()
 
     def begin_step(self) -> None:
         self.step_started = time.monotonic()
@@ -163,8 +168,10 @@ class StopSignal:
         self.requested = True  # the watchdog decides the rest; without one (no wakeup fd) the step is finished
 
     def _exit(self, why: str, timeout: float) -> None:
-        """Say why, run on_abandon for at most `timeout` seconds, and end the process."""
-        print(why, file=sys.stderr, flush=True)
+        """Say why, run on_abandon for at most `timeout` seconds, and end the process (and the run's other
+        processes, told within what is left of the grace, at least STOP_LAST_S)."""
+        stop.print_own_line(why)
+        ends = time.monotonic() + max(timeout, 0.0)
         helper = threading.Thread(target=self._on_abandon, daemon=True)
         helper.start()
         helper.join(max(timeout, 0.0))
@@ -172,8 +179,7 @@ class StopSignal:
             print(f"the {self.grace:g} s grace (run.preempt_grace_seconds) is over before the run lock could be "
                   "released; exiting now, the next launch takes the lock of this dead process over",
                   file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(PREEMPTED_EXIT)
+        stop.stop_everywhere(why, PREEMPTED_EXIT, say=False, within=max(ends - time.monotonic(), STOP_LAST_S))
 
     def _watch(self) -> None:
         deadline = None
@@ -206,7 +212,7 @@ class StopSignal:
                        f"({measured}); abandoning it, the last checkpoint stands", timeout=deadline - now)
 
     def __enter__(self) -> StopSignal:
-        self._peers.__enter__()  # multi-host: another process that stops at once (train/halt.py) stops this one
+        self._peers.__enter__()  # multi-host: another process that stops at once (control/stop.py) stops this one
         self._quiet.__enter__()  # a storage failure's tracebacks left out of the clients' log records (halt.py)
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)

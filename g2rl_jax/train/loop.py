@@ -60,6 +60,7 @@ from g2rl_jax.train.setup import (
     embed_texts,
     eval_examples,
     load_model,
+    load_rows,
     on_mesh,
     preflight,
     prompt_lengths,
@@ -126,6 +127,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         from g2rl_jax.data.tokenizer import load_tokenizer
 
         check_loggers(given.run.loggers)
+        train_rows, eval_rows = load_rows(given)  # cheap checks first: a bad row is one line before any model resolves
         found = latest_step(self.run_dir)
         given = pin_revision(given, self.run_dir, resuming=found is not None)  # a hub id's commit, kept by resumes
         if found is not None:
@@ -150,8 +152,8 @@ class Trainer(SamplingRounds, UpdateRounds):
                 check_function(self.reward_cfg.function, cfg.reward.timeout)
             except ValueError as err:
                 raise ConfigError(f"reward.function: {err}") from None
-        examples, dropped = usable_examples(cfg, self.tokenizer)
-        self.eval_sets, eval_dropped = eval_examples(cfg, self.tokenizer)
+        examples, dropped = usable_examples(cfg, self.tokenizer, train_rows)
+        self.eval_sets, eval_dropped = eval_examples(cfg, self.tokenizer, eval_rows)
         # a few prompt shapes per run, whatever prompts a step draws (train/warmup.py: a run compiles once)
         train_lengths = prompt_lengths([examples], self.tokenizer, cfg.data)
         self.eval_prompt_len = bucket(int(max(prompt_lengths(self.eval_sets.values(), self.tokenizer, cfg.data),

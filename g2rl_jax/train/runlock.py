@@ -8,7 +8,7 @@ the delete; locally the same under an flock, g2rl_jax.storage), so of any number
 lock renewed meanwhile is never replaced. A holder whose renewal finds the lock changed has been taken over: it
 prints one line and ends at once (exit LEASE_LOST_EXIT), writing nothing more; one whose renewals fail for a whole
 lease (the store does not answer) ends the same way (exit halt.STORAGE_FAILED_EXIT). In a multi-host run every
-process then stops with that line (train/halt.py), none stalls at the next collective.
+process then stops with that line (control/stop.py), none stalls at the next collective.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Any
 
 from g2rl_jax import storage
 from g2rl_jax.config import ConfigError
+from g2rl_jax.control import stop
 from g2rl_jax.train import halt
 
 LOCK_FILE = "run.lock"
@@ -32,7 +33,7 @@ LEASE_LOST_EXIT = 3  # a trainer whose run lock another trainer took over
 
 def _warn(message: str) -> None:
     """A warning on stderr on a line of its own (the renewal thread warns while the progress bar is drawn)."""
-    halt.print_own_line(f"warning: {message}")
+    stop.print_own_line(f"warning: {message}")
 
 
 # ------------------------------------------------------------------------------------------------ the lock
@@ -144,7 +145,7 @@ class _Lease:
         stops (every process of the run), with one line naming the URL and the likely cause."""
         from g2rl_jax import storage_clients
 
-        halt.stop_everywhere(
+        stop.stop_everywhere(
             f"train error: run.output_dir: could not renew the lease on {self.path} for {seconds:.0f} s, its whole "
             f"lease ({storage_clients.explain(self.path, err, 'gcsfs')}); another trainer may take the run over now, "
             "so this one stops, writing nothing more. Kept: the checkpoints already committed (a save in flight is "
@@ -156,7 +157,7 @@ class _Lease:
             holder = _parse(storage.read_versioned(self.path)[0])
         except Exception:  # noqa: BLE001 - only names the new holder in the line below
             holder = {}
-        halt.stop_everywhere(f"run lock lost: {self.path} was taken over ({_who(holder) if holder else 'or deleted'}) "
+        stop.stop_everywhere(f"run lock lost: {self.path} was taken over ({_who(holder) if holder else 'or deleted'}) "
                              f"because this trainer had not renewed its lease of {self.lease_s:g} s in time; stopping "
                              "now, writing nothing more", LEASE_LOST_EXIT)
 

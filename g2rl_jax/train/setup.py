@@ -203,10 +203,18 @@ def _report_dropped(key: str, name: str, total: int, dropped: int, limit: int) -
               "tokens and are left out", flush=True)
 
 
-def usable_examples(cfg: Config, tokenizer) -> tuple[list, int]:
+def load_rows(cfg: Config) -> tuple[list, dict[str, list]]:
+    """(the rows of data.train_dataset, {name: rows} of data.eval_datasets when the run validates), each row read and
+    checked: a bad one is a ConfigError naming the key, the file and the line. The trainer reads them first, before
+    any model resolves or downloads, so a bad row costs seconds."""
+    evals = {name: load_examples(name, cfg.data) for name in cfg.data.eval_datasets} if cfg.run.eval_every else {}
+    return load_examples(cfg.data.train_dataset, cfg.data), evals
+
+
+def usable_examples(cfg: Config, tokenizer, examples: list | None = None) -> tuple[list, int]:
     """(the training examples whose prompt fits data.max_prompt_tokens, the number dropped); a clear error when
-    too few fit. The number dropped is printed."""
-    examples = load_examples(cfg.data.train_dataset, cfg.data)
+    too few fit. The number dropped is printed. `examples`: the rows load_rows read (None: read them now)."""
+    examples = load_examples(cfg.data.train_dataset, cfg.data) if examples is None else examples
     kept, dropped = length_filter(examples, tokenizer, cfg.data)
     _report_dropped("data.train_dataset", cfg.data.train_dataset, len(examples), dropped, cfg.data.max_prompt_tokens)
     if len(kept) < cfg.data.prompts_per_step:
@@ -216,11 +224,13 @@ def usable_examples(cfg: Config, tokenizer) -> tuple[list, int]:
     return kept, dropped
 
 
-def eval_examples(cfg: Config, tokenizer) -> tuple[dict[str, list], dict[str, int]]:
-    """({name: examples}, {name: dropped}) of data.eval_datasets under the training length filter."""
+def eval_examples(cfg: Config, tokenizer, rows: dict[str, list] | None = None) -> tuple[dict[str, list],
+                                                                                         dict[str, int]]:
+    """({name: examples}, {name: dropped}) of data.eval_datasets under the training length filter; `rows`: the
+    rows load_rows read (None: read them now)."""
     sets, dropped = {}, {}
     for name in cfg.data.eval_datasets if cfg.run.eval_every else ():
-        examples = load_examples(name, cfg.data)
+        examples = load_examples(name, cfg.data) if rows is None else rows[name]
         sets[name], dropped[name] = length_filter(examples, tokenizer, cfg.data)
         _report_dropped("data.eval_datasets", name, len(examples), dropped[name], cfg.data.max_prompt_tokens)
         if not sets[name]:

@@ -18,14 +18,16 @@ min(s, k) whatever the timing, so the run equals the one-process split run. What
   socket transfer on CPU, the TPU runtime's transfer on TPU), every process of both sides taking part; the
   training mesh first all-gathers each array when it is sharded over several processes. Each version the training
   side's first process publishes is announced
-  under `g2rl_sides/version/V` in jax.distributed's key-value store (with the prompt buckets the trainer's warm-up
-  chose, which the rollout then pads to), and moved if the rollout still needs it (V + k < total steps).
-- the samples, rollout → training: each step's (prompts, Rollout, texts, rewards, ...) as pickled host values
-  under `g2rl_sides/sample/S/B`, one per batch block B of the rollout mesh (`joined` in block order by the
-  trainer), with the data-iterator position before and after its draw. They are Python objects (texts, reward
-  records), not arrays. Every training process reads each; the last to read it deletes it.
-- the start: the trainer's first step, data-iterator position and samples restored from its checkpoint, under
-  `g2rl_sides/start`: the rollout process holds no state of its own, and a resumed run redraws from there.
+  under `sides/version/V` of the key-value channel (with the prompt buckets the trainer's warm-up chose, which the
+  rollout then pads to), and moved if the rollout still needs it (V + k < total steps).
+- the samples, rollout → training: each step's (prompts, Rollout, texts, rewards, ...) as JSON plus arrays
+  (control/wire.py, checked against their schema when read) under `sides/sample/S/B` of the run's key-value channel
+  (control/channel.py: large values in chunks), one per batch block B of the rollout mesh (`joined` in block order
+  by the trainer), with the data-iterator position before and after its draw. Every training process reads each;
+  the last to read it deletes it.
+- the start: the trainer's first step, data-iterator position and the steps of the samples restored from its
+  checkpoint, under `sides/start`: the rollout process holds no state of its own, and a resumed run redraws from
+  there.
 
 Each side's host collectives (checkpoint barriers, the stop flag, the warm-up's choice, the shared-directory check,
 gathers) then involve its own processes only (parallel.side_processes, parallel.allgather), and neither runs a
@@ -33,8 +35,8 @@ program of the other's devices: the device_put of each version is the one operat
 checkpoints with Orbax on its processes only (`active_processes`): host copies of the arrays with one training
 process, the global arrays with several; each training process writes its own data-iterator file.
 
-When one side ends or dies: train/sides_store.py (the key-value store's keys, the trainer's stop, the rollout
-processes' leases, and the exit codes).
+When one side ends or dies: train/sides_store.py (the messages, the trainer's end, the rollout processes' leases,
+and the exit codes) and control/stop.py.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import parallel
+from g2rl_jax.control import channel, stop
+from g2rl_jax.control.exits import Exit
 from g2rl_jax.model import lora
 from g2rl_jax.train import halt
 from g2rl_jax.train import sides_store as store
@@ -63,7 +67,7 @@ def _needed(version: int, first: int, k: int, total: int) -> bool:
 
 
 def _host(sample: tuple) -> tuple:
-    """A step's samples with every array on the host (they cross to the other process pickled)."""
+    """A step's samples with every array on the host (they cross to the other process as JSON plus arrays)."""
     return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, sample)
 
 
@@ -93,7 +97,7 @@ class RemoteSampler:
     def _start(self, step: int) -> None:
         self._first = self._taken = step
         if jax.process_index() == 0:  # the training processes hold the same position and samples
-            store.put("start", (step, self.loader.get_state(), sorted(self._drawn)))
+            store.put_start(step, self.loader.get_state(), sorted(self._drawn))
         self.publish(step, self.trainer.params)
 
     def publish(self, version: int, params) -> None:
@@ -101,7 +105,7 @@ class RemoteSampler:
         of both sides) if the rollout still draws with it."""
         needed = _needed(version, self._first, self.k, self.total)
         if jax.process_index() == 0:
-            store.put(f"version/{version}", (needed, self.trainer.warmup.prompts))
+            store.put_version(version, needed, self.trainer.warmup.prompts)
         if needed:
             self.sync.push(lora.trainable(params))
 
@@ -109,22 +113,14 @@ class RemoteSampler:
         if step not in self._drawn:
             parts, blocks = [], 1
             while len(parts) < blocks:  # block 0 says how many blocks the rollout mesh drew the step in
-                sample, version, seconds, before, after, idle, blocks = self._read(f"sample/{step}/{len(parts)}")
+                sample, version, seconds, before, after, idle, blocks = store.read_block(step, len(parts),
+                                                                                         self.trainers)
                 parts.append((sample, seconds, idle))
             whole = whole_step([p[0] for p in parts], self.trainer.cfg.rollout.num_samples)
             self._drawn[step] = Drawn(whole, version, max(p[1] for p in parts))
             self._before[step], self._before[step + 1] = before, after  # every block's loader moves alike
             self._idle[step] = max(p[2] for p in parts)
         return self._drawn[step]
-
-    def _read(self, key: str):
-        """The value of `key` (a block of a step's samples), which every training process reads: the last of them
-        to read it deletes it (the store holds each once)."""
-        value = store.get(key)
-        if store.client().key_value_increment(f"{store.PREFIX}/read/{key}", 1) == self.trainers:
-            store.client().key_value_delete(f"{store.PREFIX}/{key}")
-            store.client().key_value_delete(f"{store.PREFIX}/read/{key}")
-        return value
 
     def take(self, step: int) -> tuple[tuple, dict[str, float]]:
         """This process's block of step `step`'s samples, and the step's lag and wait figures (as
@@ -143,16 +139,15 @@ class RemoteSampler:
         return {"weight_sync_seconds": self.sync.seconds, "weight_sync_bytes": float(self.sync.bytes)}
 
     def close(self) -> None:
-        """Tell the rollout process that the trainer ends (after which step, and with which exit code), then wait
-        until it has every version pushed (the trainer holds their buffers until then)."""
+        """Tell the rollout processes that the trainer ends (after which step, and with the exit code the trainer's
+        process ends with: done, SIGTERM, or the error on its way out), then wait until they have every version
+        pushed (the trainer holds their buffers until then)."""
         if self._closed:
             return
         self._closed = True
         self.lease.stop()
-        from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
-
-        code = (0 if self.trainer.step >= self.total else PREEMPTED_EXIT if self.trainer.preempted
-                else store.ENDED_EARLY_EXIT)
+        code = (Exit.DONE if self.trainer.step >= self.total else Exit.PREEMPTED if self.trainer.preempted
+                else store.trainer_code(sys.exc_info()[1]))
         store.end_rollout(self.trainer.step, code)
         if self._first is not None:
             self.sync.wait()
@@ -231,16 +226,17 @@ class RolloutSide(SamplingRounds):
         which)."""
         try:
             self._draw_all()
-        except store.TrainerEnded as ended:
-            step, code = ended.args[0]
-            print(f"the trainer ended after step {step} of {self.cfg.run.total_steps} (its log says why): this "
-                  "rollout process ends too; relaunch both processes together", file=sys.stderr, flush=True)
-            return code
-        return 0
+        except channel.Ended as ended:
+            end = ended.reason
+            print(f"the trainer ended after step {end.step} of {self.cfg.run.total_steps} (its log says why): this "
+                  f"rollout process ends too, with its exit code {end.code}; relaunch both processes together",
+                  file=sys.stderr, flush=True)
+            return end.code
+        return Exit.DONE
 
     def _draw_all(self) -> None:
         k, total = self.cfg.rollout.max_staleness, self.cfg.run.total_steps
-        first, position, pending = store.get("start", store.trainer_ended)
+        first, position, pending = store.get_start()
         self.loader.set_state(position)
         floor = first if not pending else 0
         versions: dict[int, nnx.State] = {}
@@ -250,7 +246,7 @@ class RolloutSide(SamplingRounds):
             nonlocal arrived
             while arrived < version:
                 arrived += 1
-                needed, prompts = store.get(f"version/{arrived}", store.trainer_ended)
+                needed, prompts = store.get_version(arrived)
                 if prompts is not None:
                     self.warmup.prompts = prompts
                 if needed:
@@ -267,8 +263,8 @@ class RolloutSide(SamplingRounds):
             t0 = time.perf_counter()
             sample = self._sample(step)  # this block's rows (the rollout mesh samples the batch together)
             if self.sends:  # the first process of each block sends it
-                store.put(f"sample/{step}/{self.block}", (sample, version, time.perf_counter() - t0, before,
-                                                     self.loader.get_state(), idle, self.blocks))
+                store.put_block(step, self.block, (sample, version, time.perf_counter() - t0, before,
+                                                   self.loader.get_state(), idle, self.blocks))
             for v in [v for v in versions if v < max(floor, step + 1 - k)]:
                 del versions[v]
         self.sync.wait()
@@ -285,16 +281,16 @@ def run_rollout_process(cfg) -> int:
                                                   file=sys.stderr, flush=True))
     lease = store.Lease(cfg.run.lock_lease_seconds).renew()
     try:
-        with halt.PeerWatch():  # the trainer's halt.stop_everywhere (a lost run lock, a storage failure) ends it too
+        with stop.Watch():  # the trainer's stop (its end, a lost run lock, a storage failure) ends it too
             return RolloutSide(resolve_model_paths(cfg)).run()
+    except channel.StoreGone:
+        # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
+        print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
+              "process ends; relaunch both processes together", file=sys.stderr, flush=True)
+        os._exit(Exit.PEER_LOST)
     except Exception as err:  # noqa: BLE001 - its traceback, then one line that ends the trainer too
-        if isinstance(err, jax.errors.JaxRuntimeError) and "UNAVAILABLE" in str(err):
-            # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
-            print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
-                  "process ends; relaunch both processes together", file=sys.stderr, flush=True)
-            os._exit(halt.PEER_LOST_EXIT)
         halt.exit_if_peer_gone(err)  # another rollout process (or a training one) is gone: one line, all stop
         traceback.print_exc()
-        halt.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", 1)
+        stop.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", Exit.BUG)
     finally:
         lease.stop()

@@ -1,107 +1,136 @@
-"""The key-value store between the two process sets of a split run (mesh.rollout_processes, train/sides.py): its keys
-under `g2rl_sides/` in jax.distributed's store, the waits on them, and how each side learns that the other ended.
+"""The messages between the two process sets of a split run (mesh.rollout_processes, train/sides.py), each with its
+key under `sides/` of the run's key-value channel (control/channel.py: JSON plus arrays, never pickle, chunked), the
+schema its reader checks (control/wire.py), and the waits on them; and how each side learns that the other ended.
 
-Keys: `version/V` (the training side announces each policy version), `sample/S/B` (the rollout side's block B of step
-S's samples), `read/sample/S/B` (how many training processes read it), `start` (the trainer's first step, position
-and restored samples), `stop` (the trainer's last step and exit code), `alive/P` (rollout process P's lease). Values
-are pickled host values of this run's own processes.
+Keys: `version/V` (the training side announces each policy version: whether the rollout draws with it, and the
+prompt buckets its warm-up chose), `sample/S/B` (the rollout side's block B of step S's samples, with the
+data-iterator position before and after the draw), `read/sample/S/B` (a counter: how many training processes read
+it; the last deletes both), `start` (the trainer's first step, data-iterator position and the steps of the samples
+restored from its checkpoint), `alive/P` (a counter: rollout process P's lease). A value that is not what its
+schema says (a pickle planted in the store, a process of another version) stops every process with one line naming
+the key, exit code 2, and nothing in it is run (stop.refuse).
 
-When one side ends or dies. The trainer's end (done, SIGTERM, an error) sets `g2rl_sides/stop`: the rollout
-process, which polls for it while it waits, takes what the trainer already sent and returns (exit 0 after a
-finished run, else ENDED_EARLY_EXIT), so all leave jax.distributed cleanly. Each rollout process renews a lease
-(`g2rl_sides/alive/P`, every run.lock_lease_seconds / 3); the first training process, seeing no renewal of one for a
-whole lease, stops with one line and PEER_LOST_EXIT (halt.stop_everywhere). A trainer that dies takes jax.distributed's
-coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
-errors"). Any other process that dies (kill -9 of training process 1 of 2, of one rollout process of 2) breaks the
-collectives of the processes it ran them with: the first of them to see its gloo connection lost stops every
-process with one line and PEER_LOST_EXIT (`halt.exit_if_peer_gone`; the trainer's loop and the rollout process call it
-on their error), at once rather than after jax.distributed's heartbeat timeout. A rollout process that fails otherwise
-stops all with its error's line (halt.stop_everywhere; the trainer's halt.PeerWatch ends it). The key-value store
-lives in the trainer process, so a relaunch starts from a store without the old keys.
+When one side ends or dies. The trainer's end (done, SIGTERM, an error) is a control/stop.py `finish` with the
+trainer's exit code (`trainer_code`): the rollout process, whose gets ask `stop.ended` while they wait, takes what
+the trainer already sent and returns that code (0 after a finished run, 143 after SIGTERM, 2 after a setting the
+trainer refused, 1 after a bug), so that every process of the run reports what a supervisor should do (exits.py)
+and all leave jax.distributed cleanly. Each rollout process renews a lease (`alive/P`, every
+run.lock_lease_seconds / 3); the first training process, seeing no renewal of one for a whole lease, stops with one
+line and Exit.PEER_LOST (stop.stop_everywhere). A trainer that dies takes jax.distributed's coordinator with it, and
+JAX ends the rollout processes at once ("the JAX distributed service detected fatal errors"), or the rollout process
+notices first (channel.StoreGone) and ends with one line and Exit.PEER_LOST. Any other process that dies (kill -9 of
+training process 1 of 2, of one rollout process of 2) breaks the collectives of the processes it ran them with: the
+first of them to see its gloo connection lost stops every process with one line and Exit.PEER_LOST
+(`halt.exit_if_peer_gone`; the trainer's loop and the rollout process call it on their error), at once rather than
+after jax.distributed's heartbeat timeout. A rollout process that fails otherwise stops all with its error's line
+(stop.stop_everywhere; the trainer's stop.Watch ends it). The key-value store lives in the trainer process, so a
+relaunch starts from a store without the old keys.
 """
 from __future__ import annotations
 
 import contextlib
-import pickle
+import math
 import threading
 import time
+from typing import Any
 
 import jax
-from jax._src import distributed
 
-from g2rl_jax.train import halt
+from g2rl_jax.control import channel, stop, wire
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.train.ahead import SAMPLE_KINDS, Rounds, Sample
 
-PREFIX = "g2rl_sides"
-POLL_MS = 1000  # a wait for the other side's key, between looks at whether that side has ended
-ENDED_EARLY_EXIT = 1  # the rollout process, when the trainer ended before run.total_steps
-
-
-class TrainerEnded(Exception):
-    """The trainer set `g2rl_sides/stop` while the rollout process waited for it: (its last step, exit code)."""
-
-
-def client():
-    """jax.distributed's client, whose key-value store both sides share."""
-    return distributed.global_state.client
+PREFIX = "sides"
+KINDS = (*SAMPLE_KINDS, Rounds)  # the dataclasses a message may hold
+START = tuple[int, Any, list[int]]  # first step, data-iterator position, the steps of the restored samples
+VERSION = tuple[bool, tuple[int, ...] | None]  # drawn with, the warm-up's prompt buckets
+# a block of a step's samples, the version that drew it, its draw's seconds, the data-iterator position before and
+# after it, the seconds the rollout waited for the version, and how many blocks the step has
+BLOCK = tuple[Sample | Rounds, int, float, Any, Any, float, int]
 
 
-def put(key: str, value) -> None:
-    """Set `key` to `value` (pickled) for the other side."""
-    client().key_value_set_bytes(f"{PREFIX}/{key}", pickle.dumps(value))
+def _key(name: str) -> str:
+    return f"{PREFIX}/{name}"
 
 
-def look(key: str):
-    """The value of `key`, None while nobody has set it."""
+def _put(name: str, value) -> None:
+    channel.default().put(_key(name), value)
+
+
+def _get(name: str, schema, ended=None):
+    """The message `name` once set (no bound: the other side's death ends the wait, see the module docstring);
+    channel.Ended when `ended` says the trainer ended first; a value that is not ours stops the run."""
     try:
-        return pickle.loads(client().key_value_try_get_bytes(f"{PREFIX}/{key}"))  # noqa: S301 - this run's own
-    except jax.errors.JaxRuntimeError as err:
-        if "NOT_FOUND" not in str(err):
-            raise
-        return None
+        return channel.default().get(_key(name), kinds=KINDS, schema=schema, timeout_s=math.inf, ended=ended)
+    except wire.Refused as err:
+        stop.refuse(err)
 
 
-def get(key: str, ended=lambda: None):
-    """The value of `key` once the other side has set it; TrainerEnded when `ended()` gives an exit code first (a
-    key set before the trainer ended is still taken)."""
-    while True:
-        try:
-            raw = client().blocking_key_value_get_bytes(f"{PREFIX}/{key}", POLL_MS)
-            return pickle.loads(raw)  # noqa: S301 - this run's own processes
-        except jax.errors.JaxRuntimeError as err:
-            if "DEADLINE_EXCEEDED" not in str(err):
-                raise
-        code = ended()
-        if code is not None:
-            value = look(key)  # set just before the stop
-            if value is None:
-                raise TrainerEnded(code)
-            return value
+def put_start(step: int, position, pending: list[int]) -> None:
+    _put("start", (step, position, pending))
+
+
+def get_start() -> tuple[int, Any, list[int]]:
+    """The trainer's start (the rollout process); channel.Ended if the trainer ended before it."""
+    return _get("start", START, stop.ended)
+
+
+def put_version(version: int, needed: bool, prompts: tuple[int, ...] | None) -> None:
+    _put(f"version/{version}", (needed, prompts))
+
+
+def get_version(version: int) -> tuple[bool, tuple[int, ...] | None]:
+    """Version `version`'s announcement (the rollout process); channel.Ended if the trainer ended before it."""
+    return _get(f"version/{version}", VERSION, stop.ended)
+
+
+def put_block(step: int, block: int, message: tuple) -> None:
+    """Block `block` of step `step`'s samples (BLOCK), from the rollout process that holds it."""
+    _put(f"sample/{step}/{block}", message)
+
+
+def read_block(step: int, block: int, readers: int) -> tuple:
+    """Block `block` of step `step`'s samples, which each of the `readers` training processes reads: the last of
+    them to read it deletes it (the store holds each once)."""
+    name = f"sample/{step}/{block}"
+    value = _get(name, BLOCK)
+    if channel.default().increment(_key(f"read/{name}"), 1) == readers:
+        channel.default().delete(_key(name))
+        channel.default().delete(_key(f"read/{name}"))
+    return value
+
+
+def trainer_code(err: BaseException | None) -> int:
+    """The exit code the trainer's process ends with when `err` ends it (train/command.py: a setting, a dataset row,
+    a path or a checkpoint it refuses is bad input; anything else a bug, with its traceback); DONE for None."""
+    from g2rl_jax import cli
+    from g2rl_jax.train.checkpoint import CheckpointError
+
+    if err is None:
+        return Exit.DONE
+    return Exit.BAD_INPUT if isinstance(err, (*cli.USER_ERRORS, CheckpointError, wire.Refused)) else Exit.BUG
 
 
 def end_rollout(step: int, code: int) -> None:
-    """Tell the rollout process that the trainer ends after step `step` with exit code `code`: it ends too."""
-    client().key_value_set_bytes(f"{PREFIX}/stop", pickle.dumps((step, code)), allow_overwrite=True)
+    """Tell the rollout processes that the trainer ends after step `step` with exit code `code`: they end too, with
+    that code."""
+    stop.finish(step, code)
 
 
 @contextlib.contextmanager
 def told_if_failed(mesh_cfg):
-    """Around the trainer's setup: with mesh.rollout_processes, a setup that fails tells the rollout process, which
-    would otherwise wait for the trainer's start."""
+    """Around the trainer's setup: with mesh.rollout_processes, a setup that fails tells the rollout processes,
+    which would otherwise wait for the trainer's start; they end with the trainer's code."""
     try:
         yield
-    except BaseException:
+    except BaseException as err:
         if mesh_cfg.rollout_processes:
-            end_rollout(0, ENDED_EARLY_EXIT)
+            end_rollout(0, trainer_code(err))
         raise
 
 
-def trainer_ended():
-    """(the trainer's last step, its exit code) once it has ended (it sets `stop`), else None."""
-    return look("stop")
-
-
 class Lease:
-    """Each rollout process renews `g2rl_sides/alive/P` (P its process index) every `seconds` / 3 from a daemon
+    """Each rollout process renews `alive/P` (P its process index) every `seconds` / 3 from a daemon
     thread; the trainer's `watch` thread ends the run with one line when one of them has no renewal for `seconds`."""
 
     def __init__(self, seconds: float):
@@ -111,23 +140,23 @@ class Lease:
         def renew_forever():
             while not self._done.wait(self.seconds / 3):
                 try:
-                    client().key_value_increment(key, 1)
-                except jax.errors.JaxRuntimeError:  # the trainer (and the store with it) is gone: JAX ends us
+                    channel.default().increment(key, 1)
+                except channel.StoreGone:  # the trainer (and the store with it) is gone: JAX ends us
                     return
 
-        key = f"{PREFIX}/alive/{jax.process_index()}"
-        client().key_value_increment(key, 1)
+        key = _key(f"alive/{jax.process_index()}")
+        channel.default().increment(key, 1)
         threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
         return self
 
     def watch(self, rollout_processes: list[int]) -> Lease:
         def watch_forever():
-            keys = [f"{PREFIX}/alive/{p}" for p in rollout_processes]
+            keys = [_key(f"alive/{p}") for p in rollout_processes]
             seen, since = dict.fromkeys(keys), dict.fromkeys(keys, time.monotonic())
             while not self._done.wait(min(1.0, self.seconds / 9)):
                 try:
-                    now = {key: client().key_value_increment(key, 0) for key in keys}
-                except jax.errors.JaxRuntimeError:  # jax.distributed is shutting down: nothing left to watch
+                    now = {key: channel.default().increment(key, 0) for key in keys}
+                except channel.StoreGone:  # jax.distributed is shutting down: nothing left to watch
                     return
                 for key in keys:
                     if now[key] != seen[key]:
@@ -135,10 +164,10 @@ class Lease:
                 late = [key for key in keys if time.monotonic() - since[key] >= self.seconds]
                 if late and not self._done.is_set():
                     process = late[0].rsplit("/", 1)[1]
-                    halt.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
+                    stop.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
                                          f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
                                          "hangs. The checkpoints committed stand: end it if it still runs, and "
-                                         "relaunch every process with the same command to resume", halt.PEER_LOST_EXIT,
+                                         "relaunch every process with the same command to resume", Exit.PEER_LOST,
                                          gone=(int(process),))
 
         threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()

@@ -20,7 +20,8 @@ One process per side (parallel.side_meshes: the training and the rollout devices
 training mesh all-gathers each array (its own collective), the training process holding the mesh's first device
 sends the whole array from that device to the first rollout device of each rollout process, device to device
 (on CPU over the DCN socket transfer that `enable_cross_host_transfers` switches on; the TPU runtime moves it
-natively), and each rollout process copies it onto its part of the rollout shardings. JAX 0.10 moves an array
+natively), and each rollout process copies it onto its part of the rollout shardings, then acknowledges the push
+under `sync/<push>/<process>` of the run's key-value channel (control/channel.py). JAX 0.10 moves an array
 across process sets only between shardings of equal device count and HLO sharding, hence the one-device hop:
 the wire carries each array once per rollout process, whatever the two meshes' shapes.
 """
@@ -36,7 +37,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from g2rl_jax import parallel
+from g2rl_jax.control import channel, stop, wire
 from g2rl_jax.model import lora
+
+ACK_WAIT_S = 3600.0  # the trainer's wait for a rollout process to acknowledge a push (channel.Late after it)
 
 
 def rollout_graphdef(graphdef, params, mesh):
@@ -152,35 +156,32 @@ class SideSync:
 
     @staticmethod
     def _ack_key(push: int, process: int) -> str:
-        return f"g2rl_side_sync/{push}/{process}"
+        return f"sync/{push}/{process}"
 
     def _arrived(self, push: int, block: bool) -> bool:
-        """Whether every rollout process has acknowledged push `push` (waiting for it with `block`)."""
-        from jax._src import distributed
-
-        client = distributed.global_state.client
+        """Whether every rollout process has acknowledged push `push` (waiting for it, ACK_WAIT_S at most, with
+        `block`)."""
+        ch = channel.default()
         for process in self.dst_processes:
             key = self._ack_key(push, process)
-            if block:
-                client.blocking_key_value_get(key, 3_600_000)
-                continue
             try:
-                client.key_value_try_get(key)
-            except jax.errors.JaxRuntimeError:  # not acknowledged yet
-                return False
+                if block:
+                    ch.get(key, schema=bool, timeout_s=ACK_WAIT_S)
+                elif ch.look(key, schema=bool) is None:  # not acknowledged yet
+                    return False
+            except wire.Refused as err:
+                stop.refuse(err)
         return True
 
     def _release(self, block: bool) -> None:
         """Free the buffers of the pushes every rollout process has (all of them, waiting, with `block`). A rollout
-        process acknowledges each push when it arrives, through jax.distributed's key-value store."""
-        from jax._src import distributed
-
+        process acknowledges each push when it arrives, through the run's key-value channel."""
         for push in sorted(self._held):
             if not self._arrived(push, block):
                 return
             del self._held[push]
             for process in self.dst_processes:  # read once: the store need not keep them
-                distributed.global_state.client.key_value_delete(self._ack_key(push, process))
+                channel.default().delete(self._ack_key(push, process))
 
     def wait(self) -> None:
         """Until every rollout process has every push so far."""
@@ -219,8 +220,6 @@ class SideSync:
                else jax.make_array_from_callback(x.shape, s, lambda index, x=x: x[index])
                for x, s in zip(local, self.shardings, strict=True)]
         jax.block_until_ready(out)
-        from jax._src import distributed
-
-        distributed.global_state.client.key_value_set(self._ack_key(self.pushes, me), "1")
+        channel.default().put(self._ack_key(self.pushes, me), True)
         self.seconds = time.perf_counter() - t0
         return jax.tree.unflatten(treedef, out)
