@@ -293,6 +293,9 @@ class AlgorithmConfig:
     reward_clip: float = _f(3.0, "g2rl: shaped rewards are clipped to [-c, c]")
     shaping_mode: Literal["text", "literal"] = _f("text", "g2rl: text = r·(1+λν̄) as the paper's prose; "
                                                   "literal = r + λν̄ as its equation (see docs/paper.md)")
+    novelty_placement: Literal["reward", "advantage"] = _f(
+        "reward", "g2rl: where novelty enters; reward = the paper's r̃ before the group standardisation, advantage = "
+        "GRPO's standardised r plus r̃ − r after it (ExTra's placement, a study variant; docs/peers.md)")
     entropy_coef: float = _f(0.0, "entropy_bonus: coefficient of the entropy bonus (> 0 there, 0 otherwise)")
     embedding_model: Optional[str] = _f(None, "evol: a Qwen3-architecture embedding model (a local HF dir, "
                                            "gs://..., or a Hugging Face id)")
@@ -317,6 +320,10 @@ class AlgorithmConfig:
                                 "(paper: 0.1)")
     forking_ratio: float = _f(0.2, "forking: share of a mini-batch's response tokens, by entropy, that keep their "
                               "policy gradient (paper: 0.2)")
+    miner_gamma: float = _f(2.0, "miner: γ of the focal token credit (1 − p)^γ on all-correct groups (the authors' "
+                            "code: 2)")
+    miner_calibration: Optional[float] = _f(0.0015, "miner: κ, the intrinsic advantages' total is at most κ times the "
+                                            "verifiable ones' in each step (the authors' README: 0.0015; null = off)")
     single_class_groups: Literal["shaped", "zero"] = _f(
         "shaped", "groups whose base rewards are all equal: shaped = the paper's equations (G2RL/EVOL give them "
         "unit-scale advantages from novelty alone), zero = zero advantage as in GRPO (see docs/paper.md)")
@@ -381,6 +388,9 @@ class AlgorithmConfig:
         _check(0 <= self.unlikeliness_penalty <= 1, "algorithm.unlikeliness_penalty",
                f"must be in [0, 1] (a reward factor 1 - β·rank/G stays >= 0), got {self.unlikeliness_penalty}")
         _check(self.positive_weight >= 0, "algorithm.positive_weight", f"must be >= 0, got {self.positive_weight}")
+        _check(self.miner_gamma >= 0, "algorithm.miner_gamma", f"must be >= 0, got {self.miner_gamma}")
+        _check(self.miner_calibration is None or self.miner_calibration > 0, "algorithm.miner_calibration",
+               f"must be > 0 or null (no calibration), got {self.miner_calibration}")
 
     def _check_method_keys(self) -> None:
         """A key only the methods with some need read (methods.NEED_KEYS) keeps its off value under any other

@@ -58,9 +58,9 @@ def test_every_program_of_the_step_compiles(compiled):
 
 def test_read_rungs_copy_no_cache_on_tpu(tmp_path):
     """A decode segment of 256 rows at a 512-token budget, its steps reading rungs of 128, 256 and 512 slots (a
-    lax.switch in each layer's attention), compiled for v5e:2x2: the rungs' slices of the cache fuse into their
-    reads (XLA on CPU copies them: rollout/engine.py), so its temporaries stay far below a copy of the part of a
-    layer's cache that the 256-slot rung reads."""
+    while loop per rung, rollout/engine.py), compiled for v5e:2x2: the rungs' slices of the cache fuse into their
+    reads (XLA on CPU copies them), so its temporaries stay far below a copy of the part of a layer's cache that
+    the 256-slot rung reads."""
     from g2rl_jax import parallel
 
     target = parse_target("v5litepod-4")

@@ -232,7 +232,7 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
         pk, sk = a.kv(s.prompts, G, s.prompt_len, K, kv_dtype, 1)[0], a.kv(s.rows, G, T, K, kv_dtype, 1)[0]
         waiting = 2 * (L - 1) * per_chip_bytes((pk, sk))  # k and v of every other layer, not yet moved
         rows_X = a.rows((half,), jnp.int32)
-        lower = functools.partial(engine.regroup_fn(mesh, G).lower, pk, pk, sk, sk, rows_X, rows_X)
+        lower = functools.partial(engine.regroup_fn(mesh, G).lower, pk, pk, sk, sk, rows_X, rows_X, i32)
         progs.append(Program(f"compact the cache {s.rows} -> {half} rows (one layer)", "regroup", "rollout",
                              in_mesh(lower), resident + per_chip_bytes((params, layers, decode_state(s.rows)))
                              + waiting))

@@ -306,7 +306,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
             sampler_logp = None if algo.rollout_is_cap is None else shard_rows(rollout.logprobs_BxT, self.mesh)
             info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B, sampler_logp,
-                                scores.entropy_BxT, step)
+                                scores.entropy_BxT, step, token_weight=signal.get("token_weight"))
         t4 = time.perf_counter()
         if self.ahead is not None:  # the new version goes to the rollout side
             self.ahead.publish(step + 1, self.params)

@@ -279,7 +279,8 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
     eqs. novelty, shaped-reward, grpo-adv); rewards are regrouped [P, m] and the method's group functions see
     every group at once. One program (jitted): run op by op, its dispatches cost the tiny demo more than the math.
     What a method needs (Method.needs): embeddings_BxE from the embedding model and valid_B (default all), the
-    responses with an answer (evol); logp_BxT, the behaviour log-probs (unlikeliness)."""
+    responses with an answer (evol); logp_BxT, the behaviour log-probs (unlikeliness, miner). A method with
+    per-step token weights (Method.token_weights: miner) adds "token_weight" [B, T] to the result."""
     method = methods.get(algo.exploration)
     m = batch.group_size
     r_Pxm, correct_Pxm = batch.rewards.reshape(-1, m), batch.correct.reshape(-1, m)
@@ -292,7 +293,9 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
         rewards=r_Pxm, correct=correct_Pxm, phi=phi_BxD.reshape(-1, m, phi_BxD.shape[-1]),
         embeddings=None if embeddings_BxE is None else embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]),
         valid=jnp.ones_like(correct_Pxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m),
-        seq_logp=None if logp_BxT is None else _sequence_logp(logp_BxT, batch.response_mask).reshape(-1, m))
+        seq_logp=None if logp_BxT is None else _sequence_logp(logp_BxT, batch.response_mask).reshape(-1, m),
+        token_logp=None if logp_BxT is None else logp_BxT.reshape(-1, m, logp_BxT.shape[-1]),
+        token_mask=None if logp_BxT is None else batch.response_mask.reshape(-1, m, logp_BxT.shape[-1]))
     signal = method.rewards(group, algo)
     nu_Pxm, shaped_Pxm, adv_Pxm = signal.nu, signal.shaped, signal.advantages
     if method.novelty:  # diagnostics: what each group gives its most and least novel response
@@ -301,8 +304,10 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
         most_P = least_P = jnp.full(r_Pxm.shape[:1], jnp.nan)
     per_group = {"single_class": g2rl.single_class_groups(correct_Pxm), "all_wrong": ~jnp.any(correct_Pxm, axis=-1),
                  "most_novel_advantage": most_P, "least_novel_advantage": least_P}
+    t = batch.response_mask.shape[1]
+    tokens = {} if signal.token_weight is None else {"token_weight": signal.token_weight.reshape(-1, t)}
     return {"nu": nu_Pxm.reshape(-1), "shaped_rewards": shaped_Pxm.reshape(-1), "advantages": adv_Pxm.reshape(-1),
-            **{k: jnp.repeat(v, m) for k, v in per_group.items()}}  # per-group values repeated over its m rows
+            **{k: jnp.repeat(v, m) for k, v in per_group.items()}, **tokens}  # per-group values repeated over m rows
 
 
 def group_keep_mask(correct_B, group_size: int) -> np.ndarray:
