@@ -59,14 +59,14 @@ class RunConfig:
                                     "need a directory they share, e.g. gs://BUCKET/DIR; \"\" = off")
     compile_threads: int = _f(0, "compile this many programs at a time: the run compiles every program its steps can "
                               "meet at its first step (rollout/prewarm.py: the decode segments and cache moves; "
-                              "train/warmup.py: the score, reference and update programs of its micro-batch shapes "
-                              "and prompt buckets) and none after; results unchanged; 0 = one per CPU core up to 32, "
+                              "train/warmup.py: the score, reference and update programs of its layout and prompt "
+                              "buckets) and none after; results unchanged; 0 = one per CPU core up to 32, "
                               "1 = one at a time")
     shapes_file: str = _f("", "a shape file (python -m g2rl_jax.bench tune-shapes --out FILE writes one, measured on "
-                          "this machine) whose micro-batch shapes and prompt buckets the run uses; \"\" = the set "
-                          "train/shapes.py derives from the config, the device kind and the prompts' lengths (the same "
-                          "on every machine, whatever its load); a resume keeps the set the run recorded in its "
-                          "micro_shapes.json")
+                          "this machine) whose layout and prompt buckets the run uses; \"\" = those "
+                          "g2rl_jax/shapes/choice.py derives from the config, the device kind and the prompts' lengths "
+                          "(the same on every machine, whatever its load); a resume keeps what the run recorded in "
+                          "its micro_shapes.json")
     strict_compiles: bool = _f(False, "raise when a step after the warm-up step compiles a program, naming each by "
                                "its function and argument shapes (the test suite's mode); false = one line on stderr")
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
@@ -197,8 +197,8 @@ class DataConfig:
     max_prompt_tokens: int = _f(1024, "longer prompts are dropped; paper silent, 1024 chosen (verl default)")
     prompt_buckets: int = _f(0, "at most this many prompt lengths a step's prompts are padded to (the largest "
                              "bucket the training prompts reach, then smaller ones as the price model chooses, "
-                             "train/shapes.py); each is a copy of the rollout's programs (and, without "
-                             "algorithm.packing, of the passes'); 0: no limit")
+                             "g2rl_jax/shapes/choice.py); each is a copy of the rollout's programs (and, with "
+                             "length-grouped passes, of the passes'); 0: no limit")
     eval_datasets: tuple[str, ...] = _f(("math500", "amc23", "aime24", "aime25"),
                                         "datasets evaluated every run.eval_every steps")
     eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: AIME25 mean@8)")
@@ -347,10 +347,12 @@ class AlgorithmConfig:
                               "see docs/paper.md)")
     micro_batch_size: int = _f(16, "responses per forward/backward, global over devices (paper: "
                                "'micro-batch size 2', read as 2 per GPU x 8 GPUs)")
-    packing: bool = _f(False, "pack whole (prompt + response) sequences into rows (largest prompt bucket + response "
-                       "budget wide, and 9 narrower widths for a pass's last tokens) for the score, reference and "
-                       "gradient passes: one program per packed (rows, width); false: length-grouped micro-batches, "
-                       "one program per (rows, width) shape and prompt bucket (docs/performance.md)")
+    packing: Optional[bool] = _f(None, "true: pack whole (prompt + response) sequences into rows (largest prompt "
+                                 "bucket + response budget wide, and narrower widths for a pass's last tokens) for "
+                                 "the score, reference and gradient passes, one program per packed (rows, width); "
+                                 "false: length-grouped micro-batches, one program per (rows, width) shape and prompt "
+                                 "bucket; null: whichever the run's estimated time (compile + compute, from the "
+                                 "config's numbers) favours, g2rl_jax/shapes/choice.py (docs/performance.md)")
 
     def __post_init__(self):
         _check(self.lam >= 0, "algorithm.lam", f"must be >= 0, got {self.lam}")

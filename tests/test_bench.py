@@ -68,6 +68,38 @@ def test_once_update_cost_per_response_token(tmp_path):
     assert update_us_per_token(tmp_path) == 1e6 * (0.25 + 0.75) / (8 * 20.0 + 8 * 30.0)
 
 
+def test_once_step_split(tmp_path):
+    """bench once's step split: each part's seconds summed over steps 3 on, and their sum."""
+    import json
+
+    from g2rl_jax.bench.once import step_split
+
+    parts = ("rollout_seconds", "reward_seconds", "score_seconds", "update_seconds")
+    steps = [{"step": s, **{k: s * (i + 1) for i, k in enumerate(parts)}} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert step_split(tmp_path) == {"rollout_seconds": 7, "reward_seconds": 14, "score_seconds": 21,
+                                    "update_seconds": 28, "step": 70}
+
+
+def test_once_metrics_differ(tmp_path):
+    """bench once --keep: two runs' metrics.jsonl compared key by key, the clock's numbers left out."""
+    import json
+
+    from g2rl_jax.bench.once import metrics_differ
+
+    def write(name, steps):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+
+    write("a", [{"step": 1, "reward_mean": 0.5, "update_seconds": 1.0, "programs_compiled": 9}])
+    write("b", [{"step": 1, "reward_mean": 0.5, "update_seconds": 2.0, "programs_compiled": 0}])
+    write("c", [{"step": 1, "reward_mean": 0.25, "update_seconds": 1.0}])
+    write("d", [])
+    assert metrics_differ(tmp_path / "a", tmp_path / "b") == []
+    assert metrics_differ(tmp_path / "a", tmp_path / "c") == ["1: reward_mean"]
+    assert metrics_differ(tmp_path / "a", tmp_path / "d") == ["records: 1 before, 0 after"]
+
+
 def test_once_rollout_runs_both_checkouts(capsys):
     """`bench once` at its cheapest: the rollout mode, this checkout against itself, one new seed."""
     from g2rl_jax.bench.once import ROOT

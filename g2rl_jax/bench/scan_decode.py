@@ -115,12 +115,13 @@ def _cpu() -> float:
 def main(argv: list[str]) -> int:
     from g2rl_jax import parallel
     from g2rl_jax.aot import parse_target
-    from g2rl_jax.aot.programs import Abstract, abstract_policy, decode_layers, step_shapes
+    from g2rl_jax.aot.programs import Abstract, abstract_policy, decode_layers
     from g2rl_jax.config import load_config
     from g2rl_jax.memory import shards
     from g2rl_jax.plan import model_config
     from g2rl_jax.rollout import engine
     from g2rl_jax.rollout.sampling import spec_for
+    from g2rl_jax.shapes.step import step_shapes
     from g2rl_jax.train import setup
 
     a = _args(argv)

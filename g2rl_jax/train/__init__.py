@@ -16,8 +16,8 @@
   step.py        one RL step's stages as pure functions (batch, score, reference, advantages); update.py: the
                  update stage (loss, micro-batch gradients, optimizer step, token rules); optim.py: the optimizer
                  and its sharded state; micro.py: length-grouped micro-batches
-  shapes.py      the bounded set of micro-batch shapes and prompt buckets a run compiles, chosen by estimated run
-                 time; warmup.py compiles it at the first step; compiles.py: the per-step compile clock
+  warmup.py      compiles the run's layout and prompt buckets (chosen in g2rl_jax/shapes) at the first step;
+                 packing.py: packed micro-batches; compiles.py: the per-step compile clock
 """
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar

@@ -355,13 +355,14 @@ def base_model_dir(run_or_checkpoint_dir: str | os.PathLike) -> epath.Path:
     """The base model dir (config and tokenizer) of a run, from its config.yaml's model.path (a bucket's copied to
     the local cache, a Hugging Face id from its cache: model/sources.py); FileNotFoundError naming it when it is not
     a Hugging Face model dir."""
-    from g2rl_jax.demo import resolve_demo_paths
+    from g2rl_jax import registry
     from g2rl_jax.model.sources import local_model_dir
 
     run_dir = resolve_checkpoint(run_or_checkpoint_dir)[0]
     model = run_config(run_dir).model  # a Hugging Face id at the commit the run recorded (model.revision)
     path = model.path
-    base_dir = storage.path(local_model_dir(resolve_demo_paths(path, None)[0], "model.path", model.revision))
+    built = registry.resolve_model_paths(path, None)[0]  # a demo scheme's directory, built by its provider
+    base_dir = storage.path(local_model_dir(built, "model.path", model.revision))
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {path!r} is not a Hugging Face "
                                 "model directory here; the checkpoint holds only the trained params, so the base "

@@ -55,7 +55,7 @@ from g2rl_jax.train.lifecycle import (
     pin_revision,
 )
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, step_metrics
-from g2rl_jax.train.sampling_rounds import SamplingRounds
+from g2rl_jax.train.sampling_rounds import PendingRewards, SamplingRounds
 from g2rl_jax.train.setup import (
     check_shared_output_dir,
     compilation_cache,
@@ -266,17 +266,19 @@ class Trainer(SamplingRounds, UpdateRounds):
         cfg, algo = self.cfg, self.cfg.algorithm
         m, micro, temp = cfg.rollout.num_samples, algo.micro_batch_size, self.settings.temperature
         t0 = time.perf_counter()
-        sample, ahead = (self._sample(step), {}) if self.ahead is None else self.ahead.take(step)
+        # the rewards of a one-round step come while the score and reference passes run (PendingRewards)
+        sample, ahead = (self._sample(step, overlap=True), {}) if self.ahead is None else self.ahead.take(step)
         examples, rollout, texts, scored, rollout_s, sampled_correct = sample
-        rewards = scored.rewards
+        pending = scored if isinstance(scored, PendingRewards) else None
+        rewards_B = np.zeros(len(texts), np.float32) if pending else scored.rewards  # the batch's until they come
         t2 = time.perf_counter()
         t1 = t0 + rollout_s
         with stage("batch", prompt_ids=rollout.prompt_ids_BxS, completion_ids=rollout.completion_ids_BxT,
-                   rewards=rewards):
+                   rewards=rewards_B):
             batch = train_step.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
-                                           rollout.completion_mask_BxT, rewards, scored.correct, m)
+                                           rollout.completion_mask_BxT, rewards_B, rewards_B > 0 if pending else
+                                           scored.correct, m)
             batch = shard_rows(batch, self.mesh)
-            in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
             shapes = self.warmup.score(self.graphdef, self.params, self._reference() if algo.kl_coef > 0 else None,
                                        batch, temperature=temp, micro=micro,
@@ -293,6 +295,12 @@ class Trainer(SamplingRounds, UpdateRounds):
                 embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh,
                                          algo.embedding_max_tokens)
                 valid = shard_rows(answers_found(texts, examples[0].kind), self.mesh)
+        if pending is not None:  # the passes are dispatched: what the rewards could not hide is waited for here
+            with stage("rewards", texts=texts):
+                scored = pending.result()
+            batch = train_step.with_rewards(batch, *shard_rows((scored.rewards, scored.correct), self.mesh))
+            t2 += pending.waited  # the step's split: the rewards' seconds are the ones the step waited for them
+        in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("advantages", phi=scores.phi_BxD, rewards=batch.rewards):
             logp = scores.logp_BxT if "seq_logp" in self.method.needs else None
             signal = jax.block_until_ready(train_step.advantages(batch, scores.phi_BxD, algo, embeddings, valid, logp))

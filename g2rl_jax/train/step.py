@@ -29,6 +29,7 @@ from flax import nnx
 
 from g2rl_jax import g2rl, methods
 from g2rl_jax.config import AlgorithmConfig
+from g2rl_jax.shapes.layouts import ShapeSet
 from g2rl_jax.train import micro as micro_lib
 
 
@@ -128,6 +129,12 @@ def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_
     )
 
 
+def with_rewards(batch: Batch, rewards_B, correct_B) -> Batch:
+    """`batch` with these rewards and correctness (placed as its own were): a batch built while its rewards were
+    still coming (train/sampling_rounds.PendingRewards) completed. Nothing before the advantages reads them."""
+    return dataclasses.replace(batch, rewards=rewards_B, correct=correct_B)
+
+
 def response_hidden(model, batch: Batch):
     """Hidden states that predict the response tokens: hidden[:, S−1 : S−1+T] of the joined sequence."""
     h_BxLxD = model.hidden_states(batch.input_ids, batch.attention_mask)
@@ -214,7 +221,7 @@ def score_outs(batch: Batch, hidden: int):
 
 
 def score(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
-          shapes: micro_lib.ShapeSet | None = None) -> Scores:
+          shapes: ShapeSet | None = None) -> Scores:
     """Behaviour-policy pass: log-probs, entropy and Φ via g2rl.token_stats (eq. seq-feature), over length-grouped
     micro-batches of `micro` rows (train.micro; `shapes`: the micro-batch shapes allowed, default all); positions
     past a micro-batch's width come back as 0."""
@@ -241,7 +248,7 @@ def ref_stats(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
 
 
 def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
-                 shapes: micro_lib.ShapeSet | None = None):
+                 shapes: ShapeSet | None = None):
     """Reference-model log-probs [B, T] of the response tokens (for the KL term), micro-batched as `score`."""
     def run(rows_X, width, out):
         return ref_micro(graphdef, params, batch, rows_X, out, temperature=temperature, chunk=chunk, width=width)
@@ -251,7 +258,7 @@ def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: i
 
 
 def plan(batch: Batch, micro: int, stage: str, padded: bool = False,
-         shapes: micro_lib.ShapeSet | None = None) -> micro_lib.MicroPlan:
+         shapes: ShapeSet | None = None) -> micro_lib.MicroPlan:
     """The micro-batch plan of `batch` (micro_lib.plan_for); a bad size raises StageError naming `stage`."""
     try:
         return micro_lib.plan_for(batch, micro, padded=padded, shapes=shapes)
