@@ -8,11 +8,13 @@ Where things live, in the order one RL step uses them:
   g2rl.py    the paper's equations: token_stats (log-probs, entropy, Φ), novelty, shaping, advantages
   losses.py  PPO-clip policy loss, KL estimators, aggregation, entropy bonus
   train/     state, update step, the training loop, Orbax checkpoints, the concurrent warm-up of a step's programs
+  shapes/    shape planning: the layouts and prompt buckets a run compiles, their prices and the run's choice
   model/     Qwen3 in Flax NNX, attention backends, Hugging Face import/export, LoRA adapters and PEFT adapter I/O
   parallel.py  device mesh and the logical-axis → mesh-axis table
   eval.py    pass@k, maj@k, the evaluation CLI
   plan.py    per-device memory of a config (memory.py) and the smallest slice that fits
   aot/       ahead-of-time compile of every program of a step for a TPU slice or GPUs without them (plan --compile)
+  registry.py  datasets and model-path schemes (demo:DIR, ...) other packages provide, imported by name on use
   demo/      the embedded demos (tiny Qwen3, addition, Countdown) and the exploration study (demo.study)
   bench/     python -m g2rl_jax.bench NAME: the measured figures docs/performance.md quotes
 

@@ -1,6 +1,6 @@
 """Bad input to any command (`python -m g2rl_jax.train`, eval, analyze, export, plan, plot, bench, the demo's
 explore_eval) ends the same way: one line on stderr, `<command> error: <what is wrong and what to do>`, exit code
-2, no traceback.
+2 (Exit.BAD_INPUT, control/exits.py), no traceback.
 
     parser = cli.ArgumentParser(prog="python -m g2rl_jax.eval", ...)  # a bad flag: one line, not the usage text
     try:
@@ -17,10 +17,10 @@ import argparse
 import sys
 from typing import NoReturn
 
+from g2rl_jax.control.exits import Exit
 from g2rl_jax.data.datasets import DataError
 from g2rl_jax.errors import ConfigError
 
-BAD_INPUT_EXIT = 2
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
 
 
@@ -32,7 +32,7 @@ def one_line(message: object) -> str:
 def fail(command: str, err: BaseException | str) -> int:
     """Print `<command> error: <err>` on one line to stderr; returns the exit code for bad input."""
     print(f"{command} error: {one_line(err)}", file=sys.stderr, flush=True)
-    return BAD_INPUT_EXIT
+    return Exit.BAD_INPUT
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -42,4 +42,4 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         command = self.prog.split("g2rl_jax.", 1)[-1]
         fail(command, f"{message} (see {self.prog} --help)")
-        raise SystemExit(BAD_INPUT_EXIT)
+        raise SystemExit(Exit.BAD_INPUT)

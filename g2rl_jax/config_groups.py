@@ -59,14 +59,14 @@ class RunConfig:
                                     "need a directory they share, e.g. gs://BUCKET/DIR; \"\" = off")
     compile_threads: int = _f(0, "compile this many programs at a time: the run compiles every program its steps can "
                               "meet at its first step (rollout/prewarm.py: the decode segments and cache moves; "
-                              "train/warmup.py: the score, reference and update programs of its micro-batch shapes "
-                              "and prompt buckets) and none after; results unchanged; 0 = one per CPU core up to 32, "
+                              "train/warmup.py: the score, reference and update programs of its layout and prompt "
+                              "buckets) and none after; results unchanged; 0 = one per CPU core up to 32, "
                               "1 = one at a time")
     shapes_file: str = _f("", "a shape file (python -m g2rl_jax.bench tune-shapes --out FILE writes one, measured on "
-                          "this machine) whose micro-batch shapes and prompt buckets the run uses; \"\" = the set "
-                          "train/shapes.py derives from the config, the device kind and the prompts' lengths (the same "
-                          "on every machine, whatever its load); a resume keeps the set the run recorded in its "
-                          "micro_shapes.json")
+                          "this machine) whose layout and prompt buckets the run uses; \"\" = those "
+                          "g2rl_jax/shapes/choice.py derives from the config, the device kind and the prompts' lengths "
+                          "(the same on every machine, whatever its load); a resume keeps what the run recorded in "
+                          "its micro_shapes.json")
     strict_compiles: bool = _f(False, "raise when a step after the warm-up step compiles a program, naming each by "
                                "its function and argument shapes (the test suite's mode); false = one line on stderr")
     loggers: tuple[str, ...] = _f(("jsonl", "tensorboard"),
@@ -197,8 +197,8 @@ class DataConfig:
     max_prompt_tokens: int = _f(1024, "longer prompts are dropped; paper silent, 1024 chosen (verl default)")
     prompt_buckets: int = _f(0, "at most this many prompt lengths a step's prompts are padded to (the largest "
                              "bucket the training prompts reach, then smaller ones as the price model chooses, "
-                             "train/shapes.py); each is a copy of the rollout's programs (and, without "
-                             "algorithm.packing, of the passes'); 0: no limit")
+                             "g2rl_jax/shapes/choice.py); each is a copy of the rollout's programs (and, with "
+                             "length-grouped passes, of the passes'); 0: no limit")
     eval_datasets: tuple[str, ...] = _f(("math500", "amc23", "aime24", "aime25"),
                                         "datasets evaluated every run.eval_every steps")
     eval_samples: int = _f(8, "samples per eval prompt (paper's training curves: AIME25 mean@8)")
@@ -293,6 +293,9 @@ class AlgorithmConfig:
     reward_clip: float = _f(3.0, "g2rl: shaped rewards are clipped to [-c, c]")
     shaping_mode: Literal["text", "literal"] = _f("text", "g2rl: text = r·(1+λν̄) as the paper's prose; "
                                                   "literal = r + λν̄ as its equation (see docs/paper.md)")
+    novelty_placement: Literal["reward", "advantage"] = _f(
+        "reward", "g2rl: where novelty enters; reward = the paper's r̃ before the group standardisation, advantage = "
+        "GRPO's standardised r plus r̃ − r after it (ExTra's placement, a study variant; docs/peers.md)")
     entropy_coef: float = _f(0.0, "entropy_bonus: coefficient of the entropy bonus (> 0 there, 0 otherwise)")
     embedding_model: Optional[str] = _f(None, "evol: a Qwen3-architecture embedding model (a local HF dir, "
                                            "gs://..., or a Hugging Face id)")
@@ -317,6 +320,10 @@ class AlgorithmConfig:
                                 "(paper: 0.1)")
     forking_ratio: float = _f(0.2, "forking: share of a mini-batch's response tokens, by entropy, that keep their "
                               "policy gradient (paper: 0.2)")
+    miner_gamma: float = _f(2.0, "miner: γ of the focal token credit (1 − p)^γ on all-correct groups (the authors' "
+                            "code: 2)")
+    miner_calibration: Optional[float] = _f(0.0015, "miner: κ, the intrinsic advantages' total is at most κ times the "
+                                            "verifiable ones' in each step (the authors' README: 0.0015; null = off)")
     single_class_groups: Literal["shaped", "zero"] = _f(
         "shaped", "groups whose base rewards are all equal: shaped = the paper's equations (G2RL/EVOL give them "
         "unit-scale advantages from novelty alone), zero = zero advantage as in GRPO (see docs/paper.md)")
@@ -340,10 +347,12 @@ class AlgorithmConfig:
                               "see docs/paper.md)")
     micro_batch_size: int = _f(16, "responses per forward/backward, global over devices (paper: "
                                "'micro-batch size 2', read as 2 per GPU x 8 GPUs)")
-    packing: bool = _f(False, "pack whole (prompt + response) sequences into rows (largest prompt bucket + response "
-                       "budget wide, and 9 narrower widths for a pass's last tokens) for the score, reference and "
-                       "gradient passes: one program per packed (rows, width); false: length-grouped micro-batches, "
-                       "one program per (rows, width) shape and prompt bucket (docs/performance.md)")
+    packing: Optional[bool] = _f(None, "true: pack whole (prompt + response) sequences into rows (largest prompt "
+                                 "bucket + response budget wide, and narrower widths for a pass's last tokens) for "
+                                 "the score, reference and gradient passes, one program per packed (rows, width); "
+                                 "false: length-grouped micro-batches, one program per (rows, width) shape and prompt "
+                                 "bucket; null: whichever the run's estimated time (compile + compute, from the "
+                                 "config's numbers) favours, g2rl_jax/shapes/choice.py (docs/performance.md)")
 
     def __post_init__(self):
         _check(self.lam >= 0, "algorithm.lam", f"must be >= 0, got {self.lam}")
@@ -379,6 +388,9 @@ class AlgorithmConfig:
         _check(0 <= self.unlikeliness_penalty <= 1, "algorithm.unlikeliness_penalty",
                f"must be in [0, 1] (a reward factor 1 - β·rank/G stays >= 0), got {self.unlikeliness_penalty}")
         _check(self.positive_weight >= 0, "algorithm.positive_weight", f"must be >= 0, got {self.positive_weight}")
+        _check(self.miner_gamma >= 0, "algorithm.miner_gamma", f"must be >= 0, got {self.miner_gamma}")
+        _check(self.miner_calibration is None or self.miner_calibration > 0, "algorithm.miner_calibration",
+               f"must be > 0 or null (no calibration), got {self.miner_calibration}")
 
     def _check_method_keys(self) -> None:
         """A key only the methods with some need read (methods.NEED_KEYS) keeps its off value under any other

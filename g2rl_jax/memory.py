@@ -186,3 +186,33 @@ def _layer_shapes(model: Qwen3Config):
     from g2rl_jax.model.qwen3 import layer_shapes
 
     return layer_shapes(model).values()
+
+
+# ------------------------------------------------------------------------------------------------ weight sync
+WHOLE = {"data": 1, "fsdp": 1, "tensor": 1}  # a mesh of one device: an array's whole size
+
+
+def trainable_bytes(cfg: Config, model: Qwen3Config) -> int:
+    """Bytes of the whole trainable parameters (the adapters with LoRA) in model.param_dtype: one version the weight
+    sync moves."""
+    from g2rl_jax.model.config import RuntimeConfig
+
+    n = (adapter_elements(model, cfg.model.lora, WHOLE) if cfg.model.lora.rank
+         else param_elements(model, RuntimeConfig(), WHOLE))
+    return n * nbytes(cfg.model.param_dtype)
+
+
+def weight_sync_bytes(cfg: Config, model: Qwen3Config, hosts: int) -> dict[str, int]:
+    """Per chip, what the weight sync of a split run holds beside the run state (train/weight_sync.py), each a
+    multiple of trainable_bytes: "gathered", the whole trainable params every training chip holds while a version is
+    pushed (the training mesh's all-gather before the move: always with one process set per side, SideSync; with
+    mesh.rollout_devices only when the training mesh spans several hosts, WeightSync.move; none within one process,
+    where jax.device_put copies shard by shard); "held", the versions not yet acknowledged by every rollout process,
+    which the training side's first chip keeps (SideSync: the rollout lags by at most rollout.max_staleness versions,
+    so that many while the next update runs, one more while it pushes); "arrived", the whole version on each rollout
+    process's first chip before it is spread over its rollout mesh (SideSync)."""
+    whole = trainable_bytes(cfg, model)
+    if cfg.mesh.rollout_processes:
+        return {"gathered": whole, "held": cfg.rollout.max_staleness * whole, "arrived": whole}
+    gathered = whole if cfg.mesh.rollout_devices and hosts > 1 else 0
+    return {"gathered": gathered, "held": 0, "arrived": 0}

@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from g2rl_jax.config import ConfigError, MeshConfig
+from g2rl_jax.control.errors import host_collective
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -124,6 +125,7 @@ def _replicate_on(mesh: Mesh):
     return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+@host_collective
 def allgather(x) -> np.ndarray:
     """`multihost_utils.process_allgather(x)` of a host value (every process's x stacked on a new axis 0, in process
     order) over the processes of this process's side: all of them without sides (mesh.rollout_processes = 0)."""
@@ -139,6 +141,7 @@ def allgather(x) -> np.ndarray:
     return np.asarray(whole.addressable_data(0))
 
 
+@host_collective
 def sync(name: str) -> None:
     """`multihost_utils.sync_global_devices(name)` over the processes of this process's side: every one of them
     waits here until all have come (and they must all name the same barrier)."""
@@ -150,6 +153,7 @@ def sync(name: str) -> None:
         raise AssertionError(f"the processes of this side reached different barriers: {name!r} and others")
 
 
+@host_collective
 def broadcast_one_to_all(x):
     """`multihost_utils.broadcast_one_to_all(x)` (a tree of host arrays of one shape on every process) over this
     process's side: every process gets its side's first process's values."""

@@ -54,7 +54,7 @@ import dataclasses
 import json
 import sys
 
-from g2rl_jax import cli, storage
+from g2rl_jax import cli, registry, storage
 from g2rl_jax.config import Config, load_config
 from g2rl_jax.memory import (
     F32,
@@ -243,25 +243,16 @@ def fits(cfg: Config, model: Qwen3Config) -> list[tuple[Accelerator, int | None,
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
-def demo_architecture() -> Qwen3Config:
-    """The architecture `demo:DIR` builds (g2rl_jax/demo), without building it."""
-    from g2rl_jax.demo.build import PolicySpec
-    from g2rl_jax.demo.tokenizer import make_tokenizer
-
-    return PolicySpec().qwen3_config(len(make_tokenizer()))
-
-
 def model_config(cfg: Config, preset: str | None) -> tuple[Qwen3Config, str]:
-    """The architecture: --preset, else the demo policy for `demo:DIR`, else model.path/config.json, else a
-    preset named in model.path."""
+    """The architecture: --preset, else a model-path scheme's (the demo policy for `demo:DIR`, through
+    g2rl_jax/registry.py, nothing built), else model.path/config.json, else a preset named in model.path."""
     if preset is not None:
         if preset not in PRESETS:
             raise PlanError(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         return PRESETS[preset], f"preset {preset}"
-    from g2rl_jax.demo.build import SCHEME
-
-    if cfg.model.path.startswith(SCHEME):  # the demo policy: its architecture, built or not
-        return demo_architecture(), f"demo policy ({cfg.model.path})"
+    scheme = registry.architecture(cfg.model.path)
+    if scheme is not None:  # the demo policy: its architecture, built or not
+        return scheme, f"demo policy ({cfg.model.path})"
     path = storage.path(cfg.model.path, "model.path") / "config.json"  # local or gs://... (a hub id: by its name)
     if storage.is_file(path):
         return Qwen3Config.from_hf_dict(json.loads(storage.read_text(path)), str(path)), str(path)
@@ -278,7 +269,8 @@ def _gib(n: int) -> str:
 
 
 def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform: str = "tpu", target=None) -> str:
-    """The plan's text; with mesh.rollout_devices > 0 the table is the colocated run's, and each side's follows
+    """The plan's text; with a split run (mesh.rollout_devices or rollout_processes) the table is the colocated run's,
+    and each side's follows
     (aot/sides.py), with its fit and the step-time model when `target` (a slice) is given."""
     from g2rl_jax.aot import sides
 
@@ -306,7 +298,7 @@ def report(cfg: Config, model: Qwen3Config, source: str, devices: int, platform:
         need = "does not fit in any slice tried" if chips is None else (
             f"{acc.label(chips):14s} {_gib(fp.peak).strip()} GiB/chip of {acc.hbm_gib} GiB, mesh {fp.mesh}")
         lines.append(f"  {acc.name:5s} {need}")
-    if split.mesh.rollout_devices:
+    if split.mesh.rollout_devices or split.mesh.rollout_processes:
         lines += ["", *sides.plan_lines(split, model, devices, target.hosts if target else 1, platform, target)]
     return "\n".join(lines)
 

@@ -51,6 +51,7 @@ from urllib.parse import quote
 
 from etils import epath
 
+from g2rl_jax.control import fence
 from g2rl_jax.errors import ConfigError
 from g2rl_jax.storage_append import (  # noqa: F401 - part of this module's interface
     ABSENT,
@@ -78,6 +79,11 @@ _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 class StorageError(ConfigError):
     """A path that cannot be used (no client for its scheme, a missing bucket, no credentials, no permission); the
     message names the path and what to do."""
+
+
+class StorageUnreachable(StorageError):
+    """A start's check of a URL that the store did not serve (a refused or dropped connection, no answer, 429/5xx
+    after the retries): one line as any StorageError; the trainer exits with the storage's code (relaunch later)."""
 
 
 def scheme(p: PathLike) -> str | None:
@@ -164,12 +170,13 @@ def write_bytes(p: PathLike, data: bytes) -> None:
     appears complete or not at all). A reader never sees half a file."""
     target = path(p)
     if is_url(p):
-        target.write_bytes(data)
+        target.write_bytes(data)  # each request through the fence (storage_clients.py)
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
-    os.replace(tmp, target)
+    with fence.guard(target):  # the run's lease held (control/fence.py)
+        os.replace(tmp, target)
 
 
 def write_text(p: PathLike, text: str) -> None:
@@ -207,7 +214,7 @@ def _gcs_upload(p: PathLike, data: bytes, if_generation: str) -> str | None:
                             json_out=True, ifGenerationMatch=if_generation)
     except FileExistsError:  # 412 Precondition Failed
         return _own_upload(p, data)
-    except Exception as err:  # noqa: BLE001 - gcsfs's HttpError once its retries are spent; all else re-raised
+    except Exception as err:  # noqa: BLE001 - StorageUnavailable once gcsfs's retries are spent; all else re-raised
         if not _moved_while_throttled(p, err, if_generation):
             raise
         return _own_upload(p, data)
@@ -228,7 +235,9 @@ def _moved_while_throttled(p: PathLike, err: BaseException, expected: str) -> bo
     """Whether a conditional write to `p` that stayed throttled (429 after every retry: another writer keeps updating
     the object, e.g. a live lock's holder renewing its lease) would have failed its precondition anyway: `p`'s
     generation is no longer `expected` ("0": `p` exists)."""
-    if getattr(err, "code", None) not in (429, "429"):
+    from g2rl_jax.control.errors import StorageUnavailable
+
+    if not isinstance(err, StorageUnavailable) or err.status not in (429, "429"):
         return False
     try:
         return read_versioned(p)[1] != expected
@@ -272,7 +281,8 @@ def create_exclusive(p: PathLike, text: str) -> str | None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
     try:
-        os.link(tmp, target)  # fails if `target` exists; a complete file appears at once
+        with fence.guard(target):
+            os.link(tmp, target)  # fails if `target` exists; a complete file appears at once
     except FileExistsError:
         return None
     finally:
@@ -308,7 +318,7 @@ def remove_if_generation(p: PathLike, expected: str) -> bool:
             fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=expected)
         except (FileExistsError, FileNotFoundError):
             return False
-        except Exception as err:  # noqa: BLE001 - gcsfs's HttpError (429 after its retries); all else re-raised
+        except Exception as err:  # noqa: BLE001 - StorageUnavailable (429 after its retries); all else re-raised
             if _moved_while_throttled(p, err, expected):
                 return False
             raise
@@ -328,9 +338,10 @@ def remove(p: PathLike, *, missing_ok: bool = True) -> None:
     try:
         if is_url(p):
             fs, key = _fs(p)
-            fs.rm_file(key)  # one object, no glob expansion of the name
+            fs.rm_file(key)  # one object, no glob expansion of the name (the request fenced: storage_clients.py)
         else:
-            path(p).unlink()
+            with fence.guard(p):
+                path(p).unlink()
     except FileNotFoundError:
         if not missing_ok:
             raise
@@ -338,8 +349,9 @@ def remove(p: PathLike, *, missing_ok: bool = True) -> None:
 
 def rmtree(p: PathLike) -> None:
     target = path(p)
-    if target.exists():
-        target.rmtree()
+    with fence.guard(target):
+        if target.exists():
+            target.rmtree()
 
 
 def move(src: PathLike, dst: PathLike) -> None:
@@ -347,7 +359,8 @@ def move(src: PathLike, dst: PathLike) -> None:
     object store a copy, then the delete of `src` (not atomic: see the module docstring)."""
     rmtree(dst)
     if not is_url(src):
-        os.replace(path(src), path(dst))
+        with fence.guard(dst), fence.guard(src):
+            os.replace(path(src), path(dst))
         return
     fs, key = _fs(src)
     fs.mv(key, _fs(dst)[1], recursive=True)

@@ -165,8 +165,9 @@ def _local_append(p: PathLike, data: bytes, expected: Version, delete_part: bool
         if expected != ABSENT and now != expected or os.stat(target).st_ino != os.fstat(fd).st_ino:
             raise _changed(p, expected, version(p))
         view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        with storage.fence.guard(p):  # the run's lease held (control/fence.py)
+            while view:
+                view = view[os.write(fd, view):]
         return Appended(_local_version(os.fstat(fd)), "")
     finally:
         os.close(fd)  # the flock goes with it

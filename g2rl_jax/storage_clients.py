@@ -19,16 +19,15 @@ at the least stall limit, 2 s: as many attempts as fit, 2 at the least budget, 1
 as many as fit in it at that stall limit. `check_writable` writes and deletes a probe through both clients, each
 under that deadline, and turns a failure into one line naming the URL and the likely cause: a variable missing from
 an emulator's set, no credentials, a denied permission, a closed port, a server that accepts and does not answer.
+The gcsfs filesystem `configure` registers (paced, fenced, its failures typed): g2rl_jax/storage_paced.py.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import socket
 import threading
-import time
 import urllib.parse
 
 TIMEOUT_ENV = "G2RL_JAX_STORAGE_TIMEOUT"
@@ -145,23 +144,13 @@ def configure() -> None:
         conf = fsspec.config.conf.setdefault(protocol, {})
         conf.setdefault("use_listings_cache", False)  # hosts that share a bucket must see each other's writes
         conf.setdefault("requests_timeout", aiohttp.ClientTimeout(total=None, sock_connect=stall, sock_read=stall))
-    _register_paced_gcsfs()
-    _quiet_gcsfs_failures()
+    from g2rl_jax import storage_paced
+
+    storage_paced.register()
     for name, value in tensorstore_environment().items():
         os.environ.setdefault(name, value)
     set_orbax_retries(tensorstore_retries())
     _CONFIGURED = True
-
-
-def _quiet_gcsfs_failures() -> None:
-    """gcsfs's record of a request out of retries carries no traceback when its error is a storage failure
-    (train/halt.py's filter): the caller reports the failure itself, in one line, and gcsfs_attempts() lets gcsfs
-    give up within the budget, before the caller's own deadline."""
-    import logging
-
-    from g2rl_jax.train import halt
-
-    logging.getLogger("gcsfs").addFilter(halt.NoStoreTraceback())
 
 
 def set_orbax_retries(retries: dict) -> None:
@@ -191,7 +180,7 @@ def set_orbax_retries(retries: dict) -> None:
                            "orbax-checkpoint 0.12.8, or update g2rl_jax/storage_clients.py's set_orbax_retries")
 
 
-# ------------------------------------------------------------------------------------------------ pacing
+# ------------------------------------------------------------------------------------------------ GCS requests
 _OBJECT = re.compile(r"^/storage/v1/b/([^/]+)/o/([^/?]+)(?:/(compose|copyTo|rewriteTo)(?:/b/([^/]+)/o/([^/?]+))?)?$")
 _UPLOAD = re.compile(r"^/upload/storage/v1/b/([^/]+)/o$")
 _NAME_IN_BODY = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -225,63 +214,6 @@ def classify(method: str, path: str, query: dict, body: bytes, uploads: dict) ->
         parts = path.split("/", 7)
         return "read", f"{parts[5]}/{urllib.parse.unquote(parts[7])}" if len(parts) > 7 else None
     return ("list" if path.endswith("/o") and method == "GET" else "other"), None
-
-
-def _body_bytes(kwargs: dict) -> bytes:
-    data = kwargs.get("data")
-    if kwargs.get("json") is not None:
-        return json.dumps(kwargs["json"]).encode()
-    if isinstance(data, (bytes, bytearray)):
-        return bytes(data[:65536])
-    if hasattr(data, "getvalue"):
-        return bytes(data.getvalue()[:65536])
-    return b""
-
-
-def _register_paced_gcsfs() -> None:
-    """gs:// and gcs:// served by a gcsfs filesystem that paces its own updates of one object to one a second
-    (every file written through gcsfs, Orbax's metadata files included): a 429 avoided, not retried; each request
-    retried by gcsfs's own retry_request in gcsfs_attempts() attempts."""
-    import fsspec
-    from gcsfs.retry import retry_request
-
-    from g2rl_jax import storage_append
-
-    base = fsspec.get_filesystem_class("gs")
-    if getattr(base, "paced", False):
-        return
-    uploads: dict[str, str] = {}
-    undecorated = getattr(base._request, "__wrapped__", None)  # gcsfs's _request without its 6-attempt retry
-    request = (retry_request(retries=gcsfs_attempts())(undecorated) if undecorated is not None
-               else lambda fs, *a, **kw: base._request(fs, *a, **kw))  # another gcsfs: its own 6 attempts
-
-    class PacedGCSFileSystem(base):
-        paced = True
-
-        async def _request(self, method, path, *args, **kwargs):
-            url = urllib.parse.urlsplit(self._format_path(path, args))
-            query = {k: str(v) for k, v in self._get_params(
-                {k: v for k, v in kwargs.items() if k not in ("headers", "json", "data", "cache_type",
-                                                               "cache_source")}).items()}
-            query |= {k: v[0] for k, v in urllib.parse.parse_qs(url.query).items()}
-            kind, obj = classify(method, url.path, query, _body_bytes(kwargs), uploads)
-            if obj is None or kind not in (*UPDATES, "start"):
-                return await request(self, method, path, *args, **kwargs)
-            key = f"gs://{obj}"
-            wait = storage_append.UPDATE_INTERVAL_S + 0.05 - storage_append._since_update(key)
-            if wait > 0 and "upload_id" not in query:  # a resumable upload waits at its start
-                await asyncio.sleep(wait)
-            result = await request(self, method, path, *args, **kwargs)
-            status, headers = result[0], result[1]
-            if kind == "start" and "upload_id=" in headers.get("Location", ""):
-                uploads[urllib.parse.parse_qs(urllib.parse.urlsplit(headers["Location"]).query)["upload_id"][0]] = obj
-            elif status < 300:
-                with storage_append._UPDATED_LOCK:
-                    storage_append._UPDATED[key] = time.monotonic()
-            return result
-
-    for protocol in ("gs", "gcs"):
-        fsspec.register_implementation(protocol, PacedGCSFileSystem, clobber=True)
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -318,6 +250,15 @@ def _tensorstore_probe(probe) -> None:
         store.write(name, b"ok").result()
 
 
+def _start_error(err: BaseException) -> type:
+    """The class of a start check's one line: StorageUnreachable when the store did not serve the check (the
+    trainer's exit code then is the storage's: relaunch later), else StorageError (what to fix)."""
+    from g2rl_jax import storage
+    from g2rl_jax.control.errors import StorageUnavailable
+
+    return storage.StorageUnreachable if isinstance(err, (StorageUnavailable, TimeoutError)) else storage.StorageError
+
+
 def check_writable(directory, key: str, probe_name: str = ".write_test") -> None:
     """StorageError naming `key`, the path and the fix when `directory` cannot be written: a bucket that does not
     exist, no credentials, permission denied, an endpoint that cannot be reached, an unwritable local directory.
@@ -342,7 +283,7 @@ def check_writable(directory, key: str, probe_name: str = ".write_test") -> None
         try:
             _within(deadline, client, step) if url else step()
         except Exception as err:  # noqa: BLE001 - every failure becomes the one line below, the cause named in it
-            raise storage.StorageError(f"{key}: {explain(directory, err, client)}") from None
+            raise _start_error(err)(f"{key}: {explain(directory, err, client)}") from None
 
 
 def check_readable(p, key: str) -> None:
@@ -356,7 +297,7 @@ def check_readable(p, key: str) -> None:
     try:
         _within(timeout_seconds(), "gcsfs", lambda: storage.exists(p))
     except Exception as err:  # noqa: BLE001 - every failure becomes the one line below, the cause named in it
-        raise storage.StorageError(f"{key}: {explain(p, err, 'gcsfs', 'read')}") from None
+        raise _start_error(err)(f"{key}: {explain(p, err, 'gcsfs', 'read')}") from None
 
 
 def _endpoint(client: str) -> str:
@@ -388,26 +329,34 @@ def _reachability(endpoint: str) -> str | None:
     return None
 
 
-def explain(directory, err: BaseException, client: str = "gcsfs", verb: str = "write") -> str:
-    """What a failed `verb` of `directory` through `client` means and what to do, from the client's error."""
-    from g2rl_jax import storage
+def _credentials_missing(err: BaseException) -> bool:
+    import google.auth.exceptions
 
+    return getattr(err, "code", None) == 401 or isinstance(err, (google.auth.exceptions.DefaultCredentialsError,
+                                                                 google.auth.exceptions.RefreshError))
+
+
+def explain(directory, err: BaseException, client: str = "gcsfs", verb: str = "write") -> str:
+    """What a failed `verb` of `directory` through `client` means and what to do, from the client's error's type
+    (and status) and, when the store did not serve it, a look at its endpoint (`_reachability`)."""
+    from g2rl_jax import storage
+    from g2rl_jax.control.errors import StorageUnavailable
+
+    if isinstance(err, StorageUnavailable):
+        err = err.cause
     detail = " ".join(str(err).split())[:300]
     if not storage.is_url(directory):
         return f"cannot write to {str(directory)!r} ({detail}); choose a writable directory"
     url = str(directory)
     bucket = url.split("://", 1)[1].split("/", 1)[0]
-    code = getattr(err, "code", None)
-    if isinstance(err, FileNotFoundError) or code == 404 or "NOT_FOUND" in detail and "bucket" in detail.lower():
+    if isinstance(err, FileNotFoundError) or getattr(err, "code", None) == 404:
         return (f"the bucket {storage.scheme(url)}://{bucket} does not exist (writing {url}); create it (gcloud "
                 f"storage buckets create {storage.scheme(url)}://{bucket}) or fix the name")
-    if code == 401 or "anonymous caller" in detail.lower() or "credentials" in detail.lower() or \
-            "UNAUTHENTICATED" in detail:
+    if _credentials_missing(err):
         return (f"no Google Cloud credentials to write {url} ({detail}); run `gcloud auth application-default "
                 "login`, set GOOGLE_APPLICATION_CREDENTIALS to a service-account key, or run on a VM whose service "
                 "account may write the bucket")
-    if isinstance(err, PermissionError) or code == 403 or detail.startswith("Forbidden") or \
-            "PERMISSION_DENIED" in detail:
+    if isinstance(err, PermissionError) or getattr(err, "code", None) == 403:
         return (f"permission denied writing {url} ({detail}); grant this machine's account roles/storage.objectUser "
                 f"on {storage.scheme(url)}://{bucket} (gcloud storage buckets add-iam-policy-binding), or choose a "
                 "bucket it may write")
@@ -417,4 +366,4 @@ def explain(directory, err: BaseException, client: str = "gcsfs", verb: str = "w
         return (f"{client} cannot reach {endpoint} to {verb} {url}: {why or detail} ({type(err).__name__}: {detail}); "
                 f"check STORAGE_EMULATOR_HOST / TENSORSTORE_GCS_HTTP_URL if you use an emulator, else the network "
                 f"(each storage call gives up after {TIMEOUT_ENV}={timeout_seconds():.0f} s)")
-    return f"{client} cannot write to {url} ({type(err).__name__}: {detail}); check the path and the network"
+    return f"{client} cannot {verb} {url} ({type(err).__name__}: {detail}); check the path and the network"

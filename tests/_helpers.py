@@ -113,7 +113,7 @@ def lock_held_elsewhere(out: str, env: dict):
     """Another process holds the run lock of `out` (a directory or a gs:// URL) inside the block; it is killed
     without releasing the lock at the end, so the lock it leaves is stale. Yields the Popen (its pid is the lock's)."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from g2rl_jax.train.runlock import RunLock\n"
+                               "from g2rl_jax.control.runlock import RunLock\n"
                                f"RunLock({out!r}).acquire(); print('held', flush=True); time.sleep(120)"],
                               env=env, stdout=subprocess.PIPE, text=True)
     try:

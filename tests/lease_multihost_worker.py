@@ -15,8 +15,8 @@ parallel.initialize_distributed(DistributedConfig(coordinator_address=coordinato
                                                   process_id=process_id))
 from jax.experimental import multihost_utils  # noqa: E402 - after jax.distributed
 
+from g2rl_jax.control.runlock import RunLock  # noqa: E402
 from g2rl_jax.train.lifecycle import StopSignal  # noqa: E402
-from g2rl_jax.train.runlock import RunLock  # noqa: E402
 
 if process_id == 0:
     RunLock(run_dir, lease_seconds=3.0).acquire()

@@ -12,6 +12,7 @@ from g2rl_jax.aot import report as report_lib
 from g2rl_jax.aot.targets import GiB, tpu_shape
 from g2rl_jax.config import load_config
 from g2rl_jax.model.config import Qwen3Config
+from g2rl_jax.shapes.step import step_shapes
 
 pytest.importorskip("libtpu", reason="the test extra pins libtpu; install it: pip install -e '.[test]'")
 # small enough to compile in seconds, large enough that its arrays, not the compiler's fixed scratch, fill the chip
@@ -49,7 +50,7 @@ def test_every_program_of_the_step_compiles(compiled):
     assert kinds == {"init", "prefill", "start", "decode_layers", "segment", "regroup", "score", "reference",
                      "advantages", "gradient", "apply"}
     assert [r.program.name for r in results if r.error] == []
-    shapes = programs_lib.step_shapes(cfg, mesh)
+    shapes = step_shapes(cfg, mesh)
     assert sum(r.program.kind == "segment" for r in results) == len(shapes.buckets)
     fits, line = check_lib.verdict(cfg, TINY, target, results)
     assert fits and line.startswith(f"VERDICT: FITS on {target.name}")
@@ -57,9 +58,9 @@ def test_every_program_of_the_step_compiles(compiled):
 
 def test_read_rungs_copy_no_cache_on_tpu(tmp_path):
     """A decode segment of 256 rows at a 512-token budget, its steps reading rungs of 128, 256 and 512 slots (a
-    lax.switch in each layer's attention), compiled for v5e:2x2: the rungs' slices of the cache fuse into their
-    reads (XLA on CPU copies them: rollout/engine.py), so its temporaries stay far below a copy of the part of a
-    layer's cache that the 256-slot rung reads."""
+    while loop per rung, rollout/engine.py), compiled for v5e:2x2: the rungs' slices of the cache fuse into their
+    reads (XLA on CPU copies them), so its temporaries stay far below a copy of the part of a layer's cache that
+    the 256-slot rung reads."""
     from g2rl_jax import parallel
 
     target = parse_target("v5litepod-4")
@@ -68,7 +69,7 @@ def test_read_rungs_copy_no_cache_on_tpu(tmp_path):
     mesh = parallel.make_mesh(cfg.mesh, target.devices())
     segment = next(p for p in programs_lib.step_programs(cfg, TINY, mesh, scope="largest") if p.kind == "segment")
     temp = segment.lower().compile().memory_analysis().temp_size_in_bytes
-    shapes = programs_lib.step_shapes(cfg, mesh)
+    shapes = step_shapes(cfg, mesh)
     assert shapes.reads == (128, 256, 512) and shapes.rows == 256
     rung_kv = 2 * shapes.rows // shapes.shards * TINY.num_key_value_heads * 256 * TINY.head_dim * 2  # bf16 K, V
     assert temp < rung_kv / 4, (temp, rung_kv)

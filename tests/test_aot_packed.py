@@ -12,7 +12,8 @@ from g2rl_jax.aot import bill
 from g2rl_jax.aot import programs as programs_lib
 from g2rl_jax.config import load_config
 from g2rl_jax.model.config import Qwen3Config
-from g2rl_jax.train.packing import PackShape
+from g2rl_jax.shapes.layouts import PackShape
+from g2rl_jax.shapes.step import step_shapes
 
 TINY = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
@@ -30,12 +31,12 @@ def _setup(tmp_path, overrides=()):
                                                         *SMALL, *overrides])
     assert cfg.algorithm.packing, "the shipped config packs"
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:2])
-    return cfg, mesh, programs_lib.step_shapes(cfg, mesh)
+    return cfg, mesh, step_shapes(cfg, mesh)
 
 
 def _warmup_layout(cfg, s) -> PackShape:
-    """The layout RunWarmup.score takes for a batch of these shapes (micro-batch rows, the batch's row shards, the
-    largest prompt bucket + the response budget)."""
+    """The finest packed layout of these shapes (micro-batch rows, the batch's row shards, the largest prompt bucket +
+    the response budget): what `plan --compile` lists, every packed shape a run's choice can take."""
     return PackShape.of(cfg.algorithm.micro_batch_size, s.shards, prompt_len=s.prompt_len, resp_len=s.new_tokens)
 
 
@@ -48,7 +49,7 @@ def test_the_listed_passes_are_the_packed_programs_the_warmup_compiles(tmp_path,
     progs = programs_lib.step_programs(cfg, TINY, mesh, scope="all")
     passes = [p for p in progs if p.kind in PASSES]
     counts = {k: sum(p.kind == k for p in passes) for k in PASSES}
-    assert counts == bill.packed_counts(cfg, s.shards, s.step_rows, s.prompt_len), [p.name for p in passes]
+    assert counts == bill.packed_counts(cfg, _warmup_layout(cfg, s), s.step_rows), [p.name for p in passes]
     micros = _warmup_layout(cfg, s).micros
     for kind in (k for k in PASSES if counts[k]):  # no reference pass without the KL term
         shapes = [p.shape for p in passes if p.kind == kind]

@@ -67,3 +67,57 @@ def test_both_sides_compile_for_v5litepod_4(tmp_path):
     assert "training side, 2 chips, mesh {'data': 1, 'fsdp': 2, 'tensor': 1}:" in text
     assert "rollout side FITS" in text and "training side FITS" in text and "side limits it" in text
     assert "decode segment" in text and "score" in text and "gradient" not in text
+
+
+def test_the_weight_syncs_gathered_copy_is_what_the_compiler_allocates(tmp_path):
+    """memory.trainable_bytes, the whole version the planner counts on every training chip while it is pushed,
+    against XLA's memory analysis of the sync's own all-gather (weight_sync._gather_to) over the trainable params
+    as the trainer shards them (fsdp over 4 CPU devices): the compiled outputs per device sum to it, and to the
+    hand count of the parameters in float32."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from g2rl_jax import parallel
+    from g2rl_jax.aot.programs import abstract_policy
+    from g2rl_jax.config import MeshConfig
+    from g2rl_jax.memory import trainable_bytes
+    from g2rl_jax.model import lora
+    from g2rl_jax.train.setup import runtime_config
+    from g2rl_jax.train.weight_sync import _gather_to
+
+    cfg = _cfg(tmp_path)
+    mesh = parallel.make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4])
+    _, params = abstract_policy(TINY, runtime_config(cfg.model), mesh)
+    whole = NamedSharding(mesh, PartitionSpec())
+    leaves = jax.tree.leaves(lora.trainable(params))
+    assert sum(not leaf.sharding.is_fully_replicated for leaf in leaves) >= 4  # the matrices are split: it gathers
+    gathered = sum(_gather_to(whole).lower(leaf).compile().memory_analysis().output_size_in_bytes for leaf in leaves)
+    assert gathered == trainable_bytes(cfg, TINY) == 4 * TINY.num_params()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_the_planner_counts_the_weight_sync(tmp_path, k):
+    """The training side's peak per chip holds the weight sync's bytes (a hand count, W the whole float32 params):
+    one process set per side (SideSync) keeps the k versions the rollout has not acknowledged while it updates and
+    gathers one more whole copy on every training chip while it pushes; the rollout side takes a version whole on
+    its first chip. With mesh.rollout_devices the copy is gathered only when the training mesh spans hosts."""
+    from g2rl_jax.plan import plan
+
+    W = 4 * TINY.num_params()
+    cfg = _cfg(tmp_path, "mesh.rollout_devices=0", "mesh.rollout_processes=1", f"rollout.max_staleness={k}",
+               "data.prompts_per_step=8")
+    train, tc, roll, rc = sides.side_configs(cfg, chips=8, hosts=2)  # v5p-16: 2 hosts of 4 chips
+    assert (tc, rc, roll.data.prompts_per_step, roll.mesh.data) == (4, 4, 8, 4)
+    tp, rp = plan(train, TINY, tc, "tpu"), plan(roll, TINY, rc, "tpu")
+    b = sides.side_bytes(cfg, TINY, 8, 2, "tpu")
+    assert b["training"] == tp.persistent + k * W + max(tp.update_phase, W)
+    assert b["sync"] == b["training"] - tp.persistent - tp.update_phase >= k * W
+    in_flight = rp.optimizer // 2 if k else 0
+    assert b["rollout"] == rp.params + in_flight + max(rp.rollout_phase, W)
+    assert ("the weight sync's" in "\n".join(sides.plan_lines(cfg, TINY, 8, 2, "tpu"))) == (b["sync"] > 0) == (k > 0)
+    devices = _cfg(tmp_path, "rollout.max_staleness=1", "mesh.rollout_devices=4")  # 4 per host
+    one_host, two_hosts = sides.side_bytes(devices, TINY, 8, 1, "tpu"), sides.side_bytes(devices, TINY, 16, 2, "tpu")
+    train1 = plan(sides.side_configs(devices, 8, 1)[0], TINY, 4, "tpu")
+    assert one_host["training"] == train1.persistent + train1.update_phase and one_host["sync"] == 0
+    train2 = plan(sides.side_configs(devices, 16, 2)[0], TINY, 8, "tpu")
+    assert two_hosts["training"] == train2.persistent + max(train2.update_phase, W)

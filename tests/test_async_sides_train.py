@@ -27,10 +27,8 @@ from test_async import _same
 from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import localhost
-from g2rl_jax.cli import BAD_INPUT_EXIT
 from g2rl_jax.control import stop
-from g2rl_jax.train.halt import PEER_LOST_EXIT
-from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
+from g2rl_jax.control.exits import Exit
 from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import process_env, run_processes, trainer_args
@@ -140,7 +138,7 @@ def test_no_training_process_is_refused_in_one_line(assets, tmp_path):  # noqa: 
     ran = localhost.run(_sides_cmd(assets, tmp_path / "run", K1, rollout_processes=2, processes=2), timeout=HANG_S,
                         processes=2, devices=1, env=process_env(1))
     for code, log in ran:
-        assert code == BAD_INPUT_EXIT, log[-3000:]
+        assert code == Exit.BAD_INPUT, log[-3000:]
         lines = [line for line in log.splitlines() if "mesh.rollout_processes=2 of 2 processes" in line]
         assert len(lines) == 1 and "each side needs at least one process" in lines[0], log[-3000:]
         assert "Traceback" not in log, log[-3000:]
@@ -152,7 +150,7 @@ def test_one_process_per_side_serial_equals_colocated(runs):
 
 def test_sigterm_to_the_trainer_stops_both_with_a_checkpoint(stopped):
     codes, logs, _ = stopped["stops"]["sigterm"]
-    assert codes == [PREEMPTED_EXIT, PREEMPTED_EXIT], logs
+    assert codes == [Exit.PREEMPTED, Exit.PREEMPTED], logs
     assert "stopped by SIGTERM after step" in logs[TRAINER], logs[TRAINER][-3000:]
     assert "the trainer ended after step" in logs[ROLLOUT], logs[ROLLOUT][-3000:]
 
@@ -161,7 +159,7 @@ def test_a_killed_trainer_ends_the_rollout_process_at_once(stopped):
     codes, logs, seconds = stopped["stops"]["trainer_killed"]
     assert codes[TRAINER] == -signal.SIGKILL
     # JAX's coordination client ends it (SIGABRT), or it notices first and ends in its own line
-    assert codes[ROLLOUT] in (-signal.SIGABRT, PEER_LOST_EXIT), logs[ROLLOUT][-3000:]
+    assert codes[ROLLOUT] in (-signal.SIGABRT, Exit.PEER_LOST), logs[ROLLOUT][-3000:]
     assert ("JAX distributed service detected fatal errors" in logs[ROLLOUT]
             or "the trainer process is gone" in logs[ROLLOUT]), logs[ROLLOUT][-3000:]
     assert seconds < 60, seconds
@@ -169,7 +167,7 @@ def test_a_killed_trainer_ends_the_rollout_process_at_once(stopped):
 
 def test_a_killed_rollout_process_ends_the_trainer_in_one_line_within_its_lease(stopped):
     codes, logs, seconds = stopped["stops"]["rollout_killed"]
-    assert codes == [PEER_LOST_EXIT, -signal.SIGKILL], logs[TRAINER][-3000:]
+    assert codes == [Exit.PEER_LOST, -signal.SIGKILL], logs[TRAINER][-3000:]
     assert "the rollout process 1 (mesh.rollout_processes) has not renewed its lease" in logs[TRAINER]
     assert "Traceback" not in logs[TRAINER], logs[TRAINER][-3000:]
     assert seconds < LEASE_S + 30, seconds  # the lease, the other processes' 5 s to take the line, a loaded machine

@@ -37,8 +37,7 @@ from test_async_sides_train import HANG_S, K1, LEASE_S, ONE, _committed
 from test_multihost import _cmd, assets  # noqa: F401 - assets is a fixture
 
 from g2rl_jax import localhost
-from g2rl_jax.train.halt import PEER_LOST_EXIT
-from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
+from g2rl_jax.control.exits import Exit
 from g2rl_jax.train.metrics import read_metrics
 
 from _helpers import process_env, run_processes, trainer_args
@@ -83,10 +82,10 @@ def resumed(assets, tmp_path_factory):  # noqa: F811
 @slow
 def test_two_training_processes_stop_together_with_a_checkpoint(resumed):
     codes, logs = resumed["codes"], resumed["logs"]
-    assert codes[:2] == [PREEMPTED_EXIT] * 2, [log[-3000:] for log in logs]
+    assert codes[:2] == [Exit.PREEMPTED] * 2, [log[-3000:] for log in logs]
     assert "stopped by SIGTERM after step" in logs[0] and "stopped by SIGTERM after step" in logs[1], logs[1][-3000:]
     # the rollout process ends with the trainer, or has drawn every step (k = 1: the last with version 2) before
-    assert codes[2] == PREEMPTED_EXIT and "the trainer ended after step" in logs[2] or codes[2] == 0, logs[2][-3000:]
+    assert codes[2] == Exit.PREEMPTED and "the trainer ended after step" in logs[2] or codes[2] == 0, logs[2][-3000:]
     assert 1 <= len(resumed["stopped"]) < STEPS, resumed["stopped"]  # the relaunch resumed midway
 
 
@@ -152,7 +151,7 @@ def _check_stopped_and_resumed(killed, split, victim: int, lines: tuple[str, ...
     survivors = [i for i in range(len(codes)) if i != victim]
     assert codes[victim] == -signal.SIGKILL
     for i in survivors:  # each ends by itself with the one line, no JAX abort after its heartbeat timeout
-        assert codes[i] == PEER_LOST_EXIT, (i, codes, logs[i][-3000:])
+        assert codes[i] == Exit.PEER_LOST, (i, codes, logs[i][-3000:])
         assert any(line in logs[i] for line in lines), (i, logs[i][-3000:])
         assert "relaunch every process with the same command" in logs[i], (i, logs[i][-3000:])
         assert "Traceback" not in logs[i] and "Check failure stack trace" not in logs[i], (i, logs[i][-3000:])
@@ -275,24 +274,34 @@ def test_dynamic_sampling_rounds_joined_pick_over_the_whole_batch():
     assert per_block[0][0] + per_block[1][0] != want[0]  # the test can tell the two apart
 
 
-def test_a_lost_gloo_connection_is_a_peer_gone_and_other_errors_are_not():
-    """halt.peer_gone: the gloo line of a collective whose peer died (as the update stage wraps it), nothing
-    for other errors; exit_if_peer_gone returns in a one-process run (nothing to stop)."""
+def test_a_lost_gloo_connection_is_a_peer_lost_where_the_collective_is_called():
+    """control/errors.py's `device_failure`, at the call site of a program or a host collective: the runtime's gloo
+    line of a collective whose peer died is PeerLost (its exit code 76, its one line); the same text anywhere else (a
+    StageError wrapping it, a plain Python error saying so) is not looked at; a host collective's call site
+    (parallel.py) raises it, and passes other errors as they are."""
     import jax
 
-    from g2rl_jax.train import halt
+    from g2rl_jax.control.errors import PeerLost, device_failure, host_collective
     from g2rl_jax.train.step import StageError
 
     lost = ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
             "[127.0.0.1]:15541: Connection reset by peer")
-    try:
-        try:
-            raise jax.errors.JaxRuntimeError(lost)
-        except jax.errors.JaxRuntimeError as err:
-            raise StageError("stage 'update' failed on inputs [input_ids=(16, 32)]") from err
-    except StageError as err:
-        wrapped = err
-    assert halt.peer_gone(wrapped) == lost[len("UNKNOWN: "):]
-    assert halt.peer_gone(jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: bad size")) is None
-    assert halt.peer_gone(ValueError("Connection reset by peer")) is None  # not a collective's
-    assert halt.exit_if_peer_gone(wrapped, 1) is None  # one process: the caller's handling goes on
+    gone = device_failure(jax.errors.JaxRuntimeError(lost), "stage 'update'")
+    assert isinstance(gone, PeerLost) and gone.code == Exit.PEER_LOST and gone.detail == lost[len("UNKNOWN: "):]
+    assert gone.line(3).startswith("a process of this run is gone after step 3 (Gloo all-reduce failed")
+    assert device_failure(jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: bad size"), "x") is None
+    assert device_failure(ValueError("Gloo: Connection reset by peer"), "x") is None  # not the runtime's status
+    assert device_failure(RuntimeError(lost), "x") is None
+    jitted = ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by "
+              "peer [127.0.0.1]:44228")  # what a jitted call raised as a ValueError when its peer was killed
+    assert device_failure(ValueError(jitted), "x").detail == jitted[len("UNKNOWN: "):]
+    assert device_failure(StageError(lost), "x") is None  # a wrapper's text is never read
+
+    @host_collective
+    def collective(err):
+        raise err
+
+    with pytest.raises(PeerLost):
+        collective(jax.errors.JaxRuntimeError(lost))
+    with pytest.raises(ValueError):
+        collective(ValueError("another failure"))

@@ -36,6 +36,11 @@ def test_benchmark_runs_and_prints_its_figures(name, capsys):
     out = capsys.readouterr().out
     for needle in needles:
         assert needle in out, (name, needle, out[-2000:])
+    if name == "update":  # `bench gpu` reads this table
+        from g2rl_jax.bench.gpu import parse_update
+
+        grouped = parse_update(out)["grouped"]
+        assert grouped["update_s"] > 0 and grouped["us_per_response_token"] > 0 and grouped["resp_mfu"], grouped
 
 
 def test_storage_benchmark_runs_on_the_emulator(gcs, capsys):
@@ -63,6 +68,38 @@ def test_once_update_cost_per_response_token(tmp_path):
     assert update_us_per_token(tmp_path) == 1e6 * (0.25 + 0.75) / (8 * 20.0 + 8 * 30.0)
 
 
+def test_once_step_split(tmp_path):
+    """bench once's step split: each part's seconds summed over steps 3 on, and their sum."""
+    import json
+
+    from g2rl_jax.bench.once import step_split
+
+    parts = ("rollout_seconds", "reward_seconds", "score_seconds", "update_seconds")
+    steps = [{"step": s, **{k: s * (i + 1) for i, k in enumerate(parts)}} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert step_split(tmp_path) == {"rollout_seconds": 7, "reward_seconds": 14, "score_seconds": 21,
+                                    "update_seconds": 28, "step": 70}
+
+
+def test_once_metrics_differ(tmp_path):
+    """bench once --keep: two runs' metrics.jsonl compared key by key, the clock's numbers left out."""
+    import json
+
+    from g2rl_jax.bench.once import metrics_differ
+
+    def write(name, steps):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+
+    write("a", [{"step": 1, "reward_mean": 0.5, "update_seconds": 1.0, "programs_compiled": 9}])
+    write("b", [{"step": 1, "reward_mean": 0.5, "update_seconds": 2.0, "programs_compiled": 0}])
+    write("c", [{"step": 1, "reward_mean": 0.25, "update_seconds": 1.0}])
+    write("d", [])
+    assert metrics_differ(tmp_path / "a", tmp_path / "b") == []
+    assert metrics_differ(tmp_path / "a", tmp_path / "c") == ["1: reward_mean"]
+    assert metrics_differ(tmp_path / "a", tmp_path / "d") == ["records: 1 before, 0 after"]
+
+
 def test_once_rollout_runs_both_checkouts(capsys):
     """`bench once` at its cheapest: the rollout mode, this checkout against itself, one new seed."""
     from g2rl_jax.bench.once import ROOT
@@ -82,9 +119,10 @@ def test_unknown_benchmark_lists_the_known_ones(capsys):
 def test_rollout_long_tail_prints_its_figures(capsys):
     tiny = ["--vocab", "512", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads",
             "1", "--head-dim", "32", "--prompts", "2", "--samples", "2", "--prompt-len", "8", "--repeats", "1"]
-    assert main(["rollout", "--long-tail", *tiny, "--new-tokens", "16", "--budget-ratio", "2"]) == 0
+    assert main(["rollout", "--long-tail", *tiny, "--new-tokens", "16", "--budget-ratio", "2", "--split"]) == 0
     out = capsys.readouterr().out
-    for needle in ("lengths mean", "p90", "useful tokens/s", "budget independence", "completions the same"):
+    for needle in ("lengths mean", "p90", "useful tokens/s", "budget independence", "completions the same",
+                   "budget 32, CPU s by piece", "decode segments", "compactions"):
         assert needle in out, (needle, out)
 
 
@@ -125,7 +163,8 @@ def test_update_benchmark_out_of_device_memory_is_one_line(monkeypatch, capsys):
 
 
 def test_methods_benchmark_on_a_tiny_model(tmp_path, capsys):
-    """bench methods times every method it is given against GRPO on one step of a tiny random model."""
+    """bench methods times every method it is given against GRPO on one step of a tiny random model: a token rule,
+    a method with per-step token weights that needs the log-probs (miner), and a method with options (OPTIONS)."""
     import json
 
     from g2rl_jax.demo import countdown as cd
@@ -140,11 +179,38 @@ def test_methods_benchmark_on_a_tiny_model(tmp_path, capsys):
     tok.save_pretrained(model)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(ex.as_row()) + "\n" for ex in cd.examples("test")[:16]))
-    argv = ["methods", "--repeats", "1", "--methods", "kl_cov,unlikeliness", "--config", "configs/study_countdown.yaml",
+    argv = ["methods", "--repeats", "1", "--methods", "kl_cov,miner,g2rl_after_literal", "--config",
+            "configs/study_countdown.yaml",
             f"model.path={model}", f"data.train_dataset={data}", f"data.eval_datasets={data}",
             "data.prompts_per_step=2", "rollout.num_samples=4", "algorithm.mini_batch_size=8",
             "algorithm.micro_batch_size=8", "run.loggers=jsonl"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for needle in ("| grpo |", "| kl_cov |", "| unlikeliness |", "step vs grpo"):
+    for needle in ("| grpo |", "| kl_cov |", "| miner |", "| g2rl_after_literal |", "step vs grpo"):
         assert needle in out, (needle, out[-2000:])
+
+
+def test_gpu_batch_at_a_tiny_size(tmp_path, capsys):
+    """`bench gpu --tiny`: the GPU batch's decode, long-tail and step parts run, each in its own process, on this CPU
+    at a tiny size (the update parts are `bench update`, run above; their table's parsing is checked there);
+    gpu_batch.json holds each part's figures and gpu_batch.md its table; a second call runs nothing again."""
+    import json
+
+    only = ["--only", "decode", "--only", "long_tail", "--only", "step_cold", "--only", "step_warm"]
+    assert main(["gpu", "--tiny", "--out", str(tmp_path), *only]) == 0
+    parts = json.loads((tmp_path / "gpu_batch.json").read_text())["parts"]
+    assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(
+        ("decode", "step_cold", "step_warm", "long_tail"), "ok"), parts
+    decode = parts["decode"]["figures"]
+    assert set(decode["variants"]) == {"rungs", "switch", "ladder"} and decode["same_tokens"] == "yes", decode
+    assert all(v["roofline_share"] > 0 for v in decode["variants"].values()), decode
+    assert parts["long_tail"]["figures"]["useful_tokens_per_s"] > 0
+    for name in ("step_cold", "step_warm"):
+        step = parts[name]["figures"]
+        assert step["first_step_s"] > 0 and step["step_s"] > 0 and step["rollout_share"].endswith("%"), step
+    table = (tmp_path / "gpu_batch.md").read_text()
+    assert "| decode | rungs: **" in table and "| step_warm | first step **" in table, table
+    assert "| update_1k | – | not run" in table, table
+    capsys.readouterr()
+    assert main(["gpu", "--tiny", "--out", str(tmp_path), *only]) == 0
+    assert "[decode]" not in capsys.readouterr().out  # measured already: nothing runs

@@ -12,7 +12,7 @@ from flax import nnx
 from g2rl_jax.aot.bill import micro_counts
 from g2rl_jax.config import AlgorithmConfig
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
-from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.shapes.layouts import ShapeSet
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
 from g2rl_jax.train.compiles import CompileClock
@@ -21,7 +21,7 @@ CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidde
                   num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
 RT = RuntimeConfig(param_dtype="float32", compute_dtype="float32", remat="none", attention="xla")
 B, S, T = 8, 4, 8
-SHAPES = micro_lib.ShapeSet(widths=((4, (2, 4, 8)), (2, (6, 8))), name="two widths per row count")
+SHAPES = ShapeSet(widths=((4, (2, 4, 8)), (2, (6, 8))), name="two widths per row count")
 KINDS = {"score_micro": "score", "ref_micro": "reference", "accumulate": "gradient"}
 
 

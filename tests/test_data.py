@@ -244,11 +244,13 @@ def test_orbax_save_restore_gives_same_next_batches(tmp_path):
 
 
 def test_every_demo_dataset_is_known_by_name_before_the_demo_is_imported():
-    """A fresh process: the names `dataset_names` lists lazily are exactly the ones importing the demo registers."""
-    code = ("from g2rl_jax.data import datasets as d; import sys; before = set(d._REGISTRY)\n"
+    """A fresh process: the names `dataset_names` lists lazily (g2rl_jax/registry.py) are exactly the ones importing
+    the demo registers."""
+    code = ("from g2rl_jax.data import datasets as d; from g2rl_jax import registry; import sys\n"
+            "before = set(d._REGISTRY)\n"
             "assert 'g2rl_jax.demo.task' not in sys.modules\n"
             "assert len(d.load_dataset('demo_test')) > 0  # by name: imports the demo, which registers the rest\n"
-            "assert set(d._REGISTRY) - before == set(d._LAZY), sorted(set(d._REGISTRY) - before)\n"
-            "print(sorted(d._LAZY))")
+            "assert set(d._REGISTRY) - before == set(registry.DATASETS), sorted(set(d._REGISTRY) - before)\n"
+            "print(sorted(registry.DATASETS))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "countdown_study_test" in done.stdout, done.stderr[-2000:]

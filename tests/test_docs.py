@@ -3,8 +3,8 @@ points outside the repository, no page carries a commit hash, an issue number or
 short enough to read to the end, and docs/config.md is exactly what `python -m g2rl_jax.train --help` prints now.
 What a user runs from the docs works: a run directory the docs read is one a config or the page's own command writes,
 every launcher's `--help` exits 0 and tpu.sh's header names every subcommand, and every TPU type the docs name is one
-`launch/tpu.sh` understands. The README's and docs/tpu_vm.md's figures are dated, with their command (or the page
-that holds it), or called what they are (an estimate, a model, a bound).
+`launch/tpu.sh` understands. The figures of the README and of the docs pages in FIGURE_PAGES are dated, with their
+command (or the page that holds it), or called what they are (an estimate, a model, a bound).
 
 `python tests/test_docs.py` rewrites docs/config.md from the current help."""
 
@@ -127,22 +127,27 @@ FIGURE = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?\s?(?:s|ms|min|minutes|hours?
                     r"(?![\w/])|\b\d\.\d+ → \d\.\d+")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 # a command (in backticks), or the page that holds it
-SOURCE = re.compile(r"`(?:[A-Z_]+=\S+ )*(?:python|pytest|bash|du|uv|pip|launch/)[^`]*`|\]\((?:docs/)?[\w/]+\.md")
+SOURCE = re.compile(r"`(?:[A-Z_][A-Z0-9_]*=\S+ )*(?:python|pytest|bash|du|uv|pip|launch/)[^`]*`"
+                    r"|\]\((?:docs/)?[\w/]+\.md")
 BOUND = re.compile(r"\b(?:estimated?s?|modell?ed|model|not measured|at most|at least|default|up to|within|limit|"
                    r"below|above)\b", re.I)
-FIGURE_PAGES = [ROOT / "README.md", ROOT / "docs" / "tpu_vm.md"]
+FIGURE_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in (
+    "async", "demos", "gpu", "layout", "lora", "rewards", "testing", "tpu", "tpu_vm"))]
 # figures a model produced, with the subject that identifies them: wherever quoted, the sentence says estimate
 ESTIMATES = [re.compile(r"\b147\b.{0,40}\b1\.7B\b|\b1\.7B\b.{0,40}\b147\b")]
 
 
 def figure_blocks(text: str):
-    """(sentence, its paragraph with the paragraph before a table) of the prose and table rows, code left out."""
+    """(sentence, its paragraph with the paragraph before a table) of the prose and table rows, code left out. A
+    heading is a title, judged with the paragraph under it, which carries the date and command of what it names."""
     text = re.sub(r"```.*?```", "", text, flags=re.S)
+    blocks = re.split(r"\n\s*\n", text)
     before = ""
-    for block in re.split(r"\n\s*\n", text):
+    for i, block in enumerate(blocks):
         rows = block.splitlines()[2:] if block.lstrip().startswith("|") else None
+        under = blocks[i + 1] if re.fullmatch(r"#{1,6} [^\n]+", block.strip()) and i + 1 < len(blocks) else ""
         for part in rows if rows is not None else re.split(r"(?<=[.;:])\s+(?=[A-Z(`*])", block):
-            yield " ".join(part.split()), block + (before if rows is not None else "")
+            yield " ".join(part.split()), block + (before if rows is not None else under)
         before = block if rows is None else before
 
 
@@ -169,6 +174,11 @@ def test_the_figure_rules_catch_what_they_are_for():
     assert undated("Expect, in a few minutes on two CPU cores (150–190 s):")
     assert not undated("Two runs, 2026-11-27 (`python -m g2rl_jax.train`): 189 s and 150 s.")
     assert not undated("A backoff of at most 30 s.")
+    # a heading's figure is dated by the paragraph under it, not by the page's other paragraphs
+    assert undated("### The bill: 263 programs\n\nA table.\n\nOn 2026-11-27, `python -m x`.")
+    assert not undated("### The bill: 263 programs\n\nThe bill of 2026-11-27, `python -m x`.\n\nNo figure.")
+    # an environment variable's name may hold digits
+    assert not undated("The full demo took 273 s of CPU, 2026-11-27 (`G2RL_FULL_DEMO=1 python -m pytest -q`).")
     old = "A run compiles once: 59 programs for a demo-size run, 147 at 1.7B on v5p-8: [perf](docs/performance.md)."
     assert unmarked_estimates(old) and not unmarked_estimates(old.replace("147", "147 (an estimate)"))
 

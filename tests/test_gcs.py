@@ -26,9 +26,9 @@ from test_train import (  # noqa: F401 - assets and reference are fixtures
 )
 
 from g2rl_jax import storage
+from g2rl_jax.control.runlock import LOCK_FILE, RunLock
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.runlock import LOCK_FILE, RunLock
 
 from _helpers import HANG_S, BucketWrites, kill_when, lock_held_elsewhere, xla_flags
 

@@ -16,10 +16,12 @@ import pytest
 from test_train import ROOT, _env, _train_cmd, assets, config, overrides  # noqa: F401 - assets is a fixture
 
 from g2rl_jax.config import ConfigError
+from g2rl_jax.control import holder as identity
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.runlock import LOCK_FILE, RunLock
 from g2rl_jax.train.command import main
-from g2rl_jax.train.lifecycle import HISTORY_FILE, PREEMPTED_EXIT, config_changes
+from g2rl_jax.train.lifecycle import HISTORY_FILE, config_changes
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.runlock import LOCK_FILE, RunLock
 
 from _helpers import lock_held_elsewhere, xla_flags
 
@@ -61,9 +63,15 @@ def test_lock_between_real_processes_and_stale_locks(tmp_path, capsys):
     RunLock(tmp_path).release()  # a lock object that never held it releases nothing
     assert (tmp_path / LOCK_FILE).exists()
     lock.release()
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-    lock.acquire()  # our own pid, but not held by us: a restarted container's leftover
-    assert "its process (pid" in capsys.readouterr().err
+    me = identity.mine()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**me, "start": me["start"] - 1, "renewed": time.time()}))
+    lock.acquire()  # our pid, this boot and PID namespace, another start time: a restarted container's leftover
+    assert f"its process (pid {os.getpid()} on host" in capsys.readouterr().err
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**me, "renewed": time.time()}))
+    lock.acquire()  # this very process's record, held by no lock of it: its own, taken at once
+    assert "it is this process's own record" in capsys.readouterr().err
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
 
@@ -105,7 +113,7 @@ def test_second_trainer_on_the_same_run_is_refused(preempted_run):
 
 def test_sigterm_saves_a_checkpoint_and_exits_with_how_to_resume(preempted_run):
     first, out = preempted_run["first"], preempted_run["out"]
-    assert first["returncode"] == PREEMPTED_EXIT, first["stderr"][-3000:]
+    assert first["returncode"] == Exit.PREEMPTED, first["stderr"][-3000:]
     stopped = first["records"][-1]["step"]
     assert [r["step"] for r in first["records"]] == list(range(1, stopped + 1))
     assert first["steps"] == [stopped]  # saved because of the SIGTERM: checkpoint_every=100
@@ -225,26 +233,49 @@ def test_jax_platforms_naming_absent_hardware_is_one_line(tmp_path):
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "config.yaml").exists()
 
 
-def test_only_a_storage_clients_error_on_a_bucket_is_a_storage_failure(gcs):
-    """train/halt.py: an error a storage client raised (a refused connection, an aiohttp disconnect, a tensorstore
-    status) on a gs:// run is the one line with the URL; a bug (a plain ValueError), or any error on a local run
-    directory, is not (it keeps its traceback)."""
-    import aiohttp
+def test_failures_are_classified_where_raised_never_by_their_text():
+    """control/errors.py: an error merely saying what a device or storage failure says (a reward function's
+    RESOURCE_EXHAUSTED, a ConnectionRefusedError in user code) is neither; a device's RESOURCE_EXHAUSTED is known by
+    its status code, not by its message. (A gcsfs request the store did not serve: test_storage_midrun.py.)"""
+    import jax
 
-    from g2rl_jax.train.halt import storage_failure
+    from g2rl_jax.control.errors import DeviceOutOfMemory, device_failure
 
-    def raised(err, cause):
-        try:
-            raise err from cause
-        except RuntimeError as caught:
-            return caught
+    said_so = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8 bytes")
+    assert device_failure(said_so, "stage 'update'") is None  # built from Python: status UNKNOWN, whatever it says
+    assert device_failure(ConnectionRefusedError(111, "Connection refused"), "stage 'update'") is None
+    try:
+        jax.numpy.ones((1 << 44,), jax.numpy.float32)  # 64 TiB: XLA's allocator refuses it
+    except jax.errors.JaxRuntimeError as real:
+        oom = device_failure(real, "stage 'update'")
+    assert isinstance(oom, DeviceOutOfMemory) and oom.code == Exit.DEVICE_OOM
+    assert oom.line().startswith("train error: the device ran out of memory in stage 'update' (RESOURCE_EXHAUSTED")
 
-    url = gcs.url("halt/run")
-    for err in (ConnectionRefusedError(111, "Connection refused"),
-                raised(RuntimeError("save failed"), aiohttp.ServerDisconnectedError()),
-                ValueError("UNAVAILABLE: CURL error[7] Couldn't connect to server")):
-        line = storage_failure(err, url, 7)
-        assert line is not None and line.startswith("run.output_dir: the storage failed after step 7: "), err
-        assert url in line and f"{url}/checkpoints" in line and "run the same command again" in line, line
-    assert storage_failure(ValueError("shapes (3,) and (4,) do not match"), url, 7) is None
-    assert storage_failure(ConnectionRefusedError(111, "Connection refused"), "/tmp/run", 7) is None
+
+def test_what_ends_the_trainer_maps_to_its_code_in_one_place():
+    """control/errors.py's exit_code, the one mapping (train/command.py's setup failures, and the code the rollout
+    processes of a split run end with): a value that fails the wire's checks (a planted pickle) is a typed bad input,
+    exit 2 with its one line, as an unusable checkpoint is; a RunFailure keeps its own code; a start whose store does
+    not answer is the storage's; a config, dataset or path error is bad input; anything else a bug."""
+    from g2rl_jax.control import wire
+    from g2rl_jax.control.errors import BadInput, DeviceOutOfMemory, LeaseLost, StorageUnavailable, exit_code
+    from g2rl_jax.data import DataError
+    from g2rl_jax.storage import StorageUnreachable
+    from g2rl_jax.train.checkpoint import CheckpointError
+
+    refused = wire.Refused("key g2rl/sides/start: not a value this version writes; refused, nothing in it was run")
+    assert isinstance(refused, BadInput) and isinstance(refused, ValueError) and refused.code == Exit.BAD_INPUT
+    assert refused.line() == f"run error: {refused}"
+    with pytest.raises(wire.Refused) as err:
+        wire.decode(b"\x80\x04K\x01.", where="a planted pickle")
+    assert exit_code(err.value) == Exit.BAD_INPUT and "\n" not in err.value.line()
+    unusable = CheckpointError("no checkpoint in /r/checkpoints can be restored;\n delete it")
+    assert exit_code(unusable) == Exit.BAD_INPUT and unusable.line().startswith("checkpoint error: no checkpoint")
+    assert exit_code(None) == Exit.DONE
+    assert exit_code(LeaseLost("run lock lost")) == Exit.LEASE_LOST
+    assert exit_code(DeviceOutOfMemory("stage 'update'", "RESOURCE_EXHAUSTED")) == Exit.DEVICE_OOM
+    assert exit_code(StorageUnavailable("gs://b/r", ConnectionError("refused"))) == Exit.STORAGE
+    assert exit_code(StorageUnreachable("gs://b/r: no answer")) == Exit.STORAGE
+    for bad in (ConfigError("algorithm.lr: not a number"), DataError("rows.jsonl:3: no answer"), FileNotFoundError()):
+        assert exit_code(bad) == Exit.BAD_INPUT, bad
+    assert exit_code(KeyError("a bug")) == exit_code(RuntimeError("a bug")) == Exit.BUG

@@ -17,13 +17,13 @@ from test_micro import CFG, RT
 from g2rl_jax import methods
 from g2rl_jax.config import AlgorithmConfig
 from g2rl_jax.model import Qwen3, lora
-from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.shapes.layouts import ShapeSet
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
 
 X, S, T, MICRO = 8, 5, 24, 4  # rows of a mini-batch, prompt and response positions, rows of a micro-batch
 OPT = optax.adamw(1e-2, weight_decay=0.1)
-SHAPES = micro_lib.ShapeSet.of([(MICRO, T)], "one")  # two micro-batches of a mini-batch, one program shape
+SHAPES = ShapeSet.of([(MICRO, T)], "one")  # two micro-batches of a mini-batch, one program shape
 
 
 @pytest.fixture(scope="module")

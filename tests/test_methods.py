@@ -1,7 +1,8 @@
 """The exploration methods of g2rl_jax/methods/ against float64 NumPy transcriptions of their papers' equations:
 pass@k's analytic advantage against brute force over k-subsets, the unlikeliness reward, NSR / W-REINFORCE, the
 G2RL study variants, Clip-Cov / KL-Cov / forking tokens' choice of tokens, and the loss terms they set; plus the
-registry, its config key and one short training run per family of token rules."""
+registry, its config key, one short training run per family of token rules and one with Miner's token weights
+(Miner's equations: tests/test_methods_single_class.py)."""
 import itertools
 import math
 
@@ -291,7 +292,8 @@ def test_loss_terms_match_numpy(mini):
 # ------------------------------------------------------------------------------------------------ registry, config
 def test_registry_names_every_method_once_and_the_config_checks_them():
     assert set(methods.NAMES) == {"grpo", "entropy_bonus", "evol", "g2rl", "g2rl_mixed_correct", "g2rl_correct_peers",
-                                  "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking"}
+                                  "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking",
+                                  "miner"}
     for name in methods.NAMES:
         method = methods.get(name)
         assert method.name == name and "arXiv" in method.summary, name
@@ -328,3 +330,27 @@ def test_one_training_step_per_family(assets, tmp_path, name):  # noqa: F811
     assert np.isfinite(record["loss"]) and record["skipped_updates"] == 0
     changed = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, trainer.params))
     assert any(changed) or name == "nsr" and record["accuracy"] == 1.0
+
+
+def test_miner_token_weights_reach_the_trainers_loss(assets, tmp_path, monkeypatch):  # noqa: F811
+    """A real Trainer step with Miner's rewards stage run and its output replaced by advantages of 1 (the tiny
+    random policy is always wrong, so its own are 0) and token weights of 0, no KL term: the loss is exactly 0 and
+    so is the gradient, which holds only if the weights reach every micro-batch's loss (without them it is −1)."""
+    import dataclasses
+
+    from g2rl_jax.methods import miner
+    from g2rl_jax.train.loop import Trainer
+
+    def zero_weights(group, algo):
+        signal = miner.rewards(group, algo)
+        assert signal.token_weight is not None
+        return dataclasses.replace(signal, advantages=jnp.ones_like(signal.advantages),
+                                   token_weight=jnp.zeros_like(signal.token_weight))
+
+    monkeypatch.setitem(methods.REGISTRY, "miner", dataclasses.replace(methods.get("miner"), rewards=zero_weights))
+    # a γ no other test uses: the jitted advantage stage traces the patched method, not a cached one
+    trainer = Trainer(config(assets, tmp_path / "miner", mode="miner", steps=1,
+                             **{"algorithm.kl_coef": 0.0, "algorithm.miner_gamma": 1.5}))
+    trainer.resume()
+    record = trainer.run()[-1]
+    assert record["loss"] == 0.0 and record["grad_norm"] == 0.0 and record["skipped_updates"] == 0

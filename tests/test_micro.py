@@ -17,6 +17,7 @@ from flax import nnx
 from g2rl_jax import g2rl, parallel
 from g2rl_jax.config import AlgorithmConfig, MeshConfig
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
+from g2rl_jax.shapes import layouts
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
@@ -100,12 +101,12 @@ def _assert_same_scores(got: train_step.Scores, want, mask_BxT):
 
 # ------------------------------------------------------------------------------------------ the plan
 def test_width_ladder():
-    assert [micro_lib.width_bucket(n) for n in (0, 1, 16, 17, 33, 64, 65, 80, 81, 129, 1000, 1025, 8192)] == \
+    assert [layouts.width_bucket(n) for n in (0, 1, 16, 17, 33, 64, 65, 80, 81, 129, 1000, 1025, 8192)] == \
         [16, 16, 16, 32, 64, 64, 80, 80, 96, 160, 1024, 1280, 8192]
-    widths = {micro_lib.width_bucket(n) for n in range(1, 8193)}
+    widths = {layouts.width_bucket(n) for n in range(1, 8193)}
     assert len(widths) == 3 + 4 * 7  # 16, 32, 64, then 4 per octave from 64 to 8,192
     for n in range(65, 8193):
-        assert n <= micro_lib.width_bucket(n) <= 1.25 * n + 1
+        assert n <= layouts.width_bucket(n) <= 1.25 * n + 1
 
 
 def test_plan_sorts_rows_and_counts_padding():
@@ -117,7 +118,7 @@ def test_plan_sorts_rows_and_counts_padding():
     assert sorted(flat.tolist()) == list(range(B))  # every row once: membership unchanged
     assert (np.diff(lengths[flat]) >= 0).all()
     for rows, width in zip(plan.rows, plan.widths):
-        assert len(rows) in (1, 2) and width == min(micro_lib.width_bucket(lengths[rows].max()), T)
+        assert len(rows) in (1, 2) and width == min(layouts.width_bucket(lengths[rows].max()), T)
     positions = sum(len(rows) * (S + w) for rows, w in zip(plan.rows, plan.widths))
     padding = sum(int((attn[r, :S + w] == 0).sum()) for rows, w in zip(plan.rows, plan.widths) for r in rows)
     assert (plan.positions, plan.padding) == (positions, padding)
@@ -129,10 +130,10 @@ def test_plan_sorts_rows_and_counts_padding():
 
 
 def test_row_counts():
-    assert micro_lib.row_counts(16) == (16, 8, 4, 2, 1)
-    assert micro_lib.row_counts(16, min_rows=4) == (16, 8, 4)
-    assert micro_lib.row_counts(6) == (6, 3)
-    assert micro_lib.row_counts(4, min_rows=8) == (4,)
+    assert layouts.row_counts(16) == (16, 8, 4, 2, 1)
+    assert layouts.row_counts(16, min_rows=4) == (16, 8, 4)
+    assert layouts.row_counts(6) == (6, 3)
+    assert layouts.row_counts(4, min_rows=8) == (4,)
 
 
 def _brute_force_cost(lengths, micro: int, s: int, t: int, sizes) -> float:
@@ -146,8 +147,8 @@ def _brute_force_cost(lengths, micro: int, s: int, t: int, sizes) -> float:
             best = min(best, cost)
         for r in sizes:
             if start + r <= len(order):
-                width = min(micro_lib.width_bucket(order[start + r - 1]), t)
-                cuts(start + r, cost + (r + micro_lib.OVERHEAD_ROWS) * (s + width))
+                width = min(layouts.width_bucket(order[start + r - 1]), t)
+                cuts(start + r, cost + (r + layouts.OVERHEAD_ROWS) * (s + width))
 
     cuts(0, 0.0)
     return best
@@ -163,9 +164,9 @@ def test_plan_is_the_least_cost_cut(micro, min_rows):
         mask = np.arange(t)[None] < lengths[:, None]
         plan = micro_lib.plan_micro(mask, micro, np.ones((16, s + t), bool), min_rows=min_rows)
         sizes = [len(r) for r in plan.rows]
-        assert set(sizes) <= set(micro_lib.row_counts(micro, min_rows)) and sum(sizes) == 16
-        cost = sum((len(r) + micro_lib.OVERHEAD_ROWS) * (s + w) for r, w in zip(plan.rows, plan.widths))
-        assert cost == _brute_force_cost(lengths, micro, s, t, micro_lib.row_counts(micro, min_rows))
+        assert set(sizes) <= set(layouts.row_counts(micro, min_rows)) and sum(sizes) == 16
+        cost = sum((len(r) + layouts.OVERHEAD_ROWS) * (s + w) for r, w in zip(plan.rows, plan.widths))
+        assert cost == _brute_force_cost(lengths, micro, s, t, layouts.row_counts(micro, min_rows))
     equal = micro_lib.plan_micro(np.ones((16, t), bool), micro, np.ones((16, s + t), bool), min_rows=min_rows)
     assert [len(r) for r in equal.rows] == [micro] * (16 // micro)  # equal lengths: the fewest micro-batches
 
@@ -229,8 +230,8 @@ def test_compiled_shapes_are_bounded_by_the_width_ladder(model):
         shapes |= {(len(rows), w) for rows, w in zip(plan.rows, plan.widths)}
         scores = train_step.score(graphdef, params, batch, temperature=0.9, micro=4)
         train_update.gradients(graphdef, params, _mini(batch, scores.logp_BxT), settings=settings, micro=4)
-    ladder = {min(micro_lib.width_bucket(n), T) for n in range(T + 1)}
+    ladder = {min(layouts.width_bucket(n), T) for n in range(T + 1)}
     assert len(ladder) == 3  # 16, 32 and the full width 40
-    assert shapes <= {(r, w) for r in micro_lib.row_counts(4) for w in ladder} and len(shapes) > 3
+    assert shapes <= {(r, w) for r in layouts.row_counts(4) for w in ladder} and len(shapes) > 3
     assert train_step.score_micro._cache_size() - score_before <= len(shapes)
     assert train_update.accumulate._cache_size() - grads_before <= len(shapes)

@@ -11,7 +11,8 @@ import sys
 import time
 
 from g2rl_jax import storage
-from g2rl_jax.train.runlock import LEASE_LOST_EXIT, LOCK_FILE
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.runlock import LOCK_FILE
 
 from _helpers import xla_flags
 
@@ -50,7 +51,7 @@ def test_every_process_stops_with_one_line_when_process_0_loses_the_lock(tmp_pat
     for i, proc in enumerate(procs):
         stderr = (tmp_path / f"{i}.err").read_text()
         lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith(("I0", "W0", "E0"))]
-        assert proc.returncode == LEASE_LOST_EXIT, (i, stderr[-3000:])
+        assert proc.returncode == Exit.LEASE_LOST, (i, stderr[-3000:])
         assert lines[-1].startswith(f"run lock lost: {run_dir / LOCK_FILE} was taken over (pid 1 on host 'vm-b'"), \
             (i, lines[-1])
         assert "Traceback" not in stderr, (i, stderr[-3000:])

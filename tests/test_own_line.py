@@ -4,8 +4,7 @@ import sys
 
 from tqdm import tqdm
 
-from g2rl_jax.control import stop
-from g2rl_jax.train import runlock
+from g2rl_jax.control import lease, stop
 
 
 def _lines_while_a_bar_is_drawn(say, capsys) -> list[str]:
@@ -17,7 +16,7 @@ def _lines_while_a_bar_is_drawn(say, capsys) -> list[str]:
 
 
 def test_the_lease_warning_starts_its_own_line_under_a_progress_bar(capsys):
-    lines = _lines_while_a_bar_is_drawn(lambda: runlock._warn("could not renew the lease"), capsys)
+    lines = _lines_while_a_bar_is_drawn(lambda: lease.warn("could not renew the lease"), capsys)
     assert "warning: could not renew the lease" in lines, lines
 
 
@@ -27,5 +26,5 @@ def test_the_stop_line_starts_its_own_line_under_a_progress_bar(capsys):
 
 
 def test_without_a_bar_the_line_is_printed_alone(capsys):
-    runlock._warn("alone")
+    lease.warn("alone")
     assert capsys.readouterr().err == "warning: alone\n"

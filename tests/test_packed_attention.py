@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from g2rl_jax.model import attention, packed_attention
+from g2rl_jax.shapes.layouts import PackShape
 
 
 def _segments(rng, B: int, L: int):
@@ -97,13 +98,12 @@ def test_padding_report_counts_the_packed_plan():
     scores R x W^2 pairs, the blocked one fewer (long-tailed lengths)."""
     from g2rl_jax.bench import update_padding
     from g2rl_jax.model import Qwen3Config
-    from g2rl_jax.train import packing
 
     cfg = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
     prompt_B, resp_B = update_padding.draw(24, 16, 256, seed=0)
     n_B = prompt_B + resp_B
-    dense, blocked = (update_padding.packed_figures(cfg, prompt_B, resp_B, packing.PackShape.of(
+    dense, blocked = (update_padding.packed_figures(cfg, prompt_B, resp_B, PackShape.of(
         8, 2, prompt_len=16, resp_len=256, block=block)) for block in (0, 32))
     for f in (dense, blocked):
         assert f["positions"] - f["padding"] == n_B.sum() and f["needed"] == (n_B * (n_B + 1) // 2).sum()

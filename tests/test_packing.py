@@ -17,6 +17,8 @@ from test_train import assets  # noqa: F401 - a fixture
 
 from g2rl_jax.config import AlgorithmConfig
 from g2rl_jax.model import Qwen3, Qwen3Config, RuntimeConfig
+from g2rl_jax.shapes.choice import long_tailed_lengths
+from g2rl_jax.shapes.layouts import PackShape
 from g2rl_jax.train import packing, passes
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
@@ -67,9 +69,7 @@ def test_plan_micros_cover_the_sequences_with_little_padding():
     """Every sequence in exactly one micro-batch, at a shape of the layout, in a row as wide as it; the narrower rows
     take the last tokens: long-tailed lengths (Qwen3-1.7B's bill model, two draws) pad under 5% of the positions,
     against over 10% with the full-width rows alone."""
-    from g2rl_jax.train.shapes import long_tailed_lengths
-
-    shape = packing.PackShape.of(16, 4, prompt_len=1024, resp_len=8192)
+    shape = PackShape.of(16, 4, prompt_len=1024, resp_len=8192)
     assert shape.micros[:3] == ((16, 9216), (8, 9216), (4, 9216)) and len(shape.micros) == 12
     assert all(r == 4 and w % 8 == 0 for r, w in shape.micros[3:]) and shape.micros[-1] == (4, 1152)
     full = dataclasses.replace(shape, micros=shape.micros[:3])
@@ -95,24 +95,25 @@ def test_plan_micros_cover_the_sequences_with_little_padding():
     assert pads[True] < 0.05 < 0.10 < pads[False], pads
 
 
-def test_packed_logprobs_equal_the_unpacked_pass(model):
-    """Three widths of packed rows (so sequences share rows differently) against the unpacked reference pass
-    (train.step's, one padded row per sequence): equal within float32 rounding on every response token."""
-    ids, attn, resp, p_B, r_B = _batch()
+@pytest.mark.parametrize("width,block", [(24, 0), (40, 8), (96, 16), (96, 0)])
+def test_packed_reference_logprobs_equal_the_unpacked_pass(model, width, block):
+    """The reference pass over packed rows as the trainer lays them out (passes.ref_logprobs: PackShape.of's output
+    columns, as many as a row's width and gathered to its front, head > 0) against the unpacked reference pass
+    (train.step's, one padded row per sequence): equal within float32 rounding on every response token, for rows of
+    three widths (so sequences share rows differently), dense attention (0) or blocked."""
     graphdef, params = nnx.split(model)
+    ids, attn, resp, _, _ = _batch()
     batch = train_step.Batch(jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(resp), jnp.zeros(8), jnp.zeros(8, bool),
                              group_size=4)
-    want_BxT = train_step.ref_stats(graphdef, params, batch, temperature=0.7, chunk=8)
-    want_BxT = np.asarray(want_BxT) * resp
-    for width, block in ((24, 0), (40, 8), (96, 16), (96, 0)):  # dense attention (0) or blocked
-        plan = packing.pack(p_B, r_B, width)
-        p = packing.packed_inputs(ids, attn, resp, plan)
-        assert plan.rows < 8 or width == 24, plan.rows  # several sequences per row
-        logp_RxW = packing.packed_token_logprobs(graphdef, params, p.ids_RxW, p.segments_RxW, p.positions_RxW,
-                                                 p.targets_RxC, temperature=0.7, chunk=8, block=block)
-        got_BxT = np.asarray(packing.unpack(logp_RxW, p.source_BxT, p.valid_BxT))
-        np.testing.assert_allclose(got_BxT, want_BxT, atol=2e-5, rtol=2e-5, err_msg=f"width {width} block {block}")
-        assert np.all(got_BxT[resp == 0] == 0) and np.all(got_BxT[resp > 0] < 0)
+    want_BxT = np.asarray(train_step.ref_stats(graphdef, params, batch, temperature=0.7, chunk=8)) * resp
+    shape = PackShape(width, ((8, width),), head=width, block=block)
+    micros = passes.plan(batch, shape).micros
+    sharing = max(len(set(row[row > 0])) for m in micros for row in m.segments_RxW)
+    assert sharing > 1 or width == 24, sharing  # several sequences a row
+    assert any((m.predict_RxC[:, 0] > 0).any() for m in micros)  # the output columns are not the row's positions
+    got_BxT = np.asarray(passes.ref_logprobs(graphdef, params, batch, temperature=0.7, micro=4, shapes=shape, chunk=8))
+    np.testing.assert_allclose(got_BxT, want_BxT, atol=2e-5, rtol=2e-5, err_msg=f"width {width} block {block}")
+    assert np.all(got_BxT[resp == 0] == 0) and np.all(got_BxT[resp > 0] < 0)
 
 
 def _np_phi(h_RxWxD, w_VxD, targets_RxW, alpha_RxW, slots_RxW, slots, temperature):
@@ -144,8 +145,8 @@ def test_packed_phi_equals_a_float64_transcription():
     np.testing.assert_allclose(np.asarray(phi), _np_phi(h, w, y, alpha, slots_RxW, K, 0.7), atol=1e-4, rtol=1e-4)
 
 
-SHAPES = (packing.PackShape(40, ((4, 40), (1, 40), (1, 24), (1, 16)), 3, head=16, block=8),
-          packing.PackShape(24, ((2, 24),), 16, block=0))  # outputs at the response positions only (head: at most
+SHAPES = (PackShape(40, ((4, 40), (1, 40), (1, 24), (1, 16)), 3, head=16, block=8),
+          PackShape(24, ((2, 24),), 16, block=0))  # outputs at the response positions only (head: at most
 # 16 of them a row), or at all W; rows of three widths (the narrower ones for the last tokens) or one; several
 # sequences a row, or one or two; the blocked attention (blocks of 8: five a row) or the dense mask
 
@@ -226,7 +227,7 @@ def test_a_packed_training_step_equals_an_unpacked_one(assets, tmp_path):  # noq
                                                                     "run.strict_compiles": packed}))
         trainer.resume()
         trainer.run()
-        assert isinstance(trainer.warmup.layout, packing.PackShape) == packed
+        assert isinstance(trainer.warmup.layout, PackShape) == packed
         records = read_metrics(out)
         if packed:
             assert records[0]["programs_compiled"] > 0 and records[1]["programs_compiled"] == 0

@@ -237,7 +237,8 @@ def _xla_rollout_bytes(cfg, model: Qwen3Config, devices: int) -> int:
                                                       reads=engine.read_ladder(t))
         half = engine.batch_buckets(p * m, engine.batch_shards(mesh), cfg.rollout.max_new_tokens)[1]
         rows_X = jax.ShapeDtypeStruct((half,), jnp.int32, sharding=engine.batch_sharding(mesh, 1))
-        move = engine.regroup_fn(mesh, G).lower(prefix.k[0], prefix.v[0], suffix.k[0], suffix.v[0], rows_X, rows_X)
+        move = engine.regroup_fn(mesh, G).lower(prefix.k[0], prefix.v[0], suffix.k[0], suffix.v[0], rows_X, rows_X,
+                                                jnp.int32(t))
         local = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
                                  for x in jax.tree.leaves(tree))
         beside = local((prefix.k[1:], prefix.v[1:], suffix.k[1:], suffix.v[1:], state, layers, ds))

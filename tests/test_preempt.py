@@ -14,9 +14,10 @@ import time
 import pytest
 from test_train import ROOT, _env, _train_cmd, assets  # noqa: F401 - assets is a fixture
 
-from g2rl_jax.train.lifecycle import PREEMPTED_EXIT, step_fits
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.runlock import LOCK_FILE
+from g2rl_jax.train.lifecycle import step_fits
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.runlock import LOCK_FILE
 from g2rl_jax.train.setup import unshared_message
 
 from _helpers import xla_flags
@@ -59,9 +60,9 @@ def _sigterm_in_the_step(script: str, *args: str):
 
 @pytest.mark.parametrize("estimate,work,code,says,within", [
     (1.0, 1.5, 0, "finishing the current step, expected to end in", (1.5, 10)),  # fits 10 s: finished, stops
-    (30.0, 30.0, PREEMPTED_EXIT, "would not end within the 10 s grace (a step takes 30.0 s)", (0, 8)),  # at once
-    (-1.0, 30.0, PREEMPTED_EXIT, "would not end within the 10 s grace (no step has been timed yet)", (0, 8)),
-    (1.0, 30.0, PREEMPTED_EXIT, "the 10 s grace (run.preempt_grace_seconds) is over", (10, 16)),  # the deadline
+    (30.0, 30.0, Exit.PREEMPTED, "would not end within the 10 s grace (a step takes 30.0 s)", (0, 8)),  # at once
+    (-1.0, 30.0, Exit.PREEMPTED, "would not end within the 10 s grace (no step has been timed yet)", (0, 8)),
+    (1.0, 30.0, Exit.PREEMPTED, "the 10 s grace (run.preempt_grace_seconds) is over", (10, 16)),  # the deadline
 ])
 def test_sigterm_grace_in_a_real_process(estimate, work, code, says, within):
     returncode, stdout, stderr, took = _sigterm_in_the_step(SCRIPT, "10", str(estimate), str(work))
@@ -78,7 +79,7 @@ def test_an_abandon_that_outlasts_the_grace_says_so():
     grace ended first (the lock stays, a dead process's, for the next launch to take over)."""
     script = SCRIPT.replace('lambda: print("abandon: lock released", flush=True)', "lambda: time.sleep(30)")
     returncode, _, stderr, took = _sigterm_in_the_step(script, "0.5", "30", "30")
-    assert returncode == PREEMPTED_EXIT, stderr
+    assert returncode == Exit.PREEMPTED, stderr
     assert "would not end within the 0.5 s grace" in stderr, stderr
     assert "the 0.5 s grace (run.preempt_grace_seconds) is over before the run lock could be released" in stderr
     assert 0.4 <= took < 10, took
@@ -101,7 +102,7 @@ def test_a_real_trainer_abandons_a_step_that_does_not_fit(assets, tmp_path):  # 
         proc.wait(timeout=120)
         took = time.monotonic() - sent
     stderr = (tmp_path / "trainer.err").read_text()
-    assert proc.returncode == PREEMPTED_EXIT, stderr[-3000:]
+    assert proc.returncode == Exit.PREEMPTED, stderr[-3000:]
     assert "abandoning it, the last checkpoint stands" in stderr or "grace (run.preempt_grace_seconds) is over" \
         in stderr, stderr[-3000:]
     assert took < 5.0, took  # the grace and the lock's release; the old rule finished the step and saved first

@@ -1,12 +1,12 @@
-"""A preempted run comes back by itself: the run lock is a lease (train/runlock.py) between real processes, each
+"""A preempted run comes back by itself: the run lock is a lease (control/runlock.py) between real processes, each
 as its own host (`unshare -u` gives a process its own hostname), on local disk and on a real GCS server on loopback
 (fake-gcs-server). A live holder on another host is refused in one line; racing starters on a stale lock: exactly one
 wins; a holder frozen past its lease (SIGSTOP) is taken over, and once thawed stops at once, writing nothing more.
-End to end: a trainer as host vm-a on a gs:// run killed with -9 mid-save, its relaunch as vm-b takes the run over
-once the lease has lapsed, with no manual step, and ends with the uninterrupted run's metrics; vm-c meanwhile is
-refused in one line. A relaunch after a kill mid-save of a run's first checkpoint, on GCS, where that unfinished step
-is all there is under checkpoints/ (the cause of a once-seen failure of test_gcs's kill -9 test). (The 20-kill loop:
-`python -m g2rl_jax.bench preempt`.)"""
+End to end: a trainer as host vm-a on a gs:// run frozen mid-save for two leases, its relaunch as vm-b takes the run
+over once the lease has lapsed, with no manual step, and ends with the uninterrupted run's metrics; vm-c meanwhile is
+refused in one line; vm-a thawed changes no object and exits with the lease-lost code. A relaunch after a kill
+mid-save of a run's first checkpoint, on GCS, where that unfinished step is all there is under checkpoints/ (the
+cause of a once-seen failure of test_gcs's kill -9 test). (The 20-kill loop: `python -m g2rl_jax.bench preempt`.)"""
 import contextlib
 import json
 import os
@@ -26,16 +26,17 @@ from test_train import STEPS, _assert_same_metrics, _env, _train_cmd, assets, re
 
 from g2rl_jax import storage
 from g2rl_jax.config import ConfigError
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.runlock import LOCK_FILE, RunLock
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.lifecycle import HISTORY_FILE
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.runlock import LEASE_LOST_EXIT, LOCK_FILE, RunLock
 
-from _helpers import HANG_S, BucketWrites, kill_when, xla_flags
+from _helpers import HANG_S, BucketWrites, xla_flags
 
 LEASE = 9.0  # the smallest run.lock_lease_seconds: renewed every 3 s (a bucket's 1 update/s leaves others room)
 HOLD = ("import sys, time\n"
-        "from g2rl_jax.train.runlock import RunLock\n"
+        "from g2rl_jax.control.runlock import RunLock\n"
         "if len(sys.argv) > 3:\n"  # a racer: ready, then go at once when the go file appears
         "    print('ready', flush=True)\n"
         "    import os\n"
@@ -101,7 +102,7 @@ def test_live_holder_on_another_host_is_refused_and_a_frozen_one_taken_over(run_
         assert f"removing the stale lock {run_dir}/{LOCK_FILE} of pid {holder.pid} on host 'vm-a'" in err, err
         assert _lock(run_dir)["pid"] == os.getpid()
         holder.send_signal(signal.SIGCONT)  # thawed: its next renewal finds the lock taken
-        assert holder.wait(timeout=60) == LEASE_LOST_EXIT
+        assert holder.wait(timeout=60) == Exit.LEASE_LOST
         assert _lock(run_dir)["pid"] == os.getpid()  # the loser wrote nothing more, deleted nothing
         time.sleep(LEASE / 3 + 0.5)
         assert _lock(run_dir)["pid"] == os.getpid()  # and our renewals go on
@@ -119,7 +120,7 @@ def test_a_holder_taken_over_stops_at_once_in_one_line(run_dir):
         assert proc.stdout.readline().strip() == "held"
         other = json.dumps({"host": "vm-z", "pid": 7, "since": "now", "renewed": time.time(), "nonce": "x"})
         storage.write_text(f"{run_dir}/{LOCK_FILE}", other)  # as another trainer's takeover would
-        assert proc.wait(timeout=60) == LEASE_LOST_EXIT
+        assert proc.wait(timeout=60) == Exit.LEASE_LOST
         lines = proc.stderr.read().strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("run lock lost: ") and "pid 7 on host 'vm-z'" in lines[0]
         assert storage.read_text(f"{run_dir}/{LOCK_FILE}") == other  # not removed at exit
@@ -151,38 +152,78 @@ def test_of_racing_starters_on_a_stale_lock_exactly_one_wins(run_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ a preemption, end to end
+UPDATES = ("upload", "compose", "copy", "delete", "patch")
+
+
+def _objects(url: str) -> dict[str, str]:
+    """name -> generation of every object under `url`, as the server lists them."""
+    fs, key = storage._fs(url)
+    return {name: str(info.get("generation")) for name, info in fs.find(key, detail=True).items()}
+
+
 @needs_hosts
-def test_preempted_vm_is_replaced_without_a_manual_step(gcs, assets, bucket, reference, tmp_path, capsys):  # noqa: F811
+def test_preempted_vm_is_replaced_without_a_manual_step_and_fenced_out_when_back(gcs, assets, bucket, reference,  # noqa: F811
+                                                                                  tmp_path, capsys):
+    """A trainer as host vm-a is frozen (SIGSTOP: a VM that stopped answering) once its first checkpoint's save
+    began, for two leases at least. A relaunch as vm-b watches the lock for a lease, takes the run over with no
+    manual step and finishes it with the uninterrupted run's metrics, each step once; vm-c meanwhile is refused in
+    one line. Then vm-a is thawed: from then on it changes no object in the bucket (its buffered metrics, its
+    checkpoint's commit, its lock: the fence refuses each) and exits by itself with the lease-lost code and one line.
+    (vm-a used to compose its buffered metrics after the takeover, a step twice, print an Orbax traceback, and only
+    then say that it lost the lock.)"""
     from g2rl_jax.train.command import main
 
     out = gcs.url("runs/preempted")
     env = dict(_env(), XLA_FLAGS=xla_flags(8), **{storage.CACHE_ENV: str(tmp_path / "cache")})
-    cmd = [*_gs_cmd(assets, bucket, out), f"run.lock_lease_seconds={LEASE:g}"]
-    log = tmp_path / "trainers.err"
-    with open(log, "w") as err:
-        vm_a = subprocess.Popen(as_host("vm-a", cmd), env=env, stdout=subprocess.DEVNULL, stderr=err)
-        saving = BucketWrites(gcs, out).saving
-        assert kill_when(vm_a, saving, err), f"vm-a ended before a save: {log.read_text()[-3000:]}"
-        assert _lock(out)["host"] == "vm-a"  # left behind by the kill
-        vm_b = subprocess.Popen(as_host("vm-b", cmd), env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        deadline = time.monotonic() + HANG_S
-        while not (storage.exists(f"{out}/{LOCK_FILE}") and _lock(out)["host"] == "vm-b"):
-            assert vm_b.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        assert main(cmd[cmd.index("--config"):]) == 2  # vm-c, while vm-b runs (this host is neither)
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert lines[-1].startswith("config error: run.output_dir: ") and \
-            f"is in use by another trainer (pid {vm_b.pid} on host 'vm-b'" in lines[-1], lines
-        assert vm_b.poll() is None, "vm-b ended before vm-c was refused: the check proves nothing"
-        stdout, _ = vm_b.communicate(timeout=HANG_S)
+    lease = 30.0  # vm-b's start (imports, checks) on a loaded machine stays under two leases: it watches one
+    cmd = [*_gs_cmd(assets, bucket, out), f"run.lock_lease_seconds={lease:g}"]
+    log, log_a = tmp_path / "trainers.err", tmp_path / "vm_a.err"
+    with open(log, "w") as err, open(log_a, "w") as err_a:
+        vm_a = subprocess.Popen(as_host("vm-a", cmd), env=env, stdout=subprocess.DEVNULL, stderr=err_a)
+        try:
+            saving = BucketWrites(gcs, out).saving
+            while not saving():
+                assert vm_a.poll() is None, f"vm-a ended before a save: {log_a.read_text()[-3000:]}"
+                time.sleep(0.005)
+            vm_a.send_signal(signal.SIGSTOP)
+            frozen = time.monotonic()
+            assert _lock(out)["host"] == "vm-a"
+            vm_b = subprocess.Popen(as_host("vm-b", cmd), env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            deadline = time.monotonic() + HANG_S
+            while not (storage.exists(f"{out}/{LOCK_FILE}") and _lock(out)["host"] == "vm-b"):
+                assert vm_b.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            assert time.monotonic() - frozen >= lease  # watched a whole lease first
+            assert main(cmd[cmd.index("--config"):]) == 2  # vm-c, while vm-b runs (this host is neither)
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert lines[-1].startswith("config error: run.output_dir: ") and \
+                f"is in use by another trainer (pid {vm_b.pid} on host 'vm-b'" in lines[-1], lines
+            assert vm_b.poll() is None, "vm-b ended before vm-c was refused: the check proves nothing"
+            stdout, _ = vm_b.communicate(timeout=HANG_S)
+            assert vm_b.returncode == 0, log.read_text()[-3000:]
+            time.sleep(max(0.0, frozen + 2 * lease - time.monotonic()))  # frozen for two leases at least
+            before, since = _objects(out), len(gcs.proxy.log)
+            vm_a.send_signal(signal.SIGCONT)
+            assert vm_a.wait(timeout=120) == Exit.LEASE_LOST, log_a.read_text()[-3000:]
+        finally:
+            vm_a.kill()
+            vm_a.wait()
     text = log.read_text()
-    assert vm_b.returncode == 0, text[-3000:]
-    assert f"waiting up to {LEASE:g} s (its lease)" in text and "removing the stale lock" in text, text[-3000:]
+    assert f"waiting up to {lease:g} s (its lease)" in text and "removing the stale lock" in text, text[-3000:]
+    assert f"its lease of {lease:g} s was not renewed while this start watched it for" in text, text[-3000:]
     _assert_same_metrics(read_metrics(out), reference["records"])
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
     history = [json.loads(line) for line in storage.read_text(f"{out}/{HISTORY_FILE}").splitlines()]
     assert [h["host"] for h in history] == ["vm-a", "vm-b"]  # vm-c wrote nothing
     assert not storage.exists(f"{out}/{LOCK_FILE}")
-    assert STEPS == len(read_metrics(out))
+    prefix = out.split("://", 1)[1] + "/"
+    changed = [(r.kind, r.obj, r.status) for r in gcs.proxy.log[since:]
+               if r.kind in UPDATES and r.obj and r.obj.startswith(prefix) and 200 <= r.status < 300]
+    assert not changed and _objects(out) == before, changed  # thawed, vm-a changed nothing
+    text_a = log_a.read_text()
+    lines_a = [line for line in text_a.splitlines() if line.strip() and not line.startswith(("I1", "W1", "E1"))]
+    assert lines_a[-1].startswith(f"run lock lost: {out}/{LOCK_FILE} was deleted"), lines_a[-5:]
+    assert "Traceback" not in text_a, text_a[-3000:]
 
 
 # ------------------------------------------------------------------------------------------ a kill mid-first-save

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from g2rl_jax import config as C
+from g2rl_jax.control.errors import RewardFunctionFailed
 from g2rl_jax.data import load_dataset
-from g2rl_jax.rewards.custom import RewardFunctionError, custom_rewards, resolve_spec
+from g2rl_jax.rewards.custom import custom_rewards, resolve_spec
 from g2rl_jax.rewards.scoring import compute_rewards, overlong_penalty, truncated_mask
 
 STOP = 0
@@ -116,10 +117,10 @@ def test_custom_function_values_are_clipped(user_file):
 def test_custom_function_failures(user_file, name, why):
     spec = f"{user_file}:{name}"
     rows = [{"id": "row-7", "want_len": 1}]
-    with pytest.raises(RewardFunctionError) as err:
+    with pytest.raises(RewardFunctionFailed) as err:
         custom_rewards(spec, ["x"], rows, timeout=1.0, on_error="raise")
     assert spec in str(err.value) and "row-7" in str(err.value) and why in str(err.value)
-    assert "reward.on_error=fail" in str(err.value)
+    assert "reward.on_error=fail" in str(err.value) and err.value.code == 5 and err.value.row == "row-7"
     np.testing.assert_array_equal(custom_rewards(spec, ["x"], rows, timeout=1.0, on_error="fail"), [-1.0])
 
 

@@ -137,27 +137,51 @@ def test_decode_temporaries_do_not_grow_with_the_cache(model):
     assert temp_big - temp_small <= 4 * scores_growth < layer_kv / 2, (temp_small, temp_big, scores_growth)
 
 
-@pytest.mark.parametrize("chunk", [16, 24, 64])
-def test_a_compaction_moves_the_rows_it_keeps(monkeypatch, chunk):
+def _np_take_filled(x, keep, filled, chunk):
+    """NumPy: x's rows `keep`, their filled slots rounded up to the chunk (all slots when the chunk does not divide
+    them) copied, every other slot zero."""
+    T = x.shape[2]
+    moved = T if T % chunk else min(T, -(-filled // chunk) * chunk)
+    out = np.zeros((len(keep), *x.shape[1:]), x.dtype)
+    out[:, :, :moved] = x[keep, :, :moved]
+    return out
+
+
+@pytest.mark.parametrize("chunk,filled", [(16, 20), (16, 33), (24, 5), (64, 64), (16, 0)])
+def test_a_compaction_moves_the_filled_slots_of_the_rows_it_keeps(monkeypatch, chunk, filled):
     """The suffix rows a compaction keeps, moved REGROUP_CHUNK slots at a time (one chunk when it does not divide
-    the slots), equal NumPy's row take."""
+    the slots) over the filled slots only, the rest zeros: NumPy's; and with every slot past the filled ones zero
+    (as the decode leaves them), bit for bit the whole rows' take."""
     monkeypatch.setattr(engine, "REGROUP_CHUNK", chunk)
     x = np.random.default_rng(0).normal(size=(8, 2, 64, 4)).astype(np.float32)
     keep = np.array([6, 1, 3, 0], np.int32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(engine._take_rows)(x, keep)), x[keep])
+    take = jax.jit(lambda x, keep, filled: engine._take_filled(x, keep, filled))  # a new function: this chunk
+    np.testing.assert_array_equal(np.asarray(take(jnp.asarray(x), keep, jnp.int32(filled))),
+                                  _np_take_filled(x, keep, filled, chunk))
+    x[:, :, filled:] = 0
+    np.testing.assert_array_equal(np.asarray(take(jnp.asarray(x), keep, jnp.int32(filled))), x[keep])
 
 
 def test_compaction_only_with_steps_left(model, monkeypatch, first_capacity_16):
     """A budget of COMPACT_MIN_STEPS tokens decodes without compacting (one batch bucket, no new segment shape),
-    even though most rows stop early; budget 24 compacts the same prompts."""
-    calls = []
-    real = engine.compact
+    even though most rows stop early; budget 24 compacts the same prompts. After a compaction each segment gets
+    suffix buffers of exactly its batch's rows: the segment programs are those of a batch that size from the start
+    (a cache kept at the full batch's rows made XLA fuse the step otherwise and moved the log-probs' last bits)."""
+    calls, rows = [], []
+    real, real_segment_fn = engine.compact, engine.segment_fn
     monkeypatch.setattr(engine, "compact", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+
+    def segment_fn(*fn_args):
+        segment = real_segment_fn(*fn_args)
+        return lambda *a, **k: rows.append((a[4].k[0].shape[0], a[5].last_X.shape[0])) or segment(*a, **k)
+
+    monkeypatch.setattr(engine, "segment_fn", segment_fn)
     kw = dict(KW, stop_token_ids=tuple(range(0, 128, 5)))  # most rows stop within a few tokens
     short = generate(model, PROMPTS, max_new_tokens=engine.COMPACT_MIN_STEPS, **kw)
     assert short.finish_reasons.count("stop") >= 20 and calls == [], (short.finish_reasons, calls)
     generate(model, PROMPTS, max_new_tokens=24, **kw)
     assert calls, "budget 24 should compact"
+    assert len(set(rows)) > 1 and all(cache == batch for cache, batch in rows), rows
 
 
 def test_prewarm_compiles_everything_the_decode_loop_can_reach(model_dir, long_budget, first_capacity_16):

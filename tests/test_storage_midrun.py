@@ -16,7 +16,7 @@ from test_train import _env, _train_cmd, assets  # noqa: F401 - assets is a fixt
 
 from g2rl_jax import storage
 from g2rl_jax.bench.gcs_proxy import Faults, GcsProxy
-from g2rl_jax.train.halt import STORAGE_FAILED_EXIT
+from g2rl_jax.control.exits import Exit
 
 from _helpers import BucketWrites, xla_flags
 
@@ -94,7 +94,7 @@ def test_a_server_gone_mid_run_is_one_line_and_the_rerun_resumes(gcs, assets, tm
             seconds = time.monotonic() - t0
     stderr = log.read_text()
     line = _last_line(stderr)
-    assert proc.returncode == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert proc.returncode == Exit.STORAGE, stderr[-3000:]
     assert line.startswith("train error: run.output_dir: ") and out in line, line
     assert f"cannot reach {gcs.endpoint}" in line and "accepts connections and closes them without an answer" in line
     assert "run the same command again" in line and "Traceback" not in stderr, stderr[-3000:]
@@ -111,7 +111,7 @@ def test_a_server_gone_mid_run_is_one_line_and_the_rerun_resumes(gcs, assets, tm
 
 
 def _holder(out: str, lease: float) -> str:
-    return ("import sys, time\nfrom g2rl_jax.train.runlock import RunLock\n"
+    return ("import sys, time\nfrom g2rl_jax.control.runlock import RunLock\n"
             f"RunLock({out!r}, lease_seconds={lease}).acquire(); print('held', flush=True); time.sleep(300)")
 
 
@@ -133,7 +133,7 @@ def test_lease_renewals_that_fail_for_a_lease_stop_the_holder_with_one_line(gcs,
         proc.kill()
     stderr = proc.stderr.read()
     line = _last_line(stderr)
-    assert proc.returncode == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert proc.returncode == Exit.STORAGE, stderr[-3000:]
     assert line.startswith(f"train error: run.output_dir: could not renew the lease on {out}/run.lock"), line
     assert "another trainer may take the run over now" in line and "Traceback" not in stderr, stderr[-3000:]
     cause = "nothing listens on port" if how == "closed" else "answers every request 503"
@@ -142,13 +142,13 @@ def test_lease_renewals_that_fail_for_a_lease_stop_the_holder_with_one_line(gcs,
 
 
 def _run_until_told(tmp_path, out: str, setup: str, then: str, step: int, how: str, gcs):
-    """A process that runs `setup`, prints "ready", waits for a line on stdin and runs `then` within the loop's frame
-    (halt.StoreTracebacksOff, and halt.exit_if_storage_failed around it, as the trainer's loop); `then` runs while
-    the endpoint fails `how`. Returns (seconds from the failure to the exit, exit code, stderr)."""
-    body = "\n".join("        " + line for line in then.splitlines())
-    code = (f"import sys\nfrom g2rl_jax.train import halt\n{setup}\nprint('ready', flush=True)\nsys.stdin.readline()\n"
-            f"try:\n    with halt.StoreTracebacksOff():\n{body}\n"
-            f"except Exception as err:\n    halt.exit_if_storage_failed(err, {out!r}, {step})\n    raise\n"
+    """A process that runs `setup`, prints "ready", waits for a line on stdin and runs `then` as the trainer's loop
+    does: a failure classified where it was raised (control/errors.py) ends it with its line and exit code; `then`
+    runs while the endpoint fails `how`. Returns (seconds from the failure to the exit, exit code, stderr)."""
+    body = "\n".join("    " + line for line in then.splitlines())
+    code = (f"import sys\nfrom g2rl_jax.control import errors\n{setup}\nprint('ready', flush=True)\n"
+            f"sys.stdin.readline()\ntry:\n{body}\n"
+            f"except errors.RunFailure as err:\n    errors.end_run(err, {step}, {out!r})\n"
             "print('no error', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=_env_for(tmp_path), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -177,7 +177,7 @@ def test_a_metrics_flush_that_fails_is_one_line_and_keeps_what_was_flushed(gcs, 
     seconds, code, stderr = _run_until_told(tmp_path, out, setup, "writer.write(2, {'loss': 2.0})\nwriter.flush()", 2,
                                             "503", gcs)
     line = _last_line(stderr)
-    assert code == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert code == Exit.STORAGE, stderr[-3000:]
     assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
     assert "answers every request 503" in line and "Traceback" not in stderr, stderr[-3000:]
     assert seconds < BOUND_S, seconds
@@ -196,8 +196,28 @@ def test_an_async_save_that_fails_is_one_line_and_keeps_the_committed_checkpoint
     seconds, code, stderr = _run_until_told(tmp_path, out, setup, "ckpt.save(2, state, It())\nckpt.wait()", 2, "drop",
                                             gcs)
     line = _last_line(stderr)
-    assert code == STORAGE_FAILED_EXIT, stderr[-3000:]
+    assert code == Exit.STORAGE, stderr[-3000:]
     assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
     assert "accepts connections and closes them without an answer" in line, line
     assert "Traceback" not in stderr and seconds < BOUND_S, (seconds, stderr[-3000:])
     assert _committed(out) == [1]
+
+
+def test_a_restore_from_a_bucket_that_does_not_answer_sets_nothing_aside(gcs, tmp_path):
+    """The newest checkpoint's restore fails because the bucket's server is gone (its port closed): the restore
+    probes the store, which does not answer either, so the failure is the storage's (exit 75, one line), not a
+    corrupt checkpoint: nothing is moved aside, and with the server back both checkpoints are there."""
+    out = gcs.url("midrun/restore")
+    setup = ("import jax.numpy as jnp\nfrom g2rl_jax.train.checkpoint import Checkpointer\n"
+             "class It:\n    def get_state(self): return {'i': 0}\n    def set_state(self, s): pass\n"
+             f"ckpt = Checkpointer({out!r}, every=1, keep=3)\n"
+             "state = {'w': jnp.arange(4096.0)}\n"
+             "ckpt.save(1, state, It()); ckpt.save(2, state, It()); ckpt.close()\n"
+             f"reopened = Checkpointer({out!r}, every=1, keep=3)")
+    seconds, code, stderr = _run_until_told(tmp_path, out, setup, "reopened.restore_newest(state, It())", 2,
+                                            "closed", gcs)
+    line = _last_line(stderr)
+    assert code == Exit.STORAGE, stderr[-3000:]
+    assert line.startswith("train error: run.output_dir: the storage failed after step 2: ") and out in line, line
+    assert "nothing listens on port" in line and "Traceback" not in stderr and seconds < BOUND_S, (seconds, line)
+    assert _committed(out) == [1, 2] and not storage.exists(f"{out}/corrupt_checkpoints")

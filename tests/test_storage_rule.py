@@ -30,8 +30,12 @@ ALLOWED = {
     "bench/chaos.py": "benchmark scratch: a temporary directory; a client's parent pid from /proc (Linux)",
     "bench/chaos_launch.py": "benchmark scratch: the launched processes' local logs",
     "bench/gcs_proxy.py": "names the process a 429 went to from /proc (Linux): no run path",
+    "bench/gpu.py": "benchmark scratch: the GPU batch's local folder (its logs, caches, wheels and record)",
+    "bench/rollout.py": "writes its figures to the local file --json names",
     "colab.py": "probes /dev for TPU chips before jax is installed: no run path",
     "model/sources.py": "the commit of a hub id is the name of its snapshot directory in huggingface_hub's local cache",
+    "control/holder.py": "reads /proc for this process's identity (boot id, start time): no run path",
+    "control/fence.py": "compares a local run path with the fenced directories by its resolved name: opens nothing",
 }
 
 

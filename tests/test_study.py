@@ -236,7 +236,9 @@ def test_every_variant_is_a_config_and_belongs_to_a_family():
         for overrides in study.VARIANTS.values():
             cfg = load_config(task.config, list(overrides))
             assert cfg.algorithm.exploration in overrides[0]
-    assert {"grpo", *study.PEERS, *study.GRADIENT_GUIDED} == set(study.VARIANTS)
+    assert {"grpo", *study.PEERS, *study.GRADIENT_GUIDED, *study.SINGLE_CLASS} == set(study.VARIANTS)
+    assert study.VARIANTS["g2rl_after_literal"][1:] == ("algorithm.novelty_placement=advantage",
+                                                        "algorithm.shaping_mode=literal")
     assert study.variant_overrides("g2rl_zero_lam0.25")[-1] == "algorithm.lam=0.25"
     assert study.VARIANTS["g2rl_correct_peers"][-1] == "algorithm.single_class_groups=zero"
 
@@ -295,6 +297,28 @@ def test_tiny_study_draws_the_tradeoff_and_the_totals(tiny_study):
     assert (out / "tradeoff.png").stat().st_size > 0
     text = (out / "study.md").read_text()
     assert "| total |" in text and "| training, 2 runs |" in text
+
+
+def test_an_earlier_reports_rows_are_read_back_and_drawn(tiny_study, tmp_path):
+    """earlier_rows reads a report's held-out table back to its printed digits; --earlier-report draws the variants
+    this study did not run beside its own; a file without the table is one line."""
+    from g2rl_jax.demo.study_report import earlier_rows
+
+    out, _ = tiny_study
+    summary = json.loads((out / "study.json").read_text())
+    rows = earlier_rows(out / "study.md")
+    assert list(rows) == list(summary["table"]) and rows["grpo"]["seeds"] == 1
+    for variant, row in summary["table"].items():
+        for measure in summary["measures"]:
+            assert {k: round(row[measure][k], 3) for k in ("mean", "lo", "hi")} == rows[variant][measure]
+    earlier = tmp_path / "earlier.md"
+    text = (out / "study.md").read_text()
+    earlier.write_text("Quoted:\n\n" + text.replace("| g2rl_shaped | 1 |", "| passk | 5 |", 1))
+    assert "passk" in earlier_rows(earlier)
+    assert study.main(["--out", str(out), "--report-only", "--earlier-report", str(earlier)]) == 0
+    assert (out / "tradeoff.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="holds no held-out table"):
+        earlier_rows(out / "study.json")
 
 
 def test_a_lambda_point_without_its_base_is_paired_with_grpo_only(tiny_study, tmp_path):

@@ -46,9 +46,10 @@ def test_missing_chat_template_is_a_clear_error(tokenizer, monkeypatch):
 
 def project_datasets() -> list[str]:
     """The datasets g2rl_jax registers (not those another test module registered in this worker process)."""
+    from g2rl_jax import registry
     from g2rl_jax.data import dataset_names, datasets
 
-    return [name for name in dataset_names() if name in datasets._LAZY
+    return [name for name in dataset_names() if name in registry.DATASETS
             or datasets._REGISTRY[name].__module__.startswith("g2rl_jax.")]
 
 

@@ -16,12 +16,15 @@ from test_train import DETERMINISTIC, ROOT, assets, config, overrides  # noqa: F
 
 from g2rl_jax.config import ConfigError
 from g2rl_jax.rollout import prewarm
+from g2rl_jax.shapes import choice as choice_lib
+from g2rl_jax.shapes import record
+from g2rl_jax.shapes.layouts import ShapeSet
+from g2rl_jax.shapes.record import CHOICE_FILE
 from g2rl_jax.train import micro as micro_lib
-from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train.compiles import COMPILE_EVENT
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.metrics import read_metrics
-from g2rl_jax.train.warmup import CHOICE_FILE
+from g2rl_jax.train.sampling_rounds import SamplingRounds
 
 HEAVY = ("score_micro", "ref_micro", "accumulate")
 # 16 responses of up to 64 tokens in micro-batches of 8 or 4 rows; decode buckets 16, 8, 4
@@ -120,10 +123,10 @@ def _config(assets, policy, out, threads, steps):  # noqa: F811
 def _shapes_met(trainer, result) -> set:
     """The micro-batch shapes and decode segments a step ran."""
     algo = trainer.cfg.algorithm
-    plans = [micro_lib.plan_for(result.batch, algo.micro_batch_size, shapes=trainer.warmup.shapes)]
+    plans = [micro_lib.plan_for(result.batch, algo.micro_batch_size, shapes=trainer.warmup.layout)]
     for start in range(0, result.batch.rewards.shape[0], algo.mini_batch_size):
         mini = result.batch.response_mask[start:start + algo.mini_batch_size]
-        plans.append(micro_lib.plan_micro(np.asarray(mini), algo.micro_batch_size, shapes=trainer.warmup.shapes,
+        plans.append(micro_lib.plan_micro(np.asarray(mini), algo.micro_batch_size, shapes=trainer.warmup.layout,
                                           min_rows=micro_lib.row_shards(result.batch.rewards)))
     micro = {(len(rows), w) for plan in plans for rows, w in zip(plan.rows, plan.widths)}
     return micro | {("segment", rows) for rows in result.rollout.segments}
@@ -151,7 +154,7 @@ def steps(assets, policy, tmp_path_factory):  # noqa: F811
 
 def test_the_first_step_compiles_the_whole_set_on_the_pool(steps):
     trainer, _, first, _ = steps
-    assert trainer.warmup.shapes.shapes == micro_lib.ShapeSet.full(8, 64, 4).shapes  # as the file said
+    assert trainer.warmup.layout.shapes == ShapeSet.full(8, 64, 4).shapes  # as the file said
     assert trainer.warmup.choice is None
     in_pool = {fn: first[fn, True] for fn in HEAVY}
     assert in_pool == dict.fromkeys(HEAVY, 6), in_pool  # every shape of the set, once each
@@ -200,7 +203,7 @@ def test_a_resumed_run_compiles_nothing_after_its_first_step(resumed):
     assert all(r["compile_seconds"] >= 0 for r in records) and records[0]["compile_seconds"] > 0
     # the first launch measured and chose the set; the resumed one read it back (train/warmup.py CHOICE_FILE)
     assert first.warmup.choice is not None and again.warmup.choice is None
-    assert again.warmup.shapes == first.warmup.shapes
+    assert again.warmup.layout == first.warmup.layout
 
 
 def test_warmup_changes_no_number(steps, assets, policy, tmp_path):  # noqa: F811
@@ -213,15 +216,15 @@ def test_warmup_changes_no_number(steps, assets, policy, tmp_path):  # noqa: F81
         serial = Trainer(dataclasses.replace(cfg, run=pinned))
         plain = serial.step_stages(0)
         serial.close()
-    assert serial.warmup.shapes == trainer.warmup.shapes and serial.warmup.source == "pinned"
+    assert serial.warmup.layout == trainer.warmup.layout and serial.warmup.source == "pinned"
     recorded = json.loads(serial.warmup.choice_file.read_text())
-    assert (recorded["name"], recorded["source"]) == (trainer.warmup.shapes.name, "pinned")  # the run records it
+    assert (recorded["name"], recorded["source"]) == (trainer.warmup.layout.name, "pinned")  # the run records it
     key = json.loads(trainer.warmup.choice_file.read_text())["key"]
-    sets = {trainer.warmup.shapes.name: trainer.warmup.shapes}
-    with pytest.raises(ConfigError, match=r"run.shapes_file=.* holds for .* tune it again"):
-        serial.warmup._read(trainer.warmup.choice_file, {**key, "micro": 4}, sets, pinned=True)
+    names, buckets = [trainer.warmup.layout.name], sorted(trainer.warmup.shares)
+    with pytest.raises(ConfigError, match=r"run.shapes_file=.* holds .* tune it again"):
+        record.read_record(trainer.warmup.choice_file, {**key, "micro": 4}, names, buckets, pinned=True)
     with pytest.raises(ConfigError, match="no such file"):
-        serial.warmup._read(tmp_path / "absent.json", key, sets, pinned=True)
+        record.read_record(tmp_path / "absent.json", key, names, buckets, pinned=True)
     for key in DETERMINISTIC:
         if key in results[0].metrics:
             assert results[0].metrics[key] == plain.metrics[key], key
@@ -238,7 +241,8 @@ def _untimed(path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def twice(assets, policy, tmp_path_factory):  # noqa: F811
-    """Two fresh 2-step runs of one config, the second beside two busy Python loops: their run directories."""
+    """Two fresh 2-step runs of one config, the second beside two busy Python loops and with each step's rewards
+    computed before its passes, not beside them (train/sampling_rounds.PendingRewards): their run directories."""
     import subprocess
     import sys
 
@@ -249,6 +253,8 @@ def twice(assets, policy, tmp_path_factory):  # noqa: F811
         try:
             with pytest.MonkeyPatch.context() as mp:
                 fresh_process(mp)
+                if busy:  # the order before the overlap: the rewards, then the passes
+                    mp.setattr(Trainer, "_sample", lambda self, step, overlap=False: SamplingRounds._sample(self, step))
                 cfg = _config(assets, policy, out, threads=2, steps=2)
                 Trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, eval_every=0))).run()
         finally:
@@ -259,7 +265,7 @@ def twice(assets, policy, tmp_path_factory):  # noqa: F811
     return dirs
 
 
-def test_two_fresh_runs_give_the_same_numbers_under_any_load(twice):
+def test_two_fresh_runs_give_the_same_numbers_under_any_load_with_the_rewards_beside_the_passes_or_not(twice):
     quiet, busy = twice
     assert (quiet / CHOICE_FILE).read_bytes() == (busy / CHOICE_FILE).read_bytes()
     assert json.loads((quiet / CHOICE_FILE).read_text())["source"] == "model"
@@ -279,6 +285,8 @@ def test_tune_shapes_writes_a_file_a_run_can_pin(steps, assets, policy, tmp_path
                              "--repeats", "1", *args]) == 0
     saved = json.loads(out.read_text())
     assert saved["source"] == "tuned" and saved["key"] == json.loads(trainer.warmup.choice_file.read_text())["key"]
-    sets = shapes_lib.candidates(8, 4, max(trainer.warmup.shares), 64)
-    assert trainer.warmup._read(out, saved["key"], sets, pinned=True) == (saved["name"], tuple(saved["prompts"]))
-    assert [tuple(x) for x in saved["shapes"]] == list(sets[saved["name"]].shapes)
+    layouts = trainer.warmup.layouts()
+    assert set(layouts) == set(choice_lib.candidates(8, 4, max(trainer.warmup.shares), 64))  # packing off: grouped
+    assert record.read_record(out, saved["key"], list(layouts), sorted(trainer.warmup.shares),
+                              pinned=True) == (saved["name"], tuple(saved["prompts"]))
+    assert [tuple(x) for x in saved["shapes"]] == list(layouts[saved["name"]].shapes)

@@ -12,17 +12,18 @@ bucket (the read rungs from rollout.first_capacity inside it), and the moves bet
 layer's prefix and suffix rows, and the live rows with their prompts' masks and lengths; with run.eval_every
 validation's rollout too, each key once); the passes' (the score, reference and
 gradient programs at each micro-batch shape of each prompt bucket, each moving its micro-batch's rows in and its
-results out itself, or with algorithm.packing a program per packed shape once, `packed_counts`); once per run the
+results out itself, or when the run packs a program per packed shape once, `packed_counts`); once per run the
 optimizer's init and step, the advantages and the method's own (`method_counts`); and the small ones by rule
-(`small_counts`). The micro-batch shapes and the prompt buckets (at most data.prompt_buckets) are those the trainer
-chooses on the target's device kind (train/shapes.choose_for: its price model, not the compile seconds measured
-here), from the training prompts' lengths when the tokenizer at model.path can encode them, else the worst case
-(every prompt in the bucket of data.max_prompt_tokens). Every program is priced at the seconds its kind's compiled
-program took here (the largest of each kind: an ESTIMATE for the smaller ones, which compile faster), a kind not
-compiled here by the price model (`model_seconds`), the small programs at a move's. The run: run.total_steps steps
-of long-tailed responses (shapes.long_tailed_lengths), each the score, reference and update passes at
-ESTIMATE_MFU (`passes_step_s`), and the decode loop's segments (engine.decode_segments) at the HBM bandwidth, every
-decode step reading the decode weights and the K/V of each row's read rung and of the prompts' prefix
+(`small_counts`). The layout (grouped or packed, and its shapes) and the prompt buckets (at most
+data.prompt_buckets) are those the trainer chooses on the target's chips (shapes.choice.run_choice: its price
+model, not the compile seconds measured here), from the training prompts' lengths when the tokenizer at model.path
+can encode them, else the worst case (every prompt in the bucket of data.max_prompt_tokens). Every program is
+priced at the seconds its kind's compiled program took here (the largest of each kind: an ESTIMATE for the smaller
+ones, which compile faster), a kind not compiled here by the price model (shapes.prices.model_seconds), the small
+programs at a move's. The run: run.total_steps steps
+of long-tailed responses (shapes.choice.long_tailed_lengths), each the score, reference and update passes at
+ESTIMATE_MFU (the chosen layout's estimate), and the decode loop's segments (engine.decode_segments) at the HBM
+bandwidth, every decode step reading the decode weights and the K/V of each row's read rung and of the prompts' prefix
 (`decode_step_s`). `python -m g2rl_jax.bench ladder` prices the rollout's options with the same functions.
 """
 from __future__ import annotations
@@ -32,26 +33,18 @@ import dataclasses
 import numpy as np
 
 from g2rl_jax import methods
-from g2rl_jax.aot.programs import StepShapes
-from g2rl_jax.aot.report import ESTIMATE_MFU
+from g2rl_jax.compile_pool import MAX_AUTO_THREADS
 from g2rl_jax.config import Config
 from g2rl_jax.rollout import batching, engine
-from g2rl_jax.train import micro as micro_lib
-from g2rl_jax.train import shapes as shapes_lib
-from g2rl_jax.train import warmup
-from g2rl_jax.train.packing import PackShape
+from g2rl_jax.shapes import choice as choice_lib
+from g2rl_jax.shapes.layouts import Layout, PackShape, ShapeSet
+from g2rl_jax.shapes.prices import ESTIMATE_MFU, Device, model_seconds
+from g2rl_jax.shapes.step import StepShapes
 
-HOST_THREADS = warmup.MAX_AUTO_THREADS  # run.compile_threads=0 on a TPU VM: one per core, at most this many
-
-
-def rollout_counts(buckets: tuple[int, ...]) -> dict[str, int]:
-    """Programs of one rollout (one prompt bucket) by kind: a segment per batch bucket, and the moves between them
-    ("regroup": per compaction a layer's prefix and suffix rows, and the live rows with their prompts' masks and
-    lengths); prefill, first token and decode weights once."""
-    return {"prefill": 1, "start": 1, "decode_layers": 1, "segment": len(buckets), "regroup": 2 * (len(buckets) - 1)}
+HOST_THREADS = MAX_AUTO_THREADS  # run.compile_threads=0 on a TPU VM: one per core, at most this many
 
 
-def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
+def micro_counts(shapes: ShapeSet, kl: bool) -> dict[str, int]:
     """Programs of one prompt bucket's micro-batch shapes by kind: the score, reference and gradient programs at
     each shape, each taking its micro-batch's rows from the whole batch and (score, reference) putting its results
     into the step's arrays itself, so no program moves rows in or out."""
@@ -59,20 +52,19 @@ def micro_counts(shapes: micro_lib.ShapeSet, kl: bool) -> dict[str, int]:
     return {"score": n, "reference": n * kl, "gradient": n}
 
 
-def packed_counts(cfg: Config, shards: int, step_rows: int, prompt_len: int) -> dict[str, int]:
-    """Programs of the packed passes (algorithm.packing, train/packing.py), once per run whatever the prompt
-    buckets: the score, reference and gradient programs at each packed (rows, width) of PackShape.of (rows of the
-    largest prompt bucket `prompt_len` + the budget at micro, micro/2, ... down to the batch shards, and the
-    shards' rows at each narrower width); for a token rule, when a step has more than one update, the score program
+def packed_counts(cfg: Config, layout: PackShape, step_rows: int) -> dict[str, int]:
+    """Programs of the packed passes (train/packing.py), once per run whatever the prompt buckets: the score,
+    reference and gradient programs at each packed (rows, width) of the run's layout (rows of the largest prompt
+    bucket + the budget at micro, micro/2, ... down to the batch shards, and the shards' rows at each narrower
+    width, as many as the choice took); for a token rule, when a step has more than one update, the score program
     over a mini-batch's rows too (the current policy's pass). No program moves rows in or out."""
     algo = cfg.algorithm
-    n = len(PackShape.of(algo.micro_batch_size, shards, prompt_len=prompt_len,
-                         resp_len=batching.new_tokens_bucket(cfg.rollout.max_new_tokens)).micros)
+    n = len(layout.micros)
     rule = methods.get(algo.exploration).tokens is not None and algo.mini_batch_size != step_rows
     return {"score": n * (1 + rule), "reference": n * (algo.kl_coef > 0), "gradient": n}
 
 
-def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> dict[str, int]:
+def method_counts(cfg: Config, layout: Layout, step_rows: int) -> dict[str, int]:
     """Programs of the method's own (once per run): the EVOL embedder (Method.needs "embeddings"); for a token rule
     (Clip-Cov, KL-Cov, forking: methods.token_terms), the rule over a mini-batch and, when a step has more than one
     update, the current policy's score programs over a mini-batch's rows, one per micro-batch shape (none when a
@@ -80,30 +72,14 @@ def method_counts(cfg: Config, shapes: micro_lib.ShapeSet, step_rows: int) -> di
     algo = cfg.algorithm
     method = methods.get(algo.exploration)
     counts = {"embed": int("embeddings" in method.needs), "token_terms": int(method.tokens is not None)}
-    if method.tokens is not None and algo.mini_batch_size != step_rows and not algo.packing:
-        counts["score"] = len(shapes.shapes)
+    if method.tokens is not None and algo.mini_batch_size != step_rows and isinstance(layout, ShapeSet):
+        counts["score"] = len(layout.shapes)
     return counts
-
-
-def prompt_lengths(cfg: Config) -> np.ndarray | None:
-    """The training prompts' token counts (under data.max_prompt_tokens), or None when model.path has no tokenizer
-    that renders them (a preset's architecture alone, a directory with config.json only) or the data cannot be read
-    here; the bill then says it assumed prompts at data.max_prompt_tokens."""
-    from g2rl_jax.data.tokenizer import load_tokenizer
-    from g2rl_jax.train.setup import length_filter, load_examples
-    from g2rl_jax.train.setup import prompt_lengths as lengths_of
-
-    try:
-        tokenizer = load_tokenizer(cfg.model.path)
-        kept, _ = length_filter(load_examples(cfg.data.train_dataset, cfg.data), tokenizer, cfg.data)
-    except (OSError, ValueError):  # ValueError: no chat template to render with, or a DataError
-        return None
-    return lengths_of([kept], tokenizer, cfg.data)
 
 
 @dataclasses.dataclass(frozen=True)
 class Bill:
-    choice: shapes_lib.Choice
+    choice: choice_lib.Choice
     counts: dict[str, int]  # programs of the whole set by kind
     seconds: dict[str, float]  # compile seconds of one program of each kind (measured for the largest)
     lower_s: float  # of all of them, the lowering (one at a time: it holds the GIL)
@@ -136,7 +112,7 @@ class Bill:
             f"  the run: {self.steps} x {self.step_s:,.1f} s (an ESTIMATE: score, reference and update "
             f"{self.passes_s:,.1f} s at {ESTIMATE_MFU:.0%} MFU, decode {self.decode_s:,.1f} s at the HBM bandwidth, "
             f"long-tailed responses) = {self.steps * self.step_s:,.0f} s; compile share {self.share:.1%}",
-            "  micro-batch shapes and prompt buckets (train/shapes.py; compile s on the threads, step s of the "
+            "  layouts and prompt buckets (g2rl_jax/shapes/choice.py; compile s on the threads, step s of the "
             "passes):",
             *("    " + line for line in self.choice.lines(self.steps)),
         ]
@@ -148,18 +124,6 @@ def _by_kind(results) -> dict:
     for r in results:
         if r.error is None and (r.program.kind not in out or r.seconds > out[r.program.kind].seconds):
             out[r.program.kind] = r
-    return out
-
-
-def model_seconds(platform: str) -> dict[str, float]:
-    """Compile seconds of one program of each kind by train/shapes.py's price model, for a bill without compiling
-    (`bench ladder`): a score program's SCORE_COMPILE_S[platform], a gradient GRADIENT_COMPILE of it, every move
-    and small program MOVE_COMPILE of it, the rest (decode segments, prefill, ...) one."""
-    score = shapes_lib.SCORE_COMPILE_S.get(platform, shapes_lib.SCORE_COMPILE_S["tpu"])
-    out = {k: score for k in ("prefill", "start", "decode_layers", "segment", "score", "reference", "init",
-                              "advantages", "apply", "embed", "token_terms")}
-    out.update(gradient=shapes_lib.GRADIENT_COMPILE * score, regroup=shapes_lib.MOVE_COMPILE * score,
-               small=shapes_lib.MOVE_COMPILE * score)
     return out
 
 
@@ -187,29 +151,10 @@ def decode_step_s(cfg: Config, model, s: StepShapes, target, shares: dict[int, f
     to the smallest of the run's buckets `prompts` that holds the step's longest (`shares`: shapes.prompt_shares)."""
     total = 0.0
     for seed in range(draws):
-        lengths_B = shapes_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, seed)
-        total += sum(share * decode_seconds(cfg, model, s, target, lengths_B, shapes_lib.pad_prompt(b, prompts))
+        lengths_B = choice_lib.long_tailed_lengths(s.step_rows, cfg.rollout.max_new_tokens, seed)
+        total += sum(share * decode_seconds(cfg, model, s, target, lengths_B, choice_lib.pad_prompt(b, prompts))
                      for b, share in shares.items())
     return total / draws
-
-
-def run_choice(cfg: Config, model, s: StepShapes, device: shapes_lib.Device, lengths) -> shapes_lib.Choice:
-    """The (micro-batch shape set, prompt buckets) the trainer chooses for `cfg` on `device` (train/warmup.py)."""
-    return shapes_lib.choose_for(cfg, model, device, lengths, micro=cfg.algorithm.micro_batch_size,
-                                 min_rows=s.shards, prompt_len=max(shapes_lib.prompt_shares(
-                                     lengths, cfg.data.prompts_per_step)), resp_len=s.new_tokens,
-                                 step_rows=s.step_rows, rollout=rollout_counts(s.buckets))
-
-
-def passes_step_s(cfg: Config, model, s: StepShapes, device: shapes_lib.Device, lengths,
-                  choice: shapes_lib.Choice) -> float:
-    """Seconds of a long-tailed step's score, reference and update passes: the chosen set's (train/shapes.py); the
-    packed passes pad neither prompts nor responses to a bucket, so they are priced as the finest candidate's (the
-    finest set at every prompt bucket, whatever data.prompt_buckets)."""
-    if cfg.algorithm.packing:
-        free = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prompt_buckets=0))
-        return min(e.step_s for e in run_choice(free, model, s, device, lengths).table)
-    return choice.chosen.step_s
 
 
 def param_shapes(cfg: Config, model) -> int:
@@ -229,6 +174,11 @@ def param_shapes(cfg: Config, model) -> int:
     return len({(x.shape, str(x.dtype)) for x in jax.tree.leaves(lora.trainable(state))})
 
 
+def target_device(target) -> Device:
+    """What the price model knows of a Target's chips (its platform, bf16 peak and count)."""
+    return Device(target.platform, target.peak_tflops, target.chips)
+
+
 def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bill:
     """The bill of a run of `cfg` on `target` (module docstring): the programs `program_counts` predicts (the same
     count tests/test_program_count.py checks against a run), each priced at its kind's compiled program of
@@ -240,18 +190,17 @@ def bill(cfg: Config, model, s: StepShapes, results, target, lengths=None) -> Bi
         f"the worst case, every prompt at data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if lengths is None:
         lengths = np.array([cfg.data.max_prompt_tokens])
-    shares = shapes_lib.prompt_shares(lengths, cfg.data.prompts_per_step)
+    shares = choice_lib.prompt_shares(lengths, cfg.data.prompts_per_step)
     seconds = {**model_seconds(target.platform), **{k: r.seconds for k, r in by_kind.items()}}
     seconds["small"] = seconds["regroup"]  # the small programs: priced as a move
     lower = {k: r.lower_seconds for k, r in by_kind.items()}
-    device = shapes_lib.Device(target.platform, target.peak_tflops, target.chips)
-    choice = run_choice(cfg, model, s, device, lengths)
+    choice = choice_lib.run_choice(cfg, model, s, target_device(target), lengths)
     counts = program_counts(cfg, model, s.shards, choice, max(choice.prompts), param_shapes(cfg, model))
     compile_s = sum(n * (seconds.get(k, 0.0) - lower.get(k, 0.0)) for k, n in counts.items())
     lower_s = sum(n * lower.get(k, 0.0) for k, n in counts.items())
     longest = max((seconds.get(k, 0.0) - lower.get(k, 0.0) for k, n in counts.items() if n), default=0.0)
     wall = lower_s + max(longest, compile_s / threads)
-    passes = passes_step_s(cfg, model, s, device, lengths, choice)
+    passes = choice.chosen.step_s
     decode = decode_step_s(cfg, model, s, target, shares, choice.prompts)
     return Bill(choice, counts, seconds, lower_s, compile_s, wall, threads, cfg.run.total_steps,
                 passes + decode, passes, decode, prompts_from)
@@ -312,19 +261,19 @@ def small_counts(cfg: Config, step_rows: int, param_shapes: int) -> dict[str, in
     return {"small": 4}
 
 
-def program_counts(cfg: Config, model, shards: int, choice: shapes_lib.Choice, eval_prompt_len: int,
+def program_counts(cfg: Config, model, shards: int, choice: choice_lib.Choice, eval_prompt_len: int,
                    param_shapes: int) -> dict[str, int]:
     """Every program a run of `cfg` compiles, by kind, without compiling any: the rollouts' (training, at each of
     the choice's prompt buckets, and validation's, shared where their shapes are), the passes' (the micro-batch
-    set's at each prompt bucket, or with algorithm.packing the packed ones once), the run's own (init,
+    set's at each prompt bucket, or the packed ones once), the run's own (init,
     advantages, the optimizer step, the method's) and the small ones (small_counts). shards: the batch shards of
     the mesh; param_shapes: distinct shapes of the trainable parameters."""
     step_rows = cfg.data.prompts_per_step * cfg.rollout.num_samples
     counts = rollout_programs(cfg, model, shards, choice.prompts, eval_prompt_len)
-    passes = ([packed_counts(cfg, shards, step_rows, max(choice.prompts))] if cfg.algorithm.packing else
-              [micro_counts(choice.shapes, cfg.algorithm.kl_coef > 0)] * len(choice.prompts))
+    passes = ([packed_counts(cfg, choice.layout, step_rows)] if choice.packed else
+              [micro_counts(choice.layout, cfg.algorithm.kl_coef > 0)] * len(choice.prompts))
     for part in passes + [
-            {"init": 1, "advantages": 1, "apply": 1}, method_counts(cfg, choice.shapes, step_rows),
+            {"init": 1, "advantages": 1, "apply": 1}, method_counts(cfg, choice.layout, step_rows),
             small_counts(cfg, step_rows, param_shapes)]:
         for k, n in part.items():
             counts[k] = counts.get(k, 0) + n

@@ -20,6 +20,8 @@ from g2rl_jax.aot import report as report_lib
 from g2rl_jax.aot.targets import GiB, Target, tpu_name, tpu_target
 from g2rl_jax.config import Config, ConfigError, MeshConfig
 from g2rl_jax.memory import PlanError, check_divisible, resolve_mesh
+from g2rl_jax.shapes import choice as choice_lib
+from g2rl_jax.shapes.step import step_shapes
 
 
 def _plan_fits(cfg: Config, model, chips: int, limit: float, phase: str | None = None, *,
@@ -118,18 +120,20 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
     sizes = resolve_mesh(cfg, target.chips)
     check_divisible(model, sizes)
     mesh = parallel.make_mesh(cfg.mesh, target.devices())
-    progs = programs_lib.step_programs(cfg, model, mesh, scope=scope)
+    shapes = step_shapes(cfg, mesh)
+    lengths = choice_lib.training_prompt_lengths(cfg)
+    choice = choice_lib.run_choice(cfg, model, shapes, bill_lib.target_device(target), lengths)
+    progs = programs_lib.step_programs(cfg, model, mesh, scope=scope, packed=choice.packed)
     if only:
         progs = [p for p in progs if any(text in p.name for text in only)]
         if not progs:
             raise ConfigError(f"--only {list(only)}: no program of this step is named so; see the names that "
                               "--programs largest prints")
-    shapes = programs_lib.step_shapes(cfg, mesh)
     picked = f"{scope}, only {list(only)}" if only else scope
     header = (f"compiling {len(progs)} programs ({picked}) for {target.name}: {target.chips} chips of "
               f"{target.hbm_gib:.0f} GiB, {target.hosts} host(s), topology {target.topology}, mesh {sizes}")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    if cfg.mesh.rollout_devices:  # a split run: each side on its own mesh (aot/sides.py)
+    if cfg.mesh.rollout_devices or cfg.mesh.rollout_processes:  # a split run: each side on its own mesh
         from g2rl_jax.aot.sides import check_sides
 
         fits, lines = check_sides(cfg, model, target, scope, say, threads, only)
@@ -146,7 +150,7 @@ def check(cfg: Config, model, target: Target, scope: str = "all", progress=None,
                                       results), "",
              f"total compile time: {total:.1f} s for {len(progs)} programs on {threads} thread(s), {cpu:.1f} s of CPU "
              f"(rollout {sum(r.seconds for r in results if r.program.phase == 'rollout'):.1f} s)",
-             *bill_lib.bill(cfg, model, shapes, results, target, bill_lib.prompt_lengths(cfg)).lines(),
+             *bill_lib.bill(cfg, model, shapes, results, target, lengths).lines(),
              f"step time, an ESTIMATE from the FLOP model (every response at the budget): score, reference and "
              f"update {passes_s:.1f} s at {report_lib.ESTIMATE_MFU:.0%} MFU of {target.peak_tflops:.0f} TFLOP/s per "
              f"chip; decode at least {decode_s:.1f} s at {target.hbm_gbps:.0f} GB/s HBM bandwidth",

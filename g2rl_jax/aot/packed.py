@@ -3,11 +3,12 @@
     score, update, acc = packed_programs(cfg, a, s, graphdef, params, ref_graphdef, resident, scope)
 
 With packing on, a run's score, reference and gradient passes run one program per packed (rows, width) of its
-packing.PackShape (train/passes.py), whatever the prompt bucket, and the warm-up compiles exactly those at the first
+layouts.PackShape (train/passes.py), whatever the prompt bucket, and the warm-up compiles exactly those at the first
 step (train/warmup.py). This module takes the warm-up's own lowerings (warmup.packed_score_lowers,
 packed_update_lowers) over the abstract step batch and mini-batch of programs.py, so the memory verdict covers the
 programs the run compiles and nothing else. The layout is the worst case's: rows of the largest prompt bucket of
-data.max_prompt_tokens + the response budget (the run's may be narrower when its prompts are shorter). With a token
+data.max_prompt_tokens + the response budget, the finest packed candidate (shapes.step.pack_shape; the run's may be
+narrower when its prompts are shorter, and hold fewer row shapes when its choice takes a coarser one). With a token
 rule (Clip-Cov, KL-Cov, forking) and more than one update a step, the score programs over a mini-batch's rows too
 (the current policy's pass). scope="largest" keeps, of each kind, the first of PackShape.micros: the most rows at
 the full width, which holds the most bytes.
@@ -18,16 +19,11 @@ import jax
 from flax import nnx
 
 from g2rl_jax import methods
-from g2rl_jax.aot.programs import Abstract, Program, StepShapes, per_chip_bytes
+from g2rl_jax.aot.programs import Abstract, Program, per_chip_bytes
 from g2rl_jax.config import Config
+from g2rl_jax.shapes.step import StepShapes, pack_shape
 from g2rl_jax.train import update as train_update
 from g2rl_jax.train import warmup
-from g2rl_jax.train.packing import PackShape
-
-
-def pack_shape(cfg: Config, s: StepShapes) -> PackShape:
-    """The packed layout the warm-up chooses for a step of these shapes (RunWarmup.score)."""
-    return PackShape.of(cfg.algorithm.micro_batch_size, s.shards, prompt_len=s.prompt_len, resp_len=s.new_tokens)
 
 
 def _hidden(graphdef, params) -> int:
@@ -73,4 +69,4 @@ def packed_programs(cfg: Config, a: Abstract, s: StepShapes, graphdef, params, r
     return score, update, acc
 
 
-__all__ = ["pack_shape", "packed_programs"]
+__all__ = ["packed_programs"]

@@ -12,10 +12,11 @@ largest prompt bucket, every response reaching the budget. What a step compiles:
     rollout               prefill; the first token; the decode weights; a decode segment (the read rungs of
                           engine.read_ladder inside it) at the full batch and at each smaller batch bucket that a
                           compaction can reach (engine.batch_buckets); the first compaction, one layer at a time
-    score / reference     one program per (micro-batch rows, response width) of the finest candidate set of
-                          train/shapes.py (every row count x the 4-per-octave width ladder), which holds every
-                          shape any run of the config can take; with algorithm.packing, one per packed (rows,
-                          width) of the run's PackShape instead, the warm-up's own programs (aot/packed.py)
+    score / reference     one program per (micro-batch rows, response width) of the finest grouped candidate of
+                          g2rl_jax/shapes/choice.py (every row count x the 4-per-octave width ladder), which holds
+                          every grouped shape any run of the config can take; when the run packs (algorithm.packing,
+                          or the run's choice with it null: `packed`), one per packed (rows, width) of the finest
+                          packed layout instead, the warm-up's own programs (aot/packed.py)
     update                the gradient of a micro-batch at the same shapes; the optimizer step
     advantages            novelty, shaping and group advantages (one program); the EVOL embedder when configured
 
@@ -46,9 +47,9 @@ from g2rl_jax.config import Config
 from g2rl_jax.model import lora
 from g2rl_jax.model.config import Qwen3Config
 from g2rl_jax.model.qwen3 import LAYER_AXES, PrefixCache, Qwen3, SuffixCache
-from g2rl_jax.rollout import batching, engine
+from g2rl_jax.rollout import engine
 from g2rl_jax.rollout.sampling import spec_for
-from g2rl_jax.train import micro as micro_lib
+from g2rl_jax.shapes.step import StepShapes, step_shapes
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import setup
 from g2rl_jax.train import step as train_step
@@ -142,44 +143,23 @@ def abstract_policy(model: Qwen3Config, runtime, mesh, build: Callable[[], nnx.M
                                   shardings)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepShapes:
-    """The worst-case sizes of one step on a mesh (as the sampler and the micro-batching bucket them)."""
-
-    shards: int  # how many ways the batch rows are split over the mesh
-    prompts: int  # P: prompt rows of the rollout, bucketed and a multiple of the batch shards
-    prompt_len: int  # S: the largest prompt bucket
-    new_tokens: int  # T: KV slots of the budget
-    samples: int  # m
-    rows: int  # B = P * m rows the sampler decodes
-    step_rows: int  # responses a step scores: data.prompts_per_step * m
-    reads: tuple[int, ...]  # the decode's read rungs (engine.read_ladder); the cache holds new_tokens slots
-    buckets: tuple[int, ...]  # decode batch buckets: B, then each smaller one a compaction reaches
-    micro_rows: tuple[int, ...]  # rows of a micro-batch (micro.row_counts)
-    widths: tuple[int, ...]  # response widths of a micro-batch
-
-
-def step_shapes(cfg: Config, mesh) -> StepShapes:
-    shards = engine.batch_shards(mesh)
-    prompts = -(-batching.bucket(cfg.data.prompts_per_step, 1) // shards) * shards
-    m = cfg.rollout.num_samples
-    t = batching.new_tokens_bucket(cfg.rollout.max_new_tokens)
-    return StepShapes(shards=shards, prompts=prompts, prompt_len=batching.bucket(cfg.data.max_prompt_tokens,
-                                                                  batching.MIN_PROMPT_BUCKET),
-                      new_tokens=t, samples=m, rows=prompts * m, step_rows=cfg.data.prompts_per_step * m,
-                      reads=engine.read_ladder(t, cfg.rollout.first_capacity),
-                      buckets=engine.batch_buckets(prompts * m, shards, cfg.rollout.max_new_tokens),  # as generate
-                      micro_rows=micro_lib.row_counts(cfg.algorithm.micro_batch_size, shards),
-                      widths=micro_lib.width_ladder(t))
-
-
 def step_programs(cfg: Config, model: Qwen3Config, mesh, scope: str = "all",
-                  build: Callable[[], nnx.Module] | None = None) -> list[Program]:
-    """Every program one step of `cfg` runs on `mesh` (see the module docstring), in the order a step runs them."""
+                  build: Callable[[], nnx.Module] | None = None, packed: bool | None = None) -> list[Program]:
+    """Every program one step of `cfg` runs on `mesh` (see the module docstring), in the order a step runs them.
+    packed: whether the passes pack; None: algorithm.packing, or with it null the run's choice on `mesh`'s devices
+    (shapes.choice.run_choice, the training prompts' lengths where the tokenizer at model.path reads them)."""
     if scope not in SCOPES:
         raise ValueError(f"scope {scope!r}; choose one of {SCOPES}")
     a = Abstract(mesh)
     shapes = step_shapes(cfg, mesh)
+    if packed is None and cfg.algorithm.packing is not None:
+        packed = cfg.algorithm.packing
+    elif packed is None:
+        from g2rl_jax.shapes import choice as choice_lib
+        from g2rl_jax.shapes.prices import Device
+
+        packed = choice_lib.run_choice(cfg, model, shapes, Device.of(mesh),
+                                       choice_lib.training_prompt_lengths(cfg)).packed
     runtime = setup.runtime_config(cfg.model)
     if build is None and cfg.model.lora.rank:
         build = lora_policy(model, runtime, mesh, cfg.model)
@@ -195,7 +175,7 @@ def step_programs(cfg: Config, model: Qwen3Config, mesh, scope: str = "all",
     progs = [Program("optimizer init", "init", "setup", functools.partial(init.lower, trainable))]
     progs += _rollout(cfg, model, a, shapes, graphdef, params, resident=state_bytes - per_chip_bytes(params),
                       scope=scope)
-    progs += _score_and_update(cfg, a, shapes, graphdef, params, opt_state, optimizer, state_bytes, scope)
+    progs += _score_and_update(cfg, a, shapes, graphdef, params, opt_state, optimizer, state_bytes, scope, packed)
     return progs
 
 
@@ -252,7 +232,7 @@ def _rollout(cfg: Config, model: Qwen3Config, a: Abstract, s: StepShapes, graphd
         pk, sk = a.kv(s.prompts, G, s.prompt_len, K, kv_dtype, 1)[0], a.kv(s.rows, G, T, K, kv_dtype, 1)[0]
         waiting = 2 * (L - 1) * per_chip_bytes((pk, sk))  # k and v of every other layer, not yet moved
         rows_X = a.rows((half,), jnp.int32)
-        lower = functools.partial(engine.regroup_fn(mesh, G).lower, pk, pk, sk, sk, rows_X, rows_X)
+        lower = functools.partial(engine.regroup_fn(mesh, G).lower, pk, pk, sk, sk, rows_X, rows_X, i32)
         progs.append(Program(f"compact the cache {s.rows} -> {half} rows (one layer)", "regroup", "rollout",
                              in_mesh(lower), resident + per_chip_bytes((params, layers, decode_state(s.rows)))
                              + waiting))
@@ -288,16 +268,16 @@ def _in_mesh(mesh, lower):
 
 
 def _score_and_update(cfg: Config, a: Abstract, s: StepShapes, graphdef, params, opt_state, optimizer,
-                      state_bytes: int, scope: str) -> list[Program]:
-    """Score and reference passes and the gradient at every micro-batch shape (or, with algorithm.packing, at every
-    packed shape: aot/packed.py); the optimizer step; advantages and the EVOL embedder."""
+                      state_bytes: int, scope: str, packed: bool) -> list[Program]:
+    """Score and reference passes and the gradient at every micro-batch shape (or, `packed`, at every packed shape:
+    aot/packed.py); the optimizer step; advantages and the EVOL embedder."""
     algo, m, S, T = cfg.algorithm, s.samples, s.prompt_len, s.new_tokens
     temp = train_update.LossSettings.from_config(algo, cfg.rollout.temperature).temperature
     step_batch = a.batch(s.step_rows, S, T, m)
     step_arrays = per_chip_bytes(step_batch) + 3 * per_chip_bytes(a.rows((s.step_rows, T), jnp.float32))
     ref_graphdef = lora.reference_graphdef(graphdef, params) if lora.has_adapters(params) else graphdef
     resident = state_bytes - per_chip_bytes(params) + step_arrays
-    if algo.packing:  # the packed passes' programs, as the warm-up compiles them
+    if packed:  # the packed passes' programs, as the warm-up compiles them
         from g2rl_jax.aot.packed import packed_programs
 
         progs, update, acc = packed_programs(cfg, a, s, graphdef, params, ref_graphdef, resident, scope)
@@ -386,13 +366,11 @@ def _embed_width(cfg: Config) -> int:
 def _embedder_config(cfg: Config) -> Qwen3Config:
     import json
 
-    from g2rl_jax import storage
-    from g2rl_jax.demo.build import SCHEME
+    from g2rl_jax import registry, storage
 
-    if cfg.algorithm.embedding_model.startswith(SCHEME):  # the demo's embedder: the demo policy's backbone
-        from g2rl_jax.plan import demo_architecture
-
-        return demo_architecture()
+    scheme = registry.architecture(cfg.algorithm.embedding_model)
+    if scheme is not None:  # the demo's embedder: the demo policy's backbone
+        return scheme
     path = storage.path(cfg.algorithm.embedding_model) / "config.json"  # local or gs://...
     return Qwen3Config.from_hf_dict(json.loads(storage.read_text(path)), str(path))
 

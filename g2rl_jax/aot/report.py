@@ -8,20 +8,23 @@ total adds `Program.resident`, the run state alive beside it (see programs.py); 
 total with `plan.USABLE_FRACTION` of the chip's HBM, as the planner does. A compile error that mentions
 resource_exhausted or hbm counts as out of memory (the TPU compiler's way of saying so), any other as a failure.
 The compiler's own cost analysis is not used for time (on TPU its optimal_seconds can be negative, and it counts a
-loop body once): the step-time line is an estimate from the FLOP model of `bench update` at a stated MFU.
+loop body once): the step-time line is an estimate from the FLOP model (shapes.prices.train_flops) at a stated MFU.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
-from g2rl_jax.aot.programs import PHASES, Program, StepShapes
+from g2rl_jax.aot.programs import PHASES, Program
 from g2rl_jax.aot.targets import GiB, Target
-from g2rl_jax.train import warmup
+from g2rl_jax.compile_pool import Timing, compile_all
+from g2rl_jax.shapes.prices import ESTIMATE_MFU, train_flops
+from g2rl_jax.shapes.step import StepShapes
+
+__all__ = ["ESTIMATE_MFU", "Result", "compile_programs", "phase_peaks", "planner_rows", "step_time_estimate", "table"]
 
 KERNEL_MARK = "tpu_custom_call"  # a Mosaic (Pallas TPU) kernel in compiled HLO
 OOM_MARKS = ("resource_exhausted", "hbm")
-ESTIMATE_MFU = 0.4  # model FLOP utilisation the step-time estimate assumes for the score, reference and update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Result:
         return self.bytes + self.program.resident
 
 
-def _result(program: Program, t: warmup.Timing, mark: str) -> Result:
+def _result(program: Program, t: Timing, mark: str) -> Result:
     seconds = t.lower_s + t.compile_s
     if t.error is not None:
         lines = [line.strip() for line in str(t.error).splitlines() if line.strip()] or [type(t.error).__name__]
@@ -67,12 +70,12 @@ def _result(program: Program, t: warmup.Timing, mark: str) -> Result:
 
 def compile_programs(programs: list[Program], progress: Callable[[str], None] | None = None,
                      threads: int = 1, mark: str = KERNEL_MARK) -> list[Result]:
-    """Compile the programs on `threads` threads (train.warmup.compile_all); `progress` gets one line per program
+    """Compile the programs on `threads` threads (train.compile_all); `progress` gets one line per program
     as it finishes. With more than one thread a program's CPU seconds overlap the others'. `mark` is how the
     target's fused kernel appears in compiled HLO (Target.kernel_mark)."""
     count = [0]
 
-    def done(i: int, t: warmup.Timing) -> Result:
+    def done(i: int, t: Timing) -> Result:
         r = _result(programs[i], t, mark)  # the executable is dropped here: a run's hundreds would not fit in memory
         count[0] += 1
         if progress is not None:
@@ -81,7 +84,7 @@ def compile_programs(programs: list[Program], progress: Callable[[str], None] | 
                      f"{r.seconds:6.1f} s ({r.cpu_seconds:.1f} s CPU)  {state}")
         return r
 
-    return warmup.compile_all([p.lower for p in programs], threads, done)
+    return compile_all([p.lower for p in programs], threads, done)
 
 
 def phase_peaks(results: list[Result]) -> dict[str, Result]:
@@ -132,7 +135,6 @@ def step_time_estimate(cfg, model, shapes: StepShapes, target: Target) -> tuple[
     """(seconds of the score, reference and update passes at ESTIMATE_MFU, seconds of the decode at the HBM
     bandwidth: every step reads the decode weights and the cache), every response at the budget: an estimate from
     the FLOP model, not a measurement."""
-    from g2rl_jax.bench.update import train_flops
     from g2rl_jax.memory import decode_weight_bytes, gathered_decode_weight_bytes, kv_cache_bytes, resolve_mesh
 
     rows, length = shapes.step_rows, shapes.prompt_len + shapes.new_tokens

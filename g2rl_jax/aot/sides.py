@@ -1,16 +1,21 @@
-"""The two sides of a split run (mesh.rollout_devices = R > 0, docs/async.md) for the planner and the TPU compiler.
+"""The two sides of a split run (mesh.rollout_devices = R > 0 or mesh.rollout_processes = N > 0, docs/async.md) for
+the planner and the TPU compiler.
 
     train_cfg, train_chips, rollout_cfg, rollout_chips = side_configs(cfg, chips, hosts)
     plan_lines(cfg, model, chips, hosts, platform, target)     # per-side memory, fit and step time (plan)
     check_sides(cfg, model, target, scope, say, threads)       # both sides compiled (plan --compile)
 
-The training side is the config's data/fsdp/tensor mesh on chips - hosts x R chips; the rollout side, what one host
-runs (parallel.split_meshes): its R chips (data R / rollout_tensor, tensor rollout_tensor, the weights replicated
-over data) sampling its prompts_per_step / hosts prompts. Every host's rollout side is alike.
+With mesh.rollout_devices the training side is the config's data/fsdp/tensor mesh on chips - hosts x R chips; the
+rollout side, what one host runs (parallel.split_meshes): its R chips (data R / rollout_tensor, tensor
+rollout_tensor, the weights replicated over data) sampling its prompts_per_step / hosts prompts. Every host's
+rollout side is alike. With mesh.rollout_processes (a host is a process) the rollout side is every chip of the last
+N hosts, one mesh sampling every prompt (parallel.side_meshes), the training side the other hosts' chips.
 
-Memory per chip. Training side: params, optimizer, reference and the update (plan's update phase). Rollout side:
-its whole copy of the weights (LoRA: the base and the adapters), with max_staleness > 0 a second version of the
-trainable part (the one in flight while the next is drawn), the KV cache and the rollout's temporaries.
+Memory per chip. Training side: params, optimizer, reference and the update (plan's update phase), and the weight
+sync's (memory.weight_sync_bytes): the versions its first chip holds until the rollout acknowledges them, and, while
+it pushes one, the whole trainable params gathered on every chip. Rollout side: its whole copy of the weights
+(LoRA: the base and the adapters), with max_staleness > 0 a second version of the trainable part (the one in flight
+while the next is drawn), the KV cache and the rollout's temporaries, or a version arriving whole on its first chip.
 
 Step time, an ESTIMATE from the same models as `plan --compile`'s (aot/report.step_time_estimate: the passes from
 the FLOP model at ESTIMATE_MFU, the decode's lower bound from HBM bandwidth): colocated = passes on every chip +
@@ -31,41 +36,53 @@ GiB = 1024**3
 
 
 def colocated(cfg: Config) -> Config:
-    """The same run with one mesh for both (mesh.rollout_devices=0, max_staleness=0)."""
-    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rollout_devices=0),
+    """The same run with one mesh for both (mesh.rollout_devices and rollout_processes 0, max_staleness=0)."""
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rollout_devices=0, rollout_processes=0),
                                rollout=dataclasses.replace(cfg.rollout, max_staleness=0))
 
 
 def side_configs(cfg: Config, chips: int, hosts: int) -> tuple[Config, int, Config, int]:
-    """(training config, its chips, one host's rollout config, its chips); see the module docstring."""
-    r, rt = cfg.mesh.rollout_devices, cfg.mesh.rollout_tensor
-    if chips % hosts or r >= chips // hosts:
+    """(training config, its chips, one rollout mesh's config, its chips); see the module docstring."""
+    r, rt, n = cfg.mesh.rollout_devices, cfg.mesh.rollout_tensor, cfg.mesh.rollout_processes
+    if n:
+        if chips % hosts or n >= hosts:
+            raise PlanError(f"mesh.rollout_processes={n} leaves no training process of the {hosts} host(s); "
+                            "give the rollout fewer, or plan for a slice of more hosts (--target)")
+        r, meshes = n * (chips // hosts), 1  # the rollout: every chip of its hosts, one mesh for every prompt
+    elif chips % hosts or r >= chips // hosts:
         raise PlanError(f"mesh.rollout_devices={r} leaves no training chip of the {chips // hosts} each of the "
                         f"{hosts} host(s) has; give the rollout fewer")
-    if cfg.data.prompts_per_step % hosts:
+    else:
+        meshes = hosts  # each host's rollout side samples its own share
+    if cfg.data.prompts_per_step % meshes:
         raise PlanError(f"data.prompts_per_step={cfg.data.prompts_per_step} does not split over {hosts} hosts, "
                         "each of whose rollout sides samples its own share")
     one = dataclasses.replace(cfg.rollout, max_staleness=0)  # each side alone is a one-mesh config
     train = colocated(cfg)
-    share = dataclasses.replace(cfg.data, prompts_per_step=cfg.data.prompts_per_step // hosts)
+    share = dataclasses.replace(cfg.data, prompts_per_step=cfg.data.prompts_per_step // meshes)
     mini = math.gcd(cfg.algorithm.mini_batch_size, share.prompts_per_step * cfg.rollout.num_samples)
     algo = dataclasses.replace(cfg.algorithm, mini_batch_size=mini,  # no update runs there: valid, unused
                                micro_batch_size=math.gcd(mini, cfg.algorithm.micro_batch_size))
     rollout = dataclasses.replace(cfg, mesh=MeshConfig(data=r // rt, fsdp=1, tensor=rt), data=share, rollout=one,
                                   algorithm=algo)
-    return train, chips - hosts * r, rollout, r
+    return train, chips - (r if n else hosts * r), rollout, r
 
 
 def side_bytes(cfg: Config, model, chips: int, hosts: int, platform: str) -> dict[str, int]:
-    """Per-chip peak bytes of each side, and the colocated run's (the planner's figures)."""
+    """Per-chip peak bytes of each side, and the colocated run's (the planner's figures); "sync": the weight sync's
+    (memory.weight_sync_bytes), "in_flight": the rollout's second version."""
+    from g2rl_jax.memory import weight_sync_bytes
     from g2rl_jax.plan import plan
 
     train_cfg, tc, roll_cfg, rc = side_configs(cfg, chips, hosts)
     tp, rp = plan(train_cfg, model, tc, platform), plan(roll_cfg, model, rc, platform)
     in_flight = rp.optimizer // 2 if cfg.rollout.max_staleness > 0 else 0  # one more copy of the trained part
+    sync = weight_sync_bytes(cfg, model, hosts)
     colocated = plan(train_cfg, model, chips, platform).peak
-    return {"training": tp.persistent + tp.update_phase, "rollout": rp.params + in_flight + rp.rollout_phase,
-            "colocated": colocated, "training_chips": tc, "rollout_chips": rc, "in_flight": in_flight}
+    training = tp.persistent + sync["held"] + max(tp.update_phase, sync["gathered"])
+    return {"training": training, "rollout": rp.params + in_flight + max(rp.rollout_phase, sync["arrived"]),
+            "colocated": colocated, "training_chips": tc, "rollout_chips": rc, "in_flight": in_flight,
+            "sync": training - tp.persistent - tp.update_phase}  # what the weight sync adds to the peak
 
 
 def step_seconds(cfg: Config, model, target) -> dict[str, float]:
@@ -89,10 +106,14 @@ def plan_lines(cfg: Config, model, chips: int, hosts: int, platform: str, target
 
     b = side_bytes(cfg, model, chips, hosts, platform)
     k = cfg.rollout.max_staleness
-    lines = [f"split run (mesh.rollout_devices={cfg.mesh.rollout_devices} per host, max_staleness={k}): "
-             f"training side {b['training_chips']} chips, rollout side {b['rollout_chips']} chips on each of "
-             f"{hosts} host(s)",
-             f"  per chip, GiB: training side {b['training'] / GiB:.2f}, rollout side {b['rollout'] / GiB:.2f}"
+    where = (f"mesh.rollout_processes={cfg.mesh.rollout_processes} of {hosts} host(s)" if cfg.mesh.rollout_processes
+             else f"mesh.rollout_devices={cfg.mesh.rollout_devices} per host")
+    on = "in all" if cfg.mesh.rollout_processes else f"on each of {hosts} host(s)"
+    lines = [f"split run ({where}, max_staleness={k}): training side {b['training_chips']} chips, rollout side "
+             f"{b['rollout_chips']} chips {on}",
+             f"  per chip, GiB: training side {b['training'] / GiB:.2f}"
+             + (f" (of it {b['sync'] / GiB:.2f} the weight sync's)" if b["sync"] else "")
+             + f", rollout side {b['rollout'] / GiB:.2f}"
              + (f" (of it {b['in_flight'] / GiB:.2f} the version in flight)" if k else "")
              + f"; colocated on all {chips} chips {b['colocated'] / GiB:.2f}"]
     if target is not None:
@@ -117,12 +138,19 @@ def step_lines(cfg: Config, model, target) -> list[str]:
 
 def side_meshes(cfg: Config, target, train_cfg: Config, roll_cfg: Config):
     """(training mesh, host 0's rollout mesh) on the target's compile-only devices, which carry their host as
-    process_index: each host's last R devices its rollout side's (as parallel.split_meshes does in a run)."""
+    process_index: each host's last R devices its rollout side's, or with mesh.rollout_processes every device of the
+    last N hosts one rollout mesh (as parallel.split_meshes does in a run)."""
     from g2rl_jax import parallel
 
     hosts: dict[int, list] = {}
     for d in target.devices():
         hosts.setdefault(d.process_index, []).append(d)
+    if cfg.mesh.rollout_processes:
+        order = sorted(hosts)
+        rollout_hosts = set(order[-cfg.mesh.rollout_processes:])
+        train = [d for h in order if h not in rollout_hosts for d in hosts[h]]
+        rollout = [d for h in order if h in rollout_hosts for d in hosts[h]]
+        return parallel.make_mesh(train_cfg.mesh, train), parallel.make_mesh(roll_cfg.mesh, rollout)
     r = cfg.mesh.rollout_devices
     train = [d for host in hosts.values() for d in host[:-r]]
     return parallel.make_mesh(train_cfg.mesh, train), parallel.make_mesh(roll_cfg.mesh, hosts[min(hosts)][-r:])
@@ -138,13 +166,17 @@ def check_sides(cfg: Config, model, target, scope: str, say, threads: int,
     from g2rl_jax.plan import USABLE_FRACTION
 
     train_cfg, tc, roll_cfg, rc = side_configs(cfg, target.chips, target.hosts)
+    from g2rl_jax.memory import weight_sync_bytes
+
     train_mesh, roll_mesh = side_meshes(cfg, target, train_cfg, roll_cfg)
     in_flight = side_bytes(cfg, model, target.chips, target.hosts, target.platform)["in_flight"]
+    held = weight_sync_bytes(cfg, model, target.hosts)["held"]  # versions the rollout has not acknowledged
     sides = {
         "rollout": [dataclasses.replace(p, resident=in_flight)  # beside it: only the version in flight, if any
                     for p in programs_lib.step_programs(roll_cfg, model, roll_mesh, scope=scope)
                     if p.phase == "rollout"],
-        "training": [p for p in programs_lib.step_programs(train_cfg, model, train_mesh, scope=scope)
+        "training": [dataclasses.replace(p, resident=p.resident + held)
+                     for p in programs_lib.step_programs(train_cfg, model, train_mesh, scope=scope)
                      if p.phase != "rollout"],
     }
     if only:

@@ -15,7 +15,7 @@ BENCHMARKS = {
     "lora": "g2rl_jax.bench.lora",         # LoRA vs full fine-tuning: update time and memory, decode tokens/s
     "compile": "g2rl_jax.bench.compile",   # compile seconds of a step's programs, per program and per thread count
     "scan_decode": "g2rl_jax.bench.scan_decode",  # the decode segment's layers unrolled vs scanned: compile, memory
-    "ladder": "g2rl_jax.bench.ladder",     # the KV capacity ladder's first capacity: segments vs decode roofline
+    "ladder": "g2rl_jax.bench.ladder",     # the rollout's rungs and prompt buckets: programs vs decode roofline
     "storage": "g2rl_jax.bench.storage",   # a run in a bucket vs local disk: checkpoints, metrics, first step
     "preempt": "g2rl_jax.bench.preempt",   # kill -9 at random moments (>= 20), relaunch as another host: lost steps
     "chaos": "g2rl_jax.bench.chaos",       # >= 30 faults (kill, stop, outage, storms, lost replies): records once
@@ -24,5 +24,6 @@ BENCHMARKS = {
     "once": "g2rl_jax.bench.once",         # a run compiles once: trainer, study, rollout and TPU bill, before/after
     "async": "g2rl_jax.bench.ahead",       # rollout ahead of the update (k = 0, 1, 2) vs colocated, side by side
     "async_sides": "g2rl_jax.bench.async_sides",  # one process per side: the weight sync's seconds and bytes
+    "gpu": "g2rl_jax.bench.gpu",           # the GPU batch: decode vs roofline, long tail, update MFU, step, cold/warm
     "channel": "g2rl_jax.bench.channel",   # the key-value channel between two processes: MB/s of a large value
 }

@@ -149,7 +149,7 @@ class Soak:
 
     def _lock_writes(self, launch: Launch) -> list:
         """The successful writes of `launch`'s run lock (by any launch), from the proxy's log."""
-        from g2rl_jax.train.runlock import LOCK_FILE
+        from g2rl_jax.control.runlock import LOCK_FILE
 
         lock = f"{launch.out.removeprefix('gs://')}/{LOCK_FILE}"
         return [r for r in list(self.proxy.log) if r.obj == lock and r.kind == "upload" and 200 <= r.status < 300]
@@ -326,8 +326,8 @@ class Soak:
 
     # -------------------------------------------------------------------------------------------- the soak
     def soak(self) -> dict:
+        from g2rl_jax.control.runlock import LOCK_FILE
         from g2rl_jax.train.metrics import metric_lines
-        from g2rl_jax.train.runlock import LOCK_FILE
 
         self.t0 = time.monotonic()
         want, want_events = self.reference()

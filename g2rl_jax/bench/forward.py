@@ -21,7 +21,7 @@ from flax import nnx
 
 from g2rl_jax import cli
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig
-from g2rl_jax.train.shapes import PEAK_BF16_TFLOPS  # one table of the chips' peaks
+from g2rl_jax.shapes.prices import PEAK_BF16_TFLOPS  # one table of the chips' peaks
 
 
 def _config(args) -> Qwen3Config:

@@ -11,7 +11,7 @@ emulator does not:
   request through the proxy comes between the check and the change;
 - faults (gcs_faults.py): seeded rates per request and rules added while it runs, before forwarding (503, 429, a
   dropped connection, a slow answer) or after the server applied the request (a late answer, the answer dropped, a
-  503 instead of it).
+  503 instead of it); `after_apply` for the next updates of one object.
 
     with GcsProxy(upstream="http://127.0.0.1:PORT", faults=Faults(rate_503=0.01, seed=0)) as proxy:
         ... clients pointed at proxy.endpoint ...
@@ -144,6 +144,11 @@ class GcsProxy:
     def throttled(self) -> Counter:
         """Object -> 429s the one-update-a-second rule served for it."""
         return Counter(r.obj for r in self.log if r.status == 429 and r.fault is None)
+
+    def after_apply(self, obj: str, *, delay_s: float = 0.0, drop: bool = False, count: int = 1) -> Rule:
+        """The next `count` updates of object `obj` ("bucket/name") are forwarded (the server applies them), then
+        their reply is held `delay_s` seconds (fault "late"), or with `drop` never sent (fault "lost")."""
+        return self.plan.add(Rule("lost" if drop else "late", kinds=UPDATES, obj=obj, count=count, seconds=delay_s))
 
     def reset(self) -> None:
         with self._lock:

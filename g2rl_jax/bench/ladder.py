@@ -14,10 +14,10 @@ buckets cut programs; each option also costs decode time: a step reads every slo
 a shrink-fold of the live rows, and pads its prompts to the next bucket. For each option this prints
 the whole run's programs (aot/bill.program_counts, the count tests/test_program_count.py checks: training and
 validation rollouts, the passes, the small ones), their compile seconds on the run's threads by the price model
-(aot/bill.model_seconds: no compiling), the decode's HBM roofline per long-tailed step (aot/bill.decode_step_s,
+(shapes.prices.model_seconds: no compiling), the decode's HBM roofline per long-tailed step (aot/bill.decode_step_s,
 --draws steps averaged, the prompts' shares from the training prompts' lengths), the score, reference and update
-passes' seconds per step (aot/bill.passes_step_s) and the run's total (run.total_steps steps). A model, not a
-measurement: it prices bytes, FLOPs and the measured compile seconds per kind.
+passes' seconds per step (the chosen layout's estimate, shapes/choice.py) and the run's total (run.total_steps
+steps). A model, not a measurement: it prices bytes, FLOPs and the measured compile seconds per kind.
 
 --measure runs the real thing at the demo size on this machine: the same rollout (random demo-size Qwen3, --rows
 rows, prompts of 16-100 tokens, long-tailed lengths: stop ids that a near-uniform policy draws about once in
@@ -65,21 +65,22 @@ def model_table(a) -> int:
     from g2rl_jax import parallel
     from g2rl_jax.aot import bill as bill_lib
     from g2rl_jax.aot import parse_target
-    from g2rl_jax.aot.programs import step_shapes
     from g2rl_jax.config import load_config
     from g2rl_jax.plan import model_config
-    from g2rl_jax.train import shapes as shapes_lib
+    from g2rl_jax.shapes import choice as choice_lib
+    from g2rl_jax.shapes.prices import model_seconds
+    from g2rl_jax.shapes.step import step_shapes
 
     base = load_config(a.config, a.overrides)
     model, source = model_config(base, a.preset)
     target = parse_target(a.target)
     mesh = parallel.make_mesh(base.mesh, target.devices())
-    lengths = bill_lib.prompt_lengths(base)
+    lengths = choice_lib.training_prompt_lengths(base)
     said = "the training prompts' lengths" if lengths is not None else "every prompt at data.max_prompt_tokens"
     lengths = [base.data.max_prompt_tokens] if lengths is None else lengths
-    shares = shapes_lib.prompt_shares(lengths, base.data.prompts_per_step)
-    device = shapes_lib.Device(target.platform, target.peak_tflops, target.chips)
-    seconds = bill_lib.model_seconds(target.platform)
+    shares = choice_lib.prompt_shares(lengths, base.data.prompts_per_step)
+    device = bill_lib.target_device(target)
+    seconds = model_seconds(target.platform)
     threads = base.run.compile_threads or bill_lib.HOST_THREADS
     shapes_n = bill_lib.param_shapes(base, model)
     steps = base.run.total_steps
@@ -94,12 +95,12 @@ def model_table(a) -> int:
         _set_ladder(growth, shrink)
         cfg = load_config(a.config, [*a.overrides, f"data.prompt_buckets={most}", f"rollout.first_capacity={first}"])
         s = step_shapes(cfg, mesh)
-        choice = bill_lib.run_choice(cfg, model, s, device, lengths)
+        choice = choice_lib.run_choice(cfg, model, s, device, lengths)
         counts = bill_lib.program_counts(cfg, model, s.shards, choice, max(choice.prompts), shapes_n)
         rollout = sum(bill_lib.rollout_programs(cfg, model, s.shards, choice.prompts, max(choice.prompts)).values())
         compile_s = sum(n * seconds.get(k, seconds["regroup"]) for k, n in counts.items()) / threads
         decode = bill_lib.decode_step_s(cfg, model, s, target, shares, choice.prompts, a.draws)
-        passes = bill_lib.passes_step_s(cfg, model, s, device, lengths, choice)
+        passes = choice.chosen.step_s
         print(f"| {','.join(map(str, choice.prompts))} | {growth} | {shrink} | {first} | {rollout} | "
               f"{sum(counts.values())} | {compile_s:,.0f} | {passes:.2f} | {decode:.2f} | "
               f"{compile_s + steps * (passes + decode):,.0f} |",
@@ -123,8 +124,8 @@ def measure(a) -> int:
     from flax import nnx
 
     from g2rl_jax.aot.bill import rollout_keys
+    from g2rl_jax.demo.build import demo_architecture
     from g2rl_jax.model.qwen3 import Qwen3
-    from g2rl_jax.plan import demo_architecture
     from g2rl_jax.rollout import batching, engine, prewarm
     from g2rl_jax.train.compiles import CompileClock
 

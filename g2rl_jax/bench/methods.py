@@ -2,9 +2,10 @@
 
 Runs the real `Trainer` on a config (default: the demo's, its tiny warm-started model built on first use) for two
 steps (the first compiles), then times, on the second step's batch, the parts of a step a method changes, for
-every method of `g2rl_jax.methods` (evol aside: its cost is its embedding model's forward pass): the advantages
-program (novelty, shaping, groups), the token rule (Clip-Cov, KL-Cov, forking tokens) and the update over every
-mini-batch, exactly as `Trainer._update` runs it (the method's rows, token terms and loss). Each method is
+every method of `g2rl_jax.methods` (evol aside: its cost is its embedding model's forward pass) and G2RL with its
+novelty after the standardisation (OPTIONS): the advantages program (novelty, shaping, groups; Miner's token
+weights), the token rule (Clip-Cov, KL-Cov, forking tokens) and the update over every mini-batch, exactly as
+`Trainer._update` runs it (the method's rows, token terms and loss). Each method is
 compiled before timing; then `--repeats` rounds time every method once per round, in a new random order each
 round, and the medians are printed, with the update's spread over the rounds (min–max) and each method's
 fastest round against GRPO's (on a busy machine the least disturbed figures). The rest of a step
@@ -26,13 +27,17 @@ from g2rl_jax import cli
 ROOT = Path(__file__).resolve().parents[2]
 SKIP = ("evol",)  # its cost is the embedding model's forward pass, not a method's arithmetic
 KNOBS = {"entropy_bonus": {"entropy_coef": 0.01}}  # what a method needs set besides its name
+# rows that are a method with options rather than a registered name: (the method, its options)
+OPTIONS = {"g2rl_after_text": ("g2rl", {"novelty_placement": "advantage"}),
+           "g2rl_after_literal": ("g2rl", {"novelty_placement": "advantage", "shaping_mode": "literal"})}
 
 
 def parse_args(argv):
     p = cli.ArgumentParser(prog="python -m g2rl_jax.bench methods", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     p.add_argument("--repeats", type=int, default=5, help="timed rounds over all methods, after one compiling round")
-    p.add_argument("--methods", default=None, help="comma-separated subset (default: every method but evol)")
+    p.add_argument("--methods", default=None, help="comma-separated subset (default: every method but evol, and "
+                   f"{', '.join(OPTIONS)}: g2rl with its novelty after the standardisation)")
     p.add_argument("overrides", nargs="*", help="config key=value overrides")
     return p.parse_intermixed_args(argv)
 
@@ -73,7 +78,7 @@ def time_method(trainer, result, algo, step: int) -> dict[str, float]:
     jax.block_until_ready(trainer.params)
     t3 = time.perf_counter()
     trainer._update(batch, scores.logp_BxT, result.ref_logp, signal["advantages"], in_loss, None, scores.entropy_BxT,
-                    step)
+                    step, token_weight=signal.get("token_weight"))
     jax.block_until_ready(trainer.params)
     t4 = time.perf_counter()
     trainer.cfg, trainer.method, trainer.settings, trainer.params, trainer.opt_state = saved
@@ -89,10 +94,11 @@ def main(argv) -> int:
     from g2rl_jax.train.loop import Trainer
 
     args = parse_args(argv)
-    names = [n for n in (args.methods.split(",") if args.methods else methods.NAMES) if n not in SKIP]
-    unknown = [n for n in names if n not in methods.NAMES]
+    known = (*methods.NAMES, *OPTIONS)
+    names = [n for n in (args.methods.split(",") if args.methods else known) if n not in SKIP]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        return cli.fail("bench methods", f"--methods: unknown {unknown}; choose from {', '.join(methods.NAMES)}")
+        return cli.fail("bench methods", f"--methods: unknown {unknown}; choose from {', '.join(known)}")
     if "grpo" not in names:
         names.insert(0, "grpo")
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +114,8 @@ def main(argv) -> int:
             trainer.step_stages(0)  # compiles the shared stages
             result = trainer.step_stages(1)  # the batch every method is timed on, and the rest of a step's time
             rest = sum(result.metrics[k] for k in ("rollout_seconds", "reward_seconds", "score_seconds"))
-            algos = {n: dataclasses.replace(cfg.algorithm, exploration=n, **KNOBS.get(n, {})) for n in names}
+            algos = {n: dataclasses.replace(cfg.algorithm, exploration=OPTIONS.get(n, (n,))[0],
+                                            **KNOBS.get(n, {}), **OPTIONS.get(n, (n, {}))[1]) for n in names}
             for n in names:  # compile each method's programs
                 time_method(trainer, result, algos[n], 2)
             order = np.random.default_rng(0)

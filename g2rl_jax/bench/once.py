@@ -3,6 +3,8 @@
     python -m g2rl_jax.bench once trainer --before DIR --config configs/demo.yaml --random-model \\
         rollout.max_new_tokens=512 data.prompts_per_step=16 run.total_steps=20 run.eval_every=0
     python -m g2rl_jax.bench once trainer --before DIR --config configs/demo.yaml      # the demo, 200 steps
+    python -m g2rl_jax.bench once trainer --before DIR --config configs/demo.yaml --random-model --budgets 128,512 \
+        data.prompts_per_step=16 run.total_steps=10 run.eval_every=0               # the update per token by budget
     python -m g2rl_jax.bench once study --before DIR --steps 10                        # one study run's time
     python -m g2rl_jax.bench once rollout --before DIR --new-seeds 6                   # new lengths every call
     python -m g2rl_jax.bench once bill --before DIR --config configs/qwen3_1p7b_g2rl.yaml --preset qwen3-1.7b \\
@@ -19,7 +21,14 @@ counted once), by the time each step's metrics line appeared (step 1's count inc
 validation before training). --random-model: model.path is a random Qwen3 of the
 demo's architecture (with the demo tokenizer and 1,024 positions), whose responses are long-tailed up to the
 budget. Printed: per checkout the wall time, the programs and compile seconds in all and after step 1, the per-step
-counts, the update's microseconds per response token trained over steps 3 on (metrics.jsonl), and the ratios.
+counts, the update's microseconds per response token trained over steps 3 on (metrics.jsonl), the step's split
+over the same steps (rollout, rewards, score, update: their seconds' shares of the steps'), and the ratios. With
+--budgets B1,B2,... each checkout runs at each response budget (rollout.max_new_tokens), the runs interleaved
+(budget by budget, the two checkouts one after the other, --repeats times over), and it prints each run's
+update microseconds per response token and, per checkout, their ratio of the last budget to the first (medians
+over the repeats): what the update's padding costs as responses grow.
+With --keep DIR the runs stay in DIR and it says whether the two metrics.jsonl are equal, every key but the
+clock's (seconds, throughputs, programs compiled) compared.
 
 study: one run of `python -m g2rl_jax.demo.study` (variant g2rl_shaped, seed 0, --steps steps, 64 held-out
 problems x 8 samples) on a random policy of the study's architecture and tokenizer (no warm start is built): the
@@ -43,6 +52,7 @@ number of steps. The estimated run time is this checkout's (aot/bill.py), the sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -142,7 +152,8 @@ def _trainer_once(checkout: Path, config: str, overrides: list[str], tmp: Path, 
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     return {"wall": data["wall"], "programs": len(data["events"]), "per_step": per_step, "summary": summary,
             "compile_s": _union([(t - s, t) for t, s in data["events"]]), "after_programs": sum(per_step[1:]),
-            "after_s": _union(after), "steps": len(lines), "update_us": update_us_per_token(run_dir)}
+            "after_s": _union(after), "steps": len(lines), "update_us": update_us_per_token(run_dir),
+            "split": step_split(run_dir)}
 
 
 def update_us_per_token(run_dir: Path, first: int = 3) -> float:
@@ -158,8 +169,75 @@ def update_us_per_token(run_dir: Path, first: int = 3) -> float:
     return 1e6 * sum(m["update_seconds"] for m in steps) / tokens if tokens else float("nan")
 
 
-def trainer(a) -> int:
+SPLIT = ("rollout_seconds", "reward_seconds", "score_seconds", "update_seconds")
+
+
+def step_split(run_dir: Path, first: int = 3) -> dict[str, float]:
+    """Seconds of each part of a step (SPLIT, metrics.jsonl) summed over steps >= `first`, and "step" their sum."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in steps if m.get("step", 0) >= first and "update_seconds" in m]
+    out = {k: sum(m[k] for m in steps) for k in SPLIT}
+    return {**out, "step": sum(out.values())}
+
+
+def budgets(a) -> int:
+    """--budgets: the update's cost per response token of both checkouts at each budget (module docstring)."""
+    import statistics
+
+    sizes = [int(b) for b in a.budgets.split(",")]
+    per: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="g2rl_once_") as tmp:
+        tmp = Path(tmp)
+        overrides = list(a.overrides)
+        if a.random_model:
+            overrides.append(f"model.path={random_model(tmp / 'model')}")
+        print(f"trainer runs of {a.config} {' '.join(a.overrides)} at budgets {sizes}, {a.repeats} round(s), "
+              "interleaved, each with an empty compilation cache\n| round | budget | code | run s | update µs per "
+              "response token (steps 3+) | layout |\n|---|---|---|---|---|---|", flush=True)
+        for rnd in range(a.repeats):
+            for size in sizes:
+                for name, checkout in (("before", Path(a.before)), ("after", ROOT)):
+                    tag = f"{name}_{size}_{rnd}"
+                    r = _trainer_once(checkout, a.config, [*overrides, f"rollout.max_new_tokens={size}"], tmp, tag)
+                    shapes = tmp / f"{tag}_run" / "micro_shapes.json"
+                    layout = json.loads(shapes.read_text())["name"] if shapes.exists() else "?"
+                    per.setdefault((name, size), []).append(r["update_us"])
+                    print(f"| {rnd} | {size} | {name} | {r['wall']:.1f} | {r['update_us']:.1f} | {layout} |",
+                          flush=True)
+    for name in ("before", "after"):
+        first, last = (statistics.median(per[name, s]) for s in (sizes[0], sizes[-1]))
+        print(f"{name}: {last:.1f} / {first:.1f} µs per response token = {last / first:.2f}x at budget "
+              f"{sizes[-1]} against {sizes[0]}", flush=True)
+    return 0
+
+
+def _workdir(a):
+    """--keep DIR (the runs stay there to read) or a temporary directory."""
+    if a.keep:
+        Path(a.keep).mkdir(parents=True, exist_ok=True)
+        return contextlib.nullcontext(a.keep)
+    return tempfile.TemporaryDirectory(prefix="g2rl_once_")
+
+
+TIMING = ("seconds", "per_second", "tokens_per_s", "programs_compiled", "mfu")  # metrics that measure the clock
+
+
+def metrics_differ(before: Path, after: Path) -> list[str]:
+    """The metrics.jsonl keys whose values differ between two runs (`step: key`), timings (TIMING) aside."""
+    def rows(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if not any(t in k for t in TIMING)} for x in lines if x]
+
+    b, n = rows(before), rows(after)
+    if len(b) != len(n):
+        return [f"records: {len(b)} before, {len(n)} after"]
+    return [f"{x.get('step')}: {k}" for x, y in zip(b, n) for k in sorted(x.keys() | y.keys()) if x.get(k) != y.get(k)]
+
+
+def trainer(a) -> int:
+    if a.budgets:
+        return budgets(a)
+    with _workdir(a) as tmp:
         tmp = Path(tmp)
         overrides = list(a.overrides)
         if a.random_model:
@@ -177,11 +255,19 @@ def trainer(a) -> int:
     for name, r in results.items():
         print(f"| {name} | {r['wall']:.1f} | {r['programs']} | {r['compile_s']:.1f} | {r['compile_s'] / r['wall']:.1%} "
               f"| {r['after_programs']} | {r['after_s']:.1f} | {r['update_us']:.1f} |")
+    print("\n| code | step s (steps 3+) | rollout | rewards | score | update |\n|---|---|---|---|---|---|")
+    for name, r in results.items():
+        s = r["split"]
+        print(f"| {name} | {s['step']:.2f} | " + " | ".join(f"{s[k] / max(s['step'], 1e-9):.1%}" for k in SPLIT)
+              + " |")
     for name, r in results.items():
         print(f"{name}: programs per step {r['per_step']}")
         accuracy = {k: v for k, v in r["summary"].items() if k.startswith("accuracy")}
         if accuracy:  # the numbers the run reached: the shape set moves padding, not results (tests/test_warmup.py)
             print(f"{name}: summary.json {accuracy}")
+    differ = metrics_differ(tmp / "before_run", tmp / "after_run") if a.keep else None
+    if differ is not None:  # the same rewards and metrics, the clock's numbers aside (TIMING)
+        print("metrics.jsonl, timings aside: " + ("equal" if not differ else f"{len(differ)} differ: {differ[:8]}"))
     b, n = results["before"], results["after"]
     print(f"after / before: run time {n['wall'] / b['wall']:.2f}x, programs {n['programs'] / b['programs']:.2f}x, "
           f"compile seconds {n['compile_s'] / max(b['compile_s'], 1e-9):.2f}x", flush=True)
@@ -309,16 +395,20 @@ def bill(a) -> int:
     from g2rl_jax.aot import report as report_lib
     from g2rl_jax.config import load_config
     from g2rl_jax.plan import model_config
+    from g2rl_jax.shapes import choice as choice_lib
+    from g2rl_jax.shapes.step import step_shapes
 
     cfg = load_config(a.config, a.overrides)
     model, source = model_config(cfg, a.preset)
     target = parse_target(a.target)
     mesh = parallel.make_mesh(cfg.mesh, target.devices())
-    shapes = programs.step_shapes(cfg, mesh)
-    progs = programs.step_programs(cfg, model, mesh, scope="largest")
+    shapes = step_shapes(cfg, mesh)
+    lengths = choice_lib.training_prompt_lengths(cfg)
+    packed = choice_lib.run_choice(cfg, model, shapes, bill_lib.target_device(target), lengths).packed
+    progs = programs.step_programs(cfg, model, mesh, scope="largest", packed=packed)
     print(f"compiling the largest program of each kind of {a.config} ({source}) for {target.name}", flush=True)
     results = report_lib.compile_programs(progs, lambda line: print(line, flush=True), a.threads, target.kernel_mark)
-    after = bill_lib.bill(cfg, model, shapes, results, target, bill_lib.prompt_lengths(cfg))
+    after = bill_lib.bill(cfg, model, shapes, results, target, lengths)
     seconds = {r.program.kind: (r.seconds, r.lower_seconds) for r in results if r.error is None}
     payload = json.dumps({"config": a.config, "overrides": a.overrides, "preset": a.preset, "target": a.target,
                           "seconds": seconds, "threads": after.threads, "steps": after.steps})
@@ -343,6 +433,9 @@ def _args(argv):
     p.add_argument("--before", required=True, help="a checkout of the code to compare with")
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     p.add_argument("--random-model", action="store_true", help="trainer: a random demo-size model.path")
+    p.add_argument("--budgets", help="trainer: comma-separated response budgets, each checkout at each (interleaved)")
+    p.add_argument("--keep", help="trainer: keep the runs in this directory and compare their metrics.jsonl")
+    p.add_argument("--repeats", type=int, default=1, help="trainer --budgets: rounds over the budgets")
     p.add_argument("--steps", type=int, default=10, help="study: training steps of the run")
     p.add_argument("--preset", help="bill: architecture preset")
     p.add_argument("--target", default="v5p-8", help="bill: the TPU slice")

@@ -11,7 +11,7 @@ for the shape set and prompt buckets the run chose. --random-model: model.path i
 the seconds spent compiling, the programs per step (metrics.jsonl: step 1 holds the set-up and the warm-up), the
 bill by kind and by group (rollout segments, the rest of the rollout, the passes, the rollout's moves, the run's
 own and the small ones), and the listener's programs by jitted function. The choice of the shape set depends on
-run.total_steps (train/shapes.py weighs compile against the steps' compute), so count the run length you mean.
+run.total_steps (g2rl_jax/shapes/choice.py weighs compile against the steps' compute), so count the run length you mean.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def count(config: str, overrides: list[str], tmp: Path) -> dict:
     return {"wall": wall, "programs": seen.programs, "compile_s": seen.seconds, "bill": bill,
             "per_step": {r["step"]: r.get("programs_compiled", 0) for r in read_metrics(tmp / "run")},
             "by_function": collections.Counter(name.split(" ")[0] for name in seen.names),
-            "shapes": trainer.warmup.shapes.name, "prompts": trainer.warmup.prompts}
+            "shapes": trainer.warmup.layout.name, "prompts": trainer.warmup.prompts}
 
 
 def main(argv: list[str]) -> int:

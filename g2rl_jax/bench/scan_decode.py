@@ -16,11 +16,20 @@ runs out of HBM.) Both programs are
 donated), over abstract inputs with the trainer's shardings; the scanned one swaps `Qwen3.decode_step` for a scan
 over stacked layers, caches and weights while it is lowered. Nothing runs: a compile for --target (or this
 process's devices) only. Model FLOPs and bytes moved per step are the same by construction; only a copy would add.
+
+Each compiled program's HLO census (`census`): its conditionals and while loops (on a GPU the device reports each
+conditional's branch index and each while loop's predicate to the host, which waits for it before it launches
+what follows), its transfers to or from the host, and its copies of at least one cache row. `--target h200-1`
+compiles for one H200 with XLA's GPU compiler (docs/gpu.md); `--loops unrolled` compiles the sampler's segment
+only. The segment reads the read rungs of the budget (engine.read_ladder from rollout.first_capacity).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import math
+import re
 import resource
 import time
 
@@ -39,11 +48,17 @@ def _args(argv):
     p.add_argument("--target", help="a TPU slice as gcloud names it (v5p-8, ...); default: this process's devices")
     p.add_argument("--rows", type=int, default=0, help="decode batch rows (default: the step's full batch)")
     p.add_argument("--capacity", type=int, default=0, help="suffix cache slots (default: the budget)")
+    p.add_argument("--loops", default="unrolled,scan", help="which layer loops to compile (comma-separated; "
+                   "default both): unrolled is the sampler's segment")
+    p.add_argument("--reads", choices=("platform", "phased", "switch"), default="platform",
+                   help="how a step picks its read rung: as the sampler does on the target's platform "
+                   "(engine.PHASED_READS), a while loop per rung, or a lax.switch in each layer")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for training")
     return p.parse_args(argv)
 
 
-def scanned_decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step, layers=None):
+def scanned_decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache, step, layers=None,
+                        reads: tuple[int, ...] = ()):
     """Qwen3.decode_step with its layers under lax.scan: prefix and suffix K/V stacked [layers, ...], `layers` the
     stacked weights in the compute dtype; the suffix is carried and written with a dynamic-update-slice."""
     cfg, rt = self.config, self.runtime
@@ -59,7 +74,8 @@ def scanned_decode_step(self, tokens_B, prefix: PrefixCache, suffix: SuffixCache
                                              (i, 0, 0, step, 0))
         suf_v = jax.lax.dynamic_update_slice(suf_v, v_Bx1xGxK.transpose(0, 2, 1, 3)[None].astype(suf_v.dtype),
                                              (i, 0, 0, step, 0))
-        a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, suf_k[i], suf_v[i], step + 1)
+        a = attn.decode_attention(q[:, 0], pre_k, pre_v, prefix.mask, suf_k[i], suf_v[i], step + 1,
+                                  reads)
         return (self._rows_sharded(_out_and_mlp(x, a[:, None], p, cfg)), suf_k, suf_v), None
 
     L = cfg.num_hidden_layers
@@ -99,12 +115,13 @@ def _cpu() -> float:
 def main(argv: list[str]) -> int:
     from g2rl_jax import parallel
     from g2rl_jax.aot import parse_target
-    from g2rl_jax.aot.programs import Abstract, abstract_policy, decode_layers, step_shapes
+    from g2rl_jax.aot.programs import Abstract, abstract_policy, decode_layers
     from g2rl_jax.config import load_config
     from g2rl_jax.memory import shards
     from g2rl_jax.plan import model_config
     from g2rl_jax.rollout import engine
     from g2rl_jax.rollout.sampling import spec_for
+    from g2rl_jax.shapes.step import step_shapes
     from g2rl_jax.train import setup
 
     a = _args(argv)
@@ -131,42 +148,76 @@ def main(argv: list[str]) -> int:
                             stopped_X=ab.rows((rows,), jnp.bool_), tokens_BxT=ab.rows((B, T), jnp.int32),
                             logprobs_BxT=ab.rows((B, T), jnp.float32), lengths_B=ab.rows((B,), jnp.int32))
     scalars = (i32, i32, i32, key, f32, f32, stops)
-    fn = jax.jit(engine._segment, static_argnames=("graphdef", "spec"), donate_argnames=("suffix", "ds"))
+    phased = a.reads == "phased" or (a.reads == "platform" and engine.run_platform(mesh) in engine.PHASED_READS)
+    segment = functools.partial(engine._segment, phased=phased)
+    fn = jax.jit(segment, static_argnames=("graphdef", "spec", "reads"), donate_argnames=("suffix", "ds"),
+                 compiler_options=engine.CPU_PHASED_OPTIONS if phased and engine.run_platform(mesh) == "cpu" else None)
+    reads = engine.read_ladder(capacity, cfg.rollout.first_capacity)
     per_layer = decode_layers(graphdef, params, mesh)
     stacked_w = {name: _stacked(one, L) for name, one in per_layer[0].items()}
 
     def lower_unrolled():
         with jax.set_mesh(mesh):
             return fn.lower(graphdef, params, per_layer, PrefixCache(pre, pre, mask, lengths), SuffixCache(suf, suf),
-                            ds, *scalars, spec=spec)
+                            ds, *scalars, spec=spec, reads=reads)
 
     def lower_scanned():
         stacked_pre, stacked_suf = _stacked(pre[0], L), _stacked(suf[0], L)
         with jax.set_mesh(mesh), _scanned():
             return fn.lower(graphdef, params, stacked_w, PrefixCache(stacked_pre, stacked_pre, mask, lengths),
-                            SuffixCache(stacked_suf, stacked_suf), ds, *scalars, spec=spec)
+                            SuffixCache(stacked_suf, stacked_suf), ds, *scalars, spec=spec, reads=reads)
 
     layer_kv = 2 * rows * G * capacity * K * kv_dtype.itemsize / (shards("batch", dict(mesh.shape))
                                                                  * shards("kv_heads", dict(mesh.shape)))
-    print(f"decode segment {rows} rows x {capacity} slots, {source}, {a.target or devices[0].device_kind}, "
-          f"mesh {dict(mesh.shape)}; one layer's K and V cache: {layer_kv / 2**30:.3f} GiB per device")
-    print(f"| layer loop | compile s | CPU s | args GiB | out GiB | alias GiB | temp GiB |\n|{'---|' * 7}")
+    print(f"decode segment {rows} rows x {capacity} slots, read rungs {reads} ({'phased' if phased else 'switch'}), "
+          f"{source}, "
+          f"{a.target or devices[0].device_kind}, mesh {dict(mesh.shape)}; one layer's K and V cache: "
+          f"{layer_kv / 2**30:.3f} GiB per device")
+    print(f"| layer loop | compile s | CPU s | args GiB | out GiB | alias GiB | temp GiB | {' | '.join(CENSUS)} |"
+          f"\n|{'---|' * (7 + len(CENSUS))}")
     temps = {}
-    for name, lower in (("unrolled", lower_unrolled), ("scan", lower_scanned)):
+    loops = {"unrolled": lower_unrolled, "scan": lower_scanned}
+    for name in a.loops.split(","):
         try:
-            compiled, wall, cpu = _compile(lower)
+            compiled, wall, cpu = _compile(loops[name])
         except jax.errors.JaxRuntimeError as err:  # e.g. RESOURCE_EXHAUSTED: the compiler's own line says why
             print(f"| {name} | failed: {str(err).splitlines()[0]} |||||", flush=True)
             return 1
         m = compiled.memory_analysis()
         temps[name] = m.temp_size_in_bytes
+        counts = census(compiled.as_text(), layer_kv / 2)
         print(f"| {name} | {wall:.1f} | {cpu:.1f} | {m.argument_size_in_bytes / 2**30:.3f} | "
               f"{m.output_size_in_bytes / 2**30:.3f} | {m.alias_size_in_bytes / 2**30:.3f} | "
-              f"{m.temp_size_in_bytes / 2**30:.3f} |", flush=True)
-    if a.target:
+              f"{m.temp_size_in_bytes / 2**30:.3f} | {' | '.join(str(counts[k]) for k in CENSUS)} |", flush=True)
+    if a.target and set(temps) == {"unrolled", "scan"}:
         print(roofline(cfg, model, a.target, prompts, s.prompt_len, rows, capacity, layer_kv,
                        temps["scan"] - temps["unrolled"]))
     return 0
+
+
+# what the compiled segment's HLO holds (census): control flow the device may have to report to the host (on a GPU
+# a conditional's branch index and a while loop's predicate are copied to the host, which waits for them), transfers
+# to or from the host, and copies as large as a layer's K cache or larger (a read rung's slice is smaller)
+CENSUS = ("conditional", "while", "host transfer", "cache copies")
+
+
+def census(hlo: str, layer_bytes: float) -> dict[str, int]:
+    """Counts of CENSUS in compiled HLO text (layer_bytes: one layer's K cache, per device)."""
+    copies = re.findall(r"=\s*(\S+)\s+copy\(", hlo)
+    host = len(re.findall(r"\s(?:send|recv|infeed|outfeed)\(", hlo))
+    host += len(re.findall(r'custom_call_target="[^"]*[Hh]ost', hlo))
+    return {"conditional": len(re.findall(r"\sconditional\(", hlo)), "while": len(re.findall(r"\swhile\(", hlo)),
+            "host transfer": host, "cache copies": sum(1 for shape in copies if _bytes(shape) >= layer_bytes)}
+
+
+def _bytes(shape: str) -> int:
+    """Bytes of an HLO array shape such as bf16[4,8,128,64]{...} (0 for a tuple or a token)."""
+    m = re.match(r"(pred|[subf]\d+)\[([\d,]*)\]", shape)
+    if not m:
+        return 0
+    dtype = m.group(1)
+    size = 1 if dtype == "pred" else int(dtype[1:]) // 8
+    return size * math.prod(int(d) for d in m.group(2).split(",") if d)
 
 
 def roofline(cfg, model, target_name, prompts, prompt_len, rows, capacity, layer_kv, extra_temp) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from g2rl_jax import cli
-from g2rl_jax.bench.update import train_flops
+from g2rl_jax.shapes.prices import train_flops
 
 STAGES = (("rollout", "rollout_seconds"), ("rewards", "reward_seconds"), ("scoring", "score_seconds"),
           ("update", "update_seconds"))

@@ -68,9 +68,9 @@ def _model_dir(out: str, hidden: int | None, layers: int | None) -> str:
 
     from flax import nnx
 
+    from g2rl_jax.demo.build import demo_architecture
     from g2rl_jax.demo.tokenizer import make_tokenizer
     from g2rl_jax.model import Qwen3, RuntimeConfig, save_pretrained
-    from g2rl_jax.plan import demo_architecture
 
     cfg = demo_architecture()
     if hidden or layers:

@@ -1,16 +1,17 @@
-"""Measured shape tuning: price a run's micro-batch shape sets on this machine and write a shape file to pin.
+"""Measured shape tuning: price a run's layouts on this machine and write a shape file to pin.
 
     python -m g2rl_jax.bench tune-shapes --config configs/demo.yaml --out shapes.json [key=value ...]
     python -m g2rl_jax.train --config configs/demo.yaml run.shapes_file=shapes.json
 
-A run takes its shape set from a price model (train/shapes.py), the same on every machine of a device kind. This
-command is the one place wall-clock enters the choice, and only when asked: it builds the run's trainer (model,
-data, mesh), compiles the largest score program (and the reference's, under the KL term) at the step's real shapes,
-times its compile and its median of --repeats runs, prices the candidates from those figures
-(shapes.Prices.from_score) and writes the chosen set and prompt buckets as a shape file (the format of the run
-directory's micro_shapes.json, with "source": "tuned"). A run with run.shapes_file set uses that file's set (and
-says so in one line); its resumes keep it. The measurement moves with the machine's load: tune on the machine you
-train on, idle.
+A run takes its layout from a price model (g2rl_jax/shapes/choice.py), the same on every machine of a device kind.
+This
+command is the one place wall-clock enters the choice, and only when asked: it builds the run's trainer (model, data,
+mesh), compiles the largest grouped score program (and the reference's, under the KL term) at the step's real
+shapes, times its compile and its median of --repeats runs, prices the candidates, grouped and packed, from those
+figures (shapes.prices.Prices.from_score: per micro_cost unit, the same for both) and writes the chosen layout and
+prompt buckets as a shape file (the format of the run directory's micro_shapes.json, with "source": "tuned"). A run
+with run.shapes_file set uses that file's layout (and says so in one line); its resumes keep it. The measurement
+moves with the machine's load: tune on the machine you train on, idle.
 """
 from __future__ import annotations
 
@@ -78,9 +79,11 @@ def measure(trainer, repeats: int):
 def main(argv) -> int:
     from g2rl_jax import storage
     from g2rl_jax.config import ConfigError, load_config
+    from g2rl_jax.shapes import choice as choice_lib
+    from g2rl_jax.shapes import record
+    from g2rl_jax.shapes.layouts import micro_cost
+    from g2rl_jax.shapes.prices import Prices
     from g2rl_jax.train import micro as micro_lib
-    from g2rl_jax.train import shapes as shapes_lib
-    from g2rl_jax.train import warmup
     from g2rl_jax.train.loop import Trainer
 
     args = parse_args(argv)
@@ -97,17 +100,15 @@ def main(argv) -> int:
             trainer.close()
     micro = cfg.algorithm.micro_batch_size
     seq_len, resp_len = batch.input_ids.shape[1], batch.response_mask.shape[1]
-    prices = shapes_lib.Prices.from_score(compile_s, run_s, micro_lib.micro_cost(micro, seq_len),
-                                          cfg.model.remat != "none")
+    prices = Prices.from_score(compile_s, run_s, micro_cost(micro, seq_len), cfg.model.remat != "none")
     min_rows = micro_lib.row_shards(batch.rewards)
-    choice = shapes_lib.choose_for(cfg, trainer.model.config, trainer.warmup.device, trainer.warmup.lengths,
-                                   micro=micro, min_rows=min_rows, prompt_len=seq_len - resp_len, resp_len=resp_len,
-                                   step_rows=batch.rewards.shape[0], rollout=trainer.warmup.rollout, prices=prices)
-    key = warmup.choice_key(micro, min_rows, resp_len, trainer.warmup.shares)
-    storage.write_text(args.out, warmup.choice_record(key, choice.shapes, choice.prompts, "tuned"))
+    warm = trainer.warmup
+    choice = choice_lib.choose_for(cfg, trainer.model.config, warm.device, warm.lengths, step=warm.step, prices=prices)
+    key = record.choice_key(micro, min_rows, resp_len, warm.shares)
+    storage.write_text(args.out, record.choice_record(key, choice.layout, choice.prompts, "tuned"))
     print(f"measured: the score program of {micro} x {seq_len} compiles in {compile_s['score']:.1f} s and runs in "
           f"{run_s['score']:.3f} s (median of {args.repeats})")
     print("\n".join(choice.lines(cfg.run.total_steps)))
-    print(f"wrote {args.out}: {choice.shapes.name} ({len(choice.shapes.shapes)} shapes), prompt buckets "
+    print(f"wrote {args.out}: {choice.layout.name} ({len(choice.layout.shapes)} shapes), prompt buckets "
           f"{list(choice.prompts)}; pin it with run.shapes_file={args.out}")
     return 0

@@ -21,7 +21,7 @@ layout=packed packs whole sequences into rows of prompt + response width (train/
 algorithm.packing: micro-batches of micro, micro/2, ... packed rows and narrower rows for the last tokens; narrow=0
 keeps the full-width rows only; its widths column reads rows x packed width), with block=N the blocked packed
 attention of N-column blocks (model/packed_attention.py; the default) or block=0 the dense segment mask
-(attention.xla); overhead= sets the plan's per-micro-batch cost in rows (train.micro.OVERHEAD_ROWS) for that
+(attention.xla); overhead= sets the plan's per-micro-batch cost in rows (shapes.layouts.OVERHEAD_ROWS) for that
 variant. Columns "µs/resp token" (update seconds per response token trained), "padding" (share of the positions
 computed that hold no token) and "attn work" (query-key pairs the attention scores over the pairs the response and
 prompt tokens need, causally within their own sequence; xla scores the full square of a row, the blocked path its
@@ -49,6 +49,8 @@ from g2rl_jax import cli
 from g2rl_jax.bench import update_padding
 from g2rl_jax.config import AlgorithmConfig, OptimConfig
 from g2rl_jax.model import PRESETS, Qwen3, Qwen3Config, RuntimeConfig, packed_attention
+from g2rl_jax.shapes import layouts
+from g2rl_jax.shapes.prices import train_flops
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import packing, passes
@@ -97,7 +99,7 @@ def _args(argv):
 def parse_variant(text: str, rows: int) -> dict:
     """'remat=dots,micro=8' -> {remat, micro, param_dtype, attention}, with defaults for what it leaves out."""
     out = {"remat": "full", "micro": max(1, rows // 2), "param_dtype": "float32", "attention": "xla",
-           "layout": "grouped", "overhead": float(micro_lib.OVERHEAD_ROWS), "block": packed_attention.BLOCK,
+           "layout": "grouped", "overhead": float(layouts.OVERHEAD_ROWS), "block": packed_attention.BLOCK,
            "narrow": 1}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
@@ -142,15 +144,6 @@ def _mini_batch(cfg: Qwen3Config, rows: int, s: int, t: int, lengths=None) -> tr
                                 advantages_B=jnp.asarray(rng.standard_normal(rows), jnp.float32))
 
 
-def train_flops(cfg: Qwen3Config, rows: int, length: int, tokens: int | None = None) -> float:
-    """Forward + backward model FLOPs of one update over `tokens` tokens (default all rows x length) in rows of
-    `length` positions (see the module docstring)."""
-    tokens = rows * length if tokens is None else tokens
-    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
-    attention = 4 * tokens * length * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
-    return 3 * (2.0 * matmul_params * tokens + attention)
-
-
 def response_flops(cfg: Qwen3Config, prompt_len: int, lengths) -> float:
     """FLOPs of the response tokens alone, each row's over its own sequence prompt_len + its length."""
     return sum(train_flops(cfg, 1, prompt_len + int(r), tokens=int(r)) for r in lengths)
@@ -173,7 +166,7 @@ class Runner:
 
     def __call__(self, k: int) -> float:
         v, mini = self.v, self.minis[k]
-        micro_lib.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (main restores it)
+        layouts.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (main restores it)
         start = time.perf_counter()
         self.params, self.opt_state, info = passes.update(
             self.graphdef, self.params, self.opt_state, mini, optimizer=self.optimizer, settings=self.settings,
@@ -260,11 +253,11 @@ def _row(name: str, widths: str, first: float, warm: float, flops: float, resp_f
 
 
 def main(argv: list[str]) -> int:
-    default_overhead = micro_lib.OVERHEAD_ROWS
+    default_overhead = layouts.OVERHEAD_ROWS
     try:
         return _main(_args(argv))
     finally:
-        micro_lib.OVERHEAD_ROWS = default_overhead
+        layouts.OVERHEAD_ROWS = default_overhead
 
 
 def _name(v: dict) -> str:
@@ -293,7 +286,7 @@ def _main(a: argparse.Namespace) -> int:
     variants, plans, flops_by = [], [], []
     for text in a.variant or [""]:
         v = parse_variant(text, a.rows)
-        micro_lib.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (main restores it)
+        layouts.OVERHEAD_ROWS = v["overhead"]  # the plan's cost model for this variant (main restores it)
         variants.append(v)
         plans.append({label: _plan(v, lengths, a.rows, a.prompt_len, a.response_len)
                       for label, lengths in batches.items()})

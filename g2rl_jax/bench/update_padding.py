@@ -4,7 +4,7 @@ the tokens, from the plan alone (nothing runs; any model size, e.g. Qwen3-1.7B a
     python -m g2rl_jax.bench update --padding-only --preset qwen3-1.7b --rows 32 --prompt-len 1024 \\
         --prompts-up-to 256 --response-len 8192 --row-shards 4 --variant micro=16,layout=packed
 
-Over 8 long-tailed draws (train.shapes.long_tailed_lengths, seeds 0-7; prompts uniform in [P/2, P], P =
+Over 8 long-tailed draws (shapes.choice.long_tailed_lengths, seeds 0-7; prompts uniform in [P/2, P], P =
 --prompts-up-to, in the --prompt-len bucket): the packed plan's padding (positions computed that hold no token), its
 attention work (query-key pairs scored over the causal pairs of the sequences: the blocked path's windows, or the
 full square of each row with block=0) and the FLOP model's share of the update off the tokens, forward + backward:
@@ -21,8 +21,9 @@ import numpy as np
 
 from g2rl_jax.model import packed_attention
 from g2rl_jax.model.config import Qwen3Config
+from g2rl_jax.shapes.choice import long_tailed_lengths
+from g2rl_jax.shapes.layouts import PackShape
 from g2rl_jax.train import packing
-from g2rl_jax.train.shapes import long_tailed_lengths
 
 DRAWS = 8
 
@@ -33,15 +34,15 @@ def draw(rows: int, prompt_up_to: int, budget: int, seed: int) -> tuple[np.ndarr
     return rng.integers(prompt_up_to // 2, prompt_up_to + 1, rows), long_tailed_lengths(rows, budget, seed)
 
 
-def packed_shape(v: dict, min_rows: int, prompt_len: int, resp_len: int) -> packing.PackShape:
+def packed_shape(v: dict, min_rows: int, prompt_len: int, resp_len: int) -> PackShape:
     """A packed variant's layout (PackShape.of); narrow=0: its rows of the full width only (no narrower rows)."""
-    shape = packing.PackShape.of(v["micro"], min_rows, prompt_len=prompt_len, resp_len=resp_len, block=v["block"])
+    shape = PackShape.of(v["micro"], min_rows, prompt_len=prompt_len, resp_len=resp_len, block=v["block"])
     if v["narrow"]:
         return shape
     return dataclasses.replace(shape, micros=tuple(m for m in shape.micros if m[1] == shape.width))
 
 
-def packed_figures(cfg: Qwen3Config, prompt_B, resp_B, shape: packing.PackShape) -> dict[str, float]:
+def packed_figures(cfg: Qwen3Config, prompt_B, resp_B, shape: PackShape) -> dict[str, float]:
     """positions, padding, pairs computed and needed, and the FLOP model's compute of the packed plan of one
     mini-batch of sequences (prompt_B + resp_B tokens)."""
     b, t, s = len(prompt_B), int(resp_B.max()), int(prompt_B.max())

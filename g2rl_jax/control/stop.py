@@ -16,10 +16,11 @@ to publish wins. Two ways to end:
   (exits.Exit), never a code of its own.
 
 `Watch`, entered around the training loop (lifecycle.StopSignal) and the rollout process, is the one watcher: a
-thread that waits for the stop key; a stop published now by another process is printed (with `(process N)`),
-answered, and ends this process with its code; a `finish` is kept for `ended`. In a notebook (ipykernel loaded) no
-stop ends the kernel: the main thread gets `Stopped` (code and line) instead of os._exit, from whichever thread
-stopped. A run of one process has no channel: the line and the exit are all there is.
+thread that waits for the stop key; a stop published now by another process closes the fence (control/fence.py:
+nothing more of the run is written), is printed (with `(process N)`), answered, and ends this process with its code;
+a `finish` is kept for `ended`. In a notebook (ipykernel loaded) no stop ends the kernel: the main thread gets
+`Stopped` (code and line) instead of os._exit, from whichever thread stopped. A run of one process has no channel:
+the line and the exit are all there is.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 
-from g2rl_jax.control import channel, wire
+from g2rl_jax.control import channel, fence, wire
 from g2rl_jax.control.exits import Exit
 
 STOP_KEY = "stop"  # a Stop
@@ -107,41 +108,56 @@ def publish(stop: Stop) -> bool:
         return False
 
 
-def _deliver(stop: Stop):
-    """In a notebook: `Stopped` in the main thread (raised here when this is it; else set pending there, and this
-    thread ends quietly)."""
+def _as_raised(error: BaseException) -> type:
+    """A class that PyThreadState_SetAsyncExc can raise (it calls the class with no arguments) whose instances are
+    `error` again: its type, arguments and attributes."""
+    def init(self, *_):
+        Exception.__init__(self, *error.args)
+        self.__dict__.update(error.__dict__)
+
+    return type(type(error).__name__, (type(error),), {"__init__": init, "__module__": type(error).__module__})
+
+
+def _deliver(stop: Stop, error: BaseException | None = None):
+    """In a notebook: `error` (a typed failure, control/errors.py), else `Stopped`, in the main thread (raised here
+    when this is it; else set pending there, and this thread ends quietly)."""
     global _delivered
     _delivered = stop
     if _STOPPING.locked():
         _STOPPING.release()  # the kernel lives on: a later run may stop again
     if threading.current_thread() is threading.main_thread():
-        raise Stopped(stop)
+        raise error if error is not None else Stopped(stop)
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
-                                               ctypes.py_object(Stopped))
+                                               ctypes.py_object(Stopped if error is None else _as_raised(error)))
     raise SystemExit  # ends this thread without a traceback
 
 
-def _end(stop: Stop, me: int | None):
-    """os._exit(stop.code) (Stopped in a notebook); process 0 of several first waits COORDINATOR_LAST_S, since its
-    exit takes jax.distributed's coordination service down and a process still on its way out would be aborted by
-    JAX's client (SIGABRT and a stack trace instead of the one line and its exit code)."""
+def _end(stop: Stop, me: int | None, error: BaseException | None = None):
+    """os._exit(stop.code) (in a notebook `error`, or Stopped); process 0 of several first waits COORDINATOR_LAST_S,
+    since its exit takes jax.distributed's coordination service down and a process still on its way out would be
+    aborted by JAX's client (SIGABRT and a stack trace instead of the one line and its exit code)."""
     sys.stdout.flush()
     if in_notebook():
-        _deliver(stop)
+        _deliver(stop, error)
     if me == 0:  # meanwhile this process's own collectives fail (the others are gone): their errors are not the line
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
         time.sleep(COORDINATOR_LAST_S)
     os._exit(int(stop.code))
 
 
-def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bool = True, within: float = ACK_S):
+def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bool = True, within: float = ACK_S,
+                    error: BaseException | None = None):
     """Print `line` on stderr (unless `say` is False: the caller did) and end this process with `code`; in a run of
     several processes the others are told first (their Watch ends them with the same line) and given up to `within`
-    seconds to have it, but those known `gone` (the line is about them). Never returns (Stopped in a notebook)."""
+    seconds to have it, but those known `gone` (the line is about them). Never returns: in a notebook the main
+    thread gets `error` (the typed failure the stop is for, control/errors.py's `end_run`) or else Stopped.
+    The fence closes first (control/fence.py): nothing of the run is written in the seconds the stop takes."""
+    fence.close(line)
     if not _STOPPING.acquire(blocking=False):  # another thread of this process is stopping it already
         if in_notebook():
-            raise Stopped(Stop(int(code), line, -1)) if threading.current_thread() is threading.main_thread() \
-                else SystemExit
+            if threading.current_thread() is not threading.main_thread():
+                raise SystemExit
+            raise error if error is not None else Stopped(Stop(int(code), line, -1))
         time.sleep(ACK_S + 10)
         os._exit(int(code))
     if say:
@@ -156,13 +172,15 @@ def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bo
                 channel.default().get(f"{ACK_KEY}/{other}", timeout_s=max(deadline - time.monotonic(), 0.001))
             except (channel.Late, channel.StoreGone, wire.Refused):  # no answer in time: it ends by itself, or has
                 break
-    _end(Stop(int(code), line, me if me is not None else 0), me)
+    _end(Stop(int(code), line, me if me is not None else 0), me, error)
 
 
 def refuse(err: wire.Refused):
     """Stop every process for a value that is not ours (a pickle planted in the store, another version's
-    process): its one line, bad input."""
-    stop_everywhere(f"run error: {err}", Exit.BAD_INPUT)
+    process): a control/errors.py BadInput, its one line and exit 2 (errors.end_run)."""
+    from g2rl_jax.control import errors
+
+    errors.end_run(err)
 
 
 def finish(step: int, code: int) -> None:
@@ -208,6 +226,7 @@ class Watch:
         if not stop.now:  # the trainer's finish: `ended` has it
             _seen = stop
             return
+        fence.close(stop.line)  # another process stops the run: this one writes nothing more of it
         me = processes()[0]
         if stop.process == me or not _STOPPING.acquire(blocking=False):
             return  # this process is stopping by itself

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from g2rl_jax.control.errors import BadInput
+
 MAGIC = b"g2rl-wire/1\n"
 ARRAY_KINDS = "biufc"  # bool, signed and unsigned integers, floats, complex: never objects
 _PLAIN = {type(None), bool, int, float, str}  # what JSON holds as is
@@ -37,9 +39,9 @@ _FAST = {int: {int}, float: {int, float}, str: {str}}  # a list[X] holding only 
 _SHAPE = re.compile(r"_([A-Z](?:x[A-Z])*)$")  # a name's shape suffix: logp_BxT -> "BxT"
 
 
-class Refused(ValueError):
+class Refused(BadInput, ValueError):
     """What was read is not a value this version wrote: refused, nothing in it was run. The message is one line
-    naming the key or the file; for the run it is bad input (exits.Exit.BAD_INPUT)."""
+    naming the key or the file; for the run it is bad input (control/errors.py's BadInput: exit 2)."""
 
 
 # ------------------------------------------------------------------------------------------------ writing

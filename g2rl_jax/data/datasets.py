@@ -3,9 +3,9 @@
 `load_dataset("math500")` reads the package's own copy (g2rl_jax/data/files, see LICENSES.md there);
 `load_dataset("path/to/x.jsonl", fields={"problem": "question", "answer": "gold"})` reads a local file whose keys
 differ from the defaults. Other modules add datasets with `register_dataset(name, loader)`. The demo's datasets
-(`demo`, `demo_test`, `countdown`, `countdown_test`, `countdown_study`, `countdown_study_test`) are known here by
-name only: the first `load_dataset` of one imports `g2rl_jax.demo.task`, which registers them (the demo builds on
-`data`, never the other way round).
+(`demo`, `demo_test`, `countdown`, ...) are known here by name only, through g2rl_jax/registry.py: the first
+`load_dataset` of one imports the module the registry names, which registers them (the demo builds on `data`, never
+the other way round).
 A file or name that cannot be read raises `DataError` naming the file and line.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from g2rl_jax import storage
+from g2rl_jax import registry, storage
 
 FILES_DIR = Path(__file__).parent / "files"
 GPQA_PASSWORD = b"g2rl-gpqa"  # see files/LICENSES.md: the zip keeps GPQA out of plain-text crawls
@@ -71,9 +71,6 @@ class Example:
 
 Loader = Callable[[], Sequence[Example]]
 _REGISTRY: dict[str, Loader] = {}
-# Datasets registered by another module when it is imported: {name: that module}, imported on first use.
-_LAZY = {name: "g2rl_jax.demo.task" for name in ("demo", "demo_test", "countdown", "countdown_test", "countdown_study",
-                                                 "countdown_study_test", "sumprod", "sumprod_test")}
 
 
 def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> None:
@@ -84,7 +81,7 @@ def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> N
 
 
 def dataset_names() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_LAZY))
+    return sorted(set(_REGISTRY) | set(registry.DATASETS))
 
 
 def load_dataset(
@@ -98,8 +95,8 @@ def load_dataset(
     `limit` keeps the first `limit` examples.
     """
     key = str(name_or_path)
-    if key in _LAZY and key not in _REGISTRY:
-        importlib.import_module(_LAZY[key])  # registers it
+    if key in registry.DATASETS and key not in _REGISTRY:
+        importlib.import_module(registry.DATASETS[key])  # registers it
     if key in _REGISTRY:
         if fields is not None or kind is not None:
             raise DataError(f"fields= and kind= apply to jsonl files only; {key!r} is a registered dataset")

@@ -3,6 +3,10 @@
     build_demo_model("runs/demo/model")                          # tokenizer + tiny Qwen3 + supervised warm start
     build_demo_embedder("runs/demo/embedder", "runs/demo/model")  # its backbone as a Qwen3Model (for `evol`)
     resolve_demo_paths("demo:runs/demo/model", None)             # the same, driven by config values
+    demo_architecture()                                          # the policy's Qwen3Config, nothing built
+
+The schemes ("demo:DIR", ...) are registered with g2rl_jax/registry.py, through which the trainer and `plan` reach
+them without importing the demo.
 
 Both are cached: a directory holds `demo_build.json` with the hash of everything that determines its contents
 (architecture, warm-start settings, task, tokenizer recipe, `BUILD_VERSION`); a complete directory with the
@@ -25,6 +29,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from g2rl_jax import registry
 from g2rl_jax.demo import countdown, sumprod, task
 from g2rl_jax.demo import tokenizer as demo_tokenizer
 from g2rl_jax.demo.sft import SFTConfig, encode_sft, encode_variants, train_sft
@@ -254,3 +259,13 @@ def resolve_demo_paths(model_path: str, embedding_model: str | None) -> tuple[st
                              f"model.path must be a demo policy ('{SCHEME}DIR'), got {model_path!r}")
         embedding_model = str(build_demo_embedder(directory, model_path))
     return model_path, embedding_model
+
+
+def demo_architecture() -> Qwen3Config:
+    """The architecture `demo:DIR` builds (the addition demo's tokenizer), without building it."""
+    return PolicySpec().qwen3_config(len(demo_tokenizer.make_tokenizer()))
+
+
+for _prefix in SCHEMES:  # the trainer and `plan` reach these through the registry, never by importing the demo
+    registry.register_model_scheme(registry.ModelScheme(_prefix, resolve_demo_paths,
+                                                        demo_architecture if _prefix == SCHEME else None))

@@ -3,12 +3,14 @@
     python -m g2rl_jax.demo.study --out runs/study                    # the whole grid, then the report
     python -m g2rl_jax.demo.study --out runs/study --report-only      # the report of the runs finished so far
     python -m g2rl_jax.demo.study --task sumprod --out runs/study_sumprod --best-from runs/study   # the second task
+    python -m g2rl_jax.demo.study --out runs/study --report-only --earlier-report docs/study.md  # + earlier rows
     python -m g2rl_jax.demo.study --out /tmp/s --variants grpo,g2rl_shaped --seeds 1 --lambda-seeds 0 \\
         --problems 8 --samples 4 run.total_steps=2                    # key=value: overrides for every run
 
 The grid: every variant of VARIANTS (GRPO and the G2RL paper's baselines, G2RL with single_class_groups shaped and
-zero, the published alternatives of docs/peers.md at their papers' settings, and the two G2RL variants that follow
-the first study's diagnosis) with seeds 0 .. --seeds−1, seeds interleaved (seed 0 of every variant first); then, for
+zero, the published alternatives of docs/peers.md at their papers' settings, the two G2RL variants that follow
+the first study's diagnosis, and the methods that target single-class groups: Miner and G2RL's novelty added after
+the standardisation) with seeds 0 .. --seeds−1, seeds interleaved (seed 0 of every variant first); then, for
 whichever of g2rl_shaped and g2rl_zero has the higher mean held-out pass@1 (ties: shaped, the paper's equations),
 λ ∈ LAMBDAS besides the config's 0.5 with seeds 0 .. --lambda-seeds−1. A run is the real training command
 (`g2rl_jax.train.command.main` with the task's config and the run's overrides: run.seed = data.shuffle_seed = seed)
@@ -57,10 +59,23 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     # gradient-guided variants that follow the first study's diagnosis (docs/peers.md)
     "g2rl_mixed_correct": ("algorithm.exploration=g2rl_mixed_correct",),
     "g2rl_correct_peers": ("algorithm.exploration=g2rl_correct_peers", "algorithm.single_class_groups=zero"),
+    # the methods that target single-class groups (docs/peers.md): Miner, and G2RL's novelty term added after the
+    # group standardisation (ExTra's placement) in the paper's two readings of eq. scale
+    "miner": ("algorithm.exploration=miner",),
+    "g2rl_after_text": ("algorithm.exploration=g2rl", "algorithm.novelty_placement=advantage",
+                        "algorithm.shaping_mode=text"),
+    "g2rl_after_literal": ("algorithm.exploration=g2rl", "algorithm.novelty_placement=advantage",
+                           "algorithm.shaping_mode=literal"),
+    # the same with single-class groups zeroed: how much of its effect comes from those groups
+    "g2rl_after_literal_mixed": ("algorithm.exploration=g2rl", "algorithm.novelty_placement=advantage",
+                                 "algorithm.shaping_mode=literal", "algorithm.single_class_groups=zero"),
 }
 G2RL_VARIANTS = ("g2rl_shaped", "g2rl_zero")  # the pair the λ points follow
 PEERS = ("entropy_bonus", "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking")
+# --best-from chooses among PEERS and GRADIENT_GUIDED (the first grid's families)
 GRADIENT_GUIDED = ("g2rl_shaped", "g2rl_zero", "g2rl_mixed_correct", "g2rl_correct_peers")
+# the methods that target single-class groups, and the control that zeroes those groups
+SINGLE_CLASS = ("miner", "g2rl_after_text", "g2rl_after_literal", "g2rl_after_literal_mixed")
 LAMBDAS = (0.25, 1.0)
 EVAL_FILE = "study_eval.json"
 TIME_FILE = "study_time.json"
@@ -219,6 +234,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="evaluation budget (default: 16, sumprod 128)")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call in the evaluation")
     p.add_argument("--report-only", action="store_true", help="write the report from the finished runs only")
+    p.add_argument("--earlier-report", type=Path, default=None,
+                   help="another study's study.md: tradeoff.png also draws its variants this study did not run")
     p.add_argument("--reevaluate", action="store_true",
                    help="evaluate finished runs again (after a change to the evaluation); their training is kept")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
@@ -230,6 +247,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             setattr(args, name, value)
     if args.best_from is not None and args.variants is not None:
         p.error("--best-from chooses the variants; drop --variants (or --best-from)")
+    if args.earlier_report is not None and not args.earlier_report.is_file():
+        p.error(f"--earlier-report {args.earlier_report}: no such file; name a study's study.md")
     if args.best_from is not None and not (args.best_from / "runs").is_dir():
         p.error(f"--best-from {args.best_from}: no finished study there (no runs/); run that study first")
     variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
@@ -352,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i, run in enumerate(lambda_runs(better, args.lambdas, args.lambda_seeds), start=len(runs) + 1):
                 do_run(run, i, total, args.out, examples, args, started)
         print(f"study: {(time.perf_counter() - started) / 60:.1f} min wall for this invocation", flush=True)
-    paths = write_report(args.out)
+    paths = write_report(args.out, args.earlier_report)
     print("wrote " + ", ".join(str(p) for p in paths), flush=True)
     return 0
 

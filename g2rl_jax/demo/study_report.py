@@ -1,6 +1,7 @@
 """The study's report: means with 95% bootstrap intervals, differences, the tables and the three figures.
 
     write_report(out)  -> [OUT/study.md, OUT/study.json, OUT/passk.png, OUT/tradeoff.png, OUT/geometry.png]
+    write_report(out, earlier=Path("docs/study.md"))  # tradeoff.png also draws another report's other variants
 
 Inputs are what `g2rl_jax.demo.study` leaves in OUT/runs/NAME/: study_eval.json (held-out measures per
 problem), study_time.json and the training run's metrics.jsonl. Runs are grouped by variant (the run name less
@@ -33,7 +34,13 @@ TRAINING = ("train accuracy", "held-out − train", "single-class share", "all-w
             "A(most novel), single-class", "A(least novel), single-class", "A(most novel), all-wrong",
             "A(least novel), all-wrong")
 ORDER = ("warmstart", "grpo", "entropy_bonus", "g2rl_shaped", "g2rl_zero", "clip_cov", "kl_cov", "passk",
-         "unlikeliness", "nsr", "w_reinforce", "forking", "g2rl_mixed_correct", "g2rl_correct_peers")
+         "unlikeliness", "nsr", "w_reinforce", "forking", "g2rl_mixed_correct", "g2rl_correct_peers", "miner",
+         "g2rl_after_text", "g2rl_after_literal", "g2rl_after_literal_mixed")
+# differences besides those against grpo, where both variants ran: the paper's shaping against GRPO's outcome for
+# single-class groups, the novelty term's placement (after the standardisation against the paper's), its reading,
+# and what the single-class groups contribute to it
+PAIRS = (("g2rl_shaped", "g2rl_zero"), ("g2rl_after_text", "g2rl_shaped"), ("g2rl_after_literal", "g2rl_after_text"),
+         ("g2rl_after_literal", "g2rl_after_literal_mixed"))
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -133,10 +140,32 @@ def per_problem(runs: Sequence[dict], key: str, k: str | None) -> np.ndarray:
     return np.array([r[key] if k is None else r[key][k] for r in runs], np.float64)
 
 
+def earlier_rows(path: Path) -> dict[str, dict]:
+    """The held-out table of another study's report (the first table of its study.md, as `markdown` writes it, or a
+    page that quotes it): {variant: {"seeds": n, measure: {"mean", "lo", "hi"}}}."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("| variant | seeds | pass@1 |")), None)
+    if start is None:
+        raise SystemExit(f"study error: {path} holds no held-out table (a line '| variant | seeds | pass@1 | ...'); "
+                         "name a study's study.md")
+    head = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        row: dict = {"seeds": int(cells[1])}
+        for name, cell in zip(head[2:], cells[2:]):
+            mean, lo, hi = (float(x) for x in re.fullmatch(r"(\S+) \[(\S+), (\S+)\]", cell).groups())
+            row[name] = {"mean": mean, "lo": lo, "hi": hi}
+        rows[cells[0]] = row
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ the report
 def summarise(variants: dict[str, list[dict]]) -> dict:
-    """Every measure of every variant with its interval, and the differences against grpo (and shaped vs zero,
-    and each λ point against its variant at the config's λ)."""
+    """Every measure of every variant with its interval, and the differences against grpo (and PAIRS, and each λ
+    point against its variant at the config's λ)."""
     n = str(next(iter(variants.values()))[0]["samples"])
     measures = {name.format(n=n): (key, n if k == "n" else k) for name, (key, k) in HELD_OUT.items()}
     table: dict[str, dict] = {}
@@ -154,8 +183,7 @@ def summarise(variants: dict[str, list[dict]]) -> dict:
                     row[name] = bootstrap_runs(values)
         table[variant] = {"seeds": len(runs), **row}
     pairs = [(v, "grpo") for v in variants if v not in ("grpo", "warmstart") and "grpo" in variants]
-    if {"g2rl_shaped", "g2rl_zero"} <= set(variants):
-        pairs.append(("g2rl_shaped", "g2rl_zero"))
+    pairs += [pair for pair in PAIRS if set(pair) <= set(variants)]
     pairs += [(v, _base(v)) for v in variants if _base(v) != v and _base(v) in variants]  # a λ point may run alone
     diffs = {}
     for a, b in pairs:
@@ -280,27 +308,34 @@ def passk_figure(variants: dict[str, list[dict]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def tradeoff_figure(variants: dict[str, list[dict]], path: Path) -> Path:
+def tradeoff_figure(variants: dict[str, list[dict]], path: Path, earlier: dict[str, dict] | None = None) -> Path:
     """Held-out pass@1 against pass@n per variant, each with its 95% interval (seeds and problems resampled), the
-    warm start marked: which methods trade breadth (pass@n) for accuracy (pass@1)."""
+    warm start marked: which methods trade breadth (pass@n) for accuracy (pass@1). `earlier` (earlier_rows): the
+    variants of another report that this study did not run, drawn hollow beside them."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8.5, 6.5))
+    fig, ax = plt.subplots(figsize=(11.5, 6.5))
     n = str(next(iter(variants.values()))[0]["samples"])
-    for (variant, runs), colour in zip(variants.items(), _colours(len(variants))):
-        x, y = bootstrap(per_problem(runs, "pass", "1")), bootstrap(per_problem(runs, "pass", n))
+    points = {v: (len(runs), bootstrap(per_problem(runs, "pass", "1")), bootstrap(per_problem(runs, "pass", n)), True)
+              for v, runs in variants.items()}
+    points |= {v: (row["seeds"], row["pass@1"], row[f"pass@{n}"], False) for v, row in (earlier or {}).items()
+               if v not in variants}
+    points = dict(sorted(points.items(), key=lambda kv: _order(kv[0])))
+    for (variant, (seeds, x, y, here)), colour in zip(points.items(), _colours(len(points))):
         warm = variant == "warmstart"
         ax.errorbar(x["mean"], y["mean"], xerr=[[x["mean"] - x["lo"]], [x["hi"] - x["mean"]]],
                     yerr=[[y["mean"] - y["lo"]], [y["hi"] - y["mean"]]], fmt="*" if warm else "o",
                     markersize=14 if warm else 6, color="black" if warm else colour, capsize=3,
-                    label=f"{variant} ({len(runs)})")
+                    markerfacecolor=None if here else "white",
+                    label=f"{variant} ({seeds}{'' if here else ', earlier'})")
         ax.annotate(variant, (x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
         if warm:
             ax.axhline(y["mean"], color="grey", linewidth=0.8, linestyle="--")
             ax.axvline(x["mean"], color="grey", linewidth=0.8, linestyle="--")
-    ax.set(title="accuracy against breadth (held-out, 95% intervals; dashed: the warm start)",
+    hollow = "; hollow: an earlier report's" if len(points) > len(variants) else ""
+    ax.set(title=f"accuracy against breadth (held-out, 95% intervals; dashed: the warm start{hollow})",
            xlabel="pass@1", ylabel=f"pass@{n}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="variant (seeds)", title_fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -334,8 +369,9 @@ def geometry_figure(variants: dict[str, list[dict]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def write_report(out: Path) -> list[Path]:
-    """study.md, study.json and the two figures from the finished runs under OUT/runs."""
+def write_report(out: Path, earlier: Path | None = None) -> list[Path]:
+    """study.md, study.json and the three figures from the finished runs under OUT/runs; `earlier`: another
+    study's report whose other variants tradeoff.png draws too (earlier_rows)."""
     variants = load_runs(out)
     if not variants:
         raise SystemExit(f"study error: no finished run under {out / 'runs'}; run the study first")
@@ -346,5 +382,6 @@ def write_report(out: Path) -> list[Path]:
                            "held_out_pass@1": float(np.mean(r["pass"]["1"])), "time": r["time"],
                            "responses": r["responses"]} for v, runs in variants.items() for r in runs}
     js.write_text(json.dumps(summary | {"runs": per_run}, indent=1) + "\n")
-    return [md, js, passk_figure(variants, out / "passk.png"), tradeoff_figure(variants, out / "tradeoff.png"),
-            geometry_figure(variants, out / "geometry.png")]
+    rows = None if earlier is None else earlier_rows(earlier)
+    return [md, js, passk_figure(variants, out / "passk.png"),
+            tradeoff_figure(variants, out / "tradeoff.png", rows), geometry_figure(variants, out / "geometry.png")]

@@ -2,15 +2,27 @@
 is and how the trainer calls it. One file per method (or per paper), imported below, its names listed in NAMES:
 
   grpo.py              grpo, entropy_bonus
-  gradient_novelty.py  g2rl (the paper's equations), g2rl_mixed_correct, g2rl_correct_peers
+  gradient_novelty.py  g2rl (the paper's equations; novelty after the standardisation as an option),
+                       g2rl_mixed_correct, g2rl_correct_peers
   evol.py              evol
   covariance.py        clip_cov, kl_cov
   passk.py             passk
   unlikeliness.py      unlikeliness
   negative.py          nsr, w_reinforce
   forking.py           forking
+  miner.py             miner
 """
-from g2rl_jax.methods import covariance, evol, forking, gradient_novelty, grpo, negative, passk, unlikeliness  # noqa: F401
+from g2rl_jax.methods import (  # noqa: F401
+           covariance,
+           evol,
+           forking,
+           gradient_novelty,
+           grpo,
+           miner,
+           negative,
+           passk,
+           unlikeliness,
+)
 from g2rl_jax.methods.registry import (
            NEED_KEYS,
            NEEDS,
@@ -28,7 +40,7 @@ from g2rl_jax.methods.registry import (
 
 # every registered name, in the order help texts list them: the paper's method and baselines first
 NAMES: tuple[str, ...] = ("grpo", "entropy_bonus", "evol", "g2rl", "g2rl_mixed_correct", "g2rl_correct_peers",
-                          "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking")
+                          "clip_cov", "kl_cov", "passk", "unlikeliness", "nsr", "w_reinforce", "forking", "miner")
 if set(NAMES) != set(REGISTRY) or len(NAMES) != len(REGISTRY):
     raise ImportError(f"methods.NAMES {NAMES} and the registered methods {tuple(REGISTRY)} differ: list each once")
 

@@ -2,7 +2,10 @@
 two variants that follow the study's diagnosis (docs/study.md): the paper's shaping gives single-class groups
 unit-scale advantages from novelty alone, pushing all-wrong groups toward what their wrong answers share.
 
-  g2rl                the paper's equations: ν (eqs. cosine, weights, novelty), r̃ = clip(r (1 + λν̄), ±c), A
+  g2rl                the paper's equations: ν (eqs. cosine, weights, novelty), r̃ = clip(r (1 + λν̄), ±c), A;
+                      algorithm.novelty_placement=advantage adds the novelty term after the standardisation
+                      instead (the placement of ExTra, arXiv 2606.24994): A = GRPO's A of r, plus r̃ − r, so a
+                      single-class group's novelty is not divided out; either reading of eq. scale (shaping_mode)
   g2rl_mixed_correct  the paper's r̃ only for the correct responses of mixed groups, the base reward elsewhere: the
                       paper's stated rationale (reward correct answers that differ from their peers) and nothing else
   g2rl_correct_peers  ν measured against the correct peers only (weights 1 on correct j ≠ i, 0 on wrong ones,
@@ -23,10 +26,28 @@ def _shape(group: Group, nu_Pxm, algo):
     return g2rl.shape_rewards(group.rewards, nu_Pxm, lam=algo.lam, clip=algo.reward_clip, mode=algo.shaping_mode)
 
 
+def novelty_after_standardisation(grpo_adv_Pxm, rewards_Pxm, shaped_Pxm):
+    """A = A_GRPO(r) + (r̃ − r): the paper's novelty term r̃ − r (λ r ν̄ in the text reading, λ r² ν̄ in the literal
+    one, before the clip) added to GRPO's standardised advantage instead of standardised with it."""
+    return grpo_adv_Pxm + (shaped_Pxm - rewards_Pxm.astype(jnp.float32))
+
+
 def paper(group: Group, algo) -> Signal:
     nu_Pxm = g2rl.novelty(group.phi, group.rewards)
     shaped_Pxm = _shape(group, nu_Pxm, algo)
-    return Signal(shaped_Pxm, standardise(shaped_Pxm, group, algo), nu_Pxm)
+    if algo.novelty_placement == "reward":
+        return Signal(shaped_Pxm, standardise(shaped_Pxm, group, algo), nu_Pxm)
+    adv_Pxm = novelty_after_standardisation(g2rl.group_advantages(group.rewards), group.rewards, shaped_Pxm)
+    if algo.single_class_groups == "zero":  # zero: single-class groups get no advantage at all, as in GRPO
+        adv_Pxm = jnp.where(g2rl.single_class_groups(group.correct)[:, None], 0.0, adv_Pxm)
+    return Signal(shaped_Pxm, adv_Pxm, nu_Pxm)
+
+
+def paper_placement_only(cfg) -> tuple[str, str] | None:
+    if cfg.algorithm.novelty_placement != "reward":
+        return "algorithm.novelty_placement", (f"is read by exploration=g2rl only; {cfg.algorithm.exploration} "
+                                               "shapes the reward before the standardisation, so leave it at reward")
+    return None
 
 
 def mixed_correct(group: Group, algo) -> Signal:
@@ -62,7 +83,8 @@ def correct_peers(group: Group, algo) -> Signal:
 register(Method("g2rl", "G2RL: rewards shaped by gradient-feature novelty (arXiv 2512.15687), the paper's equations",
                 paper, novelty=True))
 register(Method("g2rl_mixed_correct", "G2RL's shaping on the correct responses of mixed groups only (the stated "
-                "rationale of arXiv 2512.15687; study variant)", mixed_correct, novelty=True))
+                "rationale of arXiv 2512.15687; study variant)", mixed_correct, check=paper_placement_only,
+                novelty=True))
 register(Method("g2rl_correct_peers", "G2RL (arXiv 2512.15687) with novelty measured against the correct peers only "
                 "(study variant)",
-                correct_peers, novelty=True))
+                correct_peers, check=paper_placement_only, novelty=True))

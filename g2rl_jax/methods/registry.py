@@ -8,7 +8,9 @@ A method is at most four small pure functions, each optional but the first:
             others are dropped: out of every mean, and a mini-batch with none left takes no optimizer step
   check     (cfg) -> (key, message) or None: what the method needs of the rest of the configuration
 and a few flags (`needs`: extra inputs of `rewards`; `ppo_clip`: whether the loss clips the ratio; `novelty`:
-ν is defined, so the trainer logs it and what single-class groups give their most and least novel response).
+ν is defined, so the trainer logs it and what single-class groups give their most and least novel response;
+`token_weights`: `rewards` also returns per-token weights of the loss, decided once per step on the behaviour
+policy (Miner's focal credit), where a token rule decides them per mini-batch on the current one).
 
     register(Method("my_method", "one line: the paper and what it changes", rewards=my_rewards))
     get("my_method").rewards(group, algo)
@@ -34,7 +36,8 @@ if TYPE_CHECKING:
 class Group:
     """A step's responses regrouped by prompt, [P, m] (m = group size): base rewards r and their correctness, and
     what a method may ask for (`Method.needs`): Φ [P, m, D] (always there), EVOL's embeddings [P, m, E] and
-    validity, each response's mean token log-prob under the behaviour policy (`seq_logp`)."""
+    validity, and under the behaviour policy each response's mean token log-prob (`seq_logp`) and every token's
+    log-prob with the response mask (`token_logp`, `token_mask` [P, m, T], 0 past a response's end)."""
 
     rewards: jax.Array
     correct: jax.Array
@@ -42,16 +45,20 @@ class Group:
     embeddings: Optional[jax.Array] = None
     valid: Optional[jax.Array] = None
     seq_logp: Optional[jax.Array] = None
+    token_logp: Optional[jax.Array] = None
+    token_mask: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Signal:
     """A method's output for every group [P, m]: shaped rewards (what the step logs as `reward`), advantages, and
-    novelty ν (NaN where the method has none)."""
+    novelty ν (NaN where the method has none); for a method with `token_weights`, the weight [P, m, T] of each
+    token's policy-gradient loss (≥ 0, so the same as scaling that token's advantage)."""
 
     shaped: jax.Array
     advantages: jax.Array
     nu: jax.Array
+    token_weight: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +96,12 @@ class Method:
     needs: frozenset = frozenset()  # of NEEDS
     ppo_clip: bool = True
     novelty: bool = False
+    token_weights: bool = False
 
 
 # What a method may need besides Φ and the rewards: "embeddings" (an external embedding model's, of every response:
-# Group.embeddings, and the EVOL embedder program), "seq_logp" (each response's mean behaviour log-prob:
-# Group.seq_logp), "entropy" (the entropy term of the loss, -algorithm.entropy_coef · H).
+# Group.embeddings, and the EVOL embedder program), "seq_logp" (the behaviour log-probs of the scoring pass:
+# Group.seq_logp, token_logp, token_mask), "entropy" (the entropy term of the loss, -algorithm.entropy_coef · H).
 NEEDS = ("embeddings", "seq_logp", "entropy")
 # The algorithm key that only the methods with a need read, and its value when off: any other method must leave it
 # there (config_groups.AlgorithmConfig); a method with the need says in its `check` what it needs of the key.
@@ -107,6 +115,9 @@ def register(method: Method) -> Method:
         raise ValueError(f"exploration method {method.name!r} is registered twice")
     if not method.needs <= set(NEEDS):
         raise ValueError(f"exploration method {method.name!r} needs {sorted(method.needs)}; known needs: {NEEDS}")
+    if method.token_weights and method.tokens is not None:
+        raise ValueError(f"exploration method {method.name!r} has both a token rule and per-step token weights; "
+                         "give it one of the two")
     REGISTRY[method.name] = method
     return method
 
@@ -144,10 +155,12 @@ def token_terms(advantages_B, logp_BxT, entropy_BxT, old_logp_BxT, mask_BxT, key
 
 
 def token_fields(algo: "AlgorithmConfig") -> tuple[bool, bool]:
-    """Which TokenTerms the configured method sets: (weight, abs_log_ratio), e.g. to lower its update ahead of time."""
-    rule = get(algo.exploration).tokens
+    """Which per-token loss terms the configured method sets, from its token rule or (weight only) from its
+    rewards (`Method.token_weights`): (weight, abs_log_ratio), e.g. to lower its update ahead of time."""
+    method = get(algo.exploration)
+    rule = method.tokens
     if rule is None:
-        return False, False
+        return method.token_weights, False
     x = jax.ShapeDtypeStruct((2, 2), jax.numpy.float32)
     terms = jax.eval_shape(lambda *a: rule(Tokens(*a), algo), x.update(shape=(2,)), x, x, x, x,
                            jax.eval_shape(lambda: jax.random.key(0)))

@@ -7,7 +7,8 @@ Its value is clipped to [REWARD_MIN, REWARD_MAX] = [-1, 1], the scale of the ver
 r(1 + lam*nu) and the correctness flag (reward > 0) assume.
 
 A call that raises, returns a non-number (or NaN), or times out is an error naming the function and the row
-(`on_error="raise"`, `RewardFunctionError`), or scores REWARD_MIN (`on_error="fail"`).
+(`on_error="raise"`: control/errors.py's RewardFunctionFailed, which stops a run with exit code 5 and that one
+line), or scores REWARD_MIN (`on_error="fail"`).
 """
 from __future__ import annotations
 
@@ -21,12 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from g2rl_jax.control.errors import RewardFunctionFailed
+
 REWARD_MIN, REWARD_MAX = -1.0, 1.0
 _LOADED: dict[str, object] = {}  # spec -> function, in a worker process
-
-
-class RewardFunctionError(RuntimeError):
-    """A user reward function failed on a row (and reward.on_error is "raise")."""
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -115,7 +114,7 @@ def _decode(reply: bytes | None) -> dict:
 def custom_rewards(spec: str, responses: list[str], examples: list[dict], *, timeout: float, on_error: str,
                    num_workers: int | None = None) -> np.ndarray:
     """float32 [len(responses)]: fn(response, example) clipped to [REWARD_MIN, REWARD_MAX], each call bounded by
-    timeout seconds in a worker process; failures raise RewardFunctionError or score REWARD_MIN (on_error)."""
+    timeout seconds in a worker process; failures raise RewardFunctionFailed or score REWARD_MIN (on_error)."""
     from g2rl_jax.rewards.bounded import get_pool
 
     if on_error not in ("raise", "fail"):
@@ -133,11 +132,8 @@ def custom_rewards(spec: str, responses: list[str], examples: list[dict], *, tim
             if reply is None:
                 result["error"] = f"timed out after {timeout}s (or its worker process died)"
             if on_error == "raise":
-                row = examples[k].get("id", f"#{k}")
-                raise RewardFunctionError(
-                    f"reward function {spec!r} {result['error']} on row {row!r} (response {k} of the batch, "
-                    f"starting {responses[k][:60]!r}); fix the function, or set reward.on_error=fail to score "
-                    f"such responses {REWARD_MIN:g}")
+                raise RewardFunctionFailed(spec, examples[k].get("id", f"#{k}"), result["error"],
+                                           f" (response {k} of the batch, starting {responses[k][:60]!r})")
             out[k] = REWARD_MIN
         else:
             out[k] = min(REWARD_MAX, max(REWARD_MIN, result["value"]))

@@ -5,7 +5,8 @@
                        num_samples=16, stop_token_ids=(eos,), seed=step)
 
 Modules: generate.py (the public `generate` and `Rollout`),
-engine.py (jitted prefill and segmented `lax.while_loop` decode with a growing cache and a shrinking batch,
+engine.py (jitted prefill and segmented `lax.while_loop` decode reading rungs of a cache at the budget, with a
+shrinking batch compacted in place,
 cached per shape bucket and mesh), sampling.py (temperature / top-k / top-p / greedy and the log-prob
 convention), batching.py (validation, power-of-two buckets, left padding).
 """

@@ -1,6 +1,6 @@
 """The jitted pieces of `generate`: prefill once per prompt, then decode in SEGMENTS that compact the batch
 between them, each decode step reading only the cache slots its position needs, so a step costs the slots filled and
-the samples still running, not the budget.
+the samples still running, and a compaction the slots filled, not the budget.
 
     logits, prefix, suffix = prefill(...)            # suffix: the budget's slots per sample, empty
     state = start(logits, ...)                       # token 0 of every sample (from its prompt's logits)
@@ -11,20 +11,31 @@ A segment ends when the budget is spent, when every sample has stopped, or as so
 still run (a BATCH_SHRINK-th of the rows: then the next smaller batch bucket holds them; only while more than
 COMPACT_MIN_STEPS steps remain). Between segments the host (`generate.py`) picks the next batch bucket (a
 BATCH_SHRINK-th of the rows when it compacts; a segment that starts with fewer still running ends at once, and the
-batch shrinks again), and each layer's K/V buffers move to their new rows one layer at a time (the old buffers are
-freed as each moves), so a move never holds a second copy of the whole cache. Compaction gathers the live rows first
-(stable order); the first compaction also gives each row its own copy of its prompt's prefix (P = rows, m = 1), so
-rows of different prompts can share a batch.
+batch shrinks again). Compaction gathers the live rows first (stable order); the first compaction also gives each
+row its own copy of its prompt's prefix (P = rows, m = 1, a new buffer per layer: prompt-sized), so rows of
+different prompts can share a batch.
 
-The cache holds the whole budget from the prefill on (memory.py prices every row at the budget: the worst case, a
-batch none of whose samples stops), and a decode step reads a prefix of it: the READ RUNGS (`read_ladder`: from
-rollout.first_capacity, READ_GROWTH-fold up to the budget; a step at position t reads the smallest rung >= t, so
-at most max(first, READ_GROWTH t) slots), one branch per rung of a lax.switch in each layer's attention. So a
-rollout's bounded set is a segment per batch bucket, a compaction per step between neighbours, and the rungs cost
-no program (were they cache capacities, each would be a copy of the segments and moves, with a growth between
-them: 71 rollout programs instead of 25 at the demo-size long-tailed run, docs/performance.md). Batch rungs are a
-trade: a step carries up to BATCH_SHRINK x the live rows, and each bucket is a segment and a move to compile (`python
--m g2rl_jax.bench ladder`).
+The suffix cache holds a row per decode row and the whole budget from the prefill on (memory.py prices every row at
+the budget: the worst case, a batch none of whose samples stops). A compaction gives each layer a new suffix buffer
+of the new batch's rows and copies into it the slots filled so far only, REGROUP_CHUNK at a time (`_take_filled`):
+it moves what the rows hold, not the budget's slots; the rest of the new buffer is zeros, as in the old rows. Each
+layer moves in turn and its old buffers are freed at once (generate.per_layer), so a move never holds a second copy
+of the whole cache. The segment programs see the same buffers as before the move was cut to the filled slots, so
+they and their numbers are unchanged (a cache kept at the full batch's rows and compacted in place changed XLA's
+fusions and the log-probs' last bits: docs/performance.md).
+
+A decode step reads a prefix of the cache: the READ RUNGS (`read_ladder`: from rollout.first_capacity,
+READ_GROWTH-fold up to the budget; a step at position t reads the smallest rung >= t, so at most
+max(first, READ_GROWTH t) slots). On CPU and TPU a step picks its rung by a lax.switch in each layer's attention
+(one branch per rung: the step compiles once). On a GPU, where a conditional makes the host wait for the device to
+say which branch, a segment is a while loop per rung instead (PHASED_READS), one after the other, each running the
+steps whose position its rung holds: no conditional in a step, the step compiled once per rung (a compile that
+grows with the rungs, which is why CPU and TPU keep the switch). Either way the rungs are inside the segment: a
+rollout's bounded set is a segment per batch bucket and a compaction per step between neighbours (were the rungs
+cache capacities, each would be a copy of the segments and moves, with a growth between them: 71 rollout programs
+instead of 25 at the demo-size long-tailed run, docs/performance.md). Batch rungs are a trade: a step carries up to
+BATCH_SHRINK x the live rows, and each bucket is a segment and a move to compile (`python -m g2rl_jax.bench
+ladder`).
 
 Per-sample determinism: token t of sample b (b = p*m + j in the global batch) is drawn with the key
 fold_in(fold_in(key(seed), b), t); each row carries its sample index, so the draws do not depend on the batch
@@ -32,7 +43,7 @@ bucket, the compaction, the read rung, the budget or the sharding. Stopped rows 
 but record nothing; dummy rows (bucket padding) start stopped.
 
 Compiles: one executable per shape (prompt bucket, batch bucket) and static sampler spec, and one per compaction
-(its live rows with their prompts' masks and lengths, and each layer's prefix and suffix rows, once per bucket);
+(its live rows with their prompts' masks and lengths, and a layer's prefix rows and suffix move, once per bucket);
 the ladder is short, so a rollout has a bounded set, which rollout/prewarm.py compiles before the decode loop needs
 any of it. `TRACE_COUNTS` counts traces per function (tests read it).
 """
@@ -50,6 +61,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from g2rl_jax import parallel
+from g2rl_jax.model import attention as attn
 from g2rl_jax.model.qwen3 import PrefixCache, SuffixCache
 from g2rl_jax.parallel import DEFAULT_RULES
 from g2rl_jax.rollout.sampling import SamplerSpec, sample_tokens
@@ -61,8 +73,12 @@ FIRST_READ = 128  # suffix slots the first decode steps read (the budget's bucke
 # budgets (the demo's 8 tokens) then decode in one segment, one batch bucket, one compiled shape.
 COMPACT_MIN_STEPS = 8
 READ_GROWTH = 2  # each read rung is this many times the one before (module docstring)
+# platforms whose decode segments run a while loop per read rung (no conditional in a step: on a GPU each waits for
+# the device); elsewhere a step picks its rung by a lax.switch in each layer (the step compiled once, not per rung).
+# The benches set it for comparisons (then segment_fn.cache_clear()).
+PHASED_READS: tuple[str, ...] = ("gpu",)
 BATCH_SHRINK = 2  # a compaction cuts the batch bucket to this fraction of its rows
-REGROUP_CHUNK = 512  # suffix slots a compaction moves at a time (_take_rows)
+REGROUP_CHUNK = 128  # suffix slots a compaction moves at a time (_take_filled), and the filled slots' rounding
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -203,20 +219,22 @@ def _decode_layers(graphdef, state):
 
 
 def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, ds: DecodeState, t, t_end,
-             min_live, key, temperature, top_p, stops_Z, *, spec: SamplerSpec, reads: tuple[int, ...]):
+             min_live, key, temperature, top_p, stops_Z, *, spec: SamplerSpec, reads: tuple[int, ...], phased: bool):
     """Decode steps t, t+1, ... (step t feeds token t-1 into slot t-1 and draws token t, reading the read rung
     that holds t slots) while t < t_end, some row is live and more than `min_live` rows are. Returns (state,
-    suffix, t, live rows)."""
+    suffix, t, live rows). One while loop whose steps choose their rung by a lax.switch in each layer's attention,
+    or with `phased` a while loop per rung, one after the other, each running the steps whose position its rung
+    holds (none when t is already past it): no conditional in a step, the step compiled once per rung."""
     TRACE_COUNTS["segment"] += 1
     model = nnx.merge(graphdef, state)
     B = ds.lengths_B.shape[0]
 
-    def cond(c):
+    def running(c):
         t, ds, _ = c
         live = jnp.sum(~ds.stopped_X)
         return (t < t_end) & (live > 0) & (live > min_live)
 
-    def body(c):
+    def step(reads, c):
         t, ds, suffix = c
         logits_XxV, suffix = model.decode_step(ds.last_X, prefix, suffix, step=t - 1, layers=layers, reads=reads)
         tok_X, lp_X = _draw(logits_XxV, ds.sample_X, t, key, temperature, top_p, spec)
@@ -229,7 +247,14 @@ def _segment(graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCache, 
             lengths_B=ds.lengths_B.at[dest_X].add(1, mode="drop"))
         return t + 1, ds, suffix
 
-    t, ds, suffix = jax.lax.while_loop(cond, body, (t, ds, suffix))
+    carry = (t, ds, suffix)
+    if phased:
+        for read in reads:  # step t reads the smallest rung >= t slots
+            carry = jax.lax.while_loop(lambda c, read=read: running(c) & (c[0] <= read),
+                                       functools.partial(step, (read,)), carry)
+    else:
+        carry = jax.lax.while_loop(running, functools.partial(step, reads), carry)
+    t, ds, suffix = carry
     return ds, suffix, t, jnp.sum(~ds.stopped_X)
 
 
@@ -238,42 +263,45 @@ def _live_rows(last_X, sample_X, stopped_X, mask_QxS, lengths_Q, *, rows: int, p
     prefix row each reads (old row // per_prefix: the rows that share one prompt's prefix), and that prefix row's
     mask and length (the prefix's Q rows: the prompts, or one per batch row after a compaction)."""
     TRACE_COUNTS["live_rows"] += 1
-    keep_X = jnp.argsort(stopped_X, stable=True)[:rows].astype(jnp.int32)
-    prefix_X = keep_X // per_prefix
-    return (last_X[keep_X], sample_X[keep_X], stopped_X[keep_X], keep_X, prefix_X, mask_QxS[prefix_X],
-            lengths_Q[prefix_X])
+    keep_Y = jnp.argsort(stopped_X, stable=True)[:rows].astype(jnp.int32)
+    prefix_Y = keep_Y // per_prefix
+    return (last_X[keep_Y], sample_X[keep_Y], stopped_X[keep_Y], keep_Y, prefix_Y, mask_QxS[prefix_Y],
+            lengths_Q[prefix_Y])
 
 
 def compact(mesh, ds: DecodeState, prefix_mask, prefix_lengths, rows: int,
             per_prefix: int) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array]:
     """`ds` with its live rows first in a batch of `rows`, the old row of each new one, its prefix row, and the
     prefix mask and lengths of the new rows."""
-    last_X, sample_X, stopped_X, keep_X, prefix_X, mask, lengths = live_rows_fn(mesh)(
+    last_X, sample_X, stopped_X, keep_Y, prefix_Y, mask, lengths = live_rows_fn(mesh)(
         ds.last_X, ds.sample_X, ds.stopped_X, prefix_mask, prefix_lengths, rows=rows, per_prefix=per_prefix)
     ds = dataclasses.replace(ds, last_X=last_X, sample_X=sample_X, stopped_X=stopped_X)
-    return ds, keep_X, prefix_X, mask, lengths
+    return ds, keep_Y, prefix_Y, mask, lengths
 
 
-def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxTxK, suffix_v_XxGxTxK, prefix_Y, keep_Y):
-    """One layer's K/V at a compaction: prefix rows `prefix_Y` and suffix rows `keep_Y` (slots unchanged)."""
+def _regroup(prefix_k_QxGxSxK, prefix_v_QxGxSxK, suffix_k_XxGxTxK, suffix_v_XxGxTxK, prefix_Y, keep_Y, filled):
+    """One layer's K/V at a compaction: prefix rows `prefix_Y`, and suffix rows `keep_Y` over their filled slots
+    (_take_filled); new buffers."""
     TRACE_COUNTS["regroup"] += 1
-    return (prefix_k_QxGxSxK[prefix_Y], prefix_v_QxGxSxK[prefix_Y], _take_rows(suffix_k_XxGxTxK, keep_Y),
-            _take_rows(suffix_v_XxGxTxK, keep_Y))
+    return (prefix_k_QxGxSxK[prefix_Y], prefix_v_QxGxSxK[prefix_Y], _take_filled(suffix_k_XxGxTxK, keep_Y, filled),
+            _take_filled(suffix_v_XxGxTxK, keep_Y, filled))
 
 
-def _take_rows(x_XxGxTxK, keep_Y):
-    """x's rows keep_Y, REGROUP_CHUNK slots at a time: XLA gathers rows of a batch-sharded array by first gathering
-    it whole onto every device, so a chunk, not a layer of the budget's slots, is what each device holds extra."""
+def _take_filled(x_XxGxTxK, keep_Y, filled):
+    """x's rows keep_Y, in a new buffer of the same slots: its first `filled` slots (rounded up to REGROUP_CHUNK)
+    copied, REGROUP_CHUNK slots at a time, the rest zeros. Every slot past the filled ones is zero in every row of
+    x (the prefill's), so this is x[keep_Y], bit for bit, at the cost of the slots the rows hold, not the budget's.
+    A chunk at a time: XLA gathers rows of a batch-sharded array by first gathering it whole onto every device, so
+    a chunk is what each device holds extra."""
     _, G, T, K = x_XxGxTxK.shape
     chunk = REGROUP_CHUNK if T % REGROUP_CHUNK == 0 else T
-    if chunk == T:
-        return x_XxGxTxK[keep_Y]
 
     def body(i, out_YxGxTxK):
         part_YxGxCxK = jax.lax.dynamic_slice_in_dim(x_XxGxTxK, i * chunk, chunk, axis=2)[keep_Y]
         return jax.lax.dynamic_update_slice_in_dim(out_YxGxTxK, part_YxGxCxK, i * chunk, axis=2)
 
-    return jax.lax.fori_loop(0, T // chunk, body, jnp.zeros((keep_Y.shape[0], G, T, K), x_XxGxTxK.dtype))
+    out_YxGxTxK = jnp.zeros((keep_Y.shape[0], G, T, K), x_XxGxTxK.dtype)
+    return jax.lax.fori_loop(0, (filled + chunk - 1) // chunk, body, out_YxGxTxK)
 
 
 # ------------------------------------------------------------------------------------------------ shardings
@@ -327,15 +355,30 @@ def start_fn(mesh):
     return jax.jit(_start, static_argnames=static, out_shardings=_state_sharding(mesh))
 
 
+def run_platform(mesh) -> str:
+    """The platform the programs for `mesh` run on ("cpu", "gpu", "tpu"; without a mesh, this host's backend)."""
+    return attn.mesh_platform(mesh) or jax.default_backend()
+
+
+# XLA:CPU's copy insertion with region analysis, for a phased segment on CPU: its step reads (a slice of) the cache it
+# has just written in place, and without it XLA:CPU fuses the write into the read's slice, cannot order the two and
+# keeps a copy of the whole buffer per layer and step (a step's read across a conditional, or on a GPU or TPU, keeps
+# none)
+CPU_PHASED_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
 @functools.lru_cache(maxsize=None)
 def segment_fn(mesh, num_kv_heads: int, num_layers: int):
     """jit(_segment) with the suffix cache and the decode state donated (updated in place)."""
     static, donate = ("graphdef", "spec", "reads"), ("suffix", "ds")
+    phased = run_platform(mesh) in PHASED_READS
+    segment = functools.partial(_segment, phased=phased)
+    options = CPU_PHASED_OPTIONS if phased and run_platform(mesh) == "cpu" else None
     if mesh is None:
-        return jax.jit(_segment, static_argnames=static, donate_argnames=donate)
+        return jax.jit(segment, static_argnames=static, donate_argnames=donate, compiler_options=options)
     _, suffix = _caches_sharding(mesh, num_kv_heads, num_layers)
     scalar = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(_segment, static_argnames=static, donate_argnames=donate,
+    return jax.jit(segment, static_argnames=static, donate_argnames=donate, compiler_options=options,
                    out_shardings=(_state_sharding(mesh), suffix, scalar, scalar))
 
 
@@ -356,4 +399,3 @@ def regroup_fn(mesh, num_kv_heads: int):
         return jax.jit(_regroup)
     kv = _kv_sharding(mesh, num_kv_heads)
     return jax.jit(_regroup, out_shardings=(kv,) * 4)
-

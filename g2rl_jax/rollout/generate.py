@@ -202,14 +202,14 @@ def _on_device(model, mesh, ids_PxS, mask_PxS, sizes: batching.Buckets, spec, *,
         if new_rows is None:
             return (ds.tokens_BxT, ds.logprobs_BxT, ds.lengths_B), t, segments
         if new_rows < rows:  # compact: the live rows into a smaller bucket, each with its own prompt prefix
-            ds, keep_X, prefix_X, mask, lengths = engine.compact(mesh, ds, prefix.mask, prefix.lengths, new_rows,
-                                                                 per_prefix)
-            pk, pv, sk, sv = _per_layer(engine.regroup_fn(mesh, G), (prefix.k, prefix.v, suffix.k, suffix.v),
-                                        prefix_X, keep_X)
+            ds, keep_Y, prefix_Y, mask, lengths = engine.compact(mesh, ds, prefix.mask, prefix.lengths, new_rows,
+                                                                per_prefix)
+            pk, pv, sk, sv = per_layer(engine.regroup_fn(mesh, G), (prefix.k, prefix.v, suffix.k, suffix.v),
+                                        prefix_Y, keep_Y, np.int32(t - 1))  # slots 0 .. t-2 are filled
             prefix, suffix, per_prefix = PrefixCache(k=pk, v=pv, mask=mask, lengths=lengths), SuffixCache(sk, sv), 1
 
 
-def _per_layer(fn, caches: tuple, *args) -> tuple:
+def per_layer(fn, caches: tuple, *args) -> tuple:
     """Move each layer's buffers (one tuple per cache, a buffer per layer) with fn(*that layer's buffers, *args),
     one layer at a time, freeing each old buffer at once: the peak holds the new caches plus one old layer, never
     two whole caches."""

@@ -107,7 +107,7 @@ def rollout(mesh, graphdef, state, layers, prefix: PrefixCache, suffix: SuffixCa
             continue
         keep_X, prefix_X = _ROWS[key]
         pre, suf, _ = segment_args(prefix, suffix, ds, rows)
-        move = (pre.k[0], pre.v[0], suf.k[0], suf.v[0], prefix_X, keep_X)
+        move = (pre.k[0], pre.v[0], suf.k[0], suf.v[0], prefix_X, keep_X, scalars[0])
         add(_key("regroup", *move), functools.partial(regroup.lower, *move))
     done = compile_all(list(jobs.values()), threads) if jobs else []
     WARMED.update(key for key, t in zip(jobs, done) if t.error is None)

@@ -6,8 +6,9 @@
                  the checks that refuse a resume or load onto another model
   metrics.py     MetricsWriter (run.loggers: jsonl + TensorBoard / W&B, process 0 only, truncated on resume),
                  ProgressBar
-  runlock.py     RunLock: the run directory's lease, held by one trainer; lifecycle.py: SIGTERM within the grace,
-                 the config a resume may change, the config history, the model revision
+  lifecycle.py   SIGTERM within the grace, the config a resume may change, the config history, the model revision
+                 (the run lock, the lease, the stop path and the exit codes: g2rl_jax/control);
+                 iterator_state.py: a checkpoint's data-iterator item
   dynamic.py     DAPO dynamic sampling: which groups a step keeps over rollout rounds, merging the rounds
   loop.py        the Trainer; command.py: `python -m g2rl_jax.train`; its rollout rounds and validation:
                  sampling_rounds.py; its update (rows kept, mini-batches, PPO epochs): update_rounds.py;
@@ -15,8 +16,8 @@
   step.py        one RL step's stages as pure functions (batch, score, reference, advantages); update.py: the
                  update stage (loss, micro-batch gradients, optimizer step, token rules); optim.py: the optimizer
                  and its sharded state; micro.py: length-grouped micro-batches
-  shapes.py      the bounded set of micro-batch shapes and prompt buckets a run compiles, chosen by estimated run
-                 time; warmup.py compiles it at the first step; compiles.py: the per-step compile clock
+  warmup.py      compiles the run's layout and prompt buckets (chosen in g2rl_jax/shapes) at the first step;
+                 packing.py: packed micro-batches; compiles.py: the per-step compile clock
 """
 from g2rl_jax.train.checkpoint import Checkpointer, latest_step
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar

@@ -28,6 +28,13 @@ All processes call every method (Orbax synchronises hosts itself; nothing here r
 A newest checkpoint that cannot be read (corrupted files) is reported and moved to `<run_dir>/corrupt_checkpoints/`
 by `restore_newest`, which falls back to the previous complete one.
 
+Failures and the run lock (g2rl_jax/control): on a bucket, what Orbax's asynchronous save raises (at `wait`, or at
+the next `save`) is the storage's, StorageUnavailable naming the URL; a restore that fails while the store does not
+answer a look is too (nothing is set aside), one that fails while it answers is a corrupt checkpoint. Orbax's commit
+of a step (the rename of its temporary directory; on GCS its commit_success.txt) and its deletes of old steps pass
+the fence (control/fence.py): a trainer that lost the run's lease commits and deletes nothing. Orbax's own log
+records of a failure carry no traceback: the failure reaches the Checkpointer, which reports it.
+
 Reading a finished run, for every command that takes `--checkpoint` (eval, analyze, export, the demo's
 explore_eval): `resolve_checkpoint(run_or_step_dir)` finds the step, `run_config` reads the run's config.yaml,
 `run_defaults` fills a command's unset flags from it, and `load_policy(run_or_step_dir)` gives the trained policy as
@@ -36,9 +43,7 @@ the optimizer state).
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -50,8 +55,17 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from g2rl_jax import parallel, storage
+from g2rl_jax.control import commits as control
 from g2rl_jax.control import wire
-from g2rl_jax.train import halt, identity
+from g2rl_jax.control.errors import BadInput, RunFailure, StorageUnavailable
+from g2rl_jax.train import identity
+from g2rl_jax.train.iterator_state import (
+    IteratorStateHandler,
+    IteratorStateRestore,
+    IteratorStateSave,
+    encode_state,
+    process_file,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -88,60 +102,17 @@ def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     return registry
 
 
-class CheckpointError(RuntimeError):
-    """No checkpoint of the run can be read; the message names the directory and what to do."""
+class CheckpointError(BadInput, RuntimeError):
+    """No checkpoint of the run can be read, or one was trained on another model; the message names the directory
+    and what to do (bad input: exit 2)."""
+
+    kind = "checkpoint"
 
 
 class IteratorWithState(Protocol):
     def get_state(self) -> Any: ...
 
     def set_state(self, state: Any) -> None: ...
-
-
-def _encode_state(state: Any) -> str:
-    """Iterator state (bytes or JSON-able) as JSON text that `_decode_state` turns back into an equal value."""
-    if isinstance(state, bytes):
-        return json.dumps({"encoding": "base64", "state": base64.b64encode(state).decode("ascii")})
-    return json.dumps({"encoding": "json", "state": state})
-
-
-def _decode_state(text: str) -> Any:
-    record = json.loads(text)
-    return base64.b64decode(record["state"]) if record["encoding"] == "base64" else record["state"]
-
-
-def _process_file(directory: epath.Path) -> epath.Path:
-    return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-
-
-class IteratorStateHandler(ocp.CheckpointHandler):
-    """Orbax handler writing this process's iterator state (already captured as JSON text) to its own file."""
-
-    def save(self, directory: epath.Path, args: IteratorStateSave) -> None:
-        _process_file(directory).write_text(args.text)
-
-    def restore(self, directory: epath.Path, args: IteratorStateRestore | None = None) -> Any:
-        path = _process_file(directory)
-        if not path.exists():
-            present = sorted(p.name for p in directory.iterdir())
-            raise FileNotFoundError(f"no data-iterator state {path} for this process; the checkpoint has "
-                                    f"{present} (was it written by a job with a different process count?)")
-        return _decode_state(path.read_text())
-
-    def metadata(self, directory: epath.Path) -> None:
-        return None
-
-
-@ocp.args.register_with_handler(IteratorStateHandler, for_save=True)
-@dataclasses.dataclass
-class IteratorStateSave(ocp.args.CheckpointArgs):
-    text: str
-
-
-@ocp.args.register_with_handler(IteratorStateHandler, for_restore=True)
-@dataclasses.dataclass
-class IteratorStateRestore(ocp.args.CheckpointArgs):
-    pass
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> epath.Path:
@@ -217,8 +188,12 @@ class Checkpointer:
         if side is not None:  # Orbax creates the root itself only when every process runs the manager
             directory.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=False, create=side is None,
-                                               enable_async_checkpointing=True, multiprocessing_options=processes)
+                                               enable_async_checkpointing=True, multiprocessing_options=processes,
+                                               temporary_path_class=control.fenced_commits(directory))
+        control.quiet_orbax_failures()
+        self._url = directory if storage.is_url(directory) else None
         self._manager = ocp.CheckpointManager(directory, options=options, handler_registry=_handlers())
+        control.fence_deletes(self._manager, directory)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -240,10 +215,11 @@ class Checkpointer:
             # several processes; it saves host copies. Several training processes save their global arrays.
             state = jax.tree.map(np.asarray, state)
         items = {STATE_ITEM: ocp.args.PyTreeSave(state),
-                 DATA_ITEM: IteratorStateSave(_encode_state(data_iter.get_state()))}
+                 DATA_ITEM: IteratorStateSave(encode_state(data_iter.get_state()))}
         if self._model is not None:
             items[identity.MODEL_ITEM] = ocp.args.JsonSave(self._model)
         args = ocp.args.Composite(**items)
+        self.wait()  # the previous save's failure, if any, surfaces here, classified
         return self._manager.save(step, args=args, force=True)  # due-ness decided above, not by Orbax
 
     def restore(self, step: int, abstract_state: Any, data_iter: IteratorWithState) -> Any:
@@ -259,7 +235,7 @@ class Checkpointer:
         try:
             data_iter.set_state(restored[DATA_ITEM])
         except wire.Refused as err:  # a value that is not ours (control/wire.py): the line names the file
-            raise wire.Refused(f"{_process_file(self._manager.directory / str(step) / DATA_ITEM)}: "
+            raise wire.Refused(f"{process_file(self._manager.directory / str(step) / DATA_ITEM)}: "
                                f"{err}") from None
         return restored[STATE_ITEM]
 
@@ -273,11 +249,10 @@ class Checkpointer:
             try:
                 state = self.restore(step, abstract_state, data_iter)
             except Exception as err:  # noqa: BLE001 - reported, and re-raised below when nothing restores
+                if isinstance(err, RunFailure) and not isinstance(err, BadInput):
+                    raise  # the store did not serve a read (a typed client failure): nothing is set aside
                 reason = f"{type(err).__name__}: {str(err)[:500]}"
-                if halt.unreachable(err):  # the store failed, not the checkpoint: setting it aside would lose it
-                    raise CheckpointError(f"checkpoint {self._manager.directory / str(step)} could not be read, "
-                                          f"because the storage did not answer ({reason}); nothing was moved: run "
-                                          "the same command again when the storage answers") from err
+                control.probe(self._manager.directory / str(step), err)  # the store failed, not the checkpoint?
                 failed.append((step, reason))
                 if step != steps[-1]:  # the last one's reason is in the error below: one line says it
                     print(f"warning: checkpoint {self._manager.directory / str(step)} cannot be restored ({reason}); "
@@ -310,11 +285,21 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        """Block until the asynchronous save in flight (if any) is fully written."""
-        self._manager.wait_until_finished()
+        """Block until the asynchronous save in flight (if any) is fully written. On a bucket, what the save raised
+        is the storage's failure (StorageUnavailable naming the URL); a failure classified where it was raised (a
+        write the fence refused, a gcsfs request the store did not serve) comes as it is."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except RunFailure:
+            raise
+        except Exception as err:
+            if self._url is None:
+                raise
+            raise StorageUnavailable(self._url, err, client="tensorstore") from err
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
 
 
@@ -370,13 +355,14 @@ def base_model_dir(run_or_checkpoint_dir: str | os.PathLike) -> epath.Path:
     """The base model dir (config and tokenizer) of a run, from its config.yaml's model.path (a bucket's copied to
     the local cache, a Hugging Face id from its cache: model/sources.py); FileNotFoundError naming it when it is not
     a Hugging Face model dir."""
-    from g2rl_jax.demo import resolve_demo_paths
+    from g2rl_jax import registry
     from g2rl_jax.model.sources import local_model_dir
 
     run_dir = resolve_checkpoint(run_or_checkpoint_dir)[0]
     model = run_config(run_dir).model  # a Hugging Face id at the commit the run recorded (model.revision)
     path = model.path
-    base_dir = storage.path(local_model_dir(resolve_demo_paths(path, None)[0], "model.path", model.revision))
+    built = registry.resolve_model_paths(path, None)[0]  # a demo scheme's directory, built by its provider
+    base_dir = storage.path(local_model_dir(built, "model.path", model.revision))
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir / 'config.yaml'}: model.path {path!r} is not a Hugging Face "
                                 "model directory here; the checkpoint holds only the trained params, so the base "
@@ -389,7 +375,6 @@ def load_policy(run_or_checkpoint_dir: str | os.PathLike, *, mesh=None):
     shardings) of `setup.load_model` (config.yaml's model.path, and its LoRA adapters) in the run's model dtypes,
     without remat; base_dir holds the base model's config and tokenizer. A LoRA checkpoint's base must be the
     weights it was trained on (ValueError naming both otherwise)."""
-    import dataclasses
 
     from flax import nnx
 

@@ -1,6 +1,8 @@
 """`python -m g2rl_jax.train --config FILE [key=value ...]`: parse the config, start jax.distributed, open the run
-(train/loop.py's Trainer), resume it and train; every failure a user can fix is one line and an exit code (2 for
-bad input, lifecycle.PREEMPTED_EXIT after SIGTERM; see docs/running.md)."""
+(train/loop.py's Trainer), resume it and train. Every failure a user or a supervisor acts on is one line and an exit
+code from control/exits.py: 2 for bad input, 143 after SIGTERM, and the code of each failure classified where it
+was raised (control/errors.py: 3 lease lost, 4 device out of memory, 5 reward function, 75 storage, 76 peer lost);
+the table and what a supervisor does with each: docs/running.md."""
 from __future__ import annotations
 
 import sys
@@ -9,9 +11,11 @@ import jax
 
 from g2rl_jax import cli, parallel
 from g2rl_jax.config import RESOLVED_NAME, ConfigError
+from g2rl_jax.control.errors import RunFailure, end_run, exit_code
+from g2rl_jax.control.exits import Exit
 from g2rl_jax.data import DataError
+from g2rl_jax.storage import StorageUnreachable
 from g2rl_jax.train.checkpoint import CheckpointError, checkpoint_dir
-from g2rl_jax.train.lifecycle import PREEMPTED_EXIT
 from g2rl_jax.train.loop import Trainer
 from g2rl_jax.train.setup import check_platforms
 from g2rl_jax.train.sides import run_rollout_process
@@ -20,12 +24,18 @@ from g2rl_jax.train.weight_sync import enable_cross_host_transfers
 
 
 def _setup_failure(err: BaseException) -> int:
-    """The one line of a Trainer that could not open the run: a check's error (config, data, a path given that is
-    not usable) is a config error; a file or object that a read or write did not find, or was refused, is a storage
-    error, named with its type (a storage client's message may be only the object's path)."""
-    if isinstance(err, (ConfigError, DataError)):
-        return cli.fail("config", err)
-    return cli.fail("storage", f"{type(err).__name__}: {err}")
+    """The one line of a Trainer that could not open the run, and its exit code (control/errors.py's `exit_code`,
+    the one mapping): a check's error (config, data, a path given that is not usable) is a config error; a file or
+    object that a read or write did not find, or was refused, is a storage error, named with its type (a storage
+    client's message may be only the object's path). A run directory whose store did not answer the start's check
+    ends as the storage's failure (exit 75: relaunch later)."""
+    if isinstance(err, StorageUnreachable):
+        print(f"train error: {cli.one_line(err)}", file=sys.stderr, flush=True)
+    elif isinstance(err, (ConfigError, DataError)):
+        cli.fail("config", err)
+    else:
+        cli.fail("storage", f"{type(err).__name__}: {err}")
+    return int(exit_code(err))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,21 +66,28 @@ def main(argv: list[str] | None = None) -> int:
         return _setup_failure(err)
     except CheckpointError as err:
         return cli.fail("checkpoint", err)
+    except RunFailure as err:  # classified where raised: its line and exit code (control/errors.py)
+        end_run(err, None, cfg.run.output_dir, cfg)
     try:
         start = trainer.resume()
     except CheckpointError as err:
         trainer.close()
         return cli.fail("checkpoint", err)
+    except RunFailure as err:
+        end_run(err, None, trainer.run_dir, trainer.cfg)
     if start and jax.process_index() == 0:
         print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
-    trainer.run()
+    try:
+        trainer.run()
+    except RunFailure as err:  # after the loop (summary.json): the loop itself stops with it
+        end_run(err, trainer.step, trainer.run_dir, trainer.cfg)
     if trainer.preempted:
         saved = (f"the checkpoint of step {trainer.step} is in {checkpoint_dir(trainer.run_dir)}" if trainer.step
                  else "no step had finished, so there is no checkpoint")
         print(f"stopped by SIGTERM after step {trainer.step}: {saved}. Resume with the same command, or "
               f"`python -m g2rl_jax.train --config {trainer.run_dir / RESOLVED_NAME}`", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT
-    return 0
+        return Exit.PREEMPTED
+    return Exit.DONE
 
 
 if __name__ == "__main__":

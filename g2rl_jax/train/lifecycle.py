@@ -1,4 +1,4 @@
-"""What keeps a run directory whole across starts, stops and relaunches (the run lock: train/runlock.py).
+"""What keeps a run directory whole across starts, stops and relaunches (the run lock: control/runlock.py).
 
 - `pin_revision`: a Hugging Face id's resolved commit in model.revision, kept by every resume.
 - `config_changes`: the keys whose change alters what a resumed run computes (model, data, rollout, algorithm,
@@ -25,10 +25,8 @@ from g2rl_jax import storage
 from g2rl_jax.config import RESOLVED_NAME, Config, ConfigError, load_config, to_dict
 from g2rl_jax.control import stop
 from g2rl_jax.control.exits import Exit
-from g2rl_jax.train import halt
 
 HISTORY_FILE = "config_history.jsonl"
-PREEMPTED_EXIT = Exit.PREEMPTED  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
 # keys that change how or how long the run is carried out or what it reports, never what a step computes
 FREE_KEYS = ("run.output_dir", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
              "run.allow_config_change", "run.compilation_cache_dir", "run.lock_lease_seconds", "data.eval_datasets",
@@ -134,7 +132,7 @@ class StopSignal:
     waits on the accelerator) and decides with `step_fits`:
     - the step in progress fits the grace: `requested` is set, the loop stops after it and saves its checkpoint;
     - it does not (or no step has been timed yet): the step is abandoned at once: `on_abandon` (wait for a save in
-      flight, release the run lock) and the process exits with PREEMPTED_EXIT, the last checkpoint intact; in a run
+      flight, release the run lock) and the process exits with Exit.PREEMPTED, the last checkpoint intact; in a run
       of several processes the others end with it and its line (stop.stop_everywhere).
     Either way the process exits at the deadline if it still runs then, and a second SIGTERM abandons at once.
     The loop reports its steps with `begin_step` and `end_step`."""
@@ -148,7 +146,7 @@ class StopSignal:
         self._previous = None
         self._wakeup = self._pipe = None
         self._thread = None
-        self._peers, self._quiet = stop.Watch(), halt.StoreTracebacksOff()
+        self._peers = stop.Watch()
 
     def begin_step(self) -> None:
         self.step_started = time.monotonic()
@@ -179,7 +177,7 @@ class StopSignal:
             print(f"the {self.grace:g} s grace (run.preempt_grace_seconds) is over before the run lock could be "
                   "released; exiting now, the next launch takes the lock of this dead process over",
                   file=sys.stderr, flush=True)
-        stop.stop_everywhere(why, PREEMPTED_EXIT, say=False, within=max(ends - time.monotonic(), STOP_LAST_S))
+        stop.stop_everywhere(why, Exit.PREEMPTED, say=False, within=max(ends - time.monotonic(), STOP_LAST_S))
 
     def _watch(self) -> None:
         deadline = None
@@ -213,7 +211,6 @@ class StopSignal:
 
     def __enter__(self) -> StopSignal:
         self._peers.__enter__()  # multi-host: another process that stops at once (control/stop.py) stops this one
-        self._quiet.__enter__()  # a storage failure's tracebacks left out of the clients' log records (halt.py)
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread (e.g. a notebook worker): no handler, nothing changes
@@ -228,7 +225,6 @@ class StopSignal:
 
     def __exit__(self, *exc) -> None:
         self._peers.__exit__()
-        self._quiet.__exit__()
         if self._previous is None:
             return
         signal.signal(signal.SIGTERM, self._previous)

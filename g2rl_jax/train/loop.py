@@ -32,13 +32,16 @@ from flax import nnx
 
 from g2rl_jax import methods, parallel, storage
 from g2rl_jax.config import Config, ConfigError, save_resolved, to_dict
+from g2rl_jax.control import fence
+from g2rl_jax.control.errors import RunFailure, device_failure, end_run
+from g2rl_jax.control.runlock import RunLock
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
 from g2rl_jax.rewards import answers_found
 from g2rl_jax.rewards.custom import check_function, resolve_spec
 from g2rl_jax.rollout import Rollout, sampling
 from g2rl_jax.rollout.batching import MIN_PROMPT_BUCKET, bucket
-from g2rl_jax.train import compiles, halt, identity, passes, report, warmup
+from g2rl_jax.train import compiles, identity, passes, report, warmup
 from g2rl_jax.train import optim as train_optim
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
@@ -52,8 +55,7 @@ from g2rl_jax.train.lifecycle import (
     pin_revision,
 )
 from g2rl_jax.train.metrics import MetricsWriter, ProgressBar, check_loggers, read_metrics, step_metrics
-from g2rl_jax.train.runlock import RunLock
-from g2rl_jax.train.sampling_rounds import SamplingRounds
+from g2rl_jax.train.sampling_rounds import PendingRewards, SamplingRounds
 from g2rl_jax.train.setup import (
     check_shared_output_dir,
     compilation_cache,
@@ -264,17 +266,19 @@ class Trainer(SamplingRounds, UpdateRounds):
         cfg, algo = self.cfg, self.cfg.algorithm
         m, micro, temp = cfg.rollout.num_samples, algo.micro_batch_size, self.settings.temperature
         t0 = time.perf_counter()
-        sample, ahead = (self._sample(step), {}) if self.ahead is None else self.ahead.take(step)
+        # the rewards of a one-round step come while the score and reference passes run (PendingRewards)
+        sample, ahead = (self._sample(step, overlap=True), {}) if self.ahead is None else self.ahead.take(step)
         examples, rollout, texts, scored, rollout_s, sampled_correct = sample
-        rewards = scored.rewards
+        pending = scored if isinstance(scored, PendingRewards) else None
+        rewards_B = np.zeros(len(texts), np.float32) if pending else scored.rewards  # the batch's until they come
         t2 = time.perf_counter()
         t1 = t0 + rollout_s
         with stage("batch", prompt_ids=rollout.prompt_ids_BxS, completion_ids=rollout.completion_ids_BxT,
-                   rewards=rewards):
+                   rewards=rewards_B):
             batch = train_step.build_batch(rollout.prompt_ids_BxS, rollout.prompt_mask_BxS, rollout.completion_ids_BxT,
-                                           rollout.completion_mask_BxT, rewards, scored.correct, m)
+                                           rollout.completion_mask_BxT, rewards_B, rewards_B > 0 if pending else
+                                           scored.correct, m)
             batch = shard_rows(batch, self.mesh)
-            in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("score", input_ids=batch.input_ids, response_mask=batch.response_mask):
             shapes = self.warmup.score(self.graphdef, self.params, self._reference() if algo.kl_coef > 0 else None,
                                        batch, temperature=temp, micro=micro,
@@ -291,6 +295,12 @@ class Trainer(SamplingRounds, UpdateRounds):
                 embeddings = embed_texts(self.embedder, self.embed_tokenizer, texts, self.mesh,
                                          algo.embedding_max_tokens)
                 valid = shard_rows(answers_found(texts, examples[0].kind), self.mesh)
+        if pending is not None:  # the passes are dispatched: what the rewards could not hide is waited for here
+            with stage("rewards", texts=texts):
+                scored = pending.result()
+            batch = train_step.with_rewards(batch, *shard_rows((scored.rewards, scored.correct), self.mesh))
+            t2 += pending.waited  # the step's split: the rewards' seconds are the ones the step waited for them
+        in_loss_B, truncated_B = shard_rows((scored.in_loss, scored.truncated.astype(np.float32)), self.mesh)
         with stage("advantages", phi=scores.phi_BxD, rewards=batch.rewards):
             logp = scores.logp_BxT if "seq_logp" in self.method.needs else None
             signal = jax.block_until_ready(train_step.advantages(batch, scores.phi_BxD, algo, embeddings, valid, logp))
@@ -298,7 +308,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         with stage("update", input_ids=batch.input_ids, advantages=signal["advantages"]):
             sampler_logp = None if algo.rollout_is_cap is None else shard_rows(rollout.logprobs_BxT, self.mesh)
             info = self._update(batch, scores.logp_BxT, ref, signal["advantages"], in_loss_B, sampler_logp,
-                                scores.entropy_BxT, step)
+                                scores.entropy_BxT, step, token_weight=signal.get("token_weight"))
         t4 = time.perf_counter()
         if self.ahead is not None:  # the new version goes to the rollout side
             self.ahead.publish(step + 1, self.params)
@@ -378,10 +388,12 @@ class Trainer(SamplingRounds, UpdateRounds):
                 self.preempted = True
                 if self.step:
                     self.ckpt.save(self.step, self.state(), self.loader, force=True)
-            except Exception as err:  # a bucket that stopped answering: one line, every process stops (train/halt.py)
-                halt.exit_if_peer_gone(err, self.step)  # so does a process gone from a collective
-                halt.exit_if_storage_failed(err, self.run_dir, self.step)
-                raise
+            except Exception as err:  # classified where raised (control/errors.py), or a program's runtime error
+                # surfacing outside its stage (JAX dispatches asynchronously): one line, every process stops
+                typed = err if isinstance(err, RunFailure) else device_failure(err, f"step {self.step + 1}")
+                if typed is None:
+                    raise
+                end_run(typed, self.step, self.run_dir, self.cfg)
             finally:
                 self._close_run(bar, writer)
         if self.step == cfg.total_steps and (history or validation) and not self.preempted:
@@ -404,9 +416,11 @@ class Trainer(SamplingRounds, UpdateRounds):
             writer.close()
             self.ckpt.close()
             self.close()
-        except Exception as err:
-            halt.exit_if_storage_failed(err, self.run_dir, self.step)
-            raise
+        except RunFailure as err:
+            if fence.closed():  # a failure is being reported already (a notebook's): release what this run holds
+                self.close()
+                return
+            end_run(err, self.step, self.run_dir, self.cfg)
 
     def _validates(self, step: int) -> bool:
         """Whether step `step` (finished) is followed by a validation: every run.eval_every steps and the last."""

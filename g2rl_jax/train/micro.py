@@ -9,92 +9,30 @@ width would spend most of the work on padding when lengths are long-tailed. Inst
     ...  run the model on mb ([X_u, S + T_u]) ...
     out  = put_micro(out, rows, part_XxT_u)        # scatter its per-token results back into [B, T]
 
-Each micro-batch takes one shape (X_u rows, T_u response positions) of a ShapeSet: by default every row count
-micro, micro/2, micro/4, ... at every width of one ladder (powers of two up to MIN_WIDTH, then four steps per
-octave, capped at T); a run uses a smaller set chosen by its whole run's time (train/shapes.py). The rows, sorted
-by length, are cut into runs at the shapes of least total cost (`micro_cost`: a long-tailed batch's few long rows
-go in small micro-batches instead of padding micro-1 shorter rows to the longest), each at the narrowest width of
-its row count that holds its longest row. So a run compiles the model passes for the shapes of its set, whatever
-its length distribution. Only how rows are cut into micro-batches changes: which
-rows form a mini-batch is the caller's business. Cutting trailing response padding changes no real token's result:
-attention is causal and padding keys are masked, so results at positions < T_u are those of the full-width row
-(results at positions a micro-batch does not keep come back as 0).
+Each micro-batch takes one shape (X_u rows, T_u response positions) of a ShapeSet (g2rl_jax/shapes/layouts.py): by
+default every row count micro, micro/2, micro/4, ... at every width of one ladder (powers of two up to MIN_WIDTH,
+then four steps per octave, capped at T); a run uses a smaller set chosen by its whole run's time
+(g2rl_jax/shapes/choice.py). The rows, sorted by length, are cut into runs at the shapes of least total cost
+(layouts.group over `micro_cost`: a long-tailed batch's few long rows go in small micro-batches instead of padding
+micro-1 shorter rows to the longest), each at the narrowest width of its row count that holds its longest row.
+So a run compiles the model passes for the shapes of its set, whatever its length distribution. Only how rows are
+cut into micro-batches changes: which rows form a mini-batch is the caller's business. Cutting trailing response
+padding changes no real token's result: attention is causal and padding keys are masked, so results at positions
+< T_u are those of the full-width row (results at positions a micro-batch does not keep come back as 0).
 
 `response_mask` decides a row's length (its last 1), so rows whose mask the caller zeroed (filtered groups) cost
 the minimum width. Shape letters: U micro-batches, X rows in one micro-batch (see the legend in `g2rl_jax`).
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from g2rl_jax import parallel
-
-MIN_WIDTH = 16  # narrowest response width of a micro-batch
-OVERHEAD_ROWS = 1  # a micro-batch costs as if it held one row more (2-core CPU, 9.8M model: 0.78 rows under
-#                   load, about 1.5 idle; see micro_cost and docs/performance.md)
-STEPS_PER_OCTAVE = 4  # widths between 2^j and 2^(j+1): at most 25% of a micro-batch's width is bucket rounding
-
-
-def width_bucket(n: int, steps: int = STEPS_PER_OCTAVE) -> int:
-    """The smallest ladder width >= n: MIN_WIDTH, 32, 64, ... up to 64, then `steps` per octave (with 4: 80, 96,
-    112, 128, 160, ..., 1024, 1280, ...)."""
-    n = int(n)
-    if n <= MIN_WIDTH:
-        return MIN_WIDTH
-    octave = 1 << (n - 1).bit_length()  # 2^j >= n > 2^(j-1)
-    if octave <= 4 * MIN_WIDTH or steps == 1:
-        return octave
-    step = octave // (2 * steps)
-    return -(-n // step) * step
-
-
-@functools.lru_cache(maxsize=None)
-def width_ladder(resp_len: int, steps: int = STEPS_PER_OCTAVE) -> tuple[int, ...]:
-    """Every response width a micro-batch can have: width_bucket's ladder (`steps` per octave), capped at
-    resp_len (the batch's response width T), ascending."""
-    widths, n = [], 1
-    while True:
-        widths.append(min(width_bucket(n, steps), resp_len))
-        if widths[-1] >= resp_len:
-            return tuple(widths)
-        n = widths[-1] + 1
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapeSet:
-    """The (rows, response width) shapes a micro-batch may take: for each row count (descending), its widths
-    (ascending, the last the batch's response width T). `name` says how it was built (train/shapes.py)."""
-
-    widths: tuple[tuple[int, tuple[int, ...]], ...]
-    name: str = "full"
-
-    @property
-    def shapes(self) -> tuple[tuple[int, int], ...]:
-        return tuple((rows, w) for rows, ws in self.widths for w in ws)
-
-    @property
-    def resp_len(self) -> int:
-        return max(ws[-1] for _, ws in self.widths)
-
-    @classmethod
-    def of(cls, shapes, name: str) -> "ShapeSet":
-        """From (rows, width) pairs."""
-        by_rows: dict[int, set] = {}
-        for rows, w in shapes:
-            by_rows.setdefault(int(rows), set()).add(int(w))
-        return cls(tuple((r, tuple(sorted(by_rows[r]))) for r in sorted(by_rows, reverse=True)), name)
-
-    @classmethod
-    @functools.lru_cache(maxsize=None)
-    def full(cls, micro: int, resp_len: int, min_rows: int = 1) -> "ShapeSet":
-        """Every row count (row_counts) at every width of the ladder: the default of plan_micro."""
-        return cls(tuple((r, width_ladder(resp_len)) for r in row_counts(micro, min_rows)), "full")
+from g2rl_jax.shapes.layouts import ShapeSet, group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,51 +52,6 @@ def response_lengths(response_mask_BxT) -> np.ndarray:
     mask = np.asarray(response_mask_BxT) != 0
     last = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)
     return np.where(mask.any(axis=1), last, 0)
-
-
-def row_counts(micro: int, min_rows: int = 1) -> tuple[int, ...]:
-    """Rows a micro-batch may hold: micro, micro/2, micro/4, ... while the halving is exact and >= min_rows (the
-    batch's shards, so a micro-batch still splits evenly over the devices); always at least (micro,)."""
-    counts = [micro]
-    while counts[-1] % 2 == 0 and counts[-1] // 2 >= max(min_rows, 1):
-        counts.append(counts[-1] // 2)
-    return tuple(counts)
-
-
-def micro_cost(rows: int, positions: int) -> int:
-    """The cost the plan minimises: (rows + OVERHEAD_ROWS) x positions (S + T_u) of one micro-batch. The extra row
-    stands for what a micro-batch pays whatever its rows (weights read forward and backward, launches, the fused
-    pass's sequential chunks); fitted on CPU under load, t(X, L) = 0.32 ms X L + 0.25 ms L: 0.78 rows."""
-    return (rows + OVERHEAD_ROWS) * positions
-
-
-def group(lengths_B: np.ndarray, prompt_len: int, shapes: ShapeSet):
-    """(rows_by_micro, widths, cost): B rows in ascending length cut into consecutive runs, each run at a shape of
-    `shapes` (its rows, and the smallest of that row count's widths that holds its longest row), the cut of least
-    total micro_cost (dynamic programming over the sorted rows)."""
-    order = np.argsort(lengths_B, kind="stable")
-    sorted_B = np.asarray(lengths_B)[order]
-    b = len(order)
-    best = [(0, 0, 0)] + [None] * b  # best[i]: least cost of the first i sorted rows, its last run's rows and width
-    for i in range(1, b + 1):
-        for r, ws in shapes.widths:
-            if r > i or best[i - r] is None:
-                continue
-            j = bisect.bisect_left(ws, int(sorted_B[i - 1]))
-            if j == len(ws):
-                continue
-            cost = best[i - r][0] + micro_cost(r, prompt_len + ws[j])
-            if best[i] is None or cost < best[i][0]:
-                best[i] = (cost, r, ws[j])
-    if best[b] is None:
-        raise ValueError(f"no cut of {b} rows into the micro-batch shapes {shapes.shapes}")
-    runs, widths, i = [], [], b
-    while i:
-        _, r, w = best[i]
-        runs.append(order[i - r:i])
-        widths.append(w)
-        i -= r
-    return runs[::-1], tuple(widths[::-1]), best[b][0]
 
 
 def plan_micro(response_mask_BxT, micro: int, attention_mask_BxL=None, *, padded: bool = False,

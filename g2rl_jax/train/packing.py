@@ -7,14 +7,14 @@
 Length-grouped micro-batches (train/micro.py) need one program per (rows, response width) shape and prompt bucket,
 and pad each row to its shape's width. Packing puts whole sequences, unpadded (prompt tokens then response
 tokens), one after the other into rows (first fit, longest first, at most `slots` sequences a row). The shapes
-(`PackShape.micros`) do not depend on the step's lengths or prompt bucket: rows of W = (largest prompt bucket) +
-(response budget) at micro, micro/2, ... rows down to the row shards, and the row shards' count of rows at 9
-narrower widths (3 per octave down to W/8), so a pass compiles once per shape and a pass's last micro-batches
-hold about the tokens left (`plan_micros`: the cover of least cost): padding is a row's tail and the rounding of
-the last micro-batch to the nearest narrower width. A token attends to the causal tokens of its own sequence only
-(segment ids, model.attention; on the xla backend block-sparse, PackShape.block: model/packed_attention.py) and
-sits at its position in its own sequence, so each sequence computes what it computes alone (tests/test_packing.py:
-equal to the unpacked pass within float tolerance).
+(`PackShape.micros`, g2rl_jax/shapes/layouts.py) do not depend on the step's lengths or prompt bucket: rows of W =
+(largest prompt bucket) + (response budget) at micro, micro/2, ... rows down to the row shards, and the row shards'
+count of rows at narrower widths (by default 9: 3 per octave down to W/8), so a pass compiles once per shape and a
+pass's last micro-batches hold about the tokens left (`plan_micros`: the cover of least cost): padding is a row's
+tail and the rounding of the last micro-batch to the nearest narrower width. A token attends to the causal tokens
+of its own sequence only (segment ids, model.attention; on the xla backend block-sparse, PackShape.block:
+model/packed_attention.py) and sits at its position in its own sequence, so each sequence computes what it
+computes alone (tests/test_packing.py: equal to the unpacked pass within float tolerance).
 
 Per-token results are gathered back to the [B, T] layout of a Batch on device (`unpack`), inside each pass's
 program: the losses, the advantages and every per-row sum then run on the usual layout, over the same tokens.
@@ -24,66 +24,13 @@ scan (`packed_stats`). Shape letters: R packed rows, W their width, K sequence s
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from g2rl_jax import g2rl
-from g2rl_jax.model import packed_attention
-from g2rl_jax.train import micro as micro_lib
-
-SLOTS = 16  # K: sequences one packed row holds at most (Φ's per-sequence sums carry a [R, K, V] accumulator)
-
-
-NARROW_STEPS, NARROW_OCTAVES = 3, 3  # narrower rows: widths 3 per octave over the 3 octaves below the full width
-
-
-def narrow_widths(width: int) -> tuple[int, ...]:
-    """The narrower rows' widths below `width`, descending: width x 2^(-k/3) for k = 1..9 (down to width / 8),
-    each rounded up to a multiple of 8."""
-    ks = range(1, NARROW_STEPS * NARROW_OCTAVES + 1)
-    return tuple(sorted({-(-int(np.ceil(width * 2 ** (-k / NARROW_STEPS))) // 8) * 8 for k in ks} - {width},
-                        reverse=True))
-
-
-@dataclasses.dataclass(frozen=True)
-class PackShape:
-    """The packed layout of a run: micro-batches at one of the (rows, row width) `micros`, the widest rows `width`
-    positions, at most `slots` sequences a row; each pass compiles one program per entry of micros."""
-
-    width: int
-    micros: tuple[tuple[int, int], ...]
-    slots: int = SLOTS
-    head: int = 0  # a row's output columns (those whose next-token outputs the passes compute): min(head, its width)
-    block: int = packed_attention.BLOCK  # attention block of the xla path (model.packed_attention); 0: dense mask
-
-    @classmethod
-    def of(cls, micro: int, min_rows: int, *, prompt_len: int, resp_len: int,
-           block: int = packed_attention.BLOCK) -> "PackShape":
-        """Rows of W = prompt_len + resp_len (the longest sequence fits) at micro, micro/2, ... down to min_rows, the
-        batch's row shards (micro.row_counts: a micro-batch's token budget is the unpacked pass's largest, micro x
-        (S + T)), and min_rows rows at each narrower width (narrow_widths), so that a pass's last micro-batches hold
-        about the tokens left (plan_micros). A row's output columns: as many as its width (a row of W positions
-        holding few sequences has more than T response tokens; limiting them to T left a quarter of the rows' tails
-        empty at Qwen3-1.7B's lengths, bench update --padding-only), gathered to the front of the row."""
-        width = prompt_len + resp_len
-        full = tuple((r, width) for r in micro_lib.row_counts(micro, min_rows))
-        narrow = tuple((full[-1][0], w) for w in narrow_widths(width))
-        return cls(width, full + narrow, head=width, block=block)
-
-    def outputs(self, width: int) -> int:
-        """C: the output columns of a row of `width`."""
-        return min(self.head, width) if self.head else width
-
-    @property
-    def name(self) -> str:
-        full = [r for r, w in self.micros if w == self.width]
-        narrow = [w for _, w in self.micros if w < self.width]
-        extra = f" and {self.micros[-1][0]} x {narrow[0]}..{narrow[-1]} ({len(narrow)} widths)" if narrow else ""
-        return f"packed {'/'.join(map(str, full))} x {self.width}{extra}"
+from g2rl_jax.shapes.layouts import SLOTS, PackShape, micro_cost
 
 
 def first_fit(n_B, r_B, width: int, rows: int = 0, slots: int = 0, head: int = 0):
@@ -160,23 +107,23 @@ def plan_micros(n_B, r_B, shape: PackShape) -> list[tuple[int, int, np.ndarray, 
             raise ValueError(f"a sequence of {n_B[top]} tokens does not fit a packed row of {shape.width}; raise the "
                              "width")
         out = None
-        for rows, width in sorted((m for m in fits if m[0] * m[1] >= need), key=lambda m: micro_lib.micro_cost(*m)):
+        for rows, width in sorted((m for m in fits if m[0] * m[1] >= need), key=lambda m: micro_cost(*m)):
             placed, micro = fill(left, rows, width)
             if placed.all():
-                out = (micro_lib.micro_cost(rows, width), [micro])
+                out = (micro_cost(rows, width), [micro])
                 break
         below = sorted((m for m in fits if m[0] * m[1] < need), key=lambda m: (-m[0] * m[1], -m[1]))
         for rows, width in below[:BEAM if depth < BEAM_DEPTH else int(out is None)]:
             placed, micro = fill(left, rows, width)
             sub = best(left[~placed], depth + 1) if not placed.all() else (0, [])
-            cost = micro_lib.micro_cost(rows, width) + sub[0]
+            cost = micro_cost(rows, width) + sub[0]
             if out is None or cost < out[0]:
                 out = (cost, [micro] + sub[1])
         if out is None:  # nothing below the tokens left and no cover: the largest shape, again
             rows, width = max(fits, key=lambda m: m[0] * m[1])
             placed, micro = fill(left, rows, width)
             sub = best(left[~placed], depth + 1) if not placed.all() else (0, [])
-            out = (micro_lib.micro_cost(rows, width) + sub[0], [micro] + sub[1])
+            out = (micro_cost(rows, width) + sub[0], [micro] + sub[1])
         return out
 
     return best(np.argsort(-n_B, kind="stable"), 0)[1] if len(n_B) else []
@@ -317,14 +264,3 @@ def to_packed(x_BxT, source_BxT, valid_BxT, shape_RxW):
 def unpack(x_RxW, source_BxT, valid_BxT):
     """Per-token packed results back to [B, T]: x at each response token's predicting position, 0 elsewhere."""
     return jnp.where(valid_BxT, x_RxW.reshape(-1)[source_BxT], 0.0)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "chunk", "block"))
-def packed_token_logprobs(graphdef, params, ids_RxW, segments_RxW, positions_RxW, targets_RxC, *,
-                          temperature: float, chunk: int = g2rl.DEFAULT_CHUNK, block: int = 0):
-    """log p(next token) [R, W] at every packed position (eq. token log-prob of the reference / behaviour pass);
-    positions whose target is not a response token hold values `unpack` drops."""
-    model = nnx.merge(graphdef, params)
-    h_RxWxD = model.hidden_states(ids_RxW, segments_RxW, positions=positions_RxW, block=block)
-    head = model.lm_head_weight().astype(h_RxWxD.dtype)
-    return g2rl.token_logprobs(h_RxWxD, head, targets_RxC, temperature=temperature, chunk_size=chunk)

@@ -1,6 +1,6 @@
 """The score, reference and gradient passes of a step over packed micro-batches (train/packing.py), with the
 signatures of train/step.py's: each takes `shapes`, the run's layout, and runs the packed passes for a
-packing.PackShape (algorithm.packing) or step.py's length-grouped ones for a micro.ShapeSet.
+shapes.layouts.PackShape or step.py's length-grouped ones for a shapes.layouts.ShapeSet.
 
     scores = score(graphdef, params, batch, temperature=T, micro=16, shapes=shape)        # Scores, [B, T] / [B, D]
     ref    = ref_logprobs(graphdef, ref_params, batch, temperature=T, micro=16, shapes=shape)
@@ -26,11 +26,11 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import g2rl, methods, parallel
+from g2rl_jax.shapes.layouts import PackShape
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import packing
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
-from g2rl_jax.train.packing import PackShape
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -5,9 +5,17 @@ have mixed correctness, train/dynamic.py) and the validation rollouts on data.ev
 loader, reward_cfg, stop_ids, eval_sets, stop signal and policy (`self.model`; the training rollouts use
 `self.rollout_model()` on `self.rollout_mesh`, the same unless mesh.rollout_devices > 0), and advances only the
 data iterator.
+
+The rewards of a step's one round overlap the step: `_sample(step, overlap=True)` hands the responses to the
+verifier (a thread that feeds its worker processes, rewards/bounded.py) and returns at once with `PendingRewards`;
+the trainer runs the score and reference passes meanwhile and collects the rewards before the advantages, which
+are the first to need them (train/loop.py). What a step computes is the same: the rewards are the verifier's for
+the same texts, and nothing before the advantages reads them. Dynamic sampling needs each round's correctness to
+decide the next round, and the rollout side of a split run ships finished rewards: both wait for them.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 
@@ -16,7 +24,7 @@ import numpy as np
 
 from g2rl_jax import parallel
 from g2rl_jax.data import encode_prompts
-from g2rl_jax.rewards.scoring import compute_rewards
+from g2rl_jax.rewards.scoring import RewardResult, compute_rewards
 from g2rl_jax.rollout import generate
 from g2rl_jax.rollout.generate import warm
 from g2rl_jax.train import dynamic, report
@@ -31,6 +39,26 @@ def _seed_of(key_data, step, round_, block):
     key = jax.lax.cond(round_ > 0, lambda k: jax.random.fold_in(k, round_), lambda k: k, key)  # round 0: the step's
     key = jax.lax.cond(block > 0, lambda k: jax.random.fold_in(k, 2**20 + block), lambda k: k, key)  # one process
     return jax.random.randint(key, (), 0, 2**31 - 1)
+
+
+_REWARDS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards")
+
+
+class PendingRewards:
+    """A round's rewards on their way: compute_rewards running in the rewards thread (which hands the checks to the
+    verifier's worker processes) while the caller goes on; `result()` waits for them and re-raises what they raised
+    (a user reward function's RewardFunctionError), `waited` says how long it waited."""
+
+    def __init__(self, *args, **kwargs):
+        self._future = _REWARDS.submit(compute_rewards, *args, **kwargs)
+        self.waited = 0.0
+
+    def result(self) -> RewardResult:
+        start = time.perf_counter()
+        try:
+            return self._future.result()
+        finally:
+            self.waited += time.perf_counter() - start
 
 
 def picked(rounds: list[tuple], correct: list[np.ndarray], m: int, blocks: int, block: int) -> tuple:
@@ -69,8 +97,9 @@ class SamplingRounds:
             return parallel.gather_blocks(self.mesh, local)
         return np.concatenate(self.ahead.exchange(name, local, block), axis=0)
 
-    def _sample_round(self, step: int, round_: int):
-        """One rollout round: the next prompts from the data iterator, their samples and ±1 rewards."""
+    def _sample_round(self, step: int, round_: int, overlap: bool = False):
+        """One rollout round: the next prompts from the data iterator, their samples and ±1 rewards (with `overlap`,
+        PendingRewards: the module docstring)."""
         cfg, m = self.cfg, self.cfg.rollout.num_samples
         examples = next(self.loader)
         prompts = encode_prompts(examples, self.tokenizer, cfg.data.prompt_template)
@@ -91,18 +120,21 @@ class SamplingRounds:
         t1 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rows = [ex.as_row() for ex in examples for _ in range(m)]
+        args = (texts, rows, rollout.completion_ids, self.reward_cfg)
+        kwargs = dict(kind=examples[0].kind, max_new_tokens=cfg.rollout.max_new_tokens, stop_ids=self.stop_ids)
+        if overlap:
+            return examples, rollout, texts, PendingRewards(*args, **kwargs), t1 - t0
         with stage("rewards", texts=texts):
-            scored = compute_rewards(texts, rows, rollout.completion_ids, self.reward_cfg, kind=examples[0].kind,
-                                     max_new_tokens=cfg.rollout.max_new_tokens, stop_ids=self.stop_ids)
+            scored = compute_rewards(*args, **kwargs)
         return examples, rollout, texts, scored, t1 - t0
 
-    def _sample(self, step: int):
+    def _sample(self, step: int, overlap: bool = False):
         """The step's groups: one round, or DAPO dynamic sampling over rounds (train/dynamic.py). Returns examples,
-        rollout, texts, rewards (this process's rows, a RewardResult), rollout seconds, and each round's global
-        correctness (dynamic sampling only)."""
+        rollout, texts, rewards (this process's rows, a RewardResult; with `overlap` and one round, PendingRewards),
+        rollout seconds, and each round's global correctness (dynamic sampling only)."""
         block, blocks = parallel.batch_block(self.mesh)
         if not self.cfg.algorithm.dynamic_sampling:
-            return *self._sample_round(step, 0), []
+            return *self._sample_round(step, 0, overlap), []
         rounds, correct, rollout_s = self._rounds(step, blocks)
         return *picked(rounds, correct, self.cfg.rollout.num_samples, blocks, block), rollout_s, correct
 

@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from g2rl_jax import parallel, storage
+from g2rl_jax import parallel, registry, storage
 from g2rl_jax.config import Config, ConfigError
 from g2rl_jax.data import DataError, dataset_names, encode_prompts, load_dataset
-from g2rl_jax.demo import resolve_demo_paths
 from g2rl_jax.model import load_pretrained, lora
 from g2rl_jax.model.config import RuntimeConfig
 from g2rl_jax.model.sources import local_model_dir
@@ -97,12 +96,12 @@ def compilation_cache(directory: str) -> None:
 
 
 def resolve_model_paths(cfg: Config) -> Config:
-    """The config with local model directories: `demo:DIR` built (or reused) at DIR (g2rl_jax/demo), a bucket's
-    directory copied to the local cache and a Hugging Face id taken from its cache (model/sources.py), for
-    model.path, algorithm.embedding_model and model.lora.init_from."""
+    """The config with local model directories: `demo:DIR` built (or reused) at DIR (by its provider, through
+    g2rl_jax/registry.py), a bucket's directory copied to the local cache and a Hugging Face id taken from its cache
+    (model/sources.py), for model.path, algorithm.embedding_model and model.lora.init_from."""
     try:
-        path, embedder = resolve_demo_paths(local_model_dir(cfg.model.path, "model.path", cfg.model.revision),
-                                            cfg.algorithm.embedding_model)
+        local = local_model_dir(cfg.model.path, "model.path", cfg.model.revision)
+        path, embedder = registry.resolve_model_paths(local, cfg.algorithm.embedding_model)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if embedder is not None:

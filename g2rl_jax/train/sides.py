@@ -51,10 +51,11 @@ import numpy as np
 from flax import nnx
 
 from g2rl_jax import parallel
-from g2rl_jax.control import channel, stop
+from g2rl_jax.control import channel, errors, stop
+from g2rl_jax.control.errors import UNAVAILABLE, RunFailure, device_failure
 from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.lease import KeyLease
 from g2rl_jax.model import lora
-from g2rl_jax.train import halt
 from g2rl_jax.train import sides_store as store
 from g2rl_jax.train.ahead import Drawn, Rounds, block_of, lag_figures, restored, saved, whole_step
 from g2rl_jax.train.sampling_rounds import SamplingRounds
@@ -82,7 +83,7 @@ class RemoteSampler:
         self.sync = SideSync(trainer.mesh, shardings_on(trainable, trainer.rollout_mesh))
         self.trainers = parallel.host_count()  # the training processes: each reads every step's samples
         self.block = parallel.batch_block(trainer.mesh)  # (i, n): the rows of each step this process keeps
-        self.lease = store.Lease(trainer.cfg.run.lock_lease_seconds)
+        self.lease = KeyLease(store.PREFIX, trainer.cfg.run.lock_lease_seconds)
         if jax.process_index() == 0:  # the training side's first process watches (its stop ends every process)
             self.lease.watch(list(range(self.trainers, jax.process_count())))
         self._closed = False
@@ -147,7 +148,7 @@ class RemoteSampler:
         self._closed = True
         self.lease.stop()
         code = (Exit.DONE if self.trainer.step >= self.total else Exit.PREEMPTED if self.trainer.preempted
-                else store.trainer_code(sys.exc_info()[1]))
+                else errors.exit_code(sys.exc_info()[1]))
         store.end_rollout(self.trainer.step, code)
         if self._first is not None:
             self.sync.wait()
@@ -279,17 +280,20 @@ def run_rollout_process(cfg) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM: the rollout process goes on until the trainer ends",
                                                   file=sys.stderr, flush=True))
-    store.Lease(cfg.run.lock_lease_seconds).renew()  # until the process ends (see below)
+    KeyLease(store.PREFIX, cfg.run.lock_lease_seconds).renew()  # until the process ends (see below)
     try:
         with stop.Watch():  # the trainer's stop (its end, a lost run lock, a storage failure) ends it too
             return RolloutSide(resolve_model_paths(cfg)).run()
-    except channel.StoreGone:
-        # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
-        print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
-              "process ends; relaunch both processes together", file=sys.stderr, flush=True)
-        os._exit(Exit.PEER_LOST)
     except Exception as err:  # noqa: BLE001 - its traceback, then one line that ends the trainer too
-        halt.exit_if_peer_gone(err)  # another rollout process (or a training one) is gone: one line, all stop
+        if isinstance(err, channel.StoreGone) or (isinstance(err, jax.errors.JaxRuntimeError)
+                                                  and err.error_code == UNAVAILABLE):
+            # the trainer held jax.distributed's coordinator: it is gone (JAX's own client may end us first)
+            print("the trainer process is gone (jax.distributed's coordinator does not answer): this rollout "
+                  "process ends; relaunch both processes together", file=sys.stderr, flush=True)
+            os._exit(Exit.PEER_LOST)
+        typed = err if isinstance(err, RunFailure) else device_failure(err, "the rollout process")
+        if typed is not None:  # classified where raised (control/errors.py): its line and code, all stop
+            errors.end_run(typed)
         traceback.print_exc()
         stop.stop_everywhere(f"rollout process error: {type(err).__name__}: {err}", Exit.BUG)
     # the lease is never stopped: after its last draw this process waits in jax.distributed's shutdown for the trainer,

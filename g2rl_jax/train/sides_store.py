@@ -1,43 +1,39 @@
-"""The messages between the two process sets of a split run (mesh.rollout_processes, train/sides.py), each with its
-key under `sides/` of the run's key-value channel (control/channel.py: JSON plus arrays, never pickle, chunked), the
+"""The messages between the two process sets of a split run (mesh.rollout_processes, train/sides.py), each with its key
+under `sides/` of the run's key-value channel (control/channel.py: JSON plus arrays, never pickle, chunked), the
 schema its reader checks (control/wire.py), and the waits on them; and how each side learns that the other ended.
 
 Keys: `version/V` (the training side announces each policy version: whether the rollout draws with it, and the
 prompt buckets its warm-up chose), `sample/S/B` (the rollout side's block B of step S's samples, with the
 data-iterator position before and after the draw), `read/sample/S/B` (a counter: how many training processes read
 it; the last deletes both), `start` (the trainer's first step, data-iterator position and the steps of the samples
-restored from its checkpoint), `alive/P` (a counter: rollout process P's lease). A value that is not what its
-schema says (a pickle planted in the store, a process of another version) stops every process with one line naming
-the key, exit code 2, and nothing in it is run (stop.refuse).
+restored from its checkpoint), `alive/P` (a counter: rollout process P's lease, control/lease.py's KeyLease). A
+value that is not what its schema says (a pickle planted in the store, a process of another version) stops every
+process with one line naming the key, exit code 2 (wire.Refused, a control/errors.py BadInput), and nothing in it is
+run (stop.refuse).
 
 When one side ends or dies. The trainer's end (done, SIGTERM, an error) is a control/stop.py `finish` with the
-trainer's exit code (`trainer_code`): the rollout process, whose gets ask `stop.ended` while they wait, takes what
-the trainer already sent and returns that code (0 after a finished run, 143 after SIGTERM, 2 after a setting the
-trainer refused, 1 after a bug), so that every process of the run reports what a supervisor should do (exits.py)
-and all leave jax.distributed cleanly. Each rollout process renews a lease (`alive/P`, every
+trainer's exit code (control/errors.py's `exit_code`): the rollout process, whose gets ask `stop.ended` while they
+wait, takes what the trainer already sent and returns that code (0 after a finished run, 143 after SIGTERM, 2 after
+a setting the trainer refused, 1 after a bug), so that every process of the run reports what a supervisor should do
+(exits.py) and all leave jax.distributed cleanly. Each rollout process renews a lease (`alive/P`, every
 run.lock_lease_seconds / 3); the first training process, seeing no renewal of one for a whole lease, stops with one
-line and Exit.PEER_LOST (stop.stop_everywhere). A trainer that dies takes jax.distributed's coordinator with it, and
-JAX ends the rollout processes at once ("the JAX distributed service detected fatal errors"), or the rollout process
-notices first (channel.StoreGone) and ends with one line and Exit.PEER_LOST. Any other process that dies (kill -9 of
-training process 1 of 2, of one rollout process of 2) breaks the collectives of the processes it ran them with: the
-first of them to see its gloo connection lost stops every process with one line and Exit.PEER_LOST
-(`halt.exit_if_peer_gone`; the trainer's loop and the rollout process call it on their error), at once rather than
-after jax.distributed's heartbeat timeout. A rollout process that fails otherwise stops all with its error's line
-(stop.stop_everywhere; the trainer's stop.Watch ends it). The key-value store lives in the trainer process, so a
-relaunch starts from a store without the old keys.
+line and Exit.PEER_LOST (KeyLease.watch, stop.stop_everywhere). A trainer that dies takes jax.distributed's
+coordinator with it, and JAX ends the rollout processes at once ("the JAX distributed service detected fatal
+errors"), or the rollout process notices first (channel.StoreGone) and ends with one line and Exit.PEER_LOST. Any
+other process that dies (kill -9 of training process 1 of 2, of one rollout process of 2) breaks the collectives of
+the processes it ran them with: the first of them to see its gloo connection lost stops every process with one line
+and Exit.PEER_LOST (a PeerLost raised where the collective is called, control/errors.py; the trainer's loop and the
+rollout process stop with it), at once rather than after jax.distributed's heartbeat timeout. A rollout process that
+fails otherwise stops all with its error's line (stop.stop_everywhere; the trainer's stop.Watch ends it). The
+key-value store lives in the trainer process, so a relaunch starts from a store without the old keys.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import threading
-import time
 from typing import Any
 
-import jax
-
-from g2rl_jax.control import channel, stop, wire
-from g2rl_jax.control.exits import Exit
+from g2rl_jax.control import channel, errors, stop, wire
 from g2rl_jax.train.ahead import SAMPLE_KINDS, Rounds, Sample
 
 PREFIX = "sides"
@@ -100,17 +96,6 @@ def read_block(step: int, block: int, readers: int) -> tuple:
     return value
 
 
-def trainer_code(err: BaseException | None) -> int:
-    """The exit code the trainer's process ends with when `err` ends it (train/command.py: a setting, a dataset row,
-    a path or a checkpoint it refuses is bad input; anything else a bug, with its traceback); DONE for None."""
-    from g2rl_jax import cli
-    from g2rl_jax.train.checkpoint import CheckpointError
-
-    if err is None:
-        return Exit.DONE
-    return Exit.BAD_INPUT if isinstance(err, (*cli.USER_ERRORS, CheckpointError, wire.Refused)) else Exit.BUG
-
-
 def end_rollout(step: int, code: int) -> None:
     """Tell the rollout processes that the trainer ends after step `step` with exit code `code`: they end too, with
     that code."""
@@ -125,53 +110,5 @@ def told_if_failed(mesh_cfg):
         yield
     except BaseException as err:
         if mesh_cfg.rollout_processes:
-            end_rollout(0, trainer_code(err))
+            end_rollout(0, errors.exit_code(err))
         raise
-
-
-class Lease:
-    """Each rollout process renews `alive/P` (P its process index) every `seconds` / 3 from a daemon
-    thread; the trainer's `watch` thread ends the run with one line when one of them has no renewal for `seconds`."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self._done = seconds, threading.Event()
-
-    def renew(self) -> Lease:
-        def renew_forever():
-            while not self._done.wait(self.seconds / 3):
-                try:
-                    channel.default().increment(key, 1)
-                except channel.StoreGone:  # the trainer (and the store with it) is gone: JAX ends us
-                    return
-
-        key = _key(f"alive/{jax.process_index()}")
-        channel.default().increment(key, 1)
-        threading.Thread(target=renew_forever, name="g2rl-sides-lease", daemon=True).start()
-        return self
-
-    def watch(self, rollout_processes: list[int]) -> Lease:
-        def watch_forever():
-            keys = [_key(f"alive/{p}") for p in rollout_processes]
-            seen, since = dict.fromkeys(keys), dict.fromkeys(keys, time.monotonic())
-            while not self._done.wait(min(1.0, self.seconds / 9)):
-                try:
-                    now = {key: channel.default().increment(key, 0) for key in keys}
-                except channel.StoreGone:  # jax.distributed is shutting down: nothing left to watch
-                    return
-                for key in keys:
-                    if now[key] != seen[key]:
-                        seen[key], since[key] = now[key], time.monotonic()
-                late = [key for key in keys if time.monotonic() - since[key] >= self.seconds]
-                if late and not self._done.is_set():
-                    process = late[0].rsplit("/", 1)[1]
-                    stop.stop_everywhere(f"the rollout process {process} (mesh.rollout_processes) has not renewed "
-                                         f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
-                                         "hangs. The checkpoints committed stand: end it if it still runs, and "
-                                         "relaunch every process with the same command to resume", Exit.PEER_LOST,
-                                         gone=(int(process),))
-
-        threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._done.set()

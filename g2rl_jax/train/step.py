@@ -29,6 +29,7 @@ from flax import nnx
 
 from g2rl_jax import g2rl, methods
 from g2rl_jax.config import AlgorithmConfig
+from g2rl_jax.shapes.layouts import ShapeSet
 from g2rl_jax.train import micro as micro_lib
 
 
@@ -128,6 +129,12 @@ def build_batch(prompt_ids_BxS, prompt_mask_BxS, completion_ids_BxT, completion_
     )
 
 
+def with_rewards(batch: Batch, rewards_B, correct_B) -> Batch:
+    """`batch` with these rewards and correctness (placed as its own were): a batch built while its rewards were
+    still coming (train/sampling_rounds.PendingRewards) completed. Nothing before the advantages reads them."""
+    return dataclasses.replace(batch, rewards=rewards_B, correct=correct_B)
+
+
 def response_hidden(model, batch: Batch):
     """Hidden states that predict the response tokens: hidden[:, S−1 : S−1+T] of the joined sequence."""
     h_BxLxD = model.hidden_states(batch.input_ids, batch.attention_mask)
@@ -214,7 +221,7 @@ def score_outs(batch: Batch, hidden: int):
 
 
 def score(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
-          shapes: micro_lib.ShapeSet | None = None) -> Scores:
+          shapes: ShapeSet | None = None) -> Scores:
     """Behaviour-policy pass: log-probs, entropy and Φ via g2rl.token_stats (eq. seq-feature), over length-grouped
     micro-batches of `micro` rows (train.micro; `shapes`: the micro-batch shapes allowed, default all); positions
     past a micro-batch's width come back as 0."""
@@ -241,7 +248,7 @@ def ref_stats(graphdef, params, mb: Batch, *, temperature: float, chunk: int):
 
 
 def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: int, chunk: int = g2rl.DEFAULT_CHUNK,
-                 shapes: micro_lib.ShapeSet | None = None):
+                 shapes: ShapeSet | None = None):
     """Reference-model log-probs [B, T] of the response tokens (for the KL term), micro-batched as `score`."""
     def run(rows_X, width, out):
         return ref_micro(graphdef, params, batch, rows_X, out, temperature=temperature, chunk=chunk, width=width)
@@ -251,7 +258,7 @@ def ref_logprobs(graphdef, params, batch: Batch, *, temperature: float, micro: i
 
 
 def plan(batch: Batch, micro: int, stage: str, padded: bool = False,
-         shapes: micro_lib.ShapeSet | None = None) -> micro_lib.MicroPlan:
+         shapes: ShapeSet | None = None) -> micro_lib.MicroPlan:
     """The micro-batch plan of `batch` (micro_lib.plan_for); a bad size raises StageError naming `stage`."""
     try:
         return micro_lib.plan_for(batch, micro, padded=padded, shapes=shapes)
@@ -272,7 +279,8 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
     eqs. novelty, shaped-reward, grpo-adv); rewards are regrouped [P, m] and the method's group functions see
     every group at once. One program (jitted): run op by op, its dispatches cost the tiny demo more than the math.
     What a method needs (Method.needs): embeddings_BxE from the embedding model and valid_B (default all), the
-    responses with an answer (evol); logp_BxT, the behaviour log-probs (unlikeliness)."""
+    responses with an answer (evol); logp_BxT, the behaviour log-probs (unlikeliness, miner). A method with
+    per-step token weights (Method.token_weights: miner) adds "token_weight" [B, T] to the result."""
     method = methods.get(algo.exploration)
     m = batch.group_size
     r_Pxm, correct_Pxm = batch.rewards.reshape(-1, m), batch.correct.reshape(-1, m)
@@ -285,7 +293,9 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
         rewards=r_Pxm, correct=correct_Pxm, phi=phi_BxD.reshape(-1, m, phi_BxD.shape[-1]),
         embeddings=None if embeddings_BxE is None else embeddings_BxE.reshape(-1, m, embeddings_BxE.shape[-1]),
         valid=jnp.ones_like(correct_Pxm) if valid_B is None else jnp.asarray(valid_B, bool).reshape(-1, m),
-        seq_logp=None if logp_BxT is None else _sequence_logp(logp_BxT, batch.response_mask).reshape(-1, m))
+        seq_logp=None if logp_BxT is None else _sequence_logp(logp_BxT, batch.response_mask).reshape(-1, m),
+        token_logp=None if logp_BxT is None else logp_BxT.reshape(-1, m, logp_BxT.shape[-1]),
+        token_mask=None if logp_BxT is None else batch.response_mask.reshape(-1, m, logp_BxT.shape[-1]))
     signal = method.rewards(group, algo)
     nu_Pxm, shaped_Pxm, adv_Pxm = signal.nu, signal.shaped, signal.advantages
     if method.novelty:  # diagnostics: what each group gives its most and least novel response
@@ -294,8 +304,10 @@ def advantages(batch: Batch, phi_BxD, algo: AlgorithmConfig, embeddings_BxE=None
         most_P = least_P = jnp.full(r_Pxm.shape[:1], jnp.nan)
     per_group = {"single_class": g2rl.single_class_groups(correct_Pxm), "all_wrong": ~jnp.any(correct_Pxm, axis=-1),
                  "most_novel_advantage": most_P, "least_novel_advantage": least_P}
+    t = batch.response_mask.shape[1]
+    tokens = {} if signal.token_weight is None else {"token_weight": signal.token_weight.reshape(-1, t)}
     return {"nu": nu_Pxm.reshape(-1), "shaped_rewards": shaped_Pxm.reshape(-1), "advantages": adv_Pxm.reshape(-1),
-            **{k: jnp.repeat(v, m) for k, v in per_group.items()}}  # per-group values repeated over its m rows
+            **{k: jnp.repeat(v, m) for k, v in per_group.items()}, **tokens}  # per-group values repeated over m rows
 
 
 def group_keep_mask(correct_B, group_size: int) -> np.ndarray:

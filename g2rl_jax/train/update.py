@@ -19,6 +19,7 @@ from flax import nnx
 from g2rl_jax import g2rl, losses, methods
 from g2rl_jax.config import AlgorithmConfig
 from g2rl_jax.model import lora
+from g2rl_jax.shapes.layouts import ShapeSet
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train.step import MiniBatch, StageError, head, plan, response_hidden
@@ -182,7 +183,7 @@ def _zeros_program(specs: tuple[jax.ShapeDtypeStruct, ...]):
 
 
 def gradients(graphdef, params, mini: MiniBatch, *, settings: LossSettings, micro: int, padded: bool = False,
-              shapes: micro_lib.ShapeSet | None = None):
+              shapes: ShapeSet | None = None):
     """(grads f32, loss, diagnostics) of a mini-batch, accumulated over its length-grouped `micro`-row micro-batches
     (train.micro; `shapes` as for `score`): equal to one pass over the whole padded mini-batch, at the cost of the
     response tokens. padded=True runs every micro-batch at the full width instead (the layout before grouping, for
@@ -245,7 +246,7 @@ class TokenRule:
 
 
 def current_scores(graphdef, params, mini: MiniBatch, *, temperature: float, micro: int,
-                   shapes: micro_lib.ShapeSet | None = None, chunk: int = g2rl.DEFAULT_CHUNK):
+                   shapes: ShapeSet | None = None, chunk: int = g2rl.DEFAULT_CHUNK):
     """Log-probs and entropies [X, T] of a mini-batch's response tokens under `params` (the current policy π_θ),
     by the scoring program over its micro-batches (the gradient's plan of its rows); no gradient flows through them
     (the papers detach what decides their tokens)."""
@@ -255,7 +256,7 @@ def current_scores(graphdef, params, mini: MiniBatch, *, temperature: float, mic
 
 
 def decide_tokens(graphdef, params, mini: MiniBatch, rule: TokenRule, *, settings: LossSettings, micro: int,
-                  shapes: micro_lib.ShapeSet | None = None) -> MiniBatch:
+                  shapes: ShapeSet | None = None) -> MiniBatch:
     """The mini-batch with the method's per-token terms (token weight, |log ρ| coefficient) decided over its rows on
     the current policy: its log-probs and entropies (rule.current, or `current_scores`), the behaviour log-probs
     (for the ratio, which Clip-Cov reads), advantages and response mask."""
@@ -287,7 +288,7 @@ def with_token_fields(mini: MiniBatch, algo: AlgorithmConfig) -> MiniBatch:
 
 
 def update(graphdef, params, opt_state, mini: MiniBatch, *, optimizer: optax.GradientTransformation,
-           settings: LossSettings, micro: int, padded: bool = False, shapes: micro_lib.ShapeSet | None = None,
+           settings: LossSettings, micro: int, padded: bool = False, shapes: ShapeSet | None = None,
            rule: TokenRule | None = None):
     """One optimizer update on a mini-batch: with a token rule, its tokens decided on the current params
     (`decide_tokens`), then `gradients` over length-grouped micro-batches and `apply_gradients` (params and

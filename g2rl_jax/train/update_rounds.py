@@ -22,7 +22,8 @@ class UpdateRounds:
     """The update stage of `train.loop.Trainer` (a mixin)."""
 
     def _update(self, batch: train_step.Batch, old_logp, ref_logp, adv_B, in_loss_B,
-                sampler_logp=None, entropy=None, step: int = 0) -> dict[str, float]:
+                sampler_logp=None, entropy=None, step: int = 0, token_weight=None) -> dict[str, float]:
+        """token_weight [B, T]: the per-token loss weights a method decided with its advantages (Miner), or None."""
         algo = self.cfg.algorithm
         keep_B = np.ones(adv_B.shape[0], bool)
         if algo.filter_equal_groups:
@@ -36,7 +37,7 @@ class UpdateRounds:
 
         def minis_of(batch: train_step.Batch, keep_B) -> list[tuple]:
             step_rows = train_step.MiniBatch(batch, old_logp, old_logp if ref_logp is None else ref_logp, adv_B,
-                                             sampler_logp)
+                                             sampler_logp, token_weight)
             if rules:
                 step_rows = train_update.with_token_fields(step_rows, algo)
             return train_step.mini_batches(step_rows, keep_B, mb, entropy if rules else None)

@@ -1,31 +1,32 @@
-"""Compile every program of a run's micro-batch shape set at its first step, concurrently, before the step runs any.
+"""Compile every program of a run's layout at its first step, concurrently, before the step runs any.
 
     warm = RunWarmup.for_run(cfg, model_config, mesh, run_dir, prompt_lengths)
-    shapes = warm.score(graphdef, params, reference, batch, temperature=T, micro=16, batch_like=...)  # the set
+    layout = warm.score(graphdef, params, reference, batch, temperature=T, micro=16, batch_like=...)  # the layout
     warm.update(graphdef, params, minis, settings=s, opt_state=o, optimizer=opt, mini_like=...)
 
-The score and reference passes and the gradient run each micro-batch at one (rows, response width) shape of the
-run's set (train/shapes.py, train/micro.py). On the run's first step, once the rollout has given a real batch,
-`score` takes the run's set and prompt buckets: those this run recorded in `CHOICE_FILE` on an earlier launch (a
-resume keeps its set), else those run.shapes_file pins (`python -m g2rl_jax.bench tune-shapes` writes one), else
-shapes.choose_for's, a function of the config, the device kind and the training prompts' lengths, never of a
-clock; it records them in CHOICE_FILE and compiles, for every shape of the set, the score and reference programs
-(each takes its micro-batch's rows from the whole batch and puts its results into the step's arrays); `update` does
-the same for the gradient programs and the optimizer step. After that first step the run meets no program it has
-not compiled: every shape a later step's plan can take is in the set, and every other array of a step keeps its
-shape (the trainer pads responses to the budget). Programs are lowered one at a time (Python, holding the GIL) and
-compiled on `threads` threads (g2rl_jax/compile_pool.py), each lowered over arguments with the shapes, dtypes and
-shardings the step's own call passes: real arrays, or abstract ones copied from the compiled outputs that feed
-them. A jitted function keeps what `fn.lower(args).compile()` compiled, so the step's later call runs that
-executable without lowering or compiling again (jax's lowering cache; tests/test_warmup.py counts the compiles).
-It changes when programs compile, nothing they compute. The packed passes' lowerings (packed_score_lowers,
-packed_update_lowers) take abstract batches too: `plan --compile` lowers the same programs (aot/packed.py).
+The score and reference passes and the gradient run each micro-batch at one shape of the run's layout: a
+length-grouped (rows, response width) shape or a packed (rows, row width) one (g2rl_jax/shapes: the one home of the
+shapes a run compiles). On the run's first step, once the rollout has given a real batch, `score` takes the run's
+layout and prompt buckets: those this run recorded in `CHOICE_FILE` on an earlier launch (a resume keeps its
+layout), else those run.shapes_file pins (`python -m g2rl_jax.bench tune-shapes` writes one), else
+shapes.choice.choose_for's, a function of the config, the training mesh's devices and the training prompts'
+lengths, never of a clock; it records them in CHOICE_FILE and compiles, for every shape of the layout, the score
+and reference programs (each takes its micro-batch's rows from the whole batch and puts its results into the step's
+arrays); `update` does the same for the gradient programs and the optimizer step. After that first step the run
+meets no program it has not compiled: every shape a later step's plan can take is in the layout, and every other
+array of a step keeps its shape (the trainer pads responses to the budget). Programs are lowered one at a time
+(Python, holding the GIL) and compiled on `threads` threads (g2rl_jax/compile_pool.py), each lowered over arguments
+with the shapes, dtypes and shardings the step's own call passes: real arrays, or abstract ones copied from the
+compiled outputs that feed them. A jitted function keeps what `fn.lower(args).compile()` compiled, so the step's
+later call runs that executable without lowering or compiling again (jax's lowering cache; tests/test_warmup.py
+counts the compiles). It changes when programs compile, nothing they compute. The packed passes' lowerings
+(packed_score_lowers, packed_update_lowers) take abstract batches too: `plan --compile` lowers the same programs
+(aot/packed.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import sys
 from typing import Any, Callable
 
@@ -35,16 +36,18 @@ import numpy as np
 
 from g2rl_jax import methods, parallel, storage
 from g2rl_jax.compile_pool import MAX_AUTO_THREADS, Timing, compile_all, resolve_threads
+from g2rl_jax.shapes import choice as choice_lib
+from g2rl_jax.shapes import record
+from g2rl_jax.shapes.layouts import Layout, PackShape
+from g2rl_jax.shapes.prices import Device
+from g2rl_jax.shapes.step import step_shapes
 from g2rl_jax.train import micro as micro_lib
 from g2rl_jax.train import passes
-from g2rl_jax.train import shapes as shapes_lib
 from g2rl_jax.train import step as train_step
 from g2rl_jax.train import update as train_update
-from g2rl_jax.train.packing import PackShape
 
-__all__ = ["CHOICE_FILE", "MAX_AUTO_THREADS", "Lowers", "RunWarmup", "Timing", "choice_key", "choice_record",
-           "compile_all", "packed_accumulators", "packed_score_lowers", "packed_update_lowers", "resolve_threads"]
-CHOICE_FILE = "micro_shapes.json"  # in the run directory: the set the run uses, for its resumes
+__all__ = ["MAX_AUTO_THREADS", "Lowers", "RunWarmup", "Timing", "compile_all", "packed_accumulators",
+           "packed_score_lowers", "packed_update_lowers", "resolve_threads"]
 
 
 def _template(x) -> jax.ShapeDtypeStruct:
@@ -54,49 +57,34 @@ def _template(x) -> jax.ShapeDtypeStruct:
                                 weak_type=bool(getattr(getattr(x, "aval", x), "weak_type", False)))
 
 
-def choice_key(micro: int, min_rows: int, resp_len: int, shares: dict[int, float]) -> dict:
-    """The sizes a shape file holds for: micro-batch rows, row shards, response width, the data's prompt buckets."""
-    return {"micro": micro, "min_rows": min_rows, "resp_len": resp_len, "prompts": sorted(shares)}
-
-
-def choice_record(key: dict, shapes: micro_lib.ShapeSet, prompts: tuple[int, ...], source: str) -> str:
-    """A shape file's text (CHOICE_FILE, run.shapes_file): the sizes it holds for, the set by name and shapes, the
-    prompt buckets and where they came from."""
-    return json.dumps({"key": key, "name": shapes.name, "shapes": [list(s) for s in shapes.shapes],
-                       "prompts": list(prompts), "source": source}, sort_keys=True) + "\n"
-
-
 class RunWarmup:
-    """The run's micro-batch shape set and prompt buckets, and their compiled programs (module docstring).
-    `timings` keeps the Timing of every program it compiled (executables dropped), `choice` the shapes.Choice when
-    it chose one (None when a file gave the set). prompt_lengths: the training prompts' lengths (their buckets and
-    how often a step's longest falls in each, shapes.prompt_shares); rollout: one prompt bucket's rollout programs
-    by kind (aot/bill.rollout_counts), which the choice prices."""
+    """The run's layout and prompt buckets, and their compiled programs (module docstring). `timings` keeps the
+    Timing of every program it compiled (executables dropped), `choice` the shapes.choice.Choice when it chose one
+    (None when a file gave the layout). prompt_lengths: the training prompts' lengths (their buckets and how often a
+    step's longest falls in each, choice.prompt_shares); step: the step's sizes on the training mesh
+    (shapes.step.step_shapes); device: its chips (shapes.prices.Device.of), which the choice prices."""
 
     def __init__(self, cfg, model, *, threads: int, choice_file: storage.PathLike | None, prompt_lengths,
-                 rollout: dict[str, int], device: shapes_lib.Device | None = None):
+                 step, device: Device):
         self.cfg, self.model, self.threads, self.choice_file = cfg, model, threads, choice_file
-        self.device = shapes_lib.Device.local() if device is None else device
-        self.lengths, self.rollout = np.asarray(prompt_lengths), rollout
-        self.shares = shapes_lib.prompt_shares(self.lengths, cfg.data.prompts_per_step)
-        self.shapes: micro_lib.ShapeSet | None = None
-        self.layout: micro_lib.ShapeSet | PackShape | None = None  # what the passes run at: shapes, or packed rows
+        self.step, self.device = step, device
+        self.lengths = np.asarray(prompt_lengths)
+        self.shares = choice_lib.prompt_shares(self.lengths, cfg.data.prompts_per_step)
+        self.layout: Layout | None = None  # what the passes run at: a ShapeSet, or packed rows (PackShape)
         self.prompts: tuple[int, ...] | None = None
-        self.choice: shapes_lib.Choice | None = None
-        self.source: str | None = None  # where the set came from: "recorded", "pinned", "model"
+        self.choice: choice_lib.Choice | None = None
+        self.source: str | None = None  # where the layout came from: "recorded", "pinned", "model"
         self.timings: list[Timing] = []
         self._done: set[tuple] = set()
         self._step_rows: int | None = None  # the step's batch rows, which the score programs were compiled for
 
     @classmethod
     def for_run(cls, cfg, model, mesh, run_dir, prompt_lengths) -> "RunWarmup":
-        """The trainer's: Qwen3 config `model`, on `mesh`, recording its set in run_dir / CHOICE_FILE."""
-        from g2rl_jax.aot.bill import rollout_counts
-        from g2rl_jax.aot.programs import step_shapes
-
-        s = step_shapes(cfg, mesh)
-        return cls(cfg, model, threads=resolve_threads(cfg.run.compile_threads), choice_file=run_dir / CHOICE_FILE,
-                   prompt_lengths=prompt_lengths, rollout=rollout_counts(s.buckets))
+        """The trainer's: Qwen3 config `model`, on the training `mesh` (its chips price the choice, the rollout's
+        devices not), recording its layout in run_dir / CHOICE_FILE."""
+        return cls(cfg, model, threads=resolve_threads(cfg.run.compile_threads),
+                   choice_file=run_dir / record.CHOICE_FILE, prompt_lengths=prompt_lengths,
+                   step=step_shapes(cfg, mesh), device=Device.of(mesh))
 
     def prompt_len(self, longest: int) -> int:
         """The prompt length a step whose longest prompt has `longest` tokens pads to: the largest bucket until the
@@ -105,7 +93,7 @@ class RunWarmup:
 
         if self.prompts is None:
             return max(self.shares)
-        return shapes_lib.pad_prompt(bucket(longest, MIN_PROMPT_BUCKET), self.prompts)
+        return choice_lib.pad_prompt(bucket(longest, MIN_PROMPT_BUCKET), self.prompts)
 
     def _compile(self, lowers: list[Callable[[], Any]]) -> list[Timing]:
         """Lower and compile on the pool; the Timings with their executables (the record keeps them without)."""
@@ -116,88 +104,66 @@ class RunWarmup:
         return timings
 
     # ------------------------------------------------------------------------------------------- the choice
-    def _read(self, path, key: dict, sets: dict, pinned: bool) -> tuple[str, tuple[int, ...]] | None:
-        """(set name, prompt buckets) of a shape file made for the same sizes; None when there is none (or, for the
-        run's own record, when it holds for other sizes: the run then chooses again). A pinned file that does not
-        fit raises ConfigError."""
-        from g2rl_jax.config import ConfigError
-
-        where = f"run.shapes_file={path}"
-        if not storage.is_file(path):
-            if pinned:
-                raise ConfigError(f"{where}: no such file; write one with `python -m g2rl_jax.bench tune-shapes "
-                                  "--config FILE --out FILE` or leave run.shapes_file empty")
-            return None
-        try:
-            saved = json.loads(storage.read_text(path))
-            name, prompts = saved["name"], tuple(saved["prompts"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            if pinned:
-                raise ConfigError(f"{where}: not a shape file ({err}); write it again with `python -m g2rl_jax.bench "
-                                  "tune-shapes`") from None
-            return None
-        fits = saved.get("key") == key and name in sets and prompts and set(prompts) <= set(self.shares)
-        if pinned and not fits:
-            raise ConfigError(f"{where} holds for {saved.get('key')}, this run has {key}; tune it again for this "
-                              "config (`python -m g2rl_jax.bench tune-shapes`) or leave run.shapes_file empty")
-        return (name, prompts) if fits else None
+    def layouts(self) -> dict[str, Layout]:
+        """The run's candidate layouts by name (choice.candidates, and choice.packed_candidates unless
+        algorithm.packing is false; only those with it true)."""
+        s, packing = self.step, self.cfg.algorithm.packing
+        args = (self.cfg.algorithm.micro_batch_size, s.shards, max(self.shares), s.new_tokens)
+        grouped = choice_lib.candidates(*args) if packing is not True else {}
+        return {**grouped, **(choice_lib.packed_candidates(*args) if packing is not False else {})}
 
     def _choose(self, batch: train_step.Batch, *, micro: int) -> None:
-        """The run's set and prompt buckets (module docstring): the recorded ones, the pinned ones or the model's,
+        """The run's layout and prompt buckets (module docstring): the recorded ones, the pinned ones or the model's,
         recorded in choice_file; process 0 reads the files and every process takes its pick."""
-        seq_len, resp_len = batch.input_ids.shape[1], batch.response_mask.shape[1]
-        prompt_len, min_rows = seq_len - resp_len, micro_lib.row_shards(batch.rewards)
-        key = choice_key(micro, min_rows, resp_len, self.shares)
-        sets = shapes_lib.candidates(micro, min_rows, prompt_len, resp_len)
-        names, buckets = list(sets), sorted(self.shares)
+        resp_len, min_rows = batch.response_mask.shape[1], micro_lib.row_shards(batch.rewards)
+        if (batch.prompt_len, resp_len, min_rows) != (max(self.shares), self.step.new_tokens, self.step.shards):
+            raise ValueError(f"the first step's batch has {batch.prompt_len} prompt and {resp_len} response "
+                             f"positions on {min_rows} row shards; the run's shapes were planned for "
+                             f"{max(self.shares)}, {self.step.new_tokens} and {self.step.shards}")
+        key = record.choice_key(micro, min_rows, resp_len, self.shares)
+        layouts = self.layouts()
+        names, buckets = list(layouts), sorted(self.shares)
         picked, source = None, None
         if jax.process_index() == 0:
             if self.choice_file is not None:
-                picked, source = self._read(self.choice_file, key, sets, pinned=False), "recorded"
+                picked, source = record.read_record(self.choice_file, key, names, buckets, pinned=False), "recorded"
             if picked is None and self.cfg.run.shapes_file:
-                picked, source = self._read(self.cfg.run.shapes_file, key, sets, pinned=True), "pinned"
+                picked = record.read_record(self.cfg.run.shapes_file, key, names, buckets, pinned=True)
+                source = "pinned"
         if picked is None:
-            choice = shapes_lib.choose_for(self.cfg, self.model, self.device, self.lengths, micro=micro,
-                                           min_rows=min_rows, prompt_len=prompt_len, resp_len=resp_len,
-                                           step_rows=batch.rewards.shape[0], rollout=self.rollout)
-            picked, source, self.choice = (choice.shapes.name, choice.prompts), "model", choice
+            choice = choice_lib.choose_for(self.cfg, self.model, self.device, self.lengths, step=self.step)
+            picked, source, self.choice = (choice.layout.name, choice.prompts), "model", choice
         index, mask = names.index(picked[0]), np.array([b in picked[1] for b in buckets])
         if parallel.host_count() > 1:  # process 0 decides, so every process runs the same programs
             index = int(parallel.broadcast_one_to_all(np.int32(index)))  # over this side's processes
             mask = np.asarray(parallel.broadcast_one_to_all(mask))
-        self.shapes, self.prompts = sets[names[index]], tuple(b for b, m in zip(buckets, mask) if m)
+        self.layout, self.prompts = layouts[names[index]], tuple(b for b, m in zip(buckets, mask) if m)
         self.source = source
-        if self.choice is not None and (self.choice.shapes, self.choice.prompts) != (self.shapes, self.prompts):
+        if self.choice is not None and (self.choice.layout, self.choice.prompts) != (self.layout, self.prompts):
             self.choice = None  # process 0 read a file: this process's own choice is not the run's
         if jax.process_index() == 0:
-            said = {"recorded": f"as {CHOICE_FILE} recorded them (a resume keeps its set)",
+            said = {"recorded": f"as {record.CHOICE_FILE} recorded them (a resume keeps its layout)",
                     "pinned": f"as run.shapes_file={self.cfg.run.shapes_file} pins them",
                     "model": f"chosen by the estimated time of {self.cfg.run.total_steps} steps on "
-                             f"{self.device.describe()} (train/shapes.py)"}[source]
-            print(f"micro-batch shapes {self.shapes.name} ({len(self.shapes.shapes)} shapes), prompt buckets "
+                             f"{self.device.describe()} (g2rl_jax/shapes/choice.py)"}[source]
+            what = ("the score, reference and gradient passes pack whole sequences into these rows"
+                    if isinstance(self.layout, PackShape) else "length-grouped micro-batches")
+            print(f"{self.layout.name} ({len(self.layout.shapes)} shapes; {what}), prompt buckets "
                   f"{list(self.prompts)}: {said}", file=sys.stderr, flush=True)
             if self.choice is not None:
                 for line in self.choice.lines(self.cfg.run.total_steps):
                     print("  " + line, file=sys.stderr, flush=True)
             if self.choice_file is not None and source != "recorded":
-                storage.write_text(self.choice_file, choice_record(key, self.shapes, self.prompts, source))
+                storage.write_text(self.choice_file, record.choice_record(key, self.layout, self.prompts, source))
 
     # ------------------------------------------------------------------------------------------- the programs
     def score(self, graphdef, params, reference, batch: train_step.Batch, *, temperature: float, micro: int,
-              batch_like: Callable[[int], train_step.Batch],
-              chunk: int = train_step.g2rl.DEFAULT_CHUNK) -> micro_lib.ShapeSet:
-        """The run's set (chosen on the first call), with its score and reference programs compiled at every prompt
-        bucket (reference: (graphdef, params) of the KL reference, or None without the KL term; batch_like(S): a
-        batch placed like `batch` with prompts of S tokens)."""
-        if self.shapes is None:
+              batch_like: Callable[[int], train_step.Batch], chunk: int = train_step.g2rl.DEFAULT_CHUNK) -> Layout:
+        """The run's layout (chosen on the first call), with its score and reference programs compiled at every
+        prompt bucket (reference: (graphdef, params) of the KL reference, or None without the KL term;
+        batch_like(S): a batch placed like `batch` with prompts of S tokens)."""
+        if self.layout is None:
             self._choose(batch, micro=micro)
-            self.layout = self.shapes
-            if self.cfg.algorithm.packing:
-                self.layout = PackShape.of(micro, micro_lib.row_shards(batch.rewards), prompt_len=max(self.prompts),
-                                           resp_len=batch.response_mask.shape[1])
-                if jax.process_index() == 0:
-                    print(f"{self.layout.name}: the score, reference and gradient passes pack whole sequences "
-                          "into rows of this width (algorithm.packing)", file=sys.stderr, flush=True)
         if isinstance(self.layout, PackShape):
             self._packed_score(graphdef, params, reference, batch, temperature=temperature, chunk=chunk)
             return self.layout
@@ -215,8 +181,8 @@ class RunWarmup:
                 passes.append((train_step.ref_micro, *reference, packed_accumulators(like, hidden)[0]))
             self._compile_outs([(functools.partial(fn.lower, gd, p, like, np.arange(r, dtype=np.int32), width=w,
                                                    **static), outs)
-                                for fn, gd, p, outs in passes for r, w in self.shapes.shapes])
-        return self.shapes
+                                for fn, gd, p, outs in passes for r, w in self.layout.shapes])
+        return self.layout
 
     def _compile_outs(self, jobs: list) -> None:
         """Compile each job (lower(outs) -> Lowered, the outputs it puts into) for its outputs as the run's first
@@ -257,14 +223,14 @@ class RunWarmup:
         outs = packed_accumulators(batch, train_step.hidden_size(graphdef, params))
         self._compile_outs([(functools.partial(train_step.score_micro.lower, graphdef, params, batch,
                                                np.arange(r, dtype=np.int32), width=w, temperature=settings.temperature,
-                                               chunk=settings.chunk), outs) for r, w in self.shapes.shapes])
+                                               chunk=settings.chunk), outs) for r, w in self.layout.shapes])
 
     def update(self, graphdef, params, mini: train_step.MiniBatch, *, settings: train_update.LossSettings,
                mini_like: Callable[[int], train_step.MiniBatch], opt_state=None, optimizer=None) -> None:
         """The gradient program at every shape of the set and every prompt bucket (over mini-batches like `mini`;
         mini_like(S): one with prompts of S tokens) and, with `optimizer`, the optimizer step
         (train_update.apply_gradients) of `opt_state`; after `score` chose the set."""
-        if self.shapes is None:
+        if self.layout is None:
             return
         lowers, acc = [], None
         if isinstance(self.layout, PackShape):
@@ -284,7 +250,7 @@ class RunWarmup:
             rows = like.batch.response_mask.shape[0]
             if methods.get(self.cfg.algorithm.exploration).tokens is not None and rows != self._step_rows:
                 self._current_scores(graphdef, params, like.batch, settings)
-            for r, w in self.shapes.shapes:
+            for r, w in self.layout.shapes:
                 rows_X = np.arange(r, dtype=np.int32)
                 if acc is None:  # the same for every shape
                     mb = jax.eval_shape(lambda m, x, w=w: train_step.take_rows(m, x, w), like, rows_X)

@@ -1,0 +1,274 @@
+"""The lease: what the run lock (control/runlock.py, an object in the run directory) and the rollout processes'
+liveness (`KeyLease`, a counter in the run's key-value channel, control/channel.py) both are. A holder renews it
+every third of the lease; anyone else watches it and counts it lapsed once it saw no change for a whole lease.
+
+The timing, with L the lease and M = MARGIN_SHARE x L the margin:
+
+    holder   sends renewal i at s_i (its monotonic clock, taken before the request leaves); once the store confirms
+             it (its answer, or a later read that finds the record it carried), the lease holds until s_i + L, and
+             the holder writes until s_i + L - M. No confirmation by then: it writes nothing (control/fence.py
+             refuses every write of run state) and, unless a renewal confirms meanwhile, stops at s_i + L.
+    watcher  takes the lease over once it has seen no change for L past the last change it saw (its own monotonic
+             clock). It cannot see renewal i before s_i, so it takes over at s_i + L at the earliest.
+
+So the holder stops writing M before any other host could count its lease lapsed, whenever its replies come (a reply
+delayed by a retried upload extends nothing: the lease counts from the send). M covers a write that passed the fence
+check just before s_i + L - M and is still on its way to the store (a request of the paced gcsfs client is checked
+right before it leaves). A renewal is an overwrite conditional on the generation the holder last confirmed, so one
+that lands proves no one took the lease meanwhile: a holder frozen past its lease (SIGSTOP, a VM paused) whose lease
+nobody took keeps it, with the gap's writes held back until that renewal confirms.
+
+Renewals are sent on schedule even while one is still unanswered. A renewal whose answer was lost (applied, reply
+dropped or late) makes the next one fail its precondition; the holder then reads the record, finds its own identity
+and the nonce of the renewal that landed (control/holder.py), and counts its lease from that renewal's send.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from g2rl_jax.control.errors import RunFailure
+
+MARGIN_SHARE = 0.2  # the holder stops writing this share of the lease before the lease it last confirmed ends
+RENEWALS_PER_LEASE = 3  # a renewal every third of the lease
+MAX_PENDING = 2  # renewals in flight at once (a third is not sent while two are unanswered)
+MIN_LEASE_S = 3.0  # the smallest lease a holder takes (the run lock's own floor is run.lock_lease_seconds')
+
+
+def warn(message: str) -> None:
+    """A warning on stderr on a line of its own (the renewal thread warns while the progress bar is drawn)."""
+    from g2rl_jax.control import stop
+
+    stop.print_own_line(f"warning: {message}")
+
+
+class Renewed:
+    """A renewal's outcome: it landed, and the store's version token is now `token`."""
+
+    def __init__(self, token, nonce: str | None = None):
+        self.token, self.nonce = token, nonce  # nonce: the renewal that landed, when it was not the one sent
+
+
+class Lost(Exception):
+    """A renewal found the lease held by another, or gone: `line` says by whom."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
+
+
+class Holder:
+    """This process's hold on one lease: a daemon thread sends `renew(nonce, token)` every third of the lease
+    (`Renewed`, or `Lost`, or an exception when the store did not answer) and keeps the time until which the lease
+    is known held. When it is lost, or no renewal confirmed for a whole lease, `verdict` is set and `on_end(verdict)`
+    runs (the run lock stops the run; see the module docstring for the timing)."""
+
+    def __init__(self, name: str, lease_s: float, token, sent_at: float, nonce: str,
+                 renew: Callable[[str, object], Renewed], on_end: Callable[[RunFailure], None],
+                 unreachable_line: Callable[[float, BaseException | None], RunFailure]):
+        self.name, self.lease_s, self.margin_s = name, float(lease_s), MARGIN_SHARE * float(lease_s)
+        self.token, self.confirmed_at = token, sent_at  # the newest renewal known to have landed: its send time
+        self._token_sent = sent_at  # the send time of the renewal that wrote `token`
+        self._renew, self._on_end, self._unreachable = renew, on_end, unreachable_line
+        self._sent: dict[str, float] = {nonce: sent_at}  # nonce -> send time, of the renewals since the start
+        self._pending = 0
+        self._error: BaseException | None = None  # the last renewal's error while none confirms
+        self.verdict: RunFailure | None = None
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"{name} lease", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------------------------- what holds
+    def writable_until(self) -> float:
+        """Until when (monotonic) this holder may write: the confirmed renewal's send + lease - margin."""
+        return self.confirmed_at + self.lease_s - self.margin_s
+
+    def held(self) -> bool:
+        return self.verdict is None and time.monotonic() < self.writable_until()
+
+    def wait_held(self) -> None:
+        """Return at once while the lease is held; past the margin, wait for a renewal to confirm it (or for the
+        verdict), then return or raise the verdict (LeaseLost: lost, or not known held)."""
+        with self._cond:
+            while self.verdict is None and time.monotonic() >= self.writable_until() and not self._stopped:
+                self._cond.wait(0.05)
+            if self.verdict is not None:
+                raise self.verdict
+
+    # ---------------------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        """Send a renewal every third of the lease (and at once when the lease is past its margin with none in
+        flight); past the lease's end, one final renewal decides: landed (the lease goes on), lost (LeaseLost), or
+        no answer within the margin (not known held: LeaseLost with the storage's exit code)."""
+        every, retry = self.lease_s / RENEWALS_PER_LEASE, max(self.lease_s / 12, 0.25)
+        next_send, last_send, final_at = self.confirmed_at + every, self.confirmed_at, None
+        with self._cond:
+            while not self._stopped and self.verdict is None:
+                now, end = time.monotonic(), self.confirmed_at + self.lease_s
+                if final_at is not None and final_at < self.writable_until():  # confirmed since: not final
+                    final_at = None
+                if now >= end and final_at is None:  # frozen past the lease, or no renewal confirmed: one
+                    final_at = next_send = now  # more (or those in flight), then decide
+                if final_at is not None and now >= max(end, final_at + self.margin_s):
+                    self._end(self._unreachable(now - self.confirmed_at, self._error))
+                    return
+                behind = now >= self.writable_until() and self._pending == 0 and now - last_send >= retry
+                if (now >= next_send or behind) and self._pending < MAX_PENDING:
+                    if final_at is None and now >= self.writable_until():
+                        final_at = now
+                    self._pending += 1
+                    next_send, last_send = now + every, now
+                    threading.Thread(target=self._one, name=f"{self.name} renewal", daemon=True).start()
+                    continue
+                wakes = [end if final_at is None else max(end, final_at + self.margin_s)]
+                if self._pending < MAX_PENDING:
+                    wakes.append(next_send)
+                if self._pending == 0:
+                    wakes.append(self.writable_until() if now < self.writable_until() else last_send + retry)
+                self._cond.wait(max(min(wakes) - now, 0.001))
+
+    def _one(self) -> None:
+        nonce = uuid.uuid4().hex
+        sent_at = time.monotonic()
+        with self._cond:
+            self._sent[nonce] = sent_at
+            token = self.token
+        try:
+            outcome = self._renew(nonce, token)
+        except Lost as lost:
+            from g2rl_jax.control.errors import LeaseLost
+
+            with self._cond:
+                self._pending -= 1
+                if not self._stopped:
+                    self._end(LeaseLost(lost.line))
+            return
+        except Exception as err:  # noqa: BLE001 - a store that did not answer: the lease's clock decides
+            with self._cond:
+                self._pending -= 1
+                self._error = err
+                self._cond.notify_all()
+                stopped, left = self._stopped, self.confirmed_at + self.lease_s - time.monotonic()
+            if not stopped:
+                warn(f"could not renew the lease on {self.name} ({type(err).__name__}: "
+                     f"{' '.join(str(err).split())[:200]}); retrying while its lease of {self.lease_s:g} s has "
+                     f"{max(left, 0):.0f} s left")
+            return
+        with self._cond:
+            self._pending -= 1
+            landed = self._sent.get(outcome.nonce or nonce)  # None: older than a renewal confirmed meanwhile
+            if landed is not None and landed >= self._token_sent:  # a late answer never brings an older token back
+                self.token, self._token_sent = outcome.token, landed
+            if landed is not None and landed > self.confirmed_at:
+                self.confirmed_at, self._error = landed, None
+                # an older renewal can no longer land (its precondition is an older token)
+                self._sent = {n: t for n, t in self._sent.items() if t >= landed}
+            self._cond.notify_all()
+
+    def _end(self, verdict: RunFailure) -> None:
+        """(under the condition) The lease is over: wake the writers waiting on it, then `on_end` (which may end
+        the process) outside the condition."""
+        self.verdict = verdict
+        self._cond.notify_all()
+        threading.Thread(target=self._on_end, args=(verdict,), name=f"{self.name} lease end", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop renewing (a release: the caller deletes or leaves the record)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+
+
+class Watch:
+    """Someone else's lease as a watcher sees it: a version token looked at now and then; lapsed once it has not
+    changed for a whole lease past the last change seen (monotonic clock)."""
+
+    def __init__(self, lease_s: float):
+        self.lease_s = float(lease_s)
+        self.token, self.since = None, None  # the token last seen, and when it was first seen
+
+    def look(self, token, now: float | None = None) -> bool:
+        """Record a look at the lease; True when its token changed since the last look (not at the first)."""
+        now = time.monotonic() if now is None else now
+        changed = self.since is not None and token != self.token
+        if self.since is None or changed:
+            self.token, self.since = token, now
+        return changed
+
+    def unchanged_for(self, now: float | None = None) -> float:
+        return 0.0 if self.since is None else (time.monotonic() if now is None else now) - self.since
+
+    def lapsed(self, now: float | None = None) -> bool:
+        return self.since is not None and self.unchanged_for(now) >= self.lease_s
+
+
+# ---------------------------------------------------------------------------------------------- in the key-value store
+class KeyLease:
+    """The rollout processes' liveness (mesh.rollout_processes, train/sides.py): rollout process P holds
+    `<prefix>/alive/P`, a counter in the run's key-value channel (control/channel.py) that it increments every third
+    of `seconds` (a `Holder` whose renewal always lands); the first training process `watch`es every rollout
+    process's counter and, when one has not changed for `seconds` (a `Watch`), stops the run with PEER_LOST (the
+    process died or hangs)."""
+
+    def __init__(self, prefix: str, seconds: float):
+        self.prefix, self.seconds = prefix, float(seconds)
+        self._done = threading.Event()
+        self._holder: Holder | None = None
+
+    def renew(self) -> KeyLease:
+        import jax
+
+        from g2rl_jax.control import channel
+
+        key = f"{self.prefix}/alive/{jax.process_index()}"
+
+        def increment(nonce, token) -> Renewed:
+            return Renewed(channel.default().increment(key, 1))
+
+        sent = time.monotonic()
+        first = increment(None, None).token
+        self._holder = Holder(key, self.seconds, first, sent, "first", increment, on_end=lambda verdict: None,
+                              unreachable_line=lambda seconds, err: _key_store_gone(key, seconds))
+        return self
+
+    def watch(self, rollout_processes: list[int]) -> KeyLease:
+        def watch_forever():
+            from g2rl_jax.control import channel, stop
+            from g2rl_jax.control.exits import Exit
+
+            keys = {p: f"{self.prefix}/alive/{p}" for p in rollout_processes}
+            seen = {p: Watch(self.seconds) for p in rollout_processes}
+            while not self._done.wait(min(1.0, self.seconds / 9)):
+                try:
+                    now = {p: channel.default().increment(key, 0) for p, key in keys.items()}
+                except channel.StoreGone:  # jax.distributed is shutting down: nothing left to watch
+                    return
+                for p in keys:
+                    seen[p].look(now[p])
+                late = [p for p in keys if seen[p].lapsed()]
+                if late and not self._done.is_set():
+                    stop.stop_everywhere(f"the rollout process {late[0]} (mesh.rollout_processes) has not renewed "
+                                         f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
+                                         "hangs. The checkpoints committed stand: end it if it still runs, and "
+                                         "relaunch every process with the same command to resume",
+                                         int(Exit.PEER_LOST), gone=(late[0],))
+
+        threading.Thread(target=watch_forever, name="g2rl-sides-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._holder is not None:
+            self._holder.stop()
+
+
+def _key_store_gone(key: str, seconds: float) -> RunFailure:
+    """A rollout process whose increments fail: the trainer, and its key-value store, are gone (JAX ends this
+    process); the verdict ends nothing by itself."""
+    from g2rl_jax.control.errors import PeerLost
+
+    return PeerLost(f"{key} could not be renewed for {seconds:.0f} s: the trainer's key-value store is gone")

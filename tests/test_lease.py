@@ -1,0 +1,242 @@
+"""The lease (g2rl_jax/control/lease.py) and its fence (control/fence.py). In one process, with a renewal function
+the test controls: the lease counts from a renewal's send, not its reply; writes stop a margin before a watcher could
+count it lapsed; a store that stops answering ends it as the storage's failure, a lock taken as lost; a renewal whose
+reply was lost is found again by its nonce. Between real processes, on the GCS server behind the strict proxy: a
+renewal's reply delayed by a whole lease (never two holders: the holder keeps its lease, a second trainer is
+refused), a renewal applied whose reply never came (the holder keeps its lease), two trainers with one hostname in
+two PID namespaces (the second waits and is refused), and a notebook's kernel, which a lost lease does not end.
+(A holder frozen past its lease and taken over by a trainer on another host: test_preemption.py.)"""
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_preemption import LEASE, UNSHARE
+from test_train import _env
+
+from g2rl_jax import storage
+from g2rl_jax.control.errors import LeaseLost
+from g2rl_jax.control.exits import Exit
+from g2rl_jax.control.lease import MARGIN_SHARE, Holder, Lost, Renewed
+from g2rl_jax.control.runlock import LOCK_FILE
+
+
+def _holder(lease_s, renew):
+    ends = []
+    unreachable = lambda seconds, err: LeaseLost(f"not renewed for {seconds:.1f} s", Exit.STORAGE)  # noqa: E731
+    return Holder("test", lease_s, "g0", time.monotonic(), "n0", renew, ends.append, unreachable), ends
+
+
+# ------------------------------------------------------------------------------------------ one process
+def test_the_lease_counts_from_the_send_and_writes_stop_a_margin_before_it_ends():
+    """Each renewal answers 0.4 s after it was sent: the lease holds from the send. When the store stops answering,
+    writes stop at the last confirmed send + lease - margin (a watcher that saw that renewal cannot take over before
+    send + lease), and at send + lease the holder ends as the storage's failure (exit 75)."""
+    lease, sends, failing = 1.5, [], threading.Event()
+
+    def renew(nonce, token):
+        sends.append(time.monotonic())
+        if failing.is_set():
+            raise ConnectionError("the store is gone")
+        time.sleep(0.4)
+        return Renewed(f"g{len(sends)}")
+
+    holder, ends = _holder(lease, renew)
+    time.sleep(lease * 0.9)  # two renewals answered
+    assert len(sends) >= 2 and holder.held() and not ends
+    confirmed = holder.confirmed_at
+    assert any(abs(confirmed - s) < 0.05 for s in sends), (confirmed, sends)  # a send, not a reply (0.4 s later)
+    failing.set()
+    while holder.held():
+        time.sleep(0.01)
+    last = holder.confirmed_at  # the last renewal confirmed (one in flight when the store went may have been)
+    assert lease * (1 - MARGIN_SHARE) - 0.01 <= time.monotonic() - last < lease * (1 - MARGIN_SHARE) + 0.2
+    with pytest.raises(LeaseLost) as err:
+        holder.wait_held()  # a write now waits for the verdict
+    assert err.value.code == Exit.STORAGE and time.monotonic() - last >= lease - 0.01
+    assert ends == [err.value]
+    holder.stop()
+
+
+def test_a_lock_found_taken_is_lost_at_once():
+    def renew(nonce, token):
+        raise Lost("run lock lost: taken over by pid 7 on host 'vm-z'")
+
+    holder, ends = _holder(1.5, renew)
+    time.sleep(1.5 / 3 + 0.3)
+    assert not holder.held() and len(ends) == 1 and ends[0].code == Exit.LEASE_LOST
+    assert str(ends[0]).startswith("run lock lost: taken over by pid 7")
+    holder.stop()
+
+
+def test_a_renewal_whose_reply_was_lost_is_found_by_its_nonce():
+    """The first renewal lands and its reply does not come (the call hangs); the next fails its precondition, finds
+    the record with this holder's identity and the first renewal's nonce, and counts the lease from that renewal's
+    send: the holder keeps its lease through several leases. The first one's reply, arriving at last, brings no
+    older token back: the renewals after it stay conditional on the newest."""
+    lease, calls, hung = 1.2, [], threading.Event()
+
+    def renew(nonce, token):
+        calls.append((nonce, time.monotonic(), token))
+        number = len(calls)
+        if number == 1:
+            hung.wait()  # applied by the store, its reply late
+        return Renewed(f"g{number}", nonce=calls[0][0] if number == 2 else None)
+
+    holder, ends = _holder(lease, renew)
+    time.sleep(3 * lease)
+    assert holder.held() and not ends, ends
+    assert calls[1][2] == "g0" and calls[2][2] == "g2"  # conditional on the start's token, then the record read back
+    hung.set()  # the first renewal's reply, "g1", three leases late
+    time.sleep(lease)
+    assert holder.held() and not ends and calls[-1][2] == f"g{len(calls) - 1}", calls
+    holder.stop()
+
+
+# ------------------------------------------------------------------------------------------ real processes
+HOLD_AND_WRITE = ("import sys, time\n"
+                  "from g2rl_jax import storage\n"
+                  "from g2rl_jax.control.runlock import RunLock\n"
+                  "RunLock(sys.argv[1], float(sys.argv[2])).acquire()\n"
+                  "print('held', flush=True)\n"
+                  "i = 0\n"
+                  "while True:\n"
+                  "    storage.write_text(sys.argv[1] + '/' + sys.argv[3], str(i)); i += 1\n"
+                  "    time.sleep(0.3)\n")
+TRY_TO_TAKE = ("import sys, time\n"
+               "from g2rl_jax.config import ConfigError\n"
+               "from g2rl_jax.control.runlock import RunLock\n"
+               "end = time.monotonic() + float(sys.argv[3])\n"
+               "while time.monotonic() < end:\n"
+               "    try:\n"
+               "        RunLock(sys.argv[1], float(sys.argv[2])).acquire()\n"
+               "    except ConfigError:\n"
+               "        print('refused', flush=True); continue\n"
+               "    print('held', flush=True); break\n")
+
+
+def _start(code: str, *args, env=None, prefix=()):
+    return subprocess.Popen([*prefix, sys.executable, "-c", code, *map(str, args)], env=env or _env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _record(run: str) -> dict:
+    return json.loads(storage.read_text(f"{run}/{LOCK_FILE}"))
+
+
+def _writes(gcs, obj: str, since: int) -> list:
+    return [r for r in gcs.proxy.log[since:] if r.obj == obj and r.kind == "upload" and 200 <= r.status < 300]
+
+
+def test_a_renewal_reply_delayed_by_a_lease_never_makes_two_holders(gcs):
+    """The proxy holds one renewal's reply (the store applied it) for a whole lease while a second trainer keeps
+    trying to start: the holder counts its lease from that renewal's send and confirms it by the next renewal (its own
+    record, that renewal's nonce), so it keeps the lease and writes on; the second trainer sees the renewals and is
+    refused every time. (The lease used to run from the reply: the holder stopped with exit 75.)"""
+    run = gcs.url("lease/delayed_reply")
+    holder = _start(HOLD_AND_WRITE, run, LEASE, "a.txt")
+    other = None
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-3000:]
+        before = len(gcs.proxy.log)
+        gcs.proxy.after_apply(f"{run.split('://', 1)[1]}/{LOCK_FILE}", delay_s=LEASE)
+        other = _start(TRY_TO_TAKE, run, LEASE, 3 * LEASE)
+        out, err = other.communicate(timeout=3 * LEASE + 120)
+        assert "held" not in out.split() and "refused" in out.split(), (out, err[-3000:])
+        assert holder.poll() is None, holder.stderr.read()[-3000:]
+        assert _record(run)["pid"] == holder.pid and gcs.proxy.fault_counts["late"] == 1
+        heartbeats = [r.t for r in _writes(gcs, f"{run.split('://', 1)[1]}/a.txt", before)]
+        assert max(b - a for a, b in zip(heartbeats, heartbeats[1:])) < LEASE * MARGIN_SHARE + 2, heartbeats
+    finally:
+        for proc in (holder, other):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_renewal_applied_whose_reply_never_came_keeps_the_lease(gcs):
+    """The proxy drops the replies of a renewal and of gcsfs's retry of it (the store applied the first): the holder
+    cannot tell whether it landed; its next renewal fails its precondition, finds the holder's own record with that
+    renewal's nonce, and the holder goes on holding. (It used to exit 3, naming itself as the new holder.)"""
+    run = gcs.url("lease/reply_dropped")
+    env = dict(_env(), G2RL_JAX_STORAGE_TIMEOUT="10")  # gcsfs's 2 attempts: both replies dropped
+    holder = _start(HOLD_AND_WRITE, run, LEASE, "a.txt", env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-3000:]
+        gcs.proxy.after_apply(f"{run.split('://', 1)[1]}/{LOCK_FILE}", drop=True, count=2)
+        time.sleep(2.5 * LEASE)
+        assert holder.poll() is None, holder.stderr.read()[-3000:]
+        assert gcs.proxy.fault_counts["lost"] == 2
+        assert _record(run)["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+needs_pid_namespaces = pytest.mark.skipif(
+    UNSHARE != ["unshare", "-u"] or subprocess.run(["unshare", "-u", "-p", "-f", "--mount-proc", "true"],
+                                                   capture_output=True).returncode != 0,
+    reason="needs root's `unshare -u -p -f --mount-proc` (a UTS and a PID namespace)")
+
+
+@needs_pid_namespaces
+def test_one_hostname_two_pid_namespaces_the_second_waits(tmp_path):
+    """Two trainers in two containers that share a hostname (host networking), each its own PID namespace, where
+    both are pid 1: the second cannot judge the first's pid (another namespace), so it watches the lock, sees it
+    renewed, and is refused in one line naming the holder's namespace. (Same hostname used to mean same pid space:
+    pid 1 = its own pid, "gone", and the second took the lock at once.)"""
+    from test_preemption import HOLD
+
+    run = str(tmp_path / "run")
+    box = ["unshare", "-u", "-p", "-f", "--mount-proc", "--kill-child", "sh", "-c",
+           'hostname vm-same && exec "$@"', "sh"]
+    first = _start(HOLD, run, LEASE, prefix=box)
+    second = None
+    try:
+        assert first.stdout.readline().strip() == "held", first.stderr.read()[-3000:]
+        assert _record(run)["pid"] == 1 and _record(run)["host"] == "vm-same"
+        second = _start(HOLD, run, LEASE, prefix=box)
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == Exit.BAD_INPUT, (out, err[-3000:])
+        assert out.startswith("refused run.output_dir:") and "pid 1 on host 'vm-same', PID namespace pid:[" in out
+        assert f"waiting up to {LEASE:g} s (its lease)" in err and first.poll() is None
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+
+
+NOTEBOOK = ("import sys, time, types\n"
+            "sys.modules['ipykernel'] = types.ModuleType('ipykernel')  # as in a notebook's kernel\n"
+            "from g2rl_jax import storage\n"
+            "from g2rl_jax.control.errors import LeaseLost\n"
+            "from g2rl_jax.control.runlock import RunLock\n"
+            "RunLock(sys.argv[1], 3.0).acquire()\n"
+            "print('held', flush=True)\n"
+            "try:\n"
+            "    while True: time.sleep(0.02)\n"
+            "except LeaseLost as err:\n"
+            "    print('raised', int(err.code), err, flush=True)\n"
+            "try:\n"
+            "    storage.write_text(sys.argv[1] + '/metrics.jsonl', 'x')\n"
+            "except LeaseLost as err:\n"
+            "    print('refused', int(err.code), flush=True)\n"
+            "print('alive', flush=True)\n")
+
+
+def test_in_a_notebook_a_lost_lease_raises_in_the_main_thread(tmp_path):
+    run = str(tmp_path / "run")
+    kernel = _start(NOTEBOOK, run)
+    try:
+        assert kernel.stdout.readline().strip() == "held", kernel.stderr.read()[-3000:]
+        storage.write_text(f"{run}/{LOCK_FILE}", json.dumps({"host": "vm-z", "pid": 7, "renewed": time.time()}))
+        out, err = kernel.communicate(timeout=60)
+    finally:
+        kernel.kill()
+    lines = out.splitlines()
+    assert kernel.returncode == 0 and lines[-1] == "alive", (out, err[-3000:])
+    assert lines[0].startswith("raised 3 run lock lost: ") and "pid 7 on host 'vm-z'" in lines[0], lines
+    assert lines[1] == "refused 3" and not (tmp_path / "run" / "metrics.jsonl").exists()
