@@ -140,13 +140,13 @@ def test_a_renewal_reply_delayed_by_a_lease_never_makes_two_holders(gcs):
     other = None
     try:
         assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-3000:]
-        before = len(gcs.proxy.log)
+        before, late = len(gcs.proxy.log), gcs.proxy.fault_counts["late"]  # the session's proxy: other tests' too
         gcs.proxy.after_apply(f"{run.split('://', 1)[1]}/{LOCK_FILE}", delay_s=LEASE)
         other = _start(TRY_TO_TAKE, run, LEASE, 3 * LEASE)
         out, err = other.communicate(timeout=3 * LEASE + 120)
         assert "held" not in out.split() and "refused" in out.split(), (out, err[-3000:])
         assert holder.poll() is None, holder.stderr.read()[-3000:]
-        assert _record(run)["pid"] == holder.pid and gcs.proxy.fault_counts["late"] == 1
+        assert _record(run)["pid"] == holder.pid and gcs.proxy.fault_counts["late"] == late + 1
         heartbeats = [r.t for r in _writes(gcs, f"{run.split('://', 1)[1]}/a.txt", before)]
         assert max(b - a for a, b in zip(heartbeats, heartbeats[1:])) < LEASE * MARGIN_SHARE + 2, heartbeats
     finally:
@@ -165,10 +165,11 @@ def test_a_renewal_applied_whose_reply_never_came_keeps_the_lease(gcs):
     holder = _start(HOLD_AND_WRITE, run, LEASE, "a.txt", env=env)
     try:
         assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-3000:]
+        lost = gcs.proxy.fault_counts["lost"]  # the session's proxy: other tests' faults too
         gcs.proxy.after_apply(f"{run.split('://', 1)[1]}/{LOCK_FILE}", drop=True, count=2)
         time.sleep(2.5 * LEASE)
         assert holder.poll() is None, holder.stderr.read()[-3000:]
-        assert gcs.proxy.fault_counts["lost"] == 2
+        assert gcs.proxy.fault_counts["lost"] == lost + 2
         assert _record(run)["pid"] == holder.pid
     finally:
         holder.kill()
