@@ -71,6 +71,50 @@ def test_a_lock_found_taken_is_lost_at_once():
     holder.stop()
 
 
+class _Clock:
+    """lease.py's clock, which a test moves forward at once: what the lease thread sees on waking from a freeze."""
+
+    def __init__(self):
+        self.skipped = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("taken", [True, False], ids=["taken", "not-taken"])
+def test_after_a_freeze_past_the_lease_the_final_renewals_answer_decides(monkeypatch, taken):
+    """The holder's thread wakes two leases late (a SIGSTOP, a paused VM), and the store takes longer than the
+    margin to answer its final renewal: that answer decides, not the margin. Taken over: lost (exit 3, not the
+    storage's 75). Not taken: the lease goes on."""
+    from g2rl_jax.control import lease as lease_module
+
+    clock, lease, frozen = _Clock(), 1.5, threading.Event()
+    monkeypatch.setattr(lease_module, "time", clock)
+
+    def renew(nonce, token):
+        if not frozen.is_set():
+            return Renewed(token)
+        time.sleep(lease * MARGIN_SHARE * 3)  # the store answers after more than the margin
+        if taken:
+            raise Lost("run lock lost: taken over by pid 7 on host 'vm-b'")
+        return Renewed("g-after")
+
+    holder, ends = _holder(lease, renew)
+    time.sleep(lease / 3 + 0.1)  # a renewal answered
+    assert holder.held() and not ends
+    frozen.set()
+    clock.skipped = 2 * lease  # the thread's next look at the clock is two leases later
+    time.sleep(lease * MARGIN_SHARE * 3 + 1.0)
+    if taken:
+        assert len(ends) == 1 and ends[0].code == Exit.LEASE_LOST, [(e.code, str(e)) for e in ends]
+    else:
+        assert not ends and holder.held() and holder.token == "g-after"
+    holder.stop()
+
+
 def test_a_renewal_whose_reply_was_lost_is_found_by_its_nonce():
     """The first renewal lands and its reply does not come (the call hangs); the next fails its precondition, finds
     the record with this holder's identity and the first renewal's nonce, and counts the lease from that renewal's

@@ -102,17 +102,21 @@ class Holder:
     def _run(self) -> None:
         """Send a renewal every third of the lease (and at once when the lease is past its margin with none in
         flight); past the lease's end, one final renewal decides: landed (the lease goes on), lost (LeaseLost), or
-        no answer within the margin (not known held: LeaseLost with the storage's exit code)."""
+        no answer within the margin (not known held: LeaseLost with the storage's exit code) unless this thread was
+        frozen past the lease, when the final renewal's answer decides (`_awaiting`)."""
         every, retry = self.lease_s / RENEWALS_PER_LEASE, max(self.lease_s / 12, 0.25)
         next_send, last_send, final_at = self.confirmed_at + every, self.confirmed_at, None
+        wake_at, paused = time.monotonic(), False
         with self._cond:
             while not self._stopped and self.verdict is None:
                 now, end = time.monotonic(), self.confirmed_at + self.lease_s
                 if final_at is not None and final_at < self.writable_until():  # confirmed since: not final
-                    final_at = None
+                    final_at, paused = None, False
+                if now >= end and now - wake_at > every:  # this thread did not run for a renewal's period: frozen
+                    paused = True
                 if now >= end and final_at is None:  # frozen past the lease, or no renewal confirmed: one
                     final_at = next_send = now  # more (or those in flight), then decide
-                if final_at is not None and now >= max(end, final_at + self.margin_s):
+                if final_at is not None and now >= max(end, final_at + self.margin_s) and not self._awaiting(paused):
                     self._end(self._unreachable(now - self.confirmed_at, self._error))
                     return
                 behind = now >= self.writable_until() and self._pending == 0 and now - last_send >= retry
@@ -128,7 +132,16 @@ class Holder:
                     wakes.append(next_send)
                 if self._pending == 0:
                     wakes.append(self.writable_until() if now < self.writable_until() else last_send + retry)
-                self._cond.wait(max(min(wakes) - now, 0.001))
+                if self._awaiting(paused):  # woken by the answer (or its error); the deadlines passed
+                    wakes = [w for w in wakes if w > now] + [now + retry]
+                wake_at = max(min(wakes), now + 0.001)
+                self._cond.wait(wake_at - now)
+
+    def _awaiting(self, paused: bool) -> bool:
+        """(under the condition) After a freeze past the lease, the final renewal's answer decides, however late
+        (the store's own timeout bounds it): the lease lapsed because this process did not run, not because the
+        store did not answer, and nothing is written meanwhile (the fence is closed past the margin)."""
+        return paused and self._error is None and self._pending > 0
 
     def _one(self) -> None:
         nonce = uuid.uuid4().hex
@@ -143,7 +156,7 @@ class Holder:
 
             with self._cond:
                 self._pending -= 1
-                if not self._stopped:
+                if not self._stopped and self.verdict is None:  # two renewals in flight may both find it lost
                     self._end(LeaseLost(lost.line))
             return
         except Exception as err:  # noqa: BLE001 - a store that did not answer: the lease's clock decides
