@@ -13,7 +13,8 @@ chips (/dev/accel*, /dev/vfio/N) or the variables a TPU VM sets (TPU_ACCELERATOR
 What fits (docs/lora.md): Qwen3-1.7B-Base with LoRA (configs/qwen3_1p7b_g2rl_lora.yaml) peaks at 10.3 GiB per chip,
 compiled without the hardware for one v5e chip, a T4 and an L4. Below compute capability 8.0 (T4, V100) cuDNN has
 no fused attention, so the config runs with `model.attention=xla`. The demo's config is a float32 full fine-tune
-of a tiny model: with a real Qwen3 it would need ~27 GB before any KV cache, so it only ever runs the demo model.
+of a tiny model: with a real Qwen3 it would need about 32 GiB (the planner's estimate) before any KV cache, so it
+only ever runs the demo model.
 """
 from __future__ import annotations
 
@@ -148,8 +149,8 @@ def choose(runtime: Runtime, model_path: str | None = None) -> Choice:
     if not lora_fits(runtime):
         raise ValueError(f"MODEL_PATH={model_path!r} is a real model, and {runtime.name or runtime.kind} cannot "
                          f"train it: Qwen3-1.7B with LoRA needs {LORA_PEAK_GIB} GiB on one chip (configs/demo.yaml, "
-                         "a float32 full fine-tune, needs ~27 GB before its KV cache); pick a T4, L4, A100 or TPU "
-                         "v5e-1 runtime, or leave MODEL_PATH unset for the demo")
+                         "a float32 full fine-tune, needs about 32 GiB before its KV cache, the planner's estimate); "
+                         "pick a T4, L4, A100 or TPU v5e-1 runtime, or leave MODEL_PATH unset for the demo")
     overrides: tuple[str, ...] = ()
     why = f"Qwen3-1.7B-Base with rank-64 LoRA, peak {LORA_PEAK_GIB} GiB of {runtime.memory_gib:g} per chip"
     cc = runtime.compute_capability
