@@ -207,6 +207,22 @@ def test_logprob_drift_matches_numpy():
     assert [float(x) for x in none] == [0.0, 0.0]
 
 
+def test_a_resumable_uploads_last_reply_lost_is_answered_on_its_retry_as_gcs_does(gcs):
+    """A rewrite of metrics.jsonl (a resumable upload) whose final request was applied and its reply lost: gcsfs
+    retries that request, and the proxy answers it as GCS answers a finished session (the object), where the
+    emulator alone answers 404."""
+    from g2rl_jax import storage
+    from g2rl_jax.bench.gcs_faults import Rule
+
+    path = gcs.url("metrics/resumable/metrics.jsonl")
+    rule = gcs.proxy.plan.add(Rule("lost", count=1, kinds=("upload",), obj=path.removeprefix("gs://")))
+    try:
+        storage.write_text(path, '{"step": 1}\n')
+    finally:
+        gcs.proxy.plan.remove(rule)
+    assert storage.read_text(path) == '{"step": 1}\n'
+
+
 def test_each_record_once_when_replies_are_lost_after_apply(gcs, monkeypatch):
     """On the emulator, the updates of metrics.jsonl, the TensorBoard events and eval's records meet 'applied, reply
     dropped' (gcs_faults.py: the server applies the request, then the client's answer is a dropped connection or a

@@ -116,6 +116,7 @@ class GcsProxy:
         self._last_update: dict[str, float] = {}
         self._object_locks: dict[str, threading.Lock] = {}
         self._uploads: dict[str, str] = {}  # resumable upload id -> object
+        self._finished: dict[str, tuple[int, list, bytes]] = {}  # resumable upload id -> its final answer
         self.log: list[Request] = []
         self.fault_counts: Counter = Counter()
         self._server = _Server(("127.0.0.1", port), self._handler())
@@ -267,7 +268,14 @@ class GcsProxy:
                     with proxy._object_lock(obj):
                         return self._conditional_delete(obj, query["ifGenerationMatch"])
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"expect"}}
-                return self._upstream(self.command, self.path, body, headers)
+                upload_id = query.get("upload_id") if kind == "upload" else None
+                if upload_id is not None and upload_id in proxy._finished:  # GCS answers a finished session's
+                    return proxy._finished[upload_id]  # retry with the object (the emulator: 404)
+                answer = self._upstream(self.command, self.path, body, headers)
+                if upload_id is not None and answer[0] in (200, 201):
+                    with proxy._lock:
+                        proxy._finished[upload_id] = answer
+                return answer
 
             def _compose(self, obj: str, query: dict, body: bytes) -> tuple[int, list, bytes]:
                 """A compose as GCS serves it: the sources' bytes uploaded onto the destination with the compose's
