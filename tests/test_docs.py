@@ -131,9 +131,7 @@ SOURCE = re.compile(r"`(?:[A-Z_][A-Z0-9_]*=\S+ )*(?:python|pytest|bash|du|uv|pip
                     r"|\]\((?:docs/)?[\w/]+\.md")
 BOUND = re.compile(r"\b(?:estimated?s?|modell?ed|model|not measured|at most|at least|default|up to|within|limit|"
                    r"below|above)\b", re.I)
-FIGURE_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in (
-    "api", "async", "demos", "fit", "gpu", "layout", "lora", "memory", "peers", "performance", "rewards", "study",
-    "testing", "tpu", "tpu_vm"))]
+FIGURE_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # every page
 # figures a model produced, with the subject that identifies them: wherever quoted, the sentence says estimate
 ESTIMATES = [re.compile(r"\b147\b.{0,40}\b1\.7B\b|\b1\.7B\b.{0,40}\b147\b")]
 
