@@ -172,10 +172,10 @@ def write_bytes(p: PathLike, data: bytes) -> None:
     if is_url(p):
         target.write_bytes(data)  # each request through the fence (storage_clients.py)
         return
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    with fence.guard(target):  # the run's lease held (control/fence.py)
+    with fence.guard(target):  # the run's lease held (control/fence.py): no file, not even the temporary, without
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
         os.replace(tmp, target)
 
 

@@ -1,7 +1,8 @@
 """The lease (g2rl_jax/control/lease.py) and its fence (control/fence.py). In one process, with a renewal function
 the test controls: the lease counts from a renewal's send, not its reply; writes stop a margin before a watcher could
 count it lapsed; a store that stops answering ends it as the storage's failure, a lock taken as lost; a renewal whose
-reply was lost is found again by its nonce. Between real processes, on the GCS server behind the strict proxy: a
+reply was lost is found again by its nonce; a process following the lease (the other processes of a multi-host run)
+writes only while a renewal it saw proves the lease held. Between real processes, on the GCS server behind the strict proxy: a
 renewal's reply delayed by a whole lease (never two holders: the holder keeps its lease, a second trainer is
 refused), a renewal applied whose reply never came (the holder keeps its lease), two trainers with one hostname in
 two PID namespaces (the second waits and is refused), and a notebook's kernel, which a lost lease does not end.
@@ -137,6 +138,51 @@ def test_a_renewal_whose_reply_was_lost_is_found_by_its_nonce():
     time.sleep(lease)
     assert holder.held() and not ends and calls[-1][2] == f"g{len(calls) - 1}", calls
     holder.stop()
+
+
+def test_a_follower_writes_only_after_a_renewal_it_saw_made_and_never_past_what_that_proves():
+    """A process that follows the holder's lease (control/lease.py's Follower) reads the lock 8 times a lease. It may
+    not write before it saw the lock change (at its start it cannot know how old the version it read is); once it saw
+    a change at time c, it writes until at most c + L - M (the read before the change was sent before c); a record of
+    another holder is the verdict (exit 3), and a lease not seen renewed for two leases ends a wait with the
+    storage's code."""
+    from g2rl_jax.control.lease import Follower
+
+    lease, state = 1.6, {"token": 0, "changed": [], "owner": "p0"}
+
+    def read():
+        return state["token"], {"owner": state["owner"]}
+
+    def renew_once():
+        state["token"] += 1
+        state["changed"].append(time.monotonic())
+
+    follower = Follower("test", lease, read, lambda record: record["owner"] == "p0", lambda record: "taken")
+    try:
+        time.sleep(lease / 4)
+        assert not follower.held()  # no change seen yet
+        renew_once()
+        while not follower.held():
+            time.sleep(0.005)
+        assert follower.writable_until() <= state["changed"][-1] + lease * (1 - MARGIN_SHARE)
+        for _ in range(3):  # the holder renews every third of the lease: held throughout
+            time.sleep(lease / 3)
+            renew_once()
+            assert follower.held()
+        while follower.held():  # no more renewals
+            time.sleep(0.005)
+        assert time.monotonic() <= state["changed"][-1] + lease * (1 - MARGIN_SHARE) + 0.05
+        follower.give_up_s = lease / 2
+        with pytest.raises(LeaseLost) as err:
+            follower.wait_held()
+        assert err.value.code == Exit.STORAGE and "was seen for" in str(err.value)
+        state["owner"] = "another"
+        time.sleep(lease / 4)
+        with pytest.raises(LeaseLost) as err:
+            follower.wait_held()
+        assert err.value.code == Exit.LEASE_LOST and str(err.value) == "taken"
+    finally:
+        follower.stop()
 
 
 # ------------------------------------------------------------------------------------------ real processes

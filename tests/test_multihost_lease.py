@@ -1,14 +1,19 @@
 """A multi-host run whose run lock is taken over: process 0 holds the lease, and when its renewal finds the lock
 replaced it stops with one line. Every other process must stop with that line too, at once, not stall at its next
-collective waiting for process 0 (control/stop.py: the line goes through the run's key-value channel). Two real
+collective waiting for process 0 (control/stop.py: the line goes through the run's key-value channel). And a launch
+frozen whole past its lease and taken over: once thawed, process 1 (which holds no lease: it follows process 0's,
+control/lease.py's Follower) writes nothing under the run directory, locally and on a GCS server. Two real
 jax.distributed processes (CPU, gloo) running tests/lease_multihost_worker.py."""
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 from g2rl_jax import storage
 from g2rl_jax.control.exits import Exit
@@ -25,21 +30,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_every_process_stops_with_one_line_when_process_0_loses_the_lock(tmp_path):
-    run_dir = tmp_path / "run"
+def _launch(tmp_path, run_dir, *extra):
+    """The two processes of one launch, and their stderr logs (open: the caller closes them)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     coordinator = f"127.0.0.1:{_free_port()}"
     worker = str(ROOT / "tests" / "lease_multihost_worker.py")
-    logs = [open(tmp_path / f"{i}.err", "w") for i in range(2)]  # noqa: SIM115 - closed below
-    procs = [subprocess.Popen([sys.executable, worker, coordinator, str(i), str(run_dir)], env=env,
+    logs = [open(tmp_path / f"{i}.err", "w") for i in range(2)]  # noqa: SIM115 - closed by the caller
+    procs = [subprocess.Popen([sys.executable, worker, coordinator, str(i), str(run_dir), *extra], env=env,
                               stdout=subprocess.PIPE, stderr=logs[i], text=True) for i in range(2)]
+    return procs, logs
+
+
+def _taken_over(run_dir) -> None:
+    """Another trainer's record in the lock, as a relaunch's takeover once the lease lapsed writes it."""
+    storage.write_text(f"{run_dir}/{LOCK_FILE}", json.dumps({"host": "vm-b", "pid": 1, "since": "now",
+                                                             "renewed": time.time(), "lease_seconds": 3.0}) + "\n")
+
+
+def test_every_process_stops_with_one_line_when_process_0_loses_the_lock(tmp_path):
+    run_dir = tmp_path / "run"
+    procs, logs = _launch(tmp_path, run_dir)
     try:
         for proc in procs:  # (gloo prints its own line first)
             assert any(line.strip() == "running" for line in iter(proc.stdout.readline, "")), proc.returncode
-        # another trainer takes the run over (as a relaunch does once the lease lapsed)
-        storage.write_text(run_dir / LOCK_FILE, json.dumps({"host": "vm-b", "pid": 1, "since": "now",
-                                                            "renewed": time.time(), "lease_seconds": 3.0}) + "\n")
+        _taken_over(run_dir)
         t0 = time.monotonic()
         for proc in procs:
             proc.wait(timeout=60)
@@ -56,3 +71,45 @@ def test_every_process_stops_with_one_line_when_process_0_loses_the_lock(tmp_pat
             (i, lines[-1])
         assert "Traceback" not in stderr, (i, stderr[-3000:])
     assert seconds < 15, seconds  # a renewal every second (lease 3 s), then the line through the key-value store
+
+
+@pytest.fixture(params=["local", "gcs"])
+def run_dir(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return request.getfixturevalue("gcs").url(f"followed/{request.node.name.replace('[', '_').rstrip(']')}")
+
+
+def test_a_thawed_launch_whose_lease_was_taken_writes_nothing_on_any_process(tmp_path, run_dir):
+    """Both processes frozen (SIGSTOP) for two leases while process 1 writes an object every 0.5 s; the run taken
+    over meanwhile. Process 1 is thawed first, process 0 a lease later: from the thaw on, process 1 writes no object
+    (the fence refuses its next write: it follows process 0's lease, which it sees taken), and both exit with the
+    lease-lost code. (Only process 0 used to arm the fence: process 1 of a thawed launch wrote into the run.)"""
+    procs, logs = _launch(tmp_path, run_dir, "write")
+    written = []
+    try:
+        for proc in procs:
+            assert any(line.strip() == "running" for line in iter(proc.stdout.readline, "")), proc.returncode
+        for line in iter(procs[1].stdout.readline, ""):  # process 1 writes (on GCS once it saw a renewal)
+            if line.startswith("wrote 2"):
+                break
+        for proc in procs:
+            proc.send_signal(signal.SIGSTOP)
+        time.sleep(2 * 3.0)  # two leases
+        _taken_over(run_dir)
+        before = sorted(storage.names(f"{run_dir}/p1"))
+        procs[1].send_signal(signal.SIGCONT)
+        time.sleep(3.0)  # process 1 alone for a lease: its writes wait for a renewal or meet the new record
+        procs[0].send_signal(signal.SIGCONT)
+        for proc in procs:
+            proc.wait(timeout=60)
+        written = procs[1].stdout.read().split()
+    finally:
+        for proc, log in zip(procs, logs):
+            proc.kill()
+            log.close()
+    after = sorted(storage.names(f"{run_dir}/p1"))
+    assert after == before, (before, after)
+    for i, proc in enumerate(procs):
+        assert proc.returncode == Exit.LEASE_LOST, (i, (tmp_path / f"{i}.err").read_text()[-3000:])
+    assert written[-2:] == ["refused", str(int(Exit.LEASE_LOST))], written  # its next write, refused

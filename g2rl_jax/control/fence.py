@@ -1,6 +1,7 @@
 """The fence: no change to a run's state leaves this process unless it holds the run's lease at that moment.
 
-The run lock (control/runlock.py) `arm`s its run directory with its lease holder (control/lease.py); from then on,
+The run lock (control/runlock.py) `arm`s its run directory with its lease holder (control/lease.py; on the other
+processes of a multi-host run, a Follower of process 0's lease); from then on,
 until `disarm`, every change under that directory but the lock's own objects passes the fence first:
 
 - on an object store, each update request of the paced gcsfs client (storage_clients.py: every upload, compose,
@@ -11,8 +12,8 @@ until `disarm`, every change under that directory but the lock's own objects pas
 - locally, each write, delete and move of g2rl_jax.storage, each local append (storage_append.py), and Orbax's
   commit (the rename of a step's temporary directory) and its deletes of old steps (train/checkpoint.py): `guard`,
   which takes the lock's mutex (the flock every change of the lock takes), reads the lock and lets the change through
-  only while the lock holds this process's record. A takeover takes the same mutex, so no change slips between the
-  check and the write: the lock's content is the fencing token.
+  only while the lock holds this process's record (process 0's, on a follower). A takeover takes the same mutex, so
+  no change slips between the check and the write: the lock's content is the fencing token.
 
 `close(line)`: this process decided to stop (a lost lease, a failure on its way to the exit code): nothing more is
 written under an armed directory, whatever the lease says, through the seconds the stop takes (control/stop.py waits
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 
 from g2rl_jax.control.errors import LeaseLost
 
@@ -39,8 +41,8 @@ _DEPTH = threading.local()  # guards held by this thread (a guarded change may c
 class Armed:
     """One run directory's fence: its lock file and the lease holder that holds it."""
 
-    def __init__(self, run_dir: str, lock_path: str, holder):
-        self.run_dir, self.lock_path, self.holder = run_dir, lock_path, holder
+    def __init__(self, run_dir: str, lock_path: str, holder, owns):
+        self.run_dir, self.lock_path, self.holder, self.owns = run_dir, lock_path, holder, owns
         self.url = "://" in run_dir
 
 
@@ -51,10 +53,11 @@ def _key(path) -> str:
     return os.path.realpath(os.path.expanduser(text))
 
 
-def arm(run_dir, lock_path, holder) -> None:
-    """Fence the run directory `run_dir` with `holder` (control/lease.py), the holder of its lock `lock_path`."""
+def arm(run_dir, lock_path, holder, owns) -> None:
+    """Fence the run directory `run_dir` with `holder` (control/lease.py: the Holder of its lock `lock_path`, or a
+    Follower of it); `owns(record)`: whether the lock's record names the process whose lease this one writes under."""
     _CLOSED.clear()  # a new run of this process (a notebook's next cell)
-    _ARMED[_key(run_dir)] = Armed(_key(run_dir), _key(lock_path), holder)
+    _ARMED[_key(run_dir)] = Armed(_key(run_dir), _key(lock_path), holder, owns)
 
 
 def disarm(run_dir) -> None:
@@ -108,6 +111,7 @@ async def check_async(path) -> None:
     armed = _armed_for(path)
     if armed is None:
         return
+    give_up = time.monotonic() + armed.holder.give_up_s
     while True:
         if _CLOSED:
             raise _refused(armed)
@@ -115,6 +119,8 @@ async def check_async(path) -> None:
             raise armed.holder.verdict
         if armed.holder.held():
             return
+        if time.monotonic() >= give_up:
+            raise armed.holder.not_seen()
         await asyncio.sleep(0.05)
 
 
@@ -138,14 +144,13 @@ def guard(path):
         yield
         return
     from g2rl_jax import storage
-    from g2rl_jax.control import holder as identity
     from g2rl_jax.control import runlock
 
     with storage._local_mutex(storage.path(armed.lock_path)):
         record = runlock.read_record(armed.lock_path)
         if armed.holder.verdict is not None:
             raise armed.holder.verdict
-        if record is None or not identity.is_mine(record):
+        if record is None or not armed.owns(record):
             raise LeaseLost(runlock.lost_line(armed.lock_path, record))
         _DEPTH.n = 1
         try:

@@ -24,6 +24,7 @@ and the nonce of the renewal that landed (control/holder.py), and counts its lea
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from g2rl_jax.control.errors import RunFailure
 MARGIN_SHARE = 0.2  # the holder stops writing this share of the lease before the lease it last confirmed ends
 RENEWALS_PER_LEASE = 3  # a renewal every third of the lease
 MAX_PENDING = 2  # renewals in flight at once (a third is not sent while two are unanswered)
+FOLLOWER_READS_PER_LEASE = 8  # a follower's reads of the lease (it needs two within L/3 + M: control/runlock.py)
 MIN_LEASE_S = 3.0  # the smallest lease a holder takes (the run lock's own floor is run.lock_lease_seconds')
 
 
@@ -76,6 +78,7 @@ class Holder:
         self._pending = 0
         self._error: BaseException | None = None  # the last renewal's error while none confirms
         self.verdict: RunFailure | None = None
+        self.give_up_s = math.inf  # a wait to write ends with the verdict, which the lease's thread always reaches
         self._stopped = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"{name} lease", daemon=True)
@@ -194,6 +197,97 @@ class Holder:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join()
+
+
+class Follower:
+    """A process that writes under another process's lease without holding one: the run lock's other processes of a
+    multi-host run (control/runlock.py's `follow`). A daemon thread sends `read()` (the lease's version token and its
+    record; FileNotFoundError when there is none) FOLLOWER_READS_PER_LEASE times a lease, one at a time, and this
+    process may write while the lease is known held by the process `owns(record)` names.
+
+    Timing, with the holder's L and M: reads sent at a_1 < a_2 < ... (monotonic, before each leaves). When read k
+    returns another token than read k-1, that version was written after read k-1 was served, so no watcher saw it
+    before a_{k-1} and no other host can take the lease over before a_{k-1} + L: this process writes until
+    a_{k-1} + L - M (the monotonic clock runs on through a freeze, so a thawed follower waits for the next renewal it
+    sees made; so does one that just started). A record of another holder, or none, is the verdict (LeaseLost, `lost_line(record)`);
+    the holder's own process stops the run, so the verdict ends nothing by itself: this process's writes raise it."""
+
+    def __init__(self, name: str, lease_s: float, read: Callable[[], tuple[object, dict | None]],
+                 owns: Callable[[dict], bool], lost_line: Callable[[dict | None], str]):
+        self.name, self.lease_s, self.margin_s = name, float(lease_s), MARGIN_SHARE * float(lease_s)
+        self._read, self._owns, self._lost_line = read, owns, lost_line
+        self.give_up_s = 2 * self.lease_s  # a wait to write gives up after this long (`not_seen`)
+        self.confirmed_at = -math.inf  # the send time of the read before the newest change seen
+        self.verdict: RunFailure | None = None
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"{name} follower", daemon=True)
+        self._thread.start()
+
+    def writable_until(self) -> float:
+        return self.confirmed_at + self.lease_s - self.margin_s
+
+    def held(self) -> bool:
+        return self.verdict is None and time.monotonic() < self.writable_until()
+
+    def wait_held(self) -> None:
+        """Return at once while the lease is known held; else wait for a change that shows it held (or for the
+        verdict, raised; or for `stop`) for up to two leases, then raise LeaseLost with the storage's code: the
+        holder, which ends its run after one lease without a confirmed renewal, has not been seen renewing."""
+        give_up = time.monotonic() + self.give_up_s
+        with self._cond:
+            while self.verdict is None and time.monotonic() >= self.writable_until() and not self._stopped:
+                if time.monotonic() >= give_up:
+                    raise self.not_seen()
+                self._cond.wait(0.05)
+            if self.verdict is not None:
+                raise self.verdict
+
+    def not_seen(self) -> RunFailure:
+        from g2rl_jax.control.errors import LeaseLost
+        from g2rl_jax.control.exits import Exit
+
+        return LeaseLost(f"no renewal of the lease on {self.name} was seen for {self.give_up_s:g} s: its "
+                         "holder, process 0, is stuck or cannot reach the storage; this process writes nothing more",
+                         Exit.STORAGE)
+
+    def _run(self) -> None:
+        from g2rl_jax.control.errors import LeaseLost
+
+        every = self.lease_s / FOLLOWER_READS_PER_LEASE
+        token, last_sent, woke = _UNSEEN, None, -math.inf
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                self._cond.wait(max(woke + every - time.monotonic(), 0))
+                if self._stopped:
+                    return
+            woke = sent = time.monotonic()
+            try:
+                current, record = self._read()
+            except FileNotFoundError:
+                current, record = None, None
+            except Exception:  # noqa: BLE001 - a store that did not answer: nothing learnt, the clock decides
+                continue
+            with self._cond:
+                if record is None or not self._owns(record):
+                    self.verdict = LeaseLost(self._lost_line(record))
+                    self._cond.notify_all()
+                    return
+                if token is not _UNSEEN and current != token and last_sent is not None:
+                    self.confirmed_at = max(self.confirmed_at, last_sent)
+                    self._cond.notify_all()
+                token, last_sent = current, sent
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+
+
+_UNSEEN = object()  # a Follower's token before its first read
 
 
 class Watch:

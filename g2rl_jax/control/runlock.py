@@ -15,6 +15,13 @@ The holder renews from a thread (control/lease.py: the timing, the margin) and a
 or none, means the run was taken over: one line, exit 3 (Exit.LEASE_LOST); no renewal confirmed for a whole lease:
 one line naming the storage's failure, exit 75. In a multi-host run every process then stops with that line
 (control/stop.py); in a notebook the main thread gets the LeaseLost instead, and the kernel lives.
+
+The other processes of a multi-host run hold no lease: each `follow`s process 0's (control/lease.py's Follower),
+reading the lock FOLLOWER_READS_PER_LEASE times a lease, and its own writes under the run directory (its share of a
+checkpoint's data, control/fence.py) go out only while that lease is known held by process 0 of its own launch (the
+identity process 0 sent over the channel once it took the lock). Process 0 renews every third of the lease, so a
+follower sees a renewal made within L/3 + L/8 of the last and never waits while process 0 holds the lease; a thawed
+follower waits for the next renewal it sees made, and one that finds another's record writes nothing more.
 """
 from __future__ import annotations
 
@@ -27,13 +34,14 @@ import uuid
 from typing import Any
 
 from g2rl_jax import storage
-from g2rl_jax.control import fence, holder
-from g2rl_jax.control.errors import LeaseLost, RunFailure
+from g2rl_jax.control import channel, fence, holder, stop
+from g2rl_jax.control.errors import LeaseLost, PeerLost, RunFailure
 from g2rl_jax.control.exits import Exit
-from g2rl_jax.control.lease import Holder, Lost, Renewed, Watch, warn
+from g2rl_jax.control.lease import Follower, Holder, Lost, Renewed, Watch, warn
 from g2rl_jax.errors import ConfigError
 
 LOCK_FILE = "run.lock"
+HOLDER_KEY = "runlock/holder"  # the channel's key (control/channel.py) where process 0 names itself once it holds the lock
 
 
 def _parse(data: bytes) -> dict[str, Any]:
@@ -104,7 +112,7 @@ def _end_run(verdict: RunFailure) -> None:
     errors.end_run(verdict)  # in a notebook the main thread gets the verdict (control/stop.py), the kernel lives
 
 
-_LEASES: dict[str, Holder] = {}  # lock files this process holds
+_LEASES: dict[str, Holder | Follower] = {}  # lock files this process holds (process 0) or follows (the others)
 _COUNTS: dict[str, int] = {}
 
 
@@ -149,8 +157,47 @@ class RunLock:
                                   "another trainer keeps starting there")
         lease = Holder(str(self.path), self.lease_s, token, sent, nonce, self._renew, _end_run, self._unreachable)
         _LEASES[key], _COUNTS[key], self._held = lease, 1, True
-        fence.arm(self.run_dir, self.path, lease)
+        fence.arm(self.run_dir, self.path, lease, holder.is_mine)
+        if stop.processes() is not None:  # the other processes follow this one's lease (`follow`)
+            channel.default().put(HOLDER_KEY, holder.of(holder.mine()), overwrite=True)
         atexit.register(self.release)
+
+    def take(self, process: int) -> None:
+        """Process 0 of a run holds the lock (`acquire`), every other process `follow`s it."""
+        self.acquire() if process == 0 else self.follow()
+
+    def follow(self) -> None:
+        """On a process other than 0 of a run of several: write under process 0's lease (control/lease.py's
+        Follower). Waits for process 0 to take the lock and name itself (`acquire`), up to its own bound on that; a
+        stop published meanwhile (process 0 refused the run directory) ends this process with that stop's code."""
+        key = _key(self.path)
+        if self._held:
+            return
+        if key in _LEASES:
+            _COUNTS[key] += 1
+            self._held = True
+            return
+        wait_s = 3 * self.lease_s + 120
+        try:
+            with stop.Watch():
+                leader = channel.default().get(HOLDER_KEY, schema=dict[str, str | int | None], timeout_s=wait_s)
+        except channel.Late:
+            raise PeerLost(f"process 0 did not take the run lock {self.path} within {wait_s:.0f} s; relaunch every "
+                           "process with the same command") from None
+        lease = Follower(str(self.path), self.lease_s, self._look, lambda record: holder.of(record) == leader,
+                         lambda record: lost_line(self.path, record))
+        _LEASES[key], _COUNTS[key], self._held = lease, 1, True
+        fence.arm(self.run_dir, self.path, lease, lambda record: holder.of(record) == leader)
+        atexit.register(self.release)
+
+    def _look(self) -> tuple[str, dict[str, Any] | None]:
+        """A follower's read of the lock: (generation, record); ValueError for bytes that are no record (a partial
+        local write: nothing learnt)."""
+        data, current = storage.read_versioned(self.path)
+        record = _parse(data)
+        if not record:
+            raise ValueError(f"{self.path}: not a lock record")
+        return current, record
 
     def _take_over(self, watch: Watch, said: bool):
         """One look at the lock: (token, send time, nonce) of this start's record when it replaced a stale lock,
@@ -234,7 +281,7 @@ class RunLock:
         del _COUNTS[key]
         fence.disarm(self.run_dir)
         lease.stop()
-        if lease.verdict is None:  # a lost lease is not ours to delete
+        if isinstance(lease, Holder) and lease.verdict is None:  # a lost lease is not ours to delete, nor a followed one
             storage.remove_if_generation(self.path, lease.token)
 
 
@@ -245,7 +292,7 @@ def release_all() -> None:
         lease = _LEASES.pop(key)
         _COUNTS.pop(key, None)
         lease.stop()
-        if lease.verdict is None:
+        if isinstance(lease, Holder) and lease.verdict is None:
             try:
                 storage.remove_if_generation(lease.name, lease.token)
             except Exception:  # noqa: BLE001 - the lock lapses by itself

@@ -110,13 +110,12 @@ class Trainer(SamplingRounds, UpdateRounds):
         preflight(cfg, model_dirs=False)
         self.run_dir = storage.path(cfg.run.output_dir, "run.output_dir")  # a local path or a URL
         check_shared_output_dir(cfg.run.output_dir)  # multi-host: every host must see the same run directory
-        self.lock = RunLock(self.run_dir, cfg.run.lock_lease_seconds) if jax.process_index() == 0 else None
+        self.lock = RunLock(self.run_dir, cfg.run.lock_lease_seconds)  # process 0 holds it, the others follow
         self.ckpt = None
         self.ahead: AheadSampler | None = None  # the rollout driver on its own mesh (train/ahead.py), set by _setup
         self.stop = StopSignal(cfg.run.preempt_grace_seconds, on_abandon=self._abandon)
         self.preempted = False
-        if self.lock is not None:
-            self.lock.acquire()
+        self.lock.take(jax.process_index())
         try:
             self._setup(cfg)
         except BaseException:
@@ -217,16 +216,14 @@ class Trainer(SamplingRounds, UpdateRounds):
         run directory released."""
         if self.ckpt is not None:
             self.ckpt.wait()
-        if self.lock is not None:
-            self.lock.release()
+        self.lock.release()
 
     def close(self) -> None:
         """Release run.output_dir (run() does this when it ends); other trainers may then start on it."""
         self.clock.close()
         if self.ahead is not None:
             self.ahead.close()
-        if self.lock is not None:
-            self.lock.release()
+        self.lock.release()
 
     # ------------------------------------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
@@ -340,8 +337,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         step's checkpoint too. The run directory is released at the end."""
         cfg = self.cfg.run
         last = cfg.total_steps if stop_after is None else min(stop_after, cfg.total_steps)
-        if self.lock is not None:
-            self.lock.acquire()
+        self.lock.take(jax.process_index())
         self.clock.open()
         writer = MetricsWriter(self.run_dir, start_step=self.step, loggers=cfg.loggers, config=to_dict(self.cfg))
         bar = ProgressBar(total_steps=cfg.total_steps, start_step=self.step)
