@@ -2,10 +2,11 @@
 the test controls: the lease counts from a renewal's send, not its reply; writes stop a margin before a watcher could
 count it lapsed; a store that stops answering ends it as the storage's failure, a lock taken as lost; a renewal whose
 reply was lost is found again by its nonce; a process following the lease (the other processes of a multi-host run)
-writes only while a renewal it saw proves the lease held. Between real processes, on the GCS server behind the strict proxy: a
-renewal's reply delayed by a whole lease (never two holders: the holder keeps its lease, a second trainer is
-refused), a renewal applied whose reply never came (the holder keeps its lease), two trainers with one hostname in
-two PID namespaces (the second waits and is refused), and a notebook's kernel, which a lost lease does not end.
+writes only while a renewal it saw proves the lease held. Between real processes, on the GCS server behind the
+strict proxy: a renewal's reply delayed by a whole lease (never two holders: the holder keeps its lease, a second
+trainer is refused), a renewal applied whose reply never came (the holder keeps its lease), two trainers with one
+hostname in two PID namespaces (the second waits and is refused), and a notebook's kernel, which a lost lease does
+not end.
 (A holder frozen past its lease and taken over by a trainer on another host: test_preemption.py.)"""
 import json
 import subprocess

@@ -209,8 +209,9 @@ class Follower:
     returns another token than read k-1, that version was written after read k-1 was served, so no watcher saw it
     before a_{k-1} and no other host can take the lease over before a_{k-1} + L: this process writes until
     a_{k-1} + L - M (the monotonic clock runs on through a freeze, so a thawed follower waits for the next renewal it
-    sees made; so does one that just started). A record of another holder, or none, is the verdict (LeaseLost, `lost_line(record)`);
-    the holder's own process stops the run, so the verdict ends nothing by itself: this process's writes raise it."""
+    sees made; so does one that just started). A record of another holder, or none, is the verdict (LeaseLost,
+    `lost_line(record)`); the holder's own process stops the run, so the verdict ends nothing by itself: this
+    process's writes raise it."""
 
     def __init__(self, name: str, lease_s: float, read: Callable[[], tuple[object, dict | None]],
                  owns: Callable[[dict], bool], lost_line: Callable[[dict | None], str]):

@@ -41,7 +41,7 @@ from g2rl_jax.control.lease import Follower, Holder, Lost, Renewed, Watch, warn
 from g2rl_jax.errors import ConfigError
 
 LOCK_FILE = "run.lock"
-HOLDER_KEY = "runlock/holder"  # the channel's key (control/channel.py) where process 0 names itself once it holds the lock
+HOLDER_KEY = "runlock/holder"  # the channel's key (control/channel.py): process 0 names itself there once it holds it
 
 
 def _parse(data: bytes) -> dict[str, Any]:
@@ -281,7 +281,7 @@ class RunLock:
         del _COUNTS[key]
         fence.disarm(self.run_dir)
         lease.stop()
-        if isinstance(lease, Holder) and lease.verdict is None:  # a lost lease is not ours to delete, nor a followed one
+        if isinstance(lease, Holder) and lease.verdict is None:  # a lost lease is not ours to delete, nor a followed
             storage.remove_if_generation(self.path, lease.token)
 
 
