@@ -30,8 +30,9 @@ What an object store does not have, done here once:
 - rename: a copy and a delete (`move`), not atomic; used only to set a corrupt checkpoint aside, where a partial move
   is harmless (the step is found corrupt again on the next start);
 - directories: none; `makedirs` does nothing for a URL.
-A model directory in a bucket is copied once to the local cache (`local_copy`): safetensors are memory-mapped and
-read slice by slice, which a local file does at disk speed and an object store only with a request per slice.
+A model directory in a bucket is copied once to the local cache (`local_copy`, in storage_copies.py and re-exported
+here): safetensors are memory-mapped and read slice by slice, which a local file does at disk speed and an object
+store only with a request per slice.
 """
 from __future__ import annotations
 
@@ -41,9 +42,6 @@ import importlib
 import json
 import os
 import re
-import shutil
-import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Union
@@ -72,7 +70,6 @@ from g2rl_jax.storage_append import (  # noqa: F401 - part of this module's inte
 
 PathLike = Union[str, os.PathLike]
 EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}  # scheme -> (the client module, the extra that has it)
-CACHE_ENV = "G2RL_JAX_CACHE"  # where bucket copies and local staging live (default ~/.cache/g2rl_jax)
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
@@ -389,72 +386,5 @@ def check_readable(p: PathLike, key: str) -> None:
     storage_clients.check_readable(p, key)
 
 
-# ------------------------------------------------------------------------------------------------ local copies
-def cache_dir() -> Path:
-    """The local cache root: $G2RL_JAX_CACHE, else ~/.cache/g2rl_jax."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "g2rl_jax")
-
-
-def scratch_dir(url: PathLike, purpose: str) -> Path:
-    """A local directory kept for `url` (per URL and `purpose`), for tools that only write local files
-    (TensorBoard's event writer, W&B's offline files)."""
-    digest = hashlib.sha256(str(url).encode()).hexdigest()[:16]
-    out = cache_dir() / purpose / digest
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def _manifest(url: str) -> dict[str, list]:
-    """{relative name: [size, generation, crc32c]} of every object under `url`."""
-    fs, key = _fs(url)
-    found = fs.find(key, detail=True)
-    return {name[len(key):].lstrip("/"): [info.get("size"), str(info.get("generation") or info.get("etag")),
-                                         info.get("crc32c")]
-            for name, info in sorted(found.items()) if info.get("type") != "directory"}
-
-
-MANIFEST = ".g2rl_jax_manifest.json"
-
-
-def copy_key(url: str, manifest: dict) -> str:
-    """The name of the cache directory of `url`'s objects as `manifest` lists them: a digest of both, so another
-    version of any object is another directory."""
-    return hashlib.sha256(json.dumps([url, manifest], sort_keys=True).encode()).hexdigest()[:24]
-
-
-def local_copy(url: PathLike, key: str) -> str:
-    """A local directory holding the files under `url` (a model directory or a PEFT adapter in a bucket): the cache
-    directory `copies/<copy_key>` named by the URL and its objects' names, sizes and generations. A copy is made
-    in a temporary directory beside it and renamed into place whole, so processes copying the same objects at once
-    share the one that lands first and never delete a copy another may be reading (a changed object lands in
-    another directory; old ones stay until the cache is cleared). A local path is returned as it is.
-    FileNotFoundError naming `key` when nothing is there."""
-    if not is_url(url):
-        return os.fspath(url)
-    require_client(url, key)
-    url = str(url).rstrip("/")
-    manifest = _manifest(url)
-    if not manifest:
-        raise FileNotFoundError(f"{key}: nothing found at {url}; copy the directory there first (gcloud storage cp "
-                                "-r DIR URL) or fix the path")
-    target = cache_dir() / "copies" / copy_key(url, manifest)
-    if (target / MANIFEST).is_file():
-        return str(target)
-    size = sum(s or 0 for s, *_ in manifest.values())
-    print(f"{key}: copying {url} ({len(manifest)} files, {size / 1e6:.1f} MB) to {target}", file=sys.stderr,
-          flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        fs, root = _fs(url)
-        for name in manifest:
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(f"{root}/{name}", str(tmp / name))
-        (tmp / MANIFEST).write_text(json.dumps({"url": url, "objects": manifest}))  # last: marks the copy whole
-        os.rename(tmp, target)  # atomic; refused when another process's copy landed first
-    except OSError:
-        if not (target / MANIFEST).is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+# the local copies of bucket directories, re-exported as part of this module's interface (storage_copies.py)
+from g2rl_jax.storage_copies import CACHE_ENV, MANIFEST, cache_dir, copy_key, local_copy, scratch_dir  # noqa: E402, F401

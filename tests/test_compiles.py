@@ -77,13 +77,13 @@ def _sharded_tree():
 def test_reference_copy_compiles_nothing_and_outlives_the_params():
     """The KL reference's copy of the params (train/loop.py) is placed as they are, in buffers of its own (the
     optimizer step donates the params'), without a compiled program."""
-    from g2rl_jax.train.loop import _copy_tree
+    from g2rl_jax.train.setup import copy_tree
 
     params = _sharded_tree()
     want = {k: np.asarray(v) for k, v in params.items()}
     clock = CompileClock()
     try:
-        copy = _copy_tree(params)
+        copy = copy_tree(params)
         window = clock.take()
     finally:
         clock.close()

@@ -186,6 +186,32 @@ def test_a_follower_writes_only_after_a_renewal_it_saw_made_and_never_past_what_
         follower.stop()
 
 
+def test_a_rollout_processs_lease_ends_quietly_once_the_trainers_store_is_gone(monkeypatch, capsys):
+    """A rollout process's KeyLease whose increments find jax.distributed's store gone (the trainer ended first)
+    stops renewing without a warning: JAX's client ends the process; "could not renew" lines were noise there."""
+    import jax
+
+    from g2rl_jax.control import channel
+    from g2rl_jax.control.lease import KeyLease
+
+    calls = []
+
+    class Gone:
+        def increment(self, key, by):
+            calls.append(key)
+            if len(calls) > 2:
+                raise channel.StoreGone("the coordinator is gone")
+            return len(calls)
+
+    monkeypatch.setattr(channel, "default", lambda: Gone())
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    lease = KeyLease("sides", 1.2).renew()
+    time.sleep(1.2 * 2)
+    assert len(calls) == 3, calls  # the first, one renewal, then the one that found the store gone: no more
+    assert "could not renew" not in capsys.readouterr().err
+    lease.stop()
+
+
 # ------------------------------------------------------------------------------------------ real processes
 HOLD_AND_WRITE = ("import sys, time\n"
                   "from g2rl_jax import storage\n"

@@ -335,7 +335,12 @@ class KeyLease:
         key = f"{self.prefix}/alive/{jax.process_index()}"
 
         def increment(nonce, token) -> Renewed:
-            return Renewed(channel.default().increment(key, 1))
+            try:
+                return Renewed(channel.default().increment(key, 1))
+            except channel.StoreGone:  # the trainer, and its store, are gone: nothing left to renew or to warn of
+                if self._holder is not None:  # (from the renewal's own thread, not the lease's: no join of itself)
+                    self._holder.stop()
+                raise
 
         sent = time.monotonic()
         first = increment(None, None).token

@@ -59,6 +59,7 @@ from g2rl_jax.train.sampling_rounds import PendingRewards, SamplingRounds
 from g2rl_jax.train.setup import (
     check_shared_output_dir,
     compilation_cache,
+    copy_tree,
     embed_texts,
     eval_examples,
     load_model,
@@ -89,16 +90,6 @@ class StepResult:
     signal: dict[str, jax.Array]
     info: dict[str, float]
     metrics: dict[str, float]
-
-
-def _copy_tree(tree):
-    """A copy of every array of a tree in buffers of its own, placed as the original: shard by shard, device to
-    device, on every process its own shards (no program)."""
-    def copy(x):
-        shards = [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards]
-        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-
-    return jax.tree.map(copy, tree)
 
 
 class Trainer(SamplingRounds, UpdateRounds):
@@ -180,7 +171,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         if cfg.algorithm.kl_coef > 0 and lora_on:  # the same params with the adapters off: no copy
             self.ref_graphdef = lora.reference_graphdef(self.graphdef, self.params)
         elif cfg.algorithm.kl_coef > 0:  # frozen, sharded like the policy
-            self.ref_params = _copy_tree(self.params)
+            self.ref_params = copy_tree(self.params)
         self.embedder = self.embed_tokenizer = None
         self.method = methods.get(cfg.algorithm.exploration)
         if "embeddings" in self.method.needs:  # evol
@@ -417,27 +408,3 @@ class Trainer(SamplingRounds, UpdateRounds):
                 self.close()
                 return
             end_run(err, self.step, self.run_dir, self.cfg)
-
-    def _validates(self, step: int) -> bool:
-        """Whether step `step` (finished) is followed by a validation: every run.eval_every steps and the last."""
-        every = self.cfg.run.eval_every
-        return bool(every) and step > 0 and (step % every == 0 or step == self.cfg.run.total_steps)
-
-    def _missing_validation(self) -> bool:
-        """Whether the restored step is one to validate and metrics.jsonl has no validation record of it (a kill
-        after its checkpoint committed, before its validation's record reached the run directory); process 0's
-        reading, which every process follows."""
-        flag = self._validates(self.step) and not any(
-            k.startswith("val/") for r in read_metrics(self.run_dir) if r["step"] == self.step for k in r)
-        if parallel.host_count() > 1:
-            flag = bool(np.asarray(parallel.allgather(np.int32(flag))).reshape(-1)[0])
-        return flag
-
-    def _validate_step(self) -> dict[str, float]:
-        """The validation of a finished step (its record written, its checkpoint saved unless not due); Ctrl-C
-        during it saves the step's checkpoint before the interruption goes on (SIGTERM: run's own save)."""
-        try:
-            return self.validate()
-        except KeyboardInterrupt:
-            self.ckpt.save(self.step, self.state(), self.loader, force=True)
-            raise

@@ -1,5 +1,6 @@
 """The Trainer's rollouts: one step's sampling rounds (DAPO dynamic sampling draws more rounds until enough groups
-have mixed correctness, train/dynamic.py) and the validation rollouts on data.eval_datasets.
+have mixed correctness, train/dynamic.py) and the validation rollouts on data.eval_datasets (which steps validate,
+and a validation a kill interrupted, run again first on resume).
 
 `SamplingRounds` is a mixin of `train.loop.Trainer`: it reads the trainer's cfg, rng_key_data, tokenizer, mesh,
 loader, reward_cfg, stop_ids, eval_sets, stop signal and policy (`self.model`; the training rollouts use
@@ -29,6 +30,7 @@ from g2rl_jax.rollout import generate
 from g2rl_jax.rollout.generate import warm
 from g2rl_jax.train import dynamic, report
 from g2rl_jax.train.lifecycle import Preempted
+from g2rl_jax.train.metrics import read_metrics
 from g2rl_jax.train.stages import stage
 
 
@@ -231,3 +233,27 @@ class SamplingRounds:
         if parallel.host_count() > 1:
             flag = bool(np.max(parallel.allgather(np.int32(flag))))
         return flag
+
+    def _validates(self, step: int) -> bool:
+        """Whether step `step` (finished) is followed by a validation: every run.eval_every steps and the last."""
+        every = self.cfg.run.eval_every
+        return bool(every) and step > 0 and (step % every == 0 or step == self.cfg.run.total_steps)
+
+    def _missing_validation(self) -> bool:
+        """Whether the restored step is one to validate and metrics.jsonl has no validation record of it (a kill
+        after its checkpoint committed, before its validation's record reached the run directory); process 0's
+        reading, which every process follows."""
+        flag = self._validates(self.step) and not any(
+            k.startswith("val/") for r in read_metrics(self.run_dir) if r["step"] == self.step for k in r)
+        if parallel.host_count() > 1:
+            flag = bool(np.asarray(parallel.allgather(np.int32(flag))).reshape(-1)[0])
+        return flag
+
+    def _validate_step(self) -> dict[str, float]:
+        """The validation of a finished step (its record written, its checkpoint saved unless not due); Ctrl-C
+        during it saves the step's checkpoint before the interruption goes on (SIGTERM: run's own save)."""
+        try:
+            return self.validate()
+        except KeyboardInterrupt:
+            self.ckpt.save(self.step, self.state(), self.loader, force=True)
+            raise

@@ -302,3 +302,11 @@ def on_mesh(tree, mesh):
     return jax.tree.map(place, tree)
 
 
+def copy_tree(tree):
+    """A copy of every array of a tree in buffers of its own, placed as the original: shard by shard, device to
+    device, on every process its own shards (no program)."""
+    def copy(x):
+        shards = [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+
+    return jax.tree.map(copy, tree)
