@@ -4,9 +4,10 @@ through the proxy's log.
 - `Layout`: the processes of one launch: "one" (one trainer), "two" (two trainer processes joined by
   jax.distributed, gloo on CPU), "sides" (a trainer and a rollout process: mesh.rollout_processes=1,
   rollout.max_staleness=1; docs/async.md); one fake CPU device each.
-- `Launch`: a launch's processes, each as host vm-<launch>-<process> (`unshare -u -m`, where it works: its own
-  hostname, resolvable in its own /etc/hosts, which gloo needs) in a session of its own (a kill -9 or a SIGSTOP
-  reaches its children too), its log, its exit codes (a signal as 128 + signal).
+- `Launch`: a launch's processes, each as host vm-<launch>-<process> (`unshare -u -m -p`, where it works: its own
+  hostname, resolvable in its own /etc/hosts, which gloo needs, and its own PID namespace, so a later launch judges
+  it as one on another machine and waits out its lease) in a session of its own (a kill -9 or a SIGSTOP reaches its
+  children too), its log, its exit codes (a signal as 128 + signal).
 - `Saves`: the checkpoint steps written and committed under a run, from the proxy's log as it grows (Orbax on GCS
   writes a step's directory in place, commit_success.txt last), costing no request.
 """
@@ -53,10 +54,16 @@ def layout(name: str, overrides: list[str]) -> Layout:
     return Layout(name, (*overrides, *extra))
 
 
+PID_NAMESPACE = ["-p", "-f", "--mount-proc", "--kill-child"]  # a PID namespace of its own, as on another machine
+
+
 def unshare_prefix() -> list[str] | None:
-    """The command prefix that gives a process its own hostname and mounts (`unshare -u -m`, as root or in a user
-    namespace); None where neither works."""
-    for prefix in (["unshare", "-u", "-m"], ["unshare", "-r", "-u", "-m"]):
+    """The command prefix that gives a process its own hostname, mounts and PID namespace (`unshare -u -m -p`, as
+    root or in a user namespace; without the PID namespace where that fails); None where none works. In its own PID
+    namespace a holder's pid means nothing to a later launch (control/holder.py's judge: "unknown"), so a takeover
+    waits out the lease as one on another machine does, whether the holder was killed or frozen."""
+    for prefix in (["unshare", "-u", "-m", *PID_NAMESPACE], ["unshare", "-r", "-u", "-m", *PID_NAMESPACE],
+                   ["unshare", "-u", "-m"], ["unshare", "-r", "-u", "-m"]):
         try:
             if subprocess.run([*prefix, "sh", "-c", "mount --bind /etc/hosts /etc/hosts && hostname vm-x"],
                               capture_output=True).returncode == 0:
