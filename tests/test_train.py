@@ -152,15 +152,28 @@ def test_resume_equals_uninterrupted(assets, tmp_path, reference):
     _assert_same_metrics(read_metrics(tmp_path / "part"), reference["records"])
 
 
-def test_a_kill_in_a_validation_loses_no_record_and_the_resume_writes_none_twice(assets, tmp_path, reference):
+def test_a_kill_in_a_validation_loses_no_record_and_the_resume_writes_none_twice(assets, tmp_path, reference,
+                                                                                 monkeypatch):
     """Validation before the first update, every 2 steps and after the last; the first run dies in step 2's
     validation once step 2's checkpoint has committed (BaseException: nothing after it runs, as a kill). Step 2's
     training record was written before (the old order wrote it after the validation, and lost it). The rerun resumes
     from step 2, runs step 2's validation first (it never reached the run directory), and leaves each step's training
     record and each validation record once: the training records the uninterrupted run's, step 2's validation the
-    one the first run had computed."""
+    one the first run had computed. The finished run's summary is written under its lease, before the lock's
+    release (it used to be written after: a launch frozen there wrote it after another had taken the run over)."""
+    from g2rl_jax import storage
     from g2rl_jax.bench.chaos_checks import kind, line_counts
+    from g2rl_jax.control.runlock import LOCK_FILE
+    from g2rl_jax.train import report
     from g2rl_jax.train.metrics import metric_lines
+
+    finish, locked = report.finish, []
+
+    def finish_while_locked(run_dir, **kwargs):
+        locked.append(storage.exists(f"{run_dir}/{LOCK_FILE}"))
+        return finish(run_dir, **kwargs)
+
+    monkeypatch.setattr(report, "finish", finish_while_locked)
 
     evalset = tmp_path / "eval.jsonl"
     evalset.write_text("".join(f'{{"problem": "{a}+{b}", "answer": "{a + b}"}}\n' for a, b in ((12, 30), (7, 8))))
@@ -196,7 +209,7 @@ def test_a_kill_in_a_validation_loses_no_record_and_the_resume_writes_none_twice
     _assert_same_metrics([r for r in lines if kind(r) == "training"], reference["records"])
     assert {k: v for r in lines if r["step"] == 2 and kind(r) == "validation" for k, v in r.items() if k != "step"} \
         == pytest.approx(seen[2])
-    assert (out / "summary.json").is_file()
+    assert (out / "summary.json").is_file() and locked == [True]
 
 
 def _train_cmd(assets, out, steps):

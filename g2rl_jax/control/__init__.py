@@ -7,7 +7,8 @@
               `exit_code` maps whatever ends the trainer to its code
   holder.py   who holds a lease: host, boot id, PID namespace, pid, start time; whether that process is gone
   lease.py    the lease itself: its holder's renewals and clock (writes stop a margin before anyone may take it
-              over), a watcher's view; `KeyLease`, the rollout processes' liveness in the key-value store
+              over), a watcher's view, a follower's (the other processes write under process 0's lease); `KeyLease`,
+              the rollout processes' liveness in the key-value store
   runlock.py  the run lock: `<run>/run.lock` as a lease, its takeover rules, its lost and unreachable lines
   fence.py    the fence every change of run state passes: the lease held, or nothing is written
   commits.py  Orbax's commits and deletes behind the fence, its failure logs, a restore's failure told apart
@@ -16,7 +17,8 @@
   wire.py     values that cross a process or a file: JSON plus arrays, checked when read, never pickle
   stop.py     the one stop path: publish "stop with code C and line L", watch for it, the trainer's end
 
-The states a run goes through (every process; the lease and the fence on the process that holds the run lock):
+The states a run goes through (every process; process 0 holds the lease, the other trainer processes follow it, and
+the fence guards the writes of each):
 
     start ──► checks ──bad input──────────────────────────────────────────────────────────► exit 2
                  │ (config, data, paths; a store that does not answer the start's check: exit 75)
@@ -37,8 +39,9 @@ The states a run goes through (every process; the lease and the fence on the pro
      │       ├─ SIGTERM ── finish the step and save, or abandon it (the grace) ────────────► exit 143
      │       └─ anything else: a bug, its traceback ───────────────────────────────────────► exit 1
      │
-     │   meanwhile the lease thread renews every lease/3:
+     │   meanwhile the lease thread renews every lease/3 (a follower reads the lock 8 times a lease):
      │       renewed (or found our own record) ── writable until send + lease - margin
+     │       (a follower: a newer version seen ── writable until the earlier read's send + lease - margin)
      │       another's record, or none ─────────────────────── LeaseLost ──────────────────► exit 3
      │       nothing confirmed for a whole lease ───────────── LeaseLost (the store's code) ► exit 75
      └─── total_steps reached: summary, release the lease ─────────────────────────────────► exit 0

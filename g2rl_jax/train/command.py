@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from the checkpoint of step {start} in {checkpoint_dir(trainer.run_dir)}", flush=True)
     try:
         trainer.run()
-    except RunFailure as err:  # after the loop (summary.json): the loop itself stops with it
+    except RunFailure as err:  # a notebook's: the loop ended the run with it, and raised it (control/stop.py)
         end_run(err, trainer.step, trainer.run_dir, trainer.cfg)
     if trainer.preempted:
         saved = (f"the checkpoint of step {trainer.step} is in {checkpoint_dir(trainer.run_dir)}" if trainer.step

@@ -335,6 +335,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         history, validation = [], None
         warm_step = self.step + 1  # the step that compiles the run's programs; later ones compile none
         after = {"compile_seconds": 0.0, "programs_compiled": 0}  # compiled after the steps' records
+        finished = False
         with self.stop:  # SIGTERM: the step finished within run.preempt_grace_seconds, or abandoned
             try:
                 if cfg.eval_every and self.step == 0:  # the "before" point of the curves and of summary.json
@@ -371,6 +372,7 @@ class Trainer(SamplingRounds, UpdateRounds):
                     history.append(metrics)
                 if self._stop_requested():
                     raise Preempted("SIGTERM")
+                finished = self.step == cfg.total_steps and bool(history or validation)
             except Preempted:
                 self.preempted = True
                 if self.step:
@@ -382,26 +384,31 @@ class Trainer(SamplingRounds, UpdateRounds):
                     raise
                 end_run(typed, self.step, self.run_dir, self.cfg)
             finally:
-                self._close_run(bar, writer)
-        if self.step == cfg.total_steps and (history or validation) and not self.preempted:
-            summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
-                                    steps=self.step, seconds=time.perf_counter() - self.started,
-                                    compiled=(sum(h["programs_compiled"] for h in history) + after[
-                                        "programs_compiled"], sum(h["compile_seconds"] for h in history)
-                                        + after["compile_seconds"]))
-            if summary is not None:
-                keys = ("accuracy_before", "accuracy_after", *report.SHARES, "steps", "seconds", *report.COMPILE)
-                print(json.dumps({k: summary[k] for k in keys}))
-                print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
+                summarize = functools.partial(self._summarize, history, validation, after) if finished else None
+                self._close_run(bar, writer, summarize)
         return history
 
-    def _close_run(self, bar: ProgressBar, writer: MetricsWriter) -> None:
-        """The last flushes, the last save and the lock's release; a bucket that stops answering here too ends the
-        run with one line (the checkpoints committed stand)."""
+    def _summarize(self, history: list[dict], validation: dict | None, after: dict[str, float]) -> None:
+        """summary.json and curves.png of a finished run (process 0), written under the lease: before its release."""
+        compiled = (sum(h["programs_compiled"] for h in history) + after["programs_compiled"],
+                    sum(h["compile_seconds"] for h in history) + after["compile_seconds"])
+        summary = report.finish(self.run_dir, before=report.before(read_metrics(self.run_dir)), after=validation,
+                                steps=self.step, seconds=time.perf_counter() - self.started, compiled=compiled)
+        if summary is not None:
+            keys = ("accuracy_before", "accuracy_after", *report.SHARES, "steps", "seconds", *report.COMPILE)
+            print(json.dumps({k: summary[k] for k in keys}))
+            print(f"wrote {self.run_dir / report.SUMMARY_FILE} and {self.run_dir / report.CURVES_FILE}")
+
+    def _close_run(self, bar: ProgressBar, writer: MetricsWriter, summarize=None) -> None:
+        """The last flushes, the last save, a finished run's summary (`summarize`) and the lock's release: every
+        write of the run under its lease; a bucket that stops answering here too ends the run with one line (the
+        checkpoints committed stand)."""
         try:
             bar.close()
             writer.close()
             self.ckpt.close()
+            if summarize is not None:
+                summarize()
             self.close()
         except RunFailure as err:
             if fence.closed():  # a failure is being reported already (a notebook's): release what this run holds
