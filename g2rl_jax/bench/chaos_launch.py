@@ -79,7 +79,9 @@ def as_host(prefix: list[str] | None, host: str, cmd: list[str], hosts: Path) ->
     if not prefix:
         return cmd
     hosts.write_text(f"127.0.0.1 localhost {host}\n::1 localhost\n")
-    return [*prefix, "sh", "-c", f'mount --bind {hosts} /etc/hosts && hostname {host} && exec "$@"', "sh", *cmd]
+    # not exec: in a PID namespace of its own the shell is its init (pid 1) and the trainer its child, as on a
+    # machine; an init ignores the signals it raises itself, so a trainer as pid 1 that aborts dies of SIGSEGV
+    return [*prefix, "sh", "-c", f'mount --bind {hosts} /etc/hosts && hostname {host} && "$@"', "sh", *cmd]
 
 
 def exit_code(returncode: int) -> int:
