@@ -11,6 +11,8 @@ OS_FILE_CALLS = {"replace", "rename", "remove", "unlink", "makedirs", "mkdir", "
 ALLOWED = {
     "storage.py": "the storage layer itself",
     "storage_append.py": "the storage layer itself: appends within GCS's write rates (split from storage.py)",
+    "storage_copies.py": "the storage layer itself: a bucket directory's local copy in the cache (split from "
+                         "storage.py)",
     "__init__.py": "probes /dev and /proc for accelerators and silences a stream with os.devnull: no run path",
     "parallel.py": "probes /dev for TPU chips: no run path",
     "rewards/custom.py": "reward.function names Python source for the interpreter to import: a local file",
