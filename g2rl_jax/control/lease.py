@@ -61,7 +61,48 @@ class Lost(Exception):
         self.line = line
 
 
-class Holder:
+class _WriteClock:
+    """What a Holder and a Follower share: until when this process may write (`writable_until`, from
+    `confirmed_at`), and the wait of a write for that (`wait_held`, giving up after `give_up_s` with `not_seen`)."""
+
+    name: str
+    lease_s: float
+    margin_s: float
+    confirmed_at: float
+    give_up_s: float
+    verdict: RunFailure | None
+    _stopped: bool
+    _cond: threading.Condition
+
+    def writable_until(self) -> float:
+        """Until when (monotonic) this process may write: the confirming send + lease - margin."""
+        return self.confirmed_at + self.lease_s - self.margin_s
+
+    def held(self) -> bool:
+        return self.verdict is None and time.monotonic() < self.writable_until()
+
+    def wait_held(self) -> None:
+        """Return at once while the lease is known held; past the margin, wait for a confirmation (or for the
+        verdict, raised; or for `stop`), up to `give_up_s`, then raise `not_seen()`."""
+        give_up = time.monotonic() + self.give_up_s
+        with self._cond:
+            while self.verdict is None and time.monotonic() >= self.writable_until() and not self._stopped:
+                if time.monotonic() >= give_up:
+                    raise self.not_seen()
+                self._cond.wait(0.05)
+            if self.verdict is not None:
+                raise self.verdict
+
+    def not_seen(self) -> RunFailure:
+        from g2rl_jax.control.errors import LeaseLost
+        from g2rl_jax.control.exits import Exit
+
+        return LeaseLost(f"no renewal of the lease on {self.name} was seen for {self.give_up_s:g} s: its "
+                         "holder, process 0, is stuck or cannot reach the storage; this process writes nothing more",
+                         Exit.STORAGE)
+
+
+class Holder(_WriteClock):
     """This process's hold on one lease: a daemon thread sends `renew(nonce, token)` every third of the lease
     (`Renewed`, or `Lost`, or an exception when the store did not answer) and keeps the time until which the lease
     is known held. When it is lost, or no renewal confirmed for a whole lease, `verdict` is set and `on_end(verdict)`
@@ -83,23 +124,6 @@ class Holder:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"{name} lease", daemon=True)
         self._thread.start()
-
-    # ---------------------------------------------------------------------------------------------- what holds
-    def writable_until(self) -> float:
-        """Until when (monotonic) this holder may write: the confirmed renewal's send + lease - margin."""
-        return self.confirmed_at + self.lease_s - self.margin_s
-
-    def held(self) -> bool:
-        return self.verdict is None and time.monotonic() < self.writable_until()
-
-    def wait_held(self) -> None:
-        """Return at once while the lease is held; past the margin, wait for a renewal to confirm it (or for the
-        verdict), then return or raise the verdict (LeaseLost: lost, or not known held)."""
-        with self._cond:
-            while self.verdict is None and time.monotonic() >= self.writable_until() and not self._stopped:
-                self._cond.wait(0.05)
-            if self.verdict is not None:
-                raise self.verdict
 
     # ---------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -199,7 +223,7 @@ class Holder:
         self._thread.join()
 
 
-class Follower:
+class Follower(_WriteClock):
     """A process that writes under another process's lease without holding one: the run lock's other processes of a
     multi-host run (control/runlock.py's `follow`). A daemon thread sends `read()` (the lease's version token and its
     record; FileNotFoundError when there is none) FOLLOWER_READS_PER_LEASE times a lease, one at a time, and this
@@ -217,40 +241,13 @@ class Follower:
                  owns: Callable[[dict], bool], lost_line: Callable[[dict | None], str]):
         self.name, self.lease_s, self.margin_s = name, float(lease_s), MARGIN_SHARE * float(lease_s)
         self._read, self._owns, self._lost_line = read, owns, lost_line
-        self.give_up_s = 2 * self.lease_s  # a wait to write gives up after this long (`not_seen`)
+        self.give_up_s = 2 * self.lease_s  # the holder ends its run after one lease without a confirmed renewal
         self.confirmed_at = -math.inf  # the send time of the read before the newest change seen
         self.verdict: RunFailure | None = None
         self._stopped = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"{name} follower", daemon=True)
         self._thread.start()
-
-    def writable_until(self) -> float:
-        return self.confirmed_at + self.lease_s - self.margin_s
-
-    def held(self) -> bool:
-        return self.verdict is None and time.monotonic() < self.writable_until()
-
-    def wait_held(self) -> None:
-        """Return at once while the lease is known held; else wait for a change that shows it held (or for the
-        verdict, raised; or for `stop`) for up to two leases, then raise LeaseLost with the storage's code: the
-        holder, which ends its run after one lease without a confirmed renewal, has not been seen renewing."""
-        give_up = time.monotonic() + self.give_up_s
-        with self._cond:
-            while self.verdict is None and time.monotonic() >= self.writable_until() and not self._stopped:
-                if time.monotonic() >= give_up:
-                    raise self.not_seen()
-                self._cond.wait(0.05)
-            if self.verdict is not None:
-                raise self.verdict
-
-    def not_seen(self) -> RunFailure:
-        from g2rl_jax.control.errors import LeaseLost
-        from g2rl_jax.control.exits import Exit
-
-        return LeaseLost(f"no renewal of the lease on {self.name} was seen for {self.give_up_s:g} s: its "
-                         "holder, process 0, is stuck or cannot reach the storage; this process writes nothing more",
-                         Exit.STORAGE)
 
     def _run(self) -> None:
         from g2rl_jax.control.errors import LeaseLost

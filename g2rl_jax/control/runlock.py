@@ -135,12 +135,7 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock: create it, or take over one that is stale (see the module docstring); ConfigError (one
         line) when another trainer holds it."""
-        key = _key(self.path)
-        if self._held:
-            return
-        if key in _LEASES:
-            _COUNTS[key] += 1
-            self._held = True
+        if self._joined():
             return
         storage.makedirs(self.path.parent)
         watch, t0, absent, said = Watch(self.lease_s), time.monotonic(), False, False
@@ -156,11 +151,20 @@ class RunLock:
                 raise ConfigError(f"run.output_dir: could not take {self.path} in {time.monotonic() - t0:.0f} s; "
                                   "another trainer keeps starting there")
         lease = Holder(str(self.path), self.lease_s, token, sent, nonce, self._renew, _end_run, self._unreachable)
+        key = _key(self.path)
         _LEASES[key], _COUNTS[key], self._held = lease, 1, True
         fence.arm(self.run_dir, self.path, lease, holder.is_mine)
         if stop.processes() is not None:  # the other processes follow this one's lease (`follow`)
             channel.default().put(HOLDER_KEY, holder.of(holder.mine()), overwrite=True)
         atexit.register(self.release)
+
+    def _joined(self) -> bool:
+        """Whether this lock is held or followed already: by this RunLock, or by another of this process (a notebook
+        cell run twice), which it then shares."""
+        if not self._held and _key(self.path) in _LEASES:
+            _COUNTS[_key(self.path)] += 1
+            self._held = True
+        return self._held
 
     def take(self, process: int) -> None:
         """Process 0 of a run holds the lock (`acquire`), every other process `follow`s it."""
@@ -170,12 +174,7 @@ class RunLock:
         """On a process other than 0 of a run of several: write under process 0's lease (control/lease.py's
         Follower). Waits for process 0 to take the lock and name itself (`acquire`), up to its own bound on that; a
         stop published meanwhile (process 0 refused the run directory) ends this process with that stop's code."""
-        key = _key(self.path)
-        if self._held:
-            return
-        if key in _LEASES:
-            _COUNTS[key] += 1
-            self._held = True
+        if self._joined():
             return
         wait_s = 3 * self.lease_s + 120
         try:
@@ -186,6 +185,7 @@ class RunLock:
                            "process with the same command") from None
         lease = Follower(str(self.path), self.lease_s, self._look, lambda record: holder.of(record) == leader,
                          lambda record: lost_line(self.path, record))
+        key = _key(self.path)
         _LEASES[key], _COUNTS[key], self._held = lease, 1, True
         fence.arm(self.run_dir, self.path, lease, lambda record: holder.of(record) == leader)
         atexit.register(self.release)
