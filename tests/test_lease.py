@@ -358,3 +358,51 @@ def test_in_a_notebook_a_lost_lease_raises_in_the_main_thread(tmp_path):
     assert kernel.returncode == 0 and lines[-1] == "alive", (out, err[-3000:])
     assert lines[0].startswith("raised 3 run lock lost: ") and "pid 7 on host 'vm-z'" in lines[0], lines
     assert lines[1] == "refused 3" and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+
+THAWED = ("import os, sys\n"
+          "from g2rl_jax import cli, storage  # noqa: F401 - loaded, as in a trainer\n"
+          "from g2rl_jax.control import errors\n"
+          "from g2rl_jax.control.runlock import RunLock\n"
+          "lock = RunLock(sys.argv[1], 3.0)\n"
+          "lock.take(0)\n"
+          "print('held', flush=True)\n"
+          "sys.stdin.readline()\n"  # written while this process is frozen: read at once when thawed
+          "try:\n"
+          "    with lock.judged():\n"  # as the trainer's setup, restore and steps are (train/loop.py)
+          "        open(sys.argv[1] + '/checkpoint').read()\n"
+          "except Exception as err:\n"
+          "    code = int(errors.exit_code(err))\n"
+          "    print('ended', code, type(err).__name__, flush=True)\n"
+          "    os._exit(code)\n")
+
+
+def test_a_thawed_holder_that_meets_what_the_new_holder_changed_stops_as_the_lease_lost(tmp_path):
+    """A holder frozen past its lease is taken over and the new holder deletes a file it reads next (a checkpoint it
+    no longer keeps). Thawed, the holder's read fails before its lease's thread has sent its final renewal: that
+    failure is judged by the lease (control/runlock.py's `lost`), so the process stops with the lease lost (exit 3:
+    stop), not as bad input (a missing file, exit 2), which a supervisor would read as a config to fix. (Seen in the
+    small chaos soak under load: a thawed holder exited 2.)"""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint").write_text("step 2")
+    worker = subprocess.Popen([sys.executable, "-c", THAWED, str(run)], env=_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "held", worker.stderr.read()[-3000:]
+        os.kill(worker.pid, signal.SIGSTOP)
+        time.sleep(2 * 3.0)
+        storage.write_text(f"{run}/{LOCK_FILE}", json.dumps({"host": "vm-z", "pid": 7, "renewed": time.time()}))
+        (run / "checkpoint").unlink()
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        os.kill(worker.pid, signal.SIGCONT)
+        out, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == Exit.LEASE_LOST and "ended 2" not in out, (out, err[-3000:])
+    assert "run lock lost" in out + err and "pid 7 on host 'vm-z'" in out + err, (out, err[-3000:])

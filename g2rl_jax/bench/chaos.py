@@ -239,6 +239,8 @@ class Soak:
             return False
         if old.ended():
             fault.outcome = f"thawed holder exited {old.codes()} by itself"
+            said = "; ".join(_last_line(old.log(i)) for i in range(len(old.codes())))
+            print(f"[{now - self.t0:.0f} s] launch {old.number}, thawed, exited {old.codes()}: {said}", flush=True)
             return True
         if now - old.thawed_at > 2 * self.opts.lease + 120:
             old.kill()

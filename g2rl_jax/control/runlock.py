@@ -26,6 +26,7 @@ follower waits for the next renewal it sees made, and one that finds another's r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -189,6 +190,35 @@ class RunLock:
         _LEASES[key], _COUNTS[key], self._held = lease, 1, True
         fence.arm(self.run_dir, self.path, lease, lambda record: holder.of(record) == leader)
         atexit.register(self.release)
+
+    def lost(self, err: BaseException) -> RunFailure | None:
+        """What ends this process when `err` ended its work: the lease's verdict when the lease it holds (or follows)
+        turns out lost, else None. A process frozen past its lease and thawed reads a run directory another trainer
+        changed meanwhile (a checkpoint deleted, a step half written): what it then meets is that trainer's doing, and
+        the lost lease (exit 3: stop) is what it reports, not the bad input or bug it seems to be. Waits for the lease
+        to be known held again (at once while it is; a thawed holder's final renewal decides). Only what looks like bad
+        input or a bug is judged: a failure classified otherwise (the storage, the lease, a peer gone, the device,
+        the reward function) is its own verdict (None)."""
+        if not self._held or not isinstance(err, Exception) or isinstance(err, storage.StorageUnreachable) or (
+                isinstance(err, RunFailure) and err.code != Exit.BAD_INPUT):
+            return None
+        try:
+            _LEASES[_key(self.path)].wait_held()
+        except RunFailure as verdict:
+            return verdict
+        return None
+
+    @contextlib.contextmanager
+    def judged(self):
+        """Around work under the lease: an error it raises once the lease turned out lost is raised as the lease's
+        verdict instead (`lost`)."""
+        try:
+            yield
+        except Exception as err:
+            verdict = self.lost(err)
+            if verdict is not None:
+                raise verdict from err
+            raise
 
     def _look(self) -> tuple[str, dict[str, Any] | None]:
         """A follower's read of the lock: (generation, record); ValueError for bytes that are no record (a partial

@@ -108,7 +108,8 @@ class Trainer(SamplingRounds, UpdateRounds):
         self.preempted = False
         self.lock.take(jax.process_index())
         try:
-            self._setup(cfg)
+            with self.lock.judged():  # a thawed process meets what another trainer did: the lease decides
+                self._setup(cfg)
         except BaseException:
             self.close()
             raise
@@ -227,7 +228,8 @@ class Trainer(SamplingRounds, UpdateRounds):
         """Restore the newest readable checkpoint, if any (an unreadable newer one is reported and set aside);
         returns the step to continue from."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state())
-        step, restored = self.ckpt.restore_newest(abstract, self.loader)
+        with self.lock.judged():  # a thawed process reads a checkpoint another trainer moved: the lease decides
+            step, restored = self.ckpt.restore_newest(abstract, self.loader)
         if step is not None:
             self.params = nnx.merge_state(lora.split_trainable(self.params)[1], restored["params"])
             self.opt_state = restored["opt_state"]
@@ -380,6 +382,7 @@ class Trainer(SamplingRounds, UpdateRounds):
             except Exception as err:  # classified where raised (control/errors.py), or a program's runtime error
                 # surfacing outside its stage (JAX dispatches asynchronously): one line, every process stops
                 typed = err if isinstance(err, RunFailure) else device_failure(err, f"step {self.step + 1}")
+                typed = self.lock.lost(typed or err) or typed  # a thawed process: the lease decides
                 if typed is None:
                     raise
                 end_run(typed, self.step, self.run_dir, self.cfg)
