@@ -157,6 +157,36 @@ def test_lora_two_processes_equal_one_device(assets, tmp_path):
     _assert_same(read_metrics(tmp_path / "two"), one, DETERMINISTIC)
 
 
+def test_a_peer_killed_before_the_first_collective_ends_process_0_in_one_line(assets, tmp_path):
+    """Process 0 waits out a stale lock (another host's, renewed just now) while process 1 waits for it; process 1 is
+    killed meanwhile. Process 0 takes the run over and meets the dead peer at the setup's first host collective: it
+    stops at once with the peer-lost line and exit 76 (relaunch), no traceback. (The chaos soak's one human step:
+    an untyped gloo error in the setup, a traceback, then jax.distributed's shutdown barrier waiting out the peer's
+    heartbeat and an abort: 88 s here, more than 180 s in the soak.)"""
+    import time
+
+    from g2rl_jax import localhost
+    from g2rl_jax.control.exits import Exit
+    from g2rl_jax.control.runlock import LOCK_FILE
+
+    out = tmp_path / "run"
+    storage.write_text(out / LOCK_FILE, json.dumps({"host": "vm-old", "pid": 7, "since": "then", "lease_seconds": 9,
+                                                    "renewed": time.time()}) + "\n")
+    cmd = lambda i, port: _cmd(assets, out, 1, ["run.lock_lease_seconds=9", *trainer_args(i, port)])  # noqa: E731
+    with localhost.Processes(cmd, devices=4, env=process_env(4)) as procs:
+        deadline = time.monotonic() + 300
+        while "waiting up to 9 s (its lease)" not in procs.log(0) and time.monotonic() < deadline:
+            assert procs.procs[0].poll() is None, procs.log(0)[-3000:]
+            time.sleep(0.2)
+        procs.procs[1].kill()
+        killed = time.monotonic()
+        code = procs.wait(180, [0])[0]
+        log, seconds = procs.log(0), time.monotonic() - killed
+    assert code == Exit.PEER_LOST, (code, log[-4000:])
+    assert "a process of this run is gone (Gloo" in log and "Traceback" not in log, log[-4000:]
+    assert seconds < 9 + 60, seconds  # the lease it waits out, and the stop's wait for the other process
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"num_processes": 2}, r"distributed.num_processes set but distributed.coordinator_address, "
                            r"distributed.process_id not"),

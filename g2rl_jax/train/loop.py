@@ -33,7 +33,7 @@ from flax import nnx
 from g2rl_jax import methods, parallel, storage
 from g2rl_jax.config import Config, ConfigError, save_resolved, to_dict
 from g2rl_jax.control import fence
-from g2rl_jax.control.errors import RunFailure, device_failure, end_run
+from g2rl_jax.control.errors import RunFailure, device_boundary, device_failure, end_run
 from g2rl_jax.control.runlock import RunLock
 from g2rl_jax.data import make_prompt_loader
 from g2rl_jax.model import load_pretrained, lora, peft_io
@@ -108,7 +108,8 @@ class Trainer(SamplingRounds, UpdateRounds):
         self.preempted = False
         self.lock.take(jax.process_index())
         try:
-            with self.lock.judged():  # a thawed process meets what another trainer did: the lease decides
+            # a peer gone from a host collective: PeerLost; what a thawed process meets: the lease decides
+            with self.lock.judged(), device_boundary("the run's setup"):
                 self._setup(cfg)
         except BaseException:
             self.close()
@@ -228,7 +229,7 @@ class Trainer(SamplingRounds, UpdateRounds):
         """Restore the newest readable checkpoint, if any (an unreadable newer one is reported and set aside);
         returns the step to continue from."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state())
-        with self.lock.judged():  # a thawed process reads a checkpoint another trainer moved: the lease decides
+        with self.lock.judged(), device_boundary("the restore"):  # as the setup (__init__)
             step, restored = self.ckpt.restore_newest(abstract, self.loader)
         if step is not None:
             self.params = nnx.merge_state(lora.split_trainable(self.params)[1], restored["params"])
