@@ -93,9 +93,10 @@ class BucketWrites:
         return self.names
 
     def _steps(self) -> tuple[set[int], set[int]]:
-        """(steps with anything written under checkpoints/STEP/, steps whose commit_success.txt was written)."""
+        """(steps with anything written under checkpoints/STEP/ or a launch's checkpoints/STEP.orbax-checkpoint-tmp-*/
+        (control/commits.py), steps whose checkpoints/STEP/commit_success.txt was written)."""
         parts = [n.split("/") for n in self.written() if n.startswith("checkpoints/")]
-        started = {int(p[1]) for p in parts if len(p) > 2 and p[1].isdigit()}
+        started = {int(p[1].split(".")[0]) for p in parts if len(p) > 2 and p[1].split(".")[0].isdigit()}
         return started, {int(p[1]) for p in parts if len(p) == 3 and p[1].isdigit() and p[2] == "commit_success.txt"}
 
     def saving(self) -> bool:

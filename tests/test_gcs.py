@@ -181,6 +181,38 @@ def test_corrupt_newest_checkpoint_in_the_bucket_falls_back(gcs, capsys):
     assert Checkpointer(run, every=1, keep=3).restore_newest(_abstract(_state(0)), it)[0] == 3
 
 
+def test_a_late_save_request_of_a_frozen_launch_lands_in_no_step(gcs):
+    """What tensorstore (Orbax's array writer) sends itself does not pass the fence: a launch frozen mid-save may
+    send the rest of it after its thaw, after another launch took the run over (the chaos soak: `manifest.ocdbt` and
+    a data file of step 6, 0.1 to 4.5 s after the thaw). Each launch writes a step in a directory of its own on GCS
+    (control/commits.py's LaunchCommit), so those requests land where no step is read: the new launch's step 3,
+    committed, restores exactly, and the next start deletes the frozen launch's directory. (Written in place, as
+    before, the same requests replace step 3's manifest: its restore fails.)"""
+    from g2rl_jax.control.commits import fenced_commits
+    from g2rl_jax.train.checkpoint import checkpoint_dir
+
+    run = gcs.url("runs/late")
+    directory = storage.path(checkpoint_dir(run))
+    frozen = fenced_commits(directory, "f0f0f0f0").from_final(directory / "3").get()  # the frozen launch's step 3
+    ckpt = Checkpointer(run, every=1, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step), _BytesIterator(step))
+    ckpt.close()
+    assert storage.names(directory) == ["2", "3"], storage.names(directory)  # nothing but the committed steps
+    fs, key = storage._fs(directory / "3" / "state")
+    names = [name[len(key):] for name in fs.find(key)]  # every object of step 3's arrays: the frozen launch
+    assert "/manifest.ocdbt" in names and any("/d/" in name for name in names), names  # sends its manifests
+    for name in names:
+        storage.write_bytes(f"{frozen}/state{name}", b"what the frozen launch sent after its thaw")
+    reopened = Checkpointer(run, every=1, keep=2)
+    it = _BytesIterator()
+    step, state = reopened.restore_newest(_abstract(_state(0)), it)
+    assert step == 3 and it.position == 3
+    _assert_equal(state, _state(3))
+    reopened.close()
+    assert storage.names(directory) == ["2", "3"], storage.names(directory)  # the frozen launch's deleted
+
+
 def test_eval_and_export_from_the_bucket_checkpoint(killed_run, gcs, tmp_path, monkeypatch, capsys):
     from g2rl_jax.eval import main as eval_main
     from g2rl_jax.export import main as export_main

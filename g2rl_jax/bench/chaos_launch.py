@@ -8,8 +8,9 @@ through the proxy's log.
   hostname, resolvable in its own /etc/hosts, which gloo needs, and its own PID namespace, so a later launch judges
   it as one on another machine and waits out its lease) in a session of its own (a kill -9 or a SIGSTOP reaches its
   children too), its log, its exit codes (a signal as 128 + signal).
-- `Saves`: the checkpoint steps written and committed under a run, from the proxy's log as it grows (Orbax on GCS
-  writes a step's directory in place, commit_success.txt last), costing no request.
+- `Saves`: the checkpoint steps written and committed under a run, from the proxy's log as it grows (on GCS a
+  launch writes a step into `<step>.orbax-checkpoint-tmp-<launch>/` and its commit copies it to `<step>/`,
+  commit_success.txt last: control/commits.py), costing no request.
 """
 from __future__ import annotations
 
@@ -161,10 +162,11 @@ class Saves:
             if r.kind in ("upload", "compose", "copy") and 200 <= r.status < 300 and (r.obj or "").startswith(
                     self.prefix):
                 parts = r.obj[len(self.prefix):].split("/")
-                if parts[0].isdigit() and len(parts) > 1:
-                    self.written[int(parts[0])] = r.t
-                    if parts[1:] == ["commit_success.txt"]:
-                        self.committed.add(int(parts[0]))
+                step = parts[0].split(".")[0]  # <step>/, or a launch's <step>.orbax-checkpoint-tmp-<launch>/
+                if step.isdigit() and len(parts) > 1:
+                    self.written[int(step)] = r.t
+                    if parts[0] == step and parts[1:] == ["commit_success.txt"]:
+                        self.committed.add(int(step))
         self.at = end
 
     def saving(self, since: float) -> bool:

@@ -166,6 +166,14 @@ def _remove_unfinished(directory: epath.Path) -> None:
         parallel.sync("g2rl_jax: unfinished checkpoints removed")  # the processes of the training side
 
 
+def _launch_name() -> str:
+    """A name of this launch's saves, the same on every process of its side: its first process's random draw."""
+    draw = np.frombuffer(os.urandom(8), np.uint32)
+    if parallel.host_count() > 1:
+        draw = np.asarray(parallel.broadcast_one_to_all(draw))
+    return "".join(f"{int(v):08x}" for v in draw)
+
+
 def _reject_typed_keys(state: Any) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -187,9 +195,10 @@ class Checkpointer:
                                                        active_processes=side)
         if side is not None:  # Orbax creates the root itself only when every process runs the manager
             directory.mkdir(parents=True, exist_ok=True)
+        commits = control.fenced_commits(directory, _launch_name())
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=False, create=side is None,
                                                enable_async_checkpointing=True, multiprocessing_options=processes,
-                                               temporary_path_class=control.fenced_commits(directory))
+                                               temporary_path_class=commits)
         control.quiet_orbax_failures()
         self._url = directory if storage.is_url(directory) else None
         self._manager = ocp.CheckpointManager(directory, options=options, handler_registry=_handlers())
