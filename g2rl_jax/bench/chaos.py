@@ -158,9 +158,11 @@ class Soak:
         return any(r.who not in (None, launch.number) and r.t > since for r in self._lock_writes(launch))
 
     def _holds_lock(self, launch: Launch) -> bool:
-        """`launch` wrote the run lock (took the lease): a stop fault freezes a holder, not a launch still starting
-        (which, thawed, would only find the run held by the launch that took it meanwhile)."""
-        return any(r.who == launch.number and r.t >= launch.started for r in self._lock_writes(launch))
+        """`launch` holds the lease and knows it: it wrote the run lock and renewed it since (a renewal is conditional
+        on the generation its take wrote). A stop fault freezes a holder, not a launch still starting: one frozen
+        after its take reached the store but before its reply did is still starting, and, thawed, finds the run
+        held by the launch that took it meanwhile (refused at its start: exit 2)."""
+        return sum(r.who == launch.number and r.t >= launch.started for r in self._lock_writes(launch)) >= 2
 
     # -------------------------------------------------------------------------------------------- the reference
     def reference(self) -> tuple[list[dict], Counter]:
