@@ -1,6 +1,8 @@
 """Orbax (the checkpoints, train/checkpoint.py) under run control: its commit of a step and its deletes of old steps
-pass the fence (control/fence.py), its log records of a failure carry no traceback (the Checkpointer reports the
-failure), and a failed restore from a bucket is told apart from a corrupt checkpoint by whether the store answers.
+pass the fence (control/fence.py); on GCS each launch writes a step where no other launch reads or writes, so what
+tensorstore sends itself (which the fence does not see) cannot reach another launch's step (`fenced_commits`); its
+log records of a failure carry no traceback (the Checkpointer reports the failure), and a failed restore from a
+bucket is told apart from a corrupt checkpoint by whether the store answers.
 """
 from __future__ import annotations
 

@@ -19,9 +19,10 @@ until `disarm`, every change under that directory but the lock's own objects pas
 written under an armed directory, whatever the lease says, through the seconds the stop takes (control/stop.py waits
 for the other processes).
 
-Not fenced: what tensorstore (Orbax's array writer) sends itself. It writes only into a step directory that is not
-committed yet; the commit, which makes a step count, is fenced. A request tensorstore had already begun when the
-process froze may still land after the thaw, inside such an uncommitted directory (docs/running.md).
+Not fenced: what tensorstore (Orbax's array writer) sends itself. It writes only into a step directory of this
+launch's own that is not committed yet (on GCS `<step>.orbax-checkpoint-tmp-<launch>/`: control/commits.py); the
+commit, which makes a step count, is fenced. A request tensorstore had already begun when the process froze may
+still land after the thaw, inside that directory, which no other launch reads or writes (docs/running.md).
 """
 from __future__ import annotations
 

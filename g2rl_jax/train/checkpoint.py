@@ -11,9 +11,10 @@ A checkpoint at step s is the directory `<run_dir>/checkpoints/<s>/` holding two
   model/  model.json: full fine-tune or LoRA, and then the base model by path and weights hash
           (train/identity.py), when the Checkpointer is given that record.
 
-Orbax writes each step into a temporary directory and renames it into place only once every item is complete, so a
-process killed at any moment, mid-save included, leaves the previous checkpoints intact and `latest_step` never
-sees a half-written one; leftover temporary directories are removed when the next `Checkpointer` opens the run, before
+Orbax writes each step into a temporary directory and renames it into place only once every item is complete (on GCS
+a directory of the launch's own, copied into place, commit_success.txt last: control/commits.py), so a process
+killed at any moment, mid-save included, leaves the previous checkpoints intact and `latest_step` never sees a
+half-written one; leftover temporary directories are removed when the next `Checkpointer` opens the run, before
 anything lists its steps (on GCS a directory is only the prefix of its objects: see `_remove_unfinished`).
 All processes call every method (Orbax synchronises hosts itself; nothing here runs on process 0 only).
 
@@ -31,7 +32,7 @@ by `restore_newest`, which falls back to the previous complete one.
 Failures and the run lock (g2rl_jax/control): on a bucket, what Orbax's asynchronous save raises (at `wait`, or at
 the next `save`) is the storage's, StorageUnavailable naming the URL; a restore that fails while the store does not
 answer a look is too (nothing is set aside), one that fails while it answers is a corrupt checkpoint. Orbax's commit
-of a step (the rename of its temporary directory; on GCS its commit_success.txt) and its deletes of old steps pass
+of a step (the rename of its temporary directory; on GCS the copies and commit_success.txt) and its deletes pass
 the fence (control/fence.py): a trainer that lost the run's lease commits and deletes nothing. Orbax's own log
 records of a failure carry no traceback: the failure reaches the Checkpointer, which reports it.
 
@@ -151,7 +152,7 @@ def check_model(run_dir: str | os.PathLike, want: dict) -> None:
 
 
 def _remove_unfinished(directory: epath.Path) -> None:
-    """Delete the step directories of saves a kill interrupted (locally `<step>.orbax-checkpoint-tmp-*`, on GCS a
+    """Delete the step directories of saves a kill interrupted (`<step>.orbax-checkpoint-tmp*`, and on GCS a
     `<step>/` without commit_success.txt), on process 0 while the others wait, before Orbax lists the steps.
 
     Not Orbax's own `cleanup_tmp_directories`: it deletes from a background thread while the CheckpointManager's
