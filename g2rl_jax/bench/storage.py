@@ -18,7 +18,8 @@ policy's architecture, random weights):
               eval's records per problem (--problems, --problem-seconds apart), buffered as eval writes them and,
               for comparison, one append per record as before: requests, bytes each way, and the 429s the proxy served;
               and checkpoint saves as the Checkpointer writes them (one tensorstore transaction per process: one
-              manifest.ocdbt write) against per-array commits (Orbax's default), each with the proxy's
+              manifest.ocdbt write; on GCS into a launch's own directory, copied into place) against the same
+              written in place (as before) and per-array commits (Orbax's default), each with the proxy's
               one-update-a-second rule and without it.
 The emulator is on this machine, so its figures are the storage layer's own cost (requests, copies, composes)
 without a network's latency; docs/performance.md says what a real bucket adds.
@@ -225,14 +226,34 @@ def _per_array_commits():
     return mock.patch.object(checkpoint, "_state_handler", lambda: ocp.PyTreeCheckpointHandler())
 
 
+def _in_place():
+    """The Checkpointer's commit on GCS as it was: each step written in place into `<step>/`, its commit_success.txt
+    written last (Orbax's CommitFileTemporaryPath, the commit fenced), not in a launch's own directory copied into
+    place (control/commits.py)."""
+    from unittest import mock
+
+    import orbax.checkpoint as ocp
+
+    from g2rl_jax.control import commits, fence
+
+    class InPlace(ocp.path.atomicity.CommitFileTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            with fence.guard(self.get_final()):
+                await super().finalize(*args, **kwargs)
+
+    return mock.patch.object(commits, "fenced_commits", lambda directory, launch: InPlace)
+
+
 def _manifest_retries(proxy, url: str, state, repeats: int) -> list[tuple[str, str, float, int, int, int]]:
     """(save mode, rule, median save s, requests, manifest.ocdbt writes, 429s served; per save) of checkpoint saves
-    with the proxy's one-update-a-second rule and without it, the Checkpointer's one transaction per process against
-    per-array commits (the same proxy and faults, alternating)."""
+    with the proxy's one-update-a-second rule and without it: the Checkpointer's (one transaction per process, into a
+    launch's own directory copied into place), the same written in place as before, and per-array commits (the same
+    proxy and faults, alternating)."""
     from g2rl_jax.train.checkpoint import Checkpointer
 
     rule = proxy.update_interval
-    modes = {"one transaction": contextlib.nullcontext, "per-array commits": _per_array_commits}
+    modes = {"one transaction, own directory": contextlib.nullcontext, "one transaction, in place": _in_place,
+             "per-array commits": _per_array_commits}
     runs = [(mode, interval) for mode in modes for interval in (rule, 0.0)]
     times: dict = {run: [] for run in runs}
     counts: dict = {run: [0, 0, 0] for run in runs}
@@ -242,7 +263,7 @@ def _manifest_retries(proxy, url: str, state, repeats: int) -> list[tuple[str, s
                 proxy.update_interval = interval
                 start = len(proxy.log)
                 with modes[mode]():
-                    ckpt = Checkpointer(f"{url}/manifest_{mode[:3]}_{interval:g}_{i}", every=1, keep=1)
+                    ckpt = Checkpointer(f"{url}/manifest_{list(modes).index(mode)}_{interval:g}_{i}", every=1, keep=1)
                     t0 = time.perf_counter()
                     ckpt.save(1, state, _Iterator(), force=True)
                     ckpt.wait()
@@ -317,8 +338,9 @@ def main(argv=None) -> int:
                 print(f"| {what} | {per} | {requests / count:.2f} | {up / count / 1e3:.2f} | {down / count / 1e3:.2f} "
                       f"| {throttled} |")
             print(f"429s served while timing the saves, restores and metrics above: {earlier[0]} {earlier[1]}")
-            print("\ncheckpoint saves, the Checkpointer's one transaction per process against per-array commits, with "
-                  "the proxy's rate rule and without it (alternating; requests and 429s per save):")
+            print("\ncheckpoint saves, the Checkpointer's (one transaction per process, a launch's own directory) "
+                  "against the same in place and per-array commits, with the proxy's rate rule and without it "
+                  "(alternating; requests and 429s per save):")
             print("| save | rule | save s (median) | requests | manifest.ocdbt writes | 429s served |")
             print("|---|---|---|---|---|---|")
             for mode, rule, seconds, requests, manifests, throttled in _manifest_retries(proxy, url, state,
