@@ -436,8 +436,13 @@ class DistributedConfig:
     transfer_address: Optional[str] = _f(None, "host:port where this process serves JAX's socket transfers "
                                          "across processes: needed on CPU and GPU with mesh.rollout_processes "
                                          "(null = off; the TPU runtime moves arrays across hosts itself)")
+    join_timeout_seconds: int = _f(300, "how long the start waits for every process to join jax.distributed; "
+                                        "past it JAX aborts the processes that came (exit 134: relaunch with "
+                                        "backoff), e.g. when one was killed before it joined")
 
     def __post_init__(self):
+        _check(self.join_timeout_seconds > 0, "distributed.join_timeout_seconds",
+               f"must be > 0, got {self.join_timeout_seconds}")
         _check(self.num_processes is None or self.num_processes > 0, "distributed.num_processes",
                f"must be > 0 or null, got {self.num_processes}")
         if self.process_id is not None:

@@ -327,7 +327,7 @@ def initialize_distributed(dist) -> bool:
     if len(missing) == 3:
         if not on_tpu_vm():
             return False
-        jax.distributed.initialize()
+        jax.distributed.initialize(initialization_timeout=dist.join_timeout_seconds)
         return True
     if missing:
         named = ", ".join(f"distributed.{k}" for k, v in given.items() if v is not None)
@@ -336,7 +336,7 @@ def initialize_distributed(dist) -> bool:
                          "distributed.process_id, or none of them (one process, or auto-detection on a TPU VM)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-backend collectives across processes
     jax.distributed.initialize(coordinator_address=dist.coordinator_address, num_processes=dist.num_processes,
-                               process_id=dist.process_id)
+                               process_id=dist.process_id, initialization_timeout=dist.join_timeout_seconds)
     return True
 
 

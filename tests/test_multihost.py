@@ -187,6 +187,22 @@ def test_a_peer_killed_before_the_first_collective_ends_process_0_in_one_line(as
     assert seconds < 9 + 60, seconds  # the lease it waits out, and the stop's wait for the other process
 
 
+def test_a_process_whose_peer_never_joins_ends_after_the_join_timeout(assets, tmp_path):
+    """Process 1 of 2 never starts (killed before it joined): process 0 waits distributed.join_timeout_seconds for
+    it, then JAX aborts it (134: a supervisor relaunches with backoff), instead of JAX's default 300 s."""
+    import time
+
+    from g2rl_jax import localhost
+
+    cmd = _cmd(assets, tmp_path / "run", 1, ["distributed.join_timeout_seconds=5",
+                                             *trainer_args(0, localhost.free_port())])
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, env=process_env(4), capture_output=True, text=True, timeout=240)
+    seconds = time.monotonic() - t0
+    assert done.returncode == -6, (done.returncode, done.stderr[-3000:])  # SIGABRT: 134 in a shell
+    assert "DEADLINE_EXCEEDED" in done.stderr and seconds < 5 + 60, (seconds, done.stderr[-3000:])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"num_processes": 2}, r"distributed.num_processes set but distributed.coordinator_address, "
                            r"distributed.process_id not"),

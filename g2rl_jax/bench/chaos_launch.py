@@ -49,12 +49,16 @@ class Layout:
 
 
 def layout(name: str, overrides: list[str]) -> Layout:
-    extra = {"one": [], "two": [],
-             "sides": ["mesh.rollout_processes=1", "rollout.max_staleness=1", "algorithm.rollout_is_cap=2.0",
+    joined = [f"distributed.join_timeout_seconds={JOIN_S}"]
+    extra = {"one": [], "two": joined,
+             "sides": [*joined, "mesh.rollout_processes=1", "rollout.max_staleness=1", "algorithm.rollout_is_cap=2.0",
                        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]}[name]
     return Layout(name, (*overrides, *extra))
 
 
+# a process killed before its peers joined jax.distributed: they abort (134) after this, within the soak's bound on a
+# launch whose other processes still run (chaos.PEER_S); the default, 300 s, is JAX's
+JOIN_S = 60
 PID_NAMESPACE = ["-p", "-f", "--mount-proc", "--kill-child"]  # a PID namespace of its own, as on another machine
 
 
