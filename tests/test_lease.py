@@ -406,3 +406,4 @@ def test_a_thawed_holder_that_meets_what_the_new_holder_changed_stops_as_the_lea
         worker.kill()
     assert worker.returncode == Exit.LEASE_LOST and "ended 2" not in out, (out, err[-3000:])
     assert "run lock lost" in out + err and "pid 7 on host 'vm-z'" in out + err, (out, err[-3000:])
+

@@ -113,3 +113,32 @@ def test_a_thawed_launch_whose_lease_was_taken_writes_nothing_on_any_process(tmp
     for i, proc in enumerate(procs):
         assert proc.returncode == Exit.LEASE_LOST, (i, (tmp_path / f"{i}.err").read_text()[-3000:])
     assert written[-2:] == ["refused", str(int(Exit.LEASE_LOST))], written  # its next write, refused
+
+
+def test_a_launch_whose_lease_is_lost_as_its_run_ends_exits_with_the_lease_lost(tmp_path):
+    """Both processes frozen for two leases while process 0's main thread waits for its last save; the run taken
+    over; both thawed. Process 0's lease thread stops the run (exit 3), giving process 1 up to 5 s to have the line,
+    while the main thread, its last write refused, returns from the run: process 0 ends with the lease's code, not
+    the main thread's 0 ("done": a supervisor would count the run finished), as the chaos soak (one process per side)
+    saw before train/command.py waited for the stop (control/stop.py's `await_stop`)."""
+    run_dir = str(tmp_path / "run")
+    procs, logs = _launch(tmp_path, run_dir, "end")
+    try:
+        for proc in procs:
+            assert any(line.strip() == "running" for line in iter(proc.stdout.readline, "")), proc.returncode
+        for proc in procs:
+            proc.send_signal(signal.SIGSTOP)
+        time.sleep(2 * 3.0)  # two leases
+        _taken_over(run_dir)
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+        for proc in procs:
+            proc.wait(timeout=60)
+        said = procs[0].stdout.read()
+    finally:
+        for proc, log in zip(procs, logs):
+            proc.kill()
+            log.close()
+    for i, proc in enumerate(procs):
+        assert proc.returncode == Exit.LEASE_LOST, (i, proc.returncode, (tmp_path / f"{i}.err").read_text()[-3000:])
+    assert "done" not in said and not storage.exists(f"{run_dir}/summary.json"), said

@@ -175,6 +175,15 @@ def stop_everywhere(line: str, code: int, gone: tuple[int, ...] = (), *, say: bo
     _end(Stop(int(code), line, me if me is not None else 0), me, error)
 
 
+def await_stop() -> None:
+    """The main thread's way out of a run: when another thread of this process decided to stop it (the fence is
+    closed: a lease thread found the run taken over while the main thread finished its last save), that thread ends
+    the process with the stop's code within ACK_S + COORDINATOR_LAST_S; the main thread waits for it instead of
+    ending the process with its own (0: done). Returns at once when no stop was decided, and in a notebook."""
+    if fence.closed() and not in_notebook():
+        time.sleep(ACK_S + COORDINATOR_LAST_S + 10)
+
+
 def refuse(err: wire.Refused):
     """Stop every process for a value that is not ours (a pickle planted in the store, another version's
     process): a control/errors.py BadInput, its one line and exit 2 (errors.end_run)."""

@@ -11,6 +11,7 @@ import jax
 
 from g2rl_jax import cli, parallel
 from g2rl_jax.config import RESOLVED_NAME, ConfigError
+from g2rl_jax.control import stop
 from g2rl_jax.control.errors import RunFailure, end_run, exit_code
 from g2rl_jax.control.exits import Exit
 from g2rl_jax.data import DataError
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.run()
     except RunFailure as err:  # a notebook's: the loop ended the run with it, and raised it (control/stop.py)
         end_run(err, trainer.step, trainer.run_dir, trainer.cfg)
+    stop.await_stop()  # another thread of this process stops the run (a lost lease): its code, not done's
     if trainer.preempted:
         saved = (f"the checkpoint of step {trainer.step} is in {checkpoint_dir(trainer.run_dir)}" if trainer.step
                  else "no step had finished, so there is no checkpoint")
