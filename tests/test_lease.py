@@ -407,3 +407,49 @@ def test_a_thawed_holder_that_meets_what_the_new_holder_changed_stops_as_the_lea
     assert worker.returncode == Exit.LEASE_LOST and "ended 2" not in out, (out, err[-3000:])
     assert "run lock lost" in out + err and "pid 7 on host 'vm-z'" in out + err, (out, err[-3000:])
 
+
+
+WATCHING = ("import os, sys, time\n"
+            "from g2rl_jax.control import errors, runlock\n"
+            "runlock.RunLock(sys.argv[1], 3.0).take(0)\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.readline()\n"  # written while this process is frozen: read at once when thawed
+            "t0 = time.monotonic()\n"
+            "lost = runlock.held_lease_lost()\n"  # as the watch of the rollout processes asks (control/lease.py)
+            "print('verdict', None if lost is None else int(lost.code), round(time.monotonic() - t0, 1), flush=True)\n"
+            "if lost is not None:\n"
+            "    errors.end_run(lost)\n"
+            "os._exit(76)\n")  # the watch's peer-lost stop
+
+
+@pytest.mark.parametrize("taken", [True, False], ids=["taken", "held"])
+def test_a_thawed_trainer_that_sees_its_rollout_process_lapsed_asks_its_lease_first(tmp_path, taken):
+    """One process per side, both frozen past the lease: thawed, the trainer's watch of the rollout process sees its
+    lease lapsed (it was frozen too) and used to stop the run as a peer lost (76: relaunch; the sides soak, twice)
+    before the trainer's own lease decided. It asks the run lease first (control/runlock.py's `held_lease_lost`):
+    taken over, the process stops with the lease lost (3); still held, at once, the peer-lost stop goes on."""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    worker = subprocess.Popen([sys.executable, "-c", WATCHING, str(run)], env=_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "held", worker.stderr.read()[-3000:]
+        if taken:
+            os.kill(worker.pid, signal.SIGSTOP)
+            time.sleep(2 * 3.0)
+            storage.write_text(f"{run}/{LOCK_FILE}", json.dumps({"host": "vm-z", "pid": 7, "renewed": time.time()}))
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        if taken:
+            os.kill(worker.pid, signal.SIGCONT)
+        out, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    if taken:
+        assert worker.returncode == Exit.LEASE_LOST and "run lock lost" in err, (worker.returncode, out, err[-3000:])
+    else:
+        said = out.split()
+        assert worker.returncode == Exit.PEER_LOST and said[:2] == ["verdict", "None"], (out, err[-3000:])
+        assert float(said[2]) < 0.5, out  # a held lease answers at once

@@ -361,6 +361,11 @@ class KeyLease:
                     seen[p].look(now[p])
                 late = [p for p in keys if seen[p].lapsed()]
                 if late and not self._done.is_set():
+                    from g2rl_jax.control import errors, runlock
+
+                    lost = runlock.held_lease_lost()  # both were frozen and the run taken over: the lost lease
+                    if lost is not None:
+                        errors.end_run(lost)
                     stop.stop_everywhere(f"the rollout process {late[0]} (mesh.rollout_processes) has not renewed "
                                          f"its lease for {self.seconds:g} s (run.lock_lease_seconds): it died or "
                                          "hangs. The checkpoints committed stand: end it if it still runs, and "

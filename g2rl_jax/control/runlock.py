@@ -315,6 +315,20 @@ class RunLock:
             storage.remove_if_generation(self.path, lease.token)
 
 
+def held_lease_lost() -> RunFailure | None:
+    """The verdict of the run lease this process holds (process 0), when it turns out lost; None while it is held,
+    and on a process that holds none. Waits for it to be known held again (at once while it is; a thawed holder's
+    final renewal decides). A thawed trainer's watch of its rollout process (control/lease.py's KeyLease), frozen
+    with it, asks first: a peer seen gone after a freeze of both is the lost lease, not a peer lost."""
+    for lease in list(_LEASES.values()):
+        if isinstance(lease, Holder):
+            try:
+                lease.wait_held()
+            except RunFailure as verdict:
+                return verdict
+    return None
+
+
 def release_all() -> None:
     """Release every run lock this process holds, on its way out after a failure that leaves the store and the
     lease sound (a reward function, a device out of memory, a peer gone); a release that fails is left to lapse."""
