@@ -222,14 +222,16 @@ def test_start_up_dispatch(monkeypatch):
     """Which jax.distributed.initialize call each setting makes (the explicit one runs for real above)."""
     calls = []
     monkeypatch.setattr(parallel.jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1")  # GKE TPU workers: auto-detected, no arguments
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1")  # GKE TPU workers: auto-detected, only the join's bound
     assert parallel.on_tpu_vm() and parallel.initialize_distributed(DistributedConfig()) is True
-    assert calls == [{}]
+    assert calls == [{"initialization_timeout": 300}]
     monkeypatch.setattr(parallel.jax.config, "update", lambda name, value: calls.append({name: value}))
-    explicit = DistributedConfig(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3)
+    explicit = DistributedConfig(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3,
+                                 join_timeout_seconds=60)
     assert parallel.initialize_distributed(explicit) is True
     assert calls[1:] == [{"jax_cpu_collectives_implementation": "gloo"},
-                         {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}]
+                         {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3,
+                          "initialization_timeout": 60}]
 
 
 def test_place_keeps_arrays_on_an_equivalent_sharding():

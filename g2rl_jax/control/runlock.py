@@ -244,10 +244,9 @@ class RunLock:
             raise ConfigError(self._refusal(record))
         if state == "stale":
             # a lock written within the last second is replaced once that second is out: a bucket allows one update
-            # per object per second
-            age = _age(record)
-            if age is not None and 0 <= age < storage.UPDATE_INTERVAL_S:
-                time.sleep(storage.UPDATE_INTERVAL_S + 0.05 - age)
+            # per object per second. The record's time is its renewal's send, and a slow store applies it later: the
+            # second counts from this start's first look at the generation, which the store had applied by then
+            time.sleep(max(storage.UPDATE_INTERVAL_S + 0.05 - watch.unchanged_for(), 0))
             nonce, sent = uuid.uuid4().hex, time.monotonic()
             # conditional on the generation read: of any number of starters exactly one replaces it, and a lock
             # renewed meanwhile is left alone (the next look sees its new generation, and refuses)
