@@ -209,11 +209,7 @@ def _gcs_upload(p: PathLike, data: bytes, if_generation: str) -> str | None:
             reply = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="multipart",
                             headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body,
                             json_out=True, ifGenerationMatch=if_generation)
-    except FileExistsError:  # 412 Precondition Failed
-        return _own_upload(p, data)
-    except Exception as err:  # noqa: BLE001 - StorageUnavailable once gcsfs's retries are spent; all else re-raised
-        if not _moved_while_throttled(p, err, if_generation):
-            raise
+    except FileExistsError:  # 412 Precondition Failed (or a 429 with the precondition failing: storage_paced.py)
         return _own_upload(p, data)
     return str(reply["generation"])
 
@@ -226,20 +222,6 @@ def _own_upload(p: PathLike, data: bytes) -> str | None:
     except FileNotFoundError:
         return None
     return generation_now if now == data else None
-
-
-def _moved_while_throttled(p: PathLike, err: BaseException, expected: str) -> bool:
-    """Whether a conditional write to `p` that stayed throttled (429 after every retry: another writer keeps updating
-    the object, e.g. a live lock's holder renewing its lease) would have failed its precondition anyway: `p`'s
-    generation is no longer `expected` ("0": `p` exists)."""
-    from g2rl_jax.control.errors import StorageUnavailable
-
-    if not isinstance(err, StorageUnavailable) or err.status not in (429, "429"):
-        return False
-    try:
-        return read_versioned(p)[1] != expected
-    except FileNotFoundError:
-        return False
 
 
 @contextlib.contextmanager
@@ -313,12 +295,8 @@ def remove_if_generation(p: PathLike, expected: str) -> bool:
         bucket, name = key.split("/", 1)
         try:
             fs.call("DELETE", "b/{}/o/{}", bucket, name, ifGenerationMatch=expected)
-        except (FileExistsError, FileNotFoundError):
+        except (FileExistsError, FileNotFoundError):  # 412 (or a 429 with the precondition failing), 404
             return False
-        except Exception as err:  # noqa: BLE001 - StorageUnavailable (429 after its retries); all else re-raised
-            if _moved_while_throttled(p, err, expected):
-                return False
-            raise
         return True
     target = path(p)
     with _local_mutex(target):

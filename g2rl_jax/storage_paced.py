@@ -57,7 +57,7 @@ def register() -> None:
     (every file written through gcsfs, Orbax's metadata files included; see the module docstring), once per
     process."""
     import fsspec
-    from gcsfs.retry import retry_request
+    from gcsfs.retry import HttpError, retry_request
 
     from g2rl_jax import storage_append, storage_clients
     from g2rl_jax.control import errors, fence
@@ -68,12 +68,30 @@ def register() -> None:
     uploads: dict[str, str] = {}
     undecorated = getattr(base._request, "__wrapped__", None)  # gcsfs's _request without its 6-attempt retry
 
-    async def attempt(fs, method, path, *args, fenced=None, **kwargs):
+    async def attempt(fs, method, path, *args, fenced=None, condition=None, **kwargs):
         if fenced is not None:  # every attempt: a retry after a freeze goes out only if the lease is still held
             await fence.check_async(fenced)
         if undecorated is None:  # another gcsfs: its own 6 attempts, fenced once
             return await base._request(fs, method, path, *args, **kwargs)
-        return await undecorated(fs, method, path, *args, **kwargs)
+        try:
+            return await undecorated(fs, method, path, *args, **kwargs)
+        except HttpError as err:
+            if condition is not None and err.code in (429, "429") and await _precondition_fails(fs, *condition):
+                raise FileExistsError(f"{fenced}: changed by another writer while this write was throttled") from err
+            raise
+
+    async def _precondition_fails(fs, bucket: str, name: str, expected: str) -> bool:
+        """After a conditional update drew a 429 (another writer's update of the object is in flight or just landed):
+        whether its ifGenerationMatch=`expected` would fail now ('0': the object exists), so that it ends as the 412
+        it would meet, instead of a retry that contends for the object's one update a second again. A look that fails
+        decides nothing: the 429 is retried."""
+        try:
+            meta = json.loads((await undecorated(fs, "GET", "b/{}/o/{}", bucket, name))[3])
+        except FileNotFoundError:
+            return expected != "0"
+        except Exception:  # noqa: BLE001 - no answer: the throttled write is retried as it would have been
+            return False
+        return str(meta.get("generation")) != str(expected)
 
     request = retry_request(retries=storage_clients.gcsfs_attempts())(attempt) if undecorated is not None else attempt
 
@@ -95,7 +113,9 @@ def register() -> None:
                 wait = storage_append.UPDATE_INTERVAL_S + 0.05 - storage_append._since_update(target)
                 if wait > 0 and "upload_id" not in query:  # a resumable upload waits at its start
                     await asyncio.sleep(wait)
-                result = await request(self, method, path, *args, fenced=target, **kwargs)
+                expected = query.get("ifGenerationMatch")
+                condition = tuple(obj.split("/", 1)) + (expected,) if expected is not None else None
+                result = await request(self, method, path, *args, fenced=target, condition=condition, **kwargs)
             except Exception as err:  # noqa: BLE001 - typed for the caller (`_typed`), or re-raised as it is
                 typed = _typed(err, target, "write" if updates else "read")
                 if typed is err:

@@ -414,3 +414,41 @@ def test_export_and_analyze_of_a_checkpoint_whose_server_went_away_are_one_line(
     assert line.startswith(f"{command} error: --checkpoint: gcsfs cannot reach {endpoint} to read "
                            "gs://g2rl-test/runs/gone: ") and cause in line, line
     assert "Traceback" not in done.stderr and seconds < 60, (seconds, done.stderr[-3000:])
+
+
+def _raw_upload(endpoint: str, name: str, data: bytes) -> str:
+    """Another writer's media upload of gs://g2rl-test/<name> straight to `endpoint`: the new generation."""
+    import urllib.parse
+    import urllib.request
+
+    url = f"{endpoint}/upload/storage/v1/b/g2rl-test/o?uploadType=media&name={urllib.parse.quote(name, safe='')}"
+    with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=30) as answer:
+        return str(json.loads(answer.read())["generation"])
+
+
+def test_a_throttled_conditional_write_ends_as_its_precondition_says(gcs, monkeypatch):
+    """A conditional write that draws a 429 (another writer updated the object within the second) looks at the
+    object before a retry: when its precondition fails now, it ends at once as the refused write it would be (the
+    starters that lose a stale lock stop contending for its one update a second); when it still holds, the write is
+    retried after gcsfs's backoff and lands. Through a proxy with no faults but the rate rule."""
+    import time
+
+    from g2rl_jax.bench.gcs_proxy import Faults, GcsProxy
+
+    name = "storage/throttled/lock"
+    url, obj = gcs.url(name), f"g2rl-test/{name}"
+    with GcsProxy(gcs.server, faults=Faults()) as proxy:
+        for var in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+            monkeypatch.setenv(var, proxy.endpoint)
+        first = storage.create_exclusive(url, "mine 1\n")
+        time.sleep(1.05)
+        _raw_upload(proxy.endpoint, name, b"theirs 1\n")
+        t0 = time.monotonic()
+        assert storage.replace_if_generation(url, "mine 2\n", first) is None  # the other writer's update won
+        assert time.monotonic() - t0 < 0.9  # no retry after a backoff of 1 s or more
+        assert [r.status for r in proxy.log if r.obj == obj and r.kind == "upload"] == [200, 200, 429]
+        time.sleep(1.05)
+        theirs = _raw_upload(proxy.endpoint, name, b"theirs 2\n")
+        new = storage.replace_if_generation(url, "mine 3\n", theirs)  # throttled, then retried: still theirs 2
+        assert new is not None and storage.read_versioned(url) == (b"mine 3\n", new)
+        assert [r.status for r in proxy.log if r.obj == obj and r.kind == "upload"] == [200, 200, 429, 200, 429, 200]

@@ -546,6 +546,9 @@ def test_a_straggling_slice_is_stopped_then_the_code_that_failed_decides(monkeyp
     assert "Its last line: worker 1: train error: the real cause" in (tmp_path / "log").read_text()
 
 
+WATCH_STEPS = 20
+
+
 @pytest.mark.slow
 def test_watch_brings_a_preempted_spot_run_back(cloud, assets, tmp_path):  # noqa: F811
     """watch creates the resource, sets up and trains; the test preempts the VM after step 2 (SUSPENDED, SIGTERM
@@ -557,7 +560,10 @@ def test_watch_brings_a_preempted_spot_run_back(cloud, assets, tmp_path):  # noq
                                      [["WAITING_FOR_RESOURCES", PROVISION_S], ["ACTIVE", 1]]])
     env["FAKE_SETUP_SECONDS"] = str(SETUP_S)
     env["XLA_FLAGS"] = xla_flags(8)
-    ov = [o for o in overrides(assets, "unused", steps=6) if not o.startswith("run.output_dir=")]
+    # steps after the 2nd take ~0.4 s each on a loaded 2-core machine: 20 leave the preemption (noticed through the
+    # metrics file, then SIGTERM from the fake cloud) ~7 s to land before the run would end by itself (with 6 it
+    # once came too late: the trainer had finished and exited 0)
+    ov = [o for o in overrides(assets, "unused", steps=WATCH_STEPS) if not o.startswith("run.output_dir=")]
     log = tmp_path / "watch.log"
     proc = subprocess.Popen(
         [*TPU, "watch", *BASE, "--accelerator-type", "v5litepod-4", "--spot", "--bucket", "gs://b/d", "--repo", "r",
@@ -582,7 +588,7 @@ def test_watch_brings_a_preempted_spot_run_back(cloud, assets, tmp_path):  # noq
     output = proc.stdout.read()
     assert first_log.read_text() == "143\n", (fake / "vm-0" / "g2rl_jax" / "logs" / "worker-0.log").read_text()[-3000:]
     assert exited < 25, "the trainer outlived its SIGTERM grace"
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, 7))
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, WATCH_STEPS + 1))
     history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
     assert [h["checkpoint_found"] for h in history] == [None, stopped]
     assert (run / "summary.json").exists()
