@@ -131,8 +131,10 @@ def configure() -> None:
     global _CONFIGURED
     if _CONFIGURED:
         return
+    from g2rl_jax.control import fence_proxy
     from g2rl_jax.storage import StorageError
 
+    fence_proxy.inherited()  # a parent's forwarder is not this process's
     problem = emulator_problem()
     if problem:
         raise StorageError(problem)

@@ -151,6 +151,42 @@ def test_of_racing_starters_on_a_stale_lock_exactly_one_wins(run_dir, tmp_path):
             r.wait()
 
 
+TS_WRITER = ("import sys, time\n"
+             "import tensorstore as ts\n"
+             "from g2rl_jax.control.runlock import RunLock\n"
+             "RunLock(sys.argv[1], float(sys.argv[2])).acquire()\n"
+             "bucket, path = sys.argv[1].split('://', 1)[1].split('/', 1)\n"
+             "kv = ts.KvStore.open({'driver': 'gcs', 'bucket': bucket, 'path': path + '/arrays/'}).result()\n"
+             "for i in range(100000):\n"  # a new object each time: no object is updated twice in a second
+             "    kv.write(f'a{i:06d}', b'x' * 65536).result()\n"
+             "    if i == 2: print('writing', flush=True)\n"
+             "    time.sleep(0.01)\n")
+
+
+def test_a_thawed_holder_s_tensorstore_writes_nothing(gcs):
+    """tensorstore (Orbax's array writer, its own HTTP client) goes through the fence too (control/fence_proxy.py):
+    a holder writing arrays with it is frozen past its lease and its run taken over; thawed, its tensorstore resumes
+    at once, before the lease thread could decide, and yet no object appears in the bucket; it exits with the
+    lease-lost code. (Its arrays used to land after the thaw: tensorstore's requests were not fenced.)"""
+    run = gcs.url("lease/tensorstore_thawed")
+    proc = subprocess.Popen([sys.executable, "-c", TS_WRITER, run, str(LEASE)], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing", proc.stderr.read()[-3000:]
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(LEASE)  # its lease lapses while it is frozen
+        other = json.dumps({"host": "vm-z", "pid": 7, "since": "now", "renewed": time.time(), "nonce": "x"})
+        storage.write_text(f"{run}/{LOCK_FILE}", other)  # as another trainer's takeover would
+        before = storage.names(f"{run}/arrays")
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(timeout=60) == Exit.LEASE_LOST, proc.stderr.read()[-3000:]
+        assert storage.names(f"{run}/arrays") == before
+        assert storage.read_text(f"{run}/{LOCK_FILE}") == other
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ------------------------------------------------------------------------------------------ a preemption, end to end
 UPDATES = ("upload", "compose", "copy", "delete", "patch")
 
@@ -320,6 +356,8 @@ CONTENDED = {  # lock object -> {who: most 429s}: writes that meet another proce
     "test_a_holder_taken_over_stops_at_once_in_one_line_gcs": {"this": 1, "other": 1},
     # three starters replace one stale lock at once: the two losers' conditional writes
     "test_of_racing_starters_on_a_stale_lock_exactly_one_wins_gcs": {"other": 2},
+    # the holder, thawed after the takeover: as the first above
+    "tensorstore_thawed": {"other": 1},
 }
 
 

@@ -9,6 +9,9 @@ until `disarm`, every change under that directory but the lock's own objects pas
   clock decides: held (its last confirmed renewal's send + lease - margin is still ahead), or the request waits for
   a renewal to confirm, or raises the verdict. GCS has no precondition on another object, so the lock's generation
   fences the lock's own writes and the clock fences the rest;
+- on an object store, each request tensorstore (Orbax's array writer, with its own HTTP client) sends: it goes
+  through a forwarder on loopback that checks the fence before the request's first byte and before each MiB of its
+  body (control/fence_proxy.py: `check_streams`), and cuts a refused request off mid-way;
 - locally, each write, delete and move of g2rl_jax.storage, each local append (storage_append.py), and Orbax's
   commit (the rename of a step's temporary directory) and its deletes of old steps (train/checkpoint.py): `guard`,
   which takes the lock's mutex (the flock every change of the lock takes), reads the lock and lets the change through
@@ -18,11 +21,6 @@ until `disarm`, every change under that directory but the lock's own objects pas
 `close(line)`: this process decided to stop (a lost lease, a failure on its way to the exit code): nothing more is
 written under an armed directory, whatever the lease says, through the seconds the stop takes (control/stop.py waits
 for the other processes).
-
-Not fenced: what tensorstore (Orbax's array writer) sends itself. It writes only into a step directory of this
-launch's own that is not committed yet (on GCS `<step>.orbax-checkpoint-tmp-<launch>/`: control/commits.py); the
-commit, which makes a step count, is fenced. A request tensorstore had already begun when the process froze may
-still land after the thaw, inside that directory, which no other launch reads or writes (docs/running.md).
 """
 from __future__ import annotations
 
@@ -56,9 +54,15 @@ def _key(path) -> str:
 
 def arm(run_dir, lock_path, holder, owns) -> None:
     """Fence the run directory `run_dir` with `holder` (control/lease.py: the Holder of its lock `lock_path`, or a
-    Follower of it); `owns(record)`: whether the lock's record names the process whose lease this one writes under."""
+    Follower of it); `owns(record)`: whether the lock's record names the process whose lease this one writes under.
+    On an object store, tensorstore's requests go through the fence from now on (control/fence_proxy.py)."""
     _CLOSED.clear()  # a new run of this process (a notebook's next cell)
-    _ARMED[_key(run_dir)] = Armed(_key(run_dir), _key(lock_path), holder, owns)
+    armed = Armed(_key(run_dir), _key(lock_path), holder, owns)
+    if armed.url:
+        from g2rl_jax.control import fence_proxy
+
+        fence_proxy.start()
+    _ARMED[armed.run_dir] = armed
 
 
 def disarm(run_dir) -> None:
@@ -123,6 +127,16 @@ async def check_async(path) -> None:
         if time.monotonic() >= give_up:
             raise armed.holder.not_seen()
         await asyncio.sleep(0.05)
+
+
+def check_streams() -> None:
+    """`check` for a request whose object this process cannot see (tensorstore's, through control/fence_proxy.py):
+    every run directory armed on an object store must let a change out now."""
+    for armed in list(_ARMED.values()):
+        if armed.url:
+            if _CLOSED:
+                raise _refused(armed)
+            armed.holder.wait_held()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,194 @@
+"""Tensorstore's requests through the fence (control/fence.py): Orbax writes a checkpoint's arrays with tensorstore,
+whose own HTTP client the paced gcsfs client's fence cannot see. Once a run directory on an object store is armed,
+this process's tensorstore talks to a forwarder on loopback (`start` points TENSORSTORE_GCS_HTTP_URL at it), which
+sends each request on to the real endpoint only while the run's lease is held: `fence.check_streams` before a
+request's first byte and before each MiB of its body. A process frozen past its lease and thawed (its tensorstore
+resumes at once, before its lease thread could decide) sends nothing more: the forwarder closes the connection
+mid-request, so the store never sees a whole request and changes nothing; tensorstore's retries meet the same
+refusal until the trainer stops with the lease's verdict.
+
+The forwarder frames requests (header block, then a Content-Length or chunked body) only to check the fence between
+them and to name the real endpoint's host in `Host`; answers are piped back unread. Towards Google Cloud Storage it
+speaks TLS (tensorstore's plain HTTP stays on loopback); towards an emulator, plain HTTP.
+
+A process this one starts inherits the variable: its storage setup (`inherited`, from storage_clients.configure)
+puts back the value this process was started with (kept in $G2RL_JAX_TENSORSTORE_UPSTREAM).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+import urllib.parse
+
+from g2rl_jax.control import fence
+from g2rl_jax.control.errors import RunFailure
+
+TS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
+UPSTREAM_ENV = "G2RL_JAX_TENSORSTORE_UPSTREAM"  # the value of TS_URL_ENV before `start` ("" when unset)
+GCS = "https://storage.googleapis.com"  # tensorstore's endpoint when TS_URL_ENV is unset
+CHUNK = 1 << 20
+
+_STARTED: list[Forwarder] = []
+_START_LOCK = threading.Lock()
+
+
+def start() -> str:
+    """Once per process: the forwarder started and tensorstore pointed at it; its loopback URL."""
+    with _START_LOCK:
+        if not _STARTED:
+            before = os.environ.get(TS_URL_ENV, "")
+            _STARTED.append(Forwarder(before or GCS))
+            os.environ[UPSTREAM_ENV] = before
+            os.environ[TS_URL_ENV] = _STARTED[0].url
+        return _STARTED[0].url
+
+
+def inherited() -> None:
+    """In a process started by one whose tensorstore went through its forwarder: the variable as it was before."""
+    if UPSTREAM_ENV in os.environ and not _STARTED:
+        before = os.environ.pop(UPSTREAM_ENV)
+        if before:
+            os.environ[TS_URL_ENV] = before
+        else:
+            os.environ.pop(TS_URL_ENV, None)
+
+
+def refused() -> int:
+    """Requests this process's forwarder cut off at the fence."""
+    return _STARTED[0].refused if _STARTED else 0
+
+
+class Forwarder:
+    """A loopback listener; each connection served by two daemon threads (requests out through the fence, answers
+    back)."""
+
+    def __init__(self, upstream: str):
+        parts = urllib.parse.urlsplit(upstream)
+        self.tls = parts.scheme == "https"
+        self.host, self.port = parts.hostname, parts.port or (443 if self.tls else 80)
+        self.netloc = parts.netloc.encode()
+        self.refused = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="fence-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self._listener.accept()
+            threading.Thread(target=self._serve, args=(client,), name="fence-proxy-out", daemon=True).start()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls:
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
+        return sock
+
+    def _serve(self, client: socket.socket) -> None:
+        """Requests from tensorstore, one after another on this connection, each sent on through the fence."""
+        upstream = None
+        reader = client.makefile("rb", buffering=CHUNK)
+        try:
+            while True:
+                head = _head(reader)
+                if head is None:
+                    return
+                fence.check_streams()
+                if upstream is None:
+                    upstream = self._connect()
+                    threading.Thread(target=_pipe, args=(upstream, client), name="fence-proxy-back",
+                                     daemon=True).start()
+                upstream.sendall(_with_host(head, self.netloc))
+                for piece in _body(reader, head):
+                    fence.check_streams()
+                    upstream.sendall(piece)
+        except RunFailure:  # the lease is not held: the request goes no further, the connection ends mid-request
+            self.refused += 1
+        except (OSError, ValueError):
+            pass  # either end went away: tensorstore retries on a new connection
+        finally:
+            for sock in (upstream, client):
+                if sock is not None:
+                    _close(sock)
+
+
+def _head(reader) -> bytes | None:
+    """A request's header block (request line to blank line), None at the end of the connection."""
+    lines = []
+    while True:
+        line = reader.readline(65537)
+        if not line:
+            if lines:
+                raise ValueError("a request cut off in its header")
+            return None
+        lines.append(line)
+        if line in (b"\r\n", b"\n"):
+            return b"".join(lines)
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+def _with_host(head: bytes, netloc: bytes) -> bytes:
+    """`head` with its Host header naming the real endpoint."""
+    lines = head.split(b"\r\n")
+    return b"\r\n".join(b"Host: " + netloc if line.lower().startswith(b"host:") else line for line in lines)
+
+
+def _body(reader, head: bytes):
+    """A request's body as it arrives, in pieces of up to CHUNK bytes (raw, chunked framing included)."""
+    length = _header(head, b"content-length")
+    if length is not None:
+        left = int(length)
+        while left:
+            piece = reader.read1(min(CHUNK, left))
+            if not piece:
+                raise ValueError("a request cut off in its body")
+            left -= len(piece)
+            yield piece
+        return
+    if (_header(head, b"transfer-encoding") or b"").lower() != b"chunked":
+        return
+    while True:
+        size_line = reader.readline(1024)
+        size = int(size_line.split(b";")[0], 16)
+        yield size_line
+        left = size + 2  # the chunk and its CRLF
+        while left:
+            piece = reader.read1(min(CHUNK, left))
+            if not piece:
+                raise ValueError("a request cut off in its body")
+            left -= len(piece)
+            yield piece
+        if size == 0:  # the last chunk (no trailers from libcurl): its CRLF was the block's end
+            return
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    """Answers back to tensorstore, unread, until either end closes."""
+    try:
+        while True:
+            data = source.recv(CHUNK)
+            if not data:
+                break
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        _close(sink)
+        _close(source)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
