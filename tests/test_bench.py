@@ -53,6 +53,16 @@ def test_storage_benchmark_runs_on_the_emulator(gcs, capsys):
         assert needle in out, out[-2000:]
 
 
+def test_fence_benchmark_runs_on_the_emulator(gcs, capsys):
+    """`bench fence` at a tiny size: tensorstore straight to the session's GCS server and through the fence's
+    forwarder, each path's figures printed, nothing refused (the lease is held throughout)."""
+    assert main(["fence", "--url", gcs.url("bench-fence"), "--mb", "4", "--value-mb", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("| straight to the endpoint |", "| through the fence's forwarder |",
+                   "requests the fence refused: 0"):
+        assert needle in out, out[-2000:]
+
+
 def test_once_update_cost_per_response_token(tmp_path):
     """bench once's update cost: update seconds over response tokens trained, steps 3 on, from a run's files."""
     import json

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "ladder": "g2rl_jax.bench.ladder",     # the rollout's rungs and prompt buckets: programs vs decode roofline
     "storage": "g2rl_jax.bench.storage",   # a run in a bucket vs local disk: checkpoints, metrics, first step
     "preempt": "g2rl_jax.bench.preempt",   # kill -9 at random moments (>= 20), relaunch as another host: lost steps
+    "fence": "g2rl_jax.bench.fence",       # tensorstore straight to the store vs through the fence's forwarder: MB/s
     "chaos": "g2rl_jax.bench.chaos",       # >= 30 faults (kill, stop, outage, storms, lost replies): records once
     "tune-shapes": "g2rl_jax.bench.tune_shapes",  # measured shape tuning: a shape file run.shapes_file pins
     "programs": "g2rl_jax.bench.programs",  # what one run compiles: the listener's count beside the bill, by kind

@@ -1,0 +1,87 @@
+"""The forwarder that fences tensorstore's requests (control/fence_proxy.py), against a plain HTTP server on
+loopback: requests framed by Content-Length and by chunks arrive whole with the real endpoint's Host, answers come
+back, a keep-alive connection carries several requests; a request the fence refuses after its first MiB never
+arrives whole. (A thawed holder's tensorstore through it, on the GCS emulator: tests/test_preemption.py.)"""
+import http.client
+import http.server
+import threading
+
+import pytest
+
+from g2rl_jax.control import fence_proxy
+from g2rl_jax.control.errors import LeaseLost
+
+
+@pytest.fixture
+def upstream():
+    got = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            if self.headers.get("Transfer-Encoding") == "chunked":
+                body = b""
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0], 16)
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                    if size == 0:
+                        break
+            else:
+                length = int(self.headers["Content-Length"])
+                body = self.rfile.read(length)
+                if len(body) < length:
+                    return  # cut off: nothing applied
+            got.append((self.headers["Host"], self.path, body))
+            answer = f"{len(body)}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", got
+    server.shutdown()
+
+
+def _client(forwarder) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection(*forwarder.url.split("://", 1)[1].split(":"), timeout=30)
+
+
+def test_requests_arrive_whole_with_the_real_host(upstream):
+    url, got = upstream
+    forwarder = fence_proxy.Forwarder(url)
+    conn = _client(forwarder)
+    big = bytes(range(256)) * (3 * 4096 + 7)  # 3 MiB and a bit: several pieces
+    conn.request("POST", "/a?x=1", body=big)
+    assert conn.getresponse().read() == str(len(big)).encode()
+    conn.request("POST", "/b", body=iter([b"ab", b"", b"cde" * 1000]), encode_chunked=True)  # same connection
+    assert conn.getresponse().read() == b"3002"
+    conn.close()
+    netloc = url.split("://", 1)[1]
+    assert got == [(netloc, "/a?x=1", big), (netloc, "/b", b"ab" + b"cde" * 1000)]
+    assert forwarder.refused == 0
+
+
+def test_a_request_refused_mid_body_never_arrives_whole(upstream, monkeypatch):
+    url, got = upstream
+    forwarder = fence_proxy.Forwarder(url)
+    checks = []
+
+    def check_streams():  # the fence: held for the head and the first MiB, then the lease is lost
+        checks.append(1)
+        if len(checks) > 2:
+            raise LeaseLost("run lock lost: taken over (test)")
+
+    monkeypatch.setattr(fence_proxy.fence, "check_streams", check_streams)
+    conn = _client(forwarder)
+    with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+        conn.request("POST", "/c", body=b"x" * (4 << 20))
+        conn.getresponse().read()
+    conn.close()
+    assert got == [] and forwarder.refused == 1
