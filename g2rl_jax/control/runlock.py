@@ -202,11 +202,7 @@ class RunLock:
         if not self._held or not isinstance(err, Exception) or isinstance(err, storage.StorageUnreachable) or (
                 isinstance(err, RunFailure) and err.code != Exit.BAD_INPUT):
             return None
-        try:
-            _LEASES[_key(self.path)].wait_held()
-        except RunFailure as verdict:
-            return verdict
-        return None
+        return _verdict(_LEASES[_key(self.path)])
 
     @contextlib.contextmanager
     def judged(self):
@@ -319,12 +315,17 @@ def held_lease_lost() -> RunFailure | None:
     and on a process that holds none. Waits for it to be known held again (at once while it is; a thawed holder's
     final renewal decides). A thawed trainer's watch of its rollout process (control/lease.py's KeyLease), frozen
     with it, asks first: a peer seen gone after a freeze of both is the lost lease, not a peer lost."""
-    for lease in list(_LEASES.values()):
-        if isinstance(lease, Holder):
-            try:
-                lease.wait_held()
-            except RunFailure as verdict:
-                return verdict
+    verdicts = (_verdict(lease) for lease in list(_LEASES.values()) if isinstance(lease, Holder))
+    return next((verdict for verdict in verdicts if verdict is not None), None)
+
+
+def _verdict(lease: Holder | Follower) -> RunFailure | None:
+    """`lease`'s verdict once it is known (at once while it is held; a thawed holder's final renewal decides): the
+    failure that ends this process when the lease turned out lost, else None."""
+    try:
+        lease.wait_held()
+    except RunFailure as verdict:
+        return verdict
     return None
 
 
