@@ -85,3 +85,20 @@ def test_a_request_refused_mid_body_never_arrives_whole(upstream, monkeypatch):
         conn.getresponse().read()
     conn.close()
     assert got == [] and forwarder.refused == 1
+
+
+def test_an_endpoint_it_cannot_reach_is_said_once(capfd):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    forwarder = fence_proxy.Forwarder(f"http://127.0.0.1:{port}")
+    for _ in range(2):
+        conn = _client(forwarder)
+        with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+            conn.request("POST", "/d", body=b"x")
+            conn.getresponse().read()
+        conn.close()
+    lines = [line for line in capfd.readouterr().err.splitlines() if "cannot reach" in line]
+    assert len(lines) == 1 and f"127.0.0.1:{port}: ConnectionRefusedError" in lines[0], lines

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import sys
 import threading
 import urllib.parse
 
@@ -69,7 +70,7 @@ class Forwarder:
         self.tls = parts.scheme == "https"
         self.host, self.port = parts.hostname, parts.port or (443 if self.tls else 80)
         self.netloc = parts.netloc.encode()
-        self.refused = 0
+        self.refused, self.said = 0, set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, name="fence-proxy", daemon=True).start()
@@ -86,6 +87,19 @@ class Forwarder:
             sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
         return sock
 
+    def _connect_or_say(self) -> socket.socket:
+        """`_connect`; the first failure of each kind said in one line (tensorstore only sees a connection reset,
+        retries, and its save fails as the storage's)."""
+        try:
+            return self._connect()
+        except OSError as err:
+            said = f"{type(err).__name__}: {err}"
+            if said not in self.said:
+                self.said.add(said)
+                print(f"storage: tensorstore's requests (through the fence, control/fence_proxy.py) cannot reach "
+                      f"{self.host}:{self.port}: {said}", file=sys.stderr, flush=True)
+            raise
+
     def _serve(self, client: socket.socket) -> None:
         """Requests from tensorstore, one after another on this connection, each sent on through the fence."""
         upstream = None
@@ -97,7 +111,7 @@ class Forwarder:
                     return
                 fence.check_streams()
                 if upstream is None:
-                    upstream = self._connect()
+                    upstream = self._connect_or_say()
                     threading.Thread(target=_pipe, args=(upstream, client), name="fence-proxy-back",
                                      daemon=True).start()
                 upstream.sendall(_with_host(head, self.netloc))
