@@ -86,10 +86,24 @@ def runs(assets, gcs, tmp_path_factory):
     server on loopback (g2rl_jax/bench/gcs_emulator.py); the 1-process run to a local directory. Both pack
     (PACKED): the 2-process run's tests are also those of the packed passes on several processes."""
     root = tmp_path_factory.mktemp("multihost_runs")
+    start = len(gcs.proxy.log)
     logs = _run_two_processes(assets, gcs.url("multihost/two"), STEPS, PACKED)
+    requests = gcs.proxy.log[start:]
     assert PACKS in logs[0], logs[0][-4000:]
     assert PACKS in _run_one_process(assets, root / "one", STEPS + 1, PACKED)
-    return {"two": gcs.url("multihost/two"), "one": root / "one"}
+    return {"two": gcs.url("multihost/two"), "one": root / "one", "requests": requests}
+
+
+def test_process_1_probes_the_bucket_under_process_0s_lease(runs):
+    """Process 1 writes its probe of run.output_dir (both clients) only once process 0 took the run lock, so that
+    the probe passes the lease's fence: a launch frozen while process 1 started, thawed after another launch took
+    the run over, writes nothing (the chaos soak once counted such a probe). Process 0 probes before the lock."""
+    run = runs["two"].split("://", 1)[1]
+    done = [r for r in runs["requests"] if r.kind in ("upload", "delete") and 200 <= r.status < 300]
+    lock = min(r.t for r in done if r.obj == f"{run}/run.lock")
+    probes = {i: [r.t for r in done if (r.obj or "").startswith(f"{run}/.write_test.{i}.")] for i in (0, 1)}
+    assert len(probes[0]) == len(probes[1]) == 4, probes  # each: an object per client, written and deleted
+    assert max(probes[0]) < lock < min(probes[1]), (probes, lock)
 
 
 def _run_one_process(assets, out, steps, extra=(), devices=8) -> str:

@@ -66,6 +66,7 @@ from g2rl_jax.train.setup import (
     load_rows,
     on_mesh,
     preflight,
+    probe_output_dir,
     prompt_lengths,
     resolve_model_paths,
     runtime_config,
@@ -98,7 +99,7 @@ class Trainer(SamplingRounds, UpdateRounds):
     def __init__(self, cfg: Config):
         self.started = time.perf_counter()
         self.clock = compiles.CompileClock()  # what the run compiles, step by step (train/compiles.py)
-        preflight(cfg, model_dirs=False)
+        preflight(cfg, model_dirs=False, output_dir=jax.process_index() == 0)  # the others probe under its lease
         self.run_dir = storage.path(cfg.run.output_dir, "run.output_dir")  # a local path or a URL
         check_shared_output_dir(cfg.run.output_dir)  # multi-host: every host must see the same run directory
         self.lock = RunLock(self.run_dir, cfg.run.lock_lease_seconds)  # process 0 holds it, the others follow
@@ -121,6 +122,8 @@ class Trainer(SamplingRounds, UpdateRounds):
         from g2rl_jax.data.tokenizer import load_tokenizer
 
         check_loggers(given.run.loggers)
+        if jax.process_index() != 0:  # its probe through the fence: a launch thawed after a takeover writes none
+            probe_output_dir(given)
         train_rows, eval_rows = load_rows(given)  # cheap checks first: a bad row is one line before any model resolves
         found = latest_step(self.run_dir)
         given = pin_revision(given, self.run_dir, resuming=found is not None)  # a hub id's commit, kept by resumes
@@ -128,7 +131,7 @@ class Trainer(SamplingRounds, UpdateRounds):
             check_resume_config(given, self.run_dir)
         compilation_cache(given.run.compilation_cache_dir)  # before the first compile (the demo model's build)
         cfg = resolve_model_paths(given)  # builds the demo model on first use
-        preflight(cfg, output_dir=False)  # probed before the lock was taken (__init__)
+        preflight(cfg, output_dir=False)  # probed already (process 0 before the lock was taken, the others above)
         self.cfg = cfg
         lora_on = cfg.model.lora.rank > 0
         self.base_sha256 = identity.base_sha256(cfg.model.path) if lora_on else None

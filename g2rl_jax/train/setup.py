@@ -147,12 +147,8 @@ def preflight(cfg: Config, *, model_dirs: bool = True, output_dir: bool = True) 
                       ("run.compilation_cache_dir", cfg.run.compilation_cache_dir)):
         if path:
             storage.require_client(path, key)  # a gs:// path without the gcs extra: one line, before anything loads
-    # one probe per process (hosts, and a refused second trainer, may share the directory: two writers of one probe
-    # name would update one object twice within a second), before any other request: an endpoint that cannot be
-    # reached is one line in bounded time
     if output_dir:
-        storage.check_writable(cfg.run.output_dir, "run.output_dir",
-                               f".write_test.{jax.process_index()}.{socket.gethostname()}.{os.getpid()}")
+        probe_output_dir(cfg)
     known = dataset_names()
     datasets = (("data.train_dataset", (cfg.data.train_dataset,)), ("data.eval_datasets", cfg.data.eval_datasets))
     for key, names in datasets:
@@ -160,6 +156,15 @@ def preflight(cfg: Config, *, model_dirs: bool = True, output_dir: bool = True) 
             if name not in known and not (storage.require_client(name, key) or storage.is_file(name)):
                 raise ConfigError(f"{key}: {name!r} is neither a registered dataset ({', '.join(known)}) nor a "
                                   ".jsonl file (local or a URL such as gs://bucket/data.jsonl)")
+
+
+def probe_output_dir(cfg: Config) -> None:
+    """run.output_dir written and read back through both storage clients, before any other request (an endpoint
+    that cannot be reached is one line in bounded time): process 0 before it takes the run lock, the others once
+    they follow its lease, so that their probes pass its fence. One probe name per process (hosts, and a refused
+    second trainer, may share the directory: two writers of one name would update one object twice a second)."""
+    storage.check_writable(cfg.run.output_dir, "run.output_dir",
+                           f".write_test.{jax.process_index()}.{socket.gethostname()}.{os.getpid()}")
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
