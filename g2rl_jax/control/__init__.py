@@ -11,6 +11,7 @@
               the rollout processes' liveness in the key-value store
   runlock.py  the run lock: `<run>/run.lock` as a lease, its takeover rules, its lost and unreachable lines
   fence.py    the fence every change of run state passes: the lease held, or nothing is written
+  fence_proxy.py  tensorstore's requests through the fence: a loopback forwarder that sends them on while held
   commits.py  Orbax's commits and deletes behind the fence, its failure logs, a restore's failure told apart
   oom.py      the planner's hint when a device runs out of memory
   channel.py  the one key-value channel between a run's processes (jax.distributed's store): chunks, bounded gets
