@@ -102,3 +102,21 @@ def test_an_endpoint_it_cannot_reach_is_said_once(capfd):
         conn.close()
     lines = [line for line in capfd.readouterr().err.splitlines() if "cannot reach" in line]
     assert len(lines) == 1 and f"127.0.0.1:{port}: ConnectionRefusedError" in lines[0], lines
+
+
+@pytest.mark.parametrize("given, want", [("http://127.0.0.1:1", "http://127.0.0.1:9"),  # the starter's forwarder
+                                         ("http://127.0.0.1:5", "http://127.0.0.1:5")])  # an endpoint it chose
+def test_a_started_process_gets_the_endpoint_back_unless_its_starter_chose_one(given, want):
+    """A process started by one whose tensorstore goes through its forwarder inherits the variable pointing at that
+    forwarder: its storage setup puts back the endpoint the starter had before; an endpoint the starter set for it
+    (a test's dead server, a second emulator) is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TENSORSTORE_GCS_HTTP_URL=given, G2RL_JAX_TENSORSTORE_FORWARDER="http://127.0.0.1:1",
+               G2RL_JAX_TENSORSTORE_UPSTREAM="http://127.0.0.1:9")
+    code = ("import os; from g2rl_jax.control import fence_proxy as f; f.inherited(); "
+            "print(os.environ.get(f.TS_URL_ENV), f.FORWARDER_ENV in os.environ, f.UPSTREAM_ENV in os.environ)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [want, "False", "False"]

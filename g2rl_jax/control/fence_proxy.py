@@ -12,7 +12,8 @@ them and to name the real endpoint's host in `Host`; answers are piped back unre
 speaks TLS (tensorstore's plain HTTP stays on loopback); towards an emulator, plain HTTP.
 
 A process this one starts inherits the variable: its storage setup (`inherited`, from storage_clients.configure)
-puts back the value this process was started with (kept in $G2RL_JAX_TENSORSTORE_UPSTREAM).
+puts back the value this process was started with (kept in $G2RL_JAX_TENSORSTORE_UPSTREAM), unless the variable no
+longer names this process's forwarder ($G2RL_JAX_TENSORSTORE_FORWARDER): the starter chose an endpoint for it.
 """
 from __future__ import annotations
 
@@ -28,37 +29,47 @@ from g2rl_jax.control.errors import RunFailure
 
 TS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
 UPSTREAM_ENV = "G2RL_JAX_TENSORSTORE_UPSTREAM"  # the value of TS_URL_ENV before `start` ("" when unset)
+FORWARDER_ENV = "G2RL_JAX_TENSORSTORE_FORWARDER"  # the forwarder's URL `start` put there
 GCS = "https://storage.googleapis.com"  # tensorstore's endpoint when TS_URL_ENV is unset
 CHUNK = 1 << 20
 
-_STARTED: list[Forwarder] = []
+_STARTED: dict[str, Forwarder] = {}  # upstream -> its forwarder
 _START_LOCK = threading.Lock()
 
 
 def start() -> str:
-    """Once per process: the forwarder started and tensorstore pointed at it; its loopback URL."""
+    """tensorstore pointed at a forwarder to its present endpoint (started once per endpoint); its loopback URL."""
     with _START_LOCK:
-        if not _STARTED:
-            before = os.environ.get(TS_URL_ENV, "")
-            _STARTED.append(Forwarder(before or GCS))
-            os.environ[UPSTREAM_ENV] = before
-            os.environ[TS_URL_ENV] = _STARTED[0].url
-        return _STARTED[0].url
+        current = os.environ.get(TS_URL_ENV, "")
+        if any(f.url == current for f in _STARTED.values()):
+            return current
+        upstream = current or GCS
+        if upstream not in _STARTED:
+            _STARTED[upstream] = Forwarder(upstream)
+        url = _STARTED[upstream].url
+        os.environ.update({UPSTREAM_ENV: current, FORWARDER_ENV: url, TS_URL_ENV: url})
+        return url
 
 
 def inherited() -> None:
-    """In a process started by one whose tensorstore went through its forwarder: the variable as it was before."""
-    if UPSTREAM_ENV in os.environ and not _STARTED:
-        before = os.environ.pop(UPSTREAM_ENV)
-        if before:
-            os.environ[TS_URL_ENV] = before
-        else:
-            os.environ.pop(TS_URL_ENV, None)
+    """In a process started by one whose tensorstore went through its forwarder: the variable as it was before,
+    unless the starter set it to another endpoint for this process."""
+    forwarder = os.environ.get(FORWARDER_ENV)
+    if forwarder is None or any(f.url == forwarder for f in _STARTED.values()):
+        return
+    before = os.environ.pop(UPSTREAM_ENV, "")
+    del os.environ[FORWARDER_ENV]
+    if os.environ.get(TS_URL_ENV) != forwarder:
+        return
+    if before:
+        os.environ[TS_URL_ENV] = before
+    else:
+        os.environ.pop(TS_URL_ENV, None)
 
 
 def refused() -> int:
-    """Requests this process's forwarder cut off at the fence."""
-    return _STARTED[0].refused if _STARTED else 0
+    """Requests this process's forwarders cut off at the fence."""
+    return sum(f.refused for f in _STARTED.values())
 
 
 class Forwarder:
