@@ -171,13 +171,7 @@ def _body(reader, head: bytes):
     """A request's body as it arrives, in pieces of up to CHUNK bytes (raw, chunked framing included)."""
     length = _header(head, b"content-length")
     if length is not None:
-        left = int(length)
-        while left:
-            piece = reader.read1(min(CHUNK, left))
-            if not piece:
-                raise ValueError("a request cut off in its body")
-            left -= len(piece)
-            yield piece
+        yield from _exactly(reader, int(length))
         return
     if (_header(head, b"transfer-encoding") or b"").lower() != b"chunked":
         return
@@ -185,15 +179,19 @@ def _body(reader, head: bytes):
         size_line = reader.readline(1024)
         size = int(size_line.split(b";")[0], 16)
         yield size_line
-        left = size + 2  # the chunk and its CRLF
-        while left:
-            piece = reader.read1(min(CHUNK, left))
-            if not piece:
-                raise ValueError("a request cut off in its body")
-            left -= len(piece)
-            yield piece
+        yield from _exactly(reader, size + 2)  # the chunk and its CRLF
         if size == 0:  # the last chunk (no trailers from libcurl): its CRLF was the block's end
             return
+
+
+def _exactly(reader, left: int):
+    """The next `left` bytes of the request, in pieces of up to CHUNK bytes."""
+    while left:
+        piece = reader.read1(min(CHUNK, left))
+        if not piece:
+            raise ValueError("a request cut off in its body")
+        left -= len(piece)
+        yield piece
 
 
 def _pipe(source: socket.socket, sink: socket.socket) -> None:
