@@ -9,7 +9,8 @@ refusal until the trainer stops with the lease's verdict.
 
 The forwarder frames requests (header block, then a Content-Length or chunked body) only to check the fence between
 them and to name the real endpoint's host in `Host`; answers are piped back unread. Towards Google Cloud Storage it
-speaks TLS (tensorstore's plain HTTP stays on loopback); towards an emulator, plain HTTP.
+speaks TLS (tensorstore's plain HTTP stays on loopback), verified against Python's default trust store as gcsfs's
+aiohttp is (SSL_CERT_FILE); towards an emulator, plain HTTP.
 
 A process this one starts inherits the variable: its storage setup (`inherited`, from storage_clients.configure)
 puts back the value this process was started with (kept in $G2RL_JAX_TENSORSTORE_UPSTREAM), unless the variable no
