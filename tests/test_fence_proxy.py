@@ -99,20 +99,24 @@ def test_a_request_refused_mid_body_never_arrives_whole(upstream, monkeypatch):
     assert got == [] and forwarder.refused == 1
 
 
-def test_an_endpoint_it_cannot_reach_is_said_once(capfd):
-    import socket
-
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    forwarder = fence_proxy.Forwarder(f"http://127.0.0.1:{port}")
+def _refused_twice(forwarder, capfd) -> list[str]:
+    """Two requests through forwarder, each failing; the lines it said of its endpoint meanwhile."""
     for _ in range(2):
         conn = _client(forwarder)
         with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
             conn.request("POST", "/d", body=b"x")
             conn.getresponse().read()
         conn.close()
-    lines = [line for line in capfd.readouterr().err.splitlines() if "cannot reach" in line]
+    return [line for line in capfd.readouterr().err.splitlines() if "cannot reach" in line]
+
+
+def test_an_endpoint_it_cannot_reach_is_said_once(capfd):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    lines = _refused_twice(fence_proxy.Forwarder(f"http://127.0.0.1:{port}"), capfd)
     assert len(lines) == 1 and f"127.0.0.1:{port}: ConnectionRefusedError" in lines[0], lines
 
 
@@ -225,15 +229,8 @@ def test_a_server_the_trust_store_does_not_vouch_for_is_refused_and_said_once(is
     signer = test_ca if issuer == "the test CA" else _certificate(issuer)
     server = _tls_server(got, _certificate(name, signer), tmp_path, names)
     _gcs_at(server.server_port, monkeypatch)
-    forwarder = fence_proxy.Forwarder(fence_proxy.GCS)
-    for _ in range(2):
-        conn = _client(forwarder)
-        with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
-            conn.request("POST", "/e", body=b"secret")
-            conn.getresponse().read()
-        conn.close()
+    lines = _refused_twice(fence_proxy.Forwarder(fence_proxy.GCS), capfd)
     server.shutdown()
-    lines = [line for line in capfd.readouterr().err.splitlines() if "cannot reach" in line]
     assert got == [] and len(lines) == 1, lines
     assert "storage.googleapis.com:443: SSLCertVerificationError" in lines[0], lines
 
