@@ -18,6 +18,7 @@ longer names this process's forwarder ($G2RL_JAX_TENSORSTORE_FORWARDER): the sta
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import ssl
@@ -74,36 +75,37 @@ def refused() -> int:
 
 
 class Forwarder:
-    """A loopback listener; each connection served by two daemon threads (requests out through the fence, answers
-    back)."""
+    """A loopback listener served by one event loop on a daemon thread: per connection, requests go out through the
+    fence and answers come back as two tasks of that loop. (Not a thread per direction: an ssl socket read in one
+    thread while written in another corrupts OpenSSL's state for the connection, and crashed the process in a loop
+    of TLS requests; asyncio's TLS runs both directions on the one thread.)"""
 
     def __init__(self, upstream: str):
         parts = urllib.parse.urlsplit(upstream)
-        self.tls = parts.scheme == "https"
+        self.tls = ssl.create_default_context() if parts.scheme == "https" else None
         self.host, self.port = parts.hostname, parts.port or (443 if self.tls else 80)
         self.netloc = parts.netloc.encode()
         self.refused, self.said = 0, set()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="fence-proxy", daemon=True).start()
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        threading.Thread(target=self._run, args=(listener,), name="fence-proxy", daemon=True).start()
 
-    def _accept(self) -> None:
-        while True:
-            client, _ = self._listener.accept()
-            threading.Thread(target=self._serve, args=(client,), name="fence-proxy-out", daemon=True).start()
+    def _run(self, listener: socket.socket) -> None:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(asyncio.start_server(self._serve, sock=listener, limit=2 * CHUNK))
+        loop.run_forever()
 
-    def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port))
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        sock = await asyncio.to_thread(socket.create_connection, (self.host, self.port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.tls:
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
-        return sock
+        return await asyncio.open_connection(sock=sock, ssl=self.tls, server_hostname=self.host if self.tls else None,
+                                             limit=2 * CHUNK)
 
-    def _connect_or_say(self) -> socket.socket:
+    async def _connect_or_say(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """`_connect`; the first failure of each kind said in one line (tensorstore only sees a connection reset,
         retries, and its save fails as the storage's)."""
         try:
-            return self._connect()
+            return await self._connect()
         except OSError as err:
             said = f"{type(err).__name__}: {err}"
             if said not in self.said:
@@ -112,39 +114,43 @@ class Forwarder:
                       f"{self.host}:{self.port}: {said}", file=sys.stderr, flush=True)
             raise
 
-    def _serve(self, client: socket.socket) -> None:
-        """Requests from tensorstore, one after another on this connection, each sent on through the fence."""
-        upstream = None
-        reader = client.makefile("rb", buffering=CHUNK)
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        """Requests from tensorstore, one after another on this connection, each sent on through the fence: checked
+        before its first byte and before each CHUNK of its body."""
+        up_w = back = None
         try:
-            while True:
-                head = _head(reader)
-                if head is None:
-                    return
-                fence.check_streams()
-                if upstream is None:
-                    upstream = self._connect_or_say()
-                    threading.Thread(target=_pipe, args=(upstream, client), name="fence-proxy-back",
-                                     daemon=True).start()
-                upstream.sendall(_with_host(head, self.netloc))
-                for piece in _body(reader, head):
-                    fence.check_streams()
-                    upstream.sendall(piece)
+            while (head := await _head(client_r)) is not None:
+                await asyncio.to_thread(fence.check_streams)
+                if up_w is None:
+                    up_r, up_w = await self._connect_or_say()
+                    back = asyncio.ensure_future(_pipe(up_r, client_w))
+                up_w.write(_with_host(head, self.netloc))
+                unchecked = CHUNK  # the first piece is checked too
+                async for piece in _body(client_r, head):
+                    if unchecked + len(piece) > CHUNK:
+                        await asyncio.to_thread(fence.check_streams)
+                        unchecked = 0
+                    unchecked += len(piece)
+                    up_w.write(piece)
+                    await up_w.drain()
+                await up_w.drain()
         except RunFailure:  # the lease is not held: the request goes no further, the connection ends mid-request
             self.refused += 1
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError):
             pass  # either end went away: tensorstore retries on a new connection
         finally:
-            for sock in (upstream, client):
-                if sock is not None:
-                    _close(sock)
+            for writer in (up_w, client_w):
+                if writer is not None:
+                    writer.transport.abort()
+            if back is not None:
+                back.cancel()
 
 
-def _head(reader) -> bytes | None:
+async def _head(reader: asyncio.StreamReader) -> bytes | None:
     """A request's header block (request line to blank line), None at the end of the connection."""
     lines = []
     while True:
-        line = reader.readline(65537)
+        line = await reader.readline()
         if not line:
             if lines:
                 raise ValueError("a request cut off in its header")
@@ -168,51 +174,42 @@ def _with_host(head: bytes, netloc: bytes) -> bytes:
     return b"\r\n".join(b"Host: " + netloc if line.lower().startswith(b"host:") else line for line in lines)
 
 
-def _body(reader, head: bytes):
+async def _body(reader: asyncio.StreamReader, head: bytes):
     """A request's body as it arrives, in pieces of up to CHUNK bytes (raw, chunked framing included)."""
     length = _header(head, b"content-length")
     if length is not None:
-        yield from _exactly(reader, int(length))
+        async for piece in _exactly(reader, int(length)):
+            yield piece
         return
     if (_header(head, b"transfer-encoding") or b"").lower() != b"chunked":
         return
     while True:
-        size_line = reader.readline(1024)
+        size_line = await reader.readline()
         size = int(size_line.split(b";")[0], 16)
         yield size_line
-        yield from _exactly(reader, size + 2)  # the chunk and its CRLF
+        async for piece in _exactly(reader, size + 2):  # the chunk and its CRLF
+            yield piece
         if size == 0:  # the last chunk (no trailers from libcurl): its CRLF was the block's end
             return
 
 
-def _exactly(reader, left: int):
+async def _exactly(reader: asyncio.StreamReader, left: int):
     """The next `left` bytes of the request, in pieces of up to CHUNK bytes."""
     while left:
-        piece = reader.read1(min(CHUNK, left))
+        piece = await reader.read(min(CHUNK, left))
         if not piece:
             raise ValueError("a request cut off in its body")
         left -= len(piece)
         yield piece
 
 
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Answers back to tensorstore, unread, until either end closes."""
     try:
-        while True:
-            data = source.recv(CHUNK)
-            if not data:
-                break
-            sink.sendall(data)
-    except OSError:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except (OSError, ValueError):
         pass
     finally:
-        _close(sink)
-        _close(source)
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+        writer.close()  # after what is buffered for tensorstore
